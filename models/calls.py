@@ -1,0 +1,136 @@
+"""The tables of a tool call's life (CONTRACT section 2)."""
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+PENDING = "PENDING"
+MODIFIED = "MODIFIED"
+EXECUTING = "EXECUTING"
+PREPARED = "PREPARED"
+COMPLETED = "COMPLETED"
+FAILED = "FAILED"
+CANCELLED = "CANCELLED"
+EXPIRED = "EXPIRED"
+
+STATUSES = (PENDING, MODIFIED, EXECUTING, PREPARED, COMPLETED, FAILED, CANCELLED, EXPIRED)
+TERMINAL = (COMPLETED, FAILED, CANCELLED, EXPIRED)
+OPEN = (PENDING, MODIFIED, EXECUTING, PREPARED)
+ACTION_LEVELS = ("read", "draft", "write")
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSONB, list[Any]: JSONB}
+
+
+class ToolCall(Base):
+    __tablename__ = "tool_calls"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")", name="valid_status"
+        ),
+        CheckConstraint("action_level IN ('read', 'draft', 'write')", name="valid_action_level"),
+        CheckConstraint("progress >= 0 AND progress <= 1", name="valid_progress"),
+        Index("idx_tool_calls_session", "session_id", text("created_at DESC")),
+        Index("idx_tool_calls_status", "session_id", "status"),
+        Index("idx_tool_calls_open_status", "status", "created_at",
+              postgresql_where=text("status IN ('PENDING', 'PREPARED', 'EXECUTING')")),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    tool_call_id: Mapped[str] = mapped_column(String(100), unique=True, nullable=False)
+    session_id: Mapped[str] = mapped_column(String(100), nullable=False)
+    connection_id: Mapped[str | None] = mapped_column(String(100))
+    intent_id: Mapped[str | None] = mapped_column(String(100))
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    function_name: Mapped[str] = mapped_column(String(100), nullable=False)
+    action_level: Mapped[str] = mapped_column(String(10), nullable=False)
+    parameters: Mapped[dict[str, Any]] = mapped_column(nullable=False, server_default=text("'{}'::jsonb"))
+    parameters_history: Mapped[list[Any]] = mapped_column(nullable=False, server_default=text("'[]'::jsonb"))
+    status: Mapped[str] = mapped_column(String(20), nullable=False, server_default=PENDING)
+    status_history: Mapped[list[Any]] = mapped_column(nullable=False, server_default=text("'[]'::jsonb"))
+    current_step: Mapped[str | None] = mapped_column(String(50))
+    progress: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    step_outputs: Mapped[dict[str, Any]] = mapped_column(nullable=False, server_default=text("'{}'::jsonb"))
+    committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    callback_url: Mapped[str | None] = mapped_column(Text)
+    workflow_id: Mapped[str | None] = mapped_column(String(100))
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    error_message: Mapped[str | None] = mapped_column(Text)
+    voice_response: Mapped[str | None] = mapped_column(Text)
+    context_key: Mapped[str | None] = mapped_column(String(100))
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    event_seq: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    caller: Mapped[str | None] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    confirmed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    executed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    prepared_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    resumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    execution_time_ms: Mapped[int | None] = mapped_column(Integer)
+
+
+class SessionContext(Base):
+    __tablename__ = "session_context"
+    __table_args__ = (
+        UniqueConstraint("session_id", "context_key", name="uq_session_context_key"),
+        Index("idx_session_context_expires", "expires_at"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    session_id: Mapped[str] = mapped_column(String(100), nullable=False)
+    context_key: Mapped[str] = mapped_column(String(100), nullable=False)
+    context_value: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class CallbackDelivery(Base):
+    __tablename__ = "callback_deliveries"
+    __table_args__ = (
+        UniqueConstraint("tool_call_id", "seq", name="uq_callback_seq"),
+        CheckConstraint("state IN ('pending', 'delivered', 'failed')", name="valid_delivery_state"),
+        Index("idx_callback_due", "next_attempt_at", postgresql_where=text("state = 'pending'")),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), primary_key=True, server_default=text("gen_random_uuid()")
+    )
+    event_id: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
+    tool_call_id: Mapped[str] = mapped_column(
+        String(100), ForeignKey("tool_calls.tool_call_id", ondelete="CASCADE"), nullable=False
+    )
+    event: Mapped[str] = mapped_column(String(20), nullable=False)
+    seq: Mapped[int] = mapped_column(Integer, nullable=False)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    url: Mapped[str] = mapped_column(Text, nullable=False)
+    state: Mapped[str] = mapped_column(String(10), nullable=False, server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    attempt_log: Mapped[list[Any]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'::jsonb"))
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    response_code: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,472 @@
+"""The state machine: the only code that writes a call's ``status`` or ``committed_at``.
+
+Every transition is one conditional ``UPDATE ... WHERE status IN (...) RETURNING``
+that also appends to ``status_history`` and bumps ``event_seq`` (the number of the
+callback event the transition may emit). A transition that does not apply changes
+nothing and raises :class:`Refused` naming the status it found, so the caller can
+answer 404 or 409 without a second guess. Callers own the transaction
+(``with db.session() as s:``) so a link can record its progress and its callback row
+together, and the API can enqueue only after the commit.
+"""
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from sqlalchemy import ColumnElement, Integer, bindparam, cast, delete, func, literal, select, update
+from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.orm import Session, object_session
+
+from models.calls import (
+    CANCELLED,
+    COMPLETED,
+    EXECUTING,
+    EXPIRED,
+    FAILED,
+    MODIFIED,
+    OPEN,
+    PENDING,
+    PREPARED,
+    TERMINAL,
+    SessionContext,
+    ToolCall,
+)
+
+CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)
+DEFAULT_CANCEL_REASON = "Cancelled by user"
+EXPIRED_REASON = "Expired unanswered"
+
+
+class NotFound(LookupError):
+    def __init__(self, tool_call_id: str):
+        super().__init__(f"No tool call {tool_call_id!r}")
+        self.tool_call_id = tool_call_id
+
+
+class Refused(Exception):
+    """A transition that does not apply to the call as it is now.
+
+    ``code`` is one of ``invalid_status``, ``too_late``, ``already_terminal``,
+    ``idempotency_conflict``; ``call`` is the row as found.
+    """
+
+    def __init__(self, code: str, call: ToolCall, message: str):
+        super().__init__(message)
+        # The caller's transaction rolls back when this propagates, and a rollback
+        # expires every instance still in the session: detach the row as found so
+        # ``exc.call`` stays readable after the ``with db.session()`` block.
+        found_in = object_session(call)
+        if found_in is not None:
+            found_in.expunge(call)
+        self.code = code
+        self.call = call
+        self.status = call.status
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_tool_call_id() -> str:
+    return "tc_" + secrets.token_hex(6)
+
+
+# -- SQL pieces ---------------------------------------------------------------
+
+def _entry(status: str, reason: str | None, **extra: Any) -> dict[str, Any]:
+    """A ``status_history`` entry; its ``at`` is added by the database (``_stamped``)."""
+    item: dict[str, Any] = {"status": status, "reason": reason}
+    item.update(extra)
+    return item
+
+
+# When the row is actually updated (after any wait for a concurrent transaction's
+# lock), not when Python built the statement: so the history's ``at`` values are in
+# the order the transitions happened.
+_NOW_ISO = func.to_char(func.timezone("UTC", func.clock_timestamp()), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
+
+
+def _stamped(entries: list[dict[str, Any]]) -> ColumnElement[Any]:
+    """``[entries...]`` as JSONB, each entry given ``at`` by the database."""
+    return func.jsonb_build_array(*(
+        bindparam(None, entry, type_=JSONB).op("||")(func.jsonb_build_object("at", _NOW_ISO))
+        for entry in entries
+    ))
+
+
+def _append(column: Any, entries: list[dict[str, Any]]) -> ColumnElement[Any]:
+    return column.op("||")(_stamped(entries))
+
+
+def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
+    elapsed = cast(func.round(func.extract("epoch", func.clock_timestamp() - start) * 1000), Integer)
+    return func.coalesce(ToolCall.execution_time_ms, 0) + elapsed
+
+
+def _transition(
+    s: Session,
+    tool_call_id: str,
+    *,
+    from_statuses: Iterable[str],
+    to_status: str | None,
+    reason: str | None = None,
+    extra_where: Iterable[ColumnElement[bool]] = (),
+    history: list[dict[str, Any]] | None = None,
+    **values: Any,
+) -> ToolCall | None:
+    """Apply one conditional update; return the new row or None if it did not apply."""
+    if history is None:
+        history = [_entry(to_status, reason)] if to_status else []
+    if to_status:
+        values["status"] = to_status
+    if history:
+        values["status_history"] = _append(ToolCall.status_history, history)
+    values["event_seq"] = ToolCall.event_seq + 1
+    stmt = (
+        update(ToolCall)
+        .where(ToolCall.tool_call_id == tool_call_id, ToolCall.status.in_(tuple(from_statuses)), *extra_where)
+        .values(**values)
+        .returning(ToolCall)
+        .execution_options(synchronize_session=False, populate_existing=True)
+    )
+    return s.scalars(stmt).one_or_none()
+
+
+def get(s: Session, tool_call_id: str) -> ToolCall:
+    call = s.scalars(select(ToolCall).where(ToolCall.tool_call_id == tool_call_id)).one_or_none()
+    if call is None:
+        raise NotFound(tool_call_id)
+    return call
+
+
+def _refuse(s: Session, tool_call_id: str, action: str) -> Refused:
+    """Build the reason a transition did not apply, from the row as it is now."""
+    call = get(s, tool_call_id)
+    if call.status in TERMINAL:
+        return Refused("already_terminal", call, f"Cannot {action}: the call is already {call.status}.")
+    if call.committed_at is not None and action == "cancel":
+        return Refused("too_late", call, "Too late to cancel: the action is already under way.")
+    return Refused("invalid_status", call, f"Cannot {action} a call that is {call.status}.")
+
+
+# -- creation -----------------------------------------------------------------
+
+def create(
+    s: Session,
+    *,
+    session_id: str,
+    function_name: str,
+    action_level: str,
+    parameters: dict[str, Any],
+    tool_call_id: str | None = None,
+    connection_id: str | None = None,
+    intent_id: str | None = None,
+    callback_url: str | None = None,
+    idempotency_key: str | None = None,
+    context_key: str | None = None,
+    caller: str | None = None,
+    reason: str | None = "Recorded",
+) -> tuple[ToolCall, bool]:
+    """Record a PENDING call; return ``(call, created)``.
+
+    A replay (same ``idempotency_key`` or ``tool_call_id``, same session, tool and
+    parameters) returns the existing call with ``created=False``; the same key with
+    other content raises :class:`Refused` ``idempotency_conflict``.
+    """
+    tool_call_id = tool_call_id or new_tool_call_id()
+    stmt = (
+        insert(ToolCall)
+        .values(
+            tool_call_id=tool_call_id,
+            session_id=session_id,
+            connection_id=connection_id,
+            intent_id=intent_id,
+            idempotency_key=idempotency_key,
+            function_name=function_name,
+            action_level=action_level,
+            parameters=parameters,
+            status=PENDING,
+            status_history=_stamped([_entry(PENDING, reason)]),
+            callback_url=callback_url,
+            context_key=context_key,
+            caller=caller,
+        )
+        .on_conflict_do_nothing()
+        .returning(ToolCall)
+    )
+    call = s.scalars(stmt).one_or_none()
+    if call is not None:
+        return call, True
+    clauses = [ToolCall.tool_call_id == tool_call_id]
+    if idempotency_key:
+        clauses.append(ToolCall.idempotency_key == idempotency_key)
+    existing = s.scalars(select(ToolCall).where(clauses[0] if len(clauses) == 1 else clauses[0] | clauses[1])).first()
+    if existing is None:  # the conflicting row vanished (deleted); let the caller retry
+        raise RuntimeError("conflicting tool call disappeared")
+    same = (
+        existing.session_id == session_id
+        and existing.function_name == function_name
+        and existing.parameters == parameters
+    )
+    if not same:
+        raise Refused(
+            "idempotency_conflict",
+            existing,
+            "This idempotency key or tool_call_id was already used for a different call.",
+        )
+    return existing, False
+
+
+# -- before execution ---------------------------------------------------------
+
+def modify(
+    s: Session, tool_call_id: str, *, old_parameters: dict[str, Any], new_parameters: dict[str, Any],
+    changes: list[dict[str, Any]],
+) -> ToolCall:
+    """Replace the parameters of a PENDING call, compare-and-set on the parameters read.
+
+    The caller merged and validated ``new_parameters`` from ``old_parameters``; if
+    another modify got in between, the update does not apply and :class:`Refused`
+    ``invalid_status`` is raised only when the call is no longer PENDING (otherwise
+    ``stale`` so the caller may merge again).
+    """
+    history_entries = [dict(change) for change in changes]
+    row = _transition(
+        s,
+        tool_call_id,
+        from_statuses=(PENDING,),
+        to_status=PENDING,
+        history=[
+            _entry(MODIFIED, "Parameters changed", fields=[c["field"] for c in changes]),
+            _entry(PENDING, "Awaiting confirmation"),
+        ],
+        extra_where=[ToolCall.parameters == bindparam(None, old_parameters, type_=JSONB)],
+        parameters=new_parameters,
+        parameters_history=_append(ToolCall.parameters_history, history_entries),
+    )
+    if row is not None:
+        return row
+    call = get(s, tool_call_id)
+    if call.status == PENDING:
+        raise Refused("stale", call, "The parameters changed meanwhile.")
+    raise _refuse(s, tool_call_id, "modify")
+
+
+def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None) -> ToolCall:
+    values: dict[str, Any] = {"confirmed_at": func.now()}
+    if callback_url:
+        values["callback_url"] = callback_url
+    row = _transition(s, tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason, **values)
+    if row is None:
+        raise _refuse(s, tool_call_id, "confirm")
+    return row
+
+
+def unconfirm(s: Session, tool_call_id: str, reason: str = "Queue unavailable") -> ToolCall | None:
+    """Undo a confirm whose chain could not be enqueued (no step has run yet)."""
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=PENDING, reason=reason,
+        extra_where=[ToolCall.current_step.is_(None), ToolCall.committed_at.is_(None)],
+        confirmed_at=None,
+    )
+
+
+def set_workflow_id(s: Session, tool_call_id: str, workflow_id: str) -> None:
+    s.execute(
+        update(ToolCall).where(ToolCall.tool_call_id == tool_call_id).values(workflow_id=workflow_id)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def cancel(s: Session, tool_call_id: str, reason: str | None = None) -> ToolCall:
+    """Cancel while the point of no return has not been passed (CONTRACT section 4)."""
+    reason = reason or DEFAULT_CANCEL_REASON
+    row = _transition(
+        s, tool_call_id, from_statuses=CANCELLABLE, to_status=CANCELLED, reason=reason,
+        extra_where=[ToolCall.committed_at.is_(None)],
+        completed_at=func.now(), error_message=reason,
+    )
+    if row is None:
+        raise _refuse(s, tool_call_id, "cancel")
+    return row
+
+
+def set_voice_response(s: Session, tool_call_id: str, voice_response: str) -> ToolCall:
+    """Store the sentence that tells how a call ended (no status change)."""
+    return s.scalars(
+        update(ToolCall).where(ToolCall.tool_call_id == tool_call_id).values(voice_response=voice_response)
+        .returning(ToolCall).execution_options(synchronize_session=False, populate_existing=True)
+    ).one()
+
+
+# -- during execution (the chain's links) ---------------------------------------
+
+def begin_step(s: Session, tool_call_id: str, step: str, progress: float) -> ToolCall | None:
+    """Gate and claim a step: the call must still be EXECUTING. None means stop."""
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
+        current_step=step, progress=progress,
+        executed_at=func.coalesce(ToolCall.executed_at, func.now()),
+        attempts=ToolCall.attempts + 1,
+    )
+
+
+def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
+    """The point of no return: set ``committed_at`` if and only if still EXECUTING.
+
+    A redelivered link finds ``committed_at`` already set and keeps it, so the side
+    effect (which carries its own idempotency key) may be retried; a cancel that
+    comes after this statement answers ``too_late``.
+    """
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None,
+        history=[],
+        current_step=step,
+        committed_at=func.coalesce(ToolCall.committed_at, func.now()),
+    )
+
+
+def record_step(s: Session, tool_call_id: str, step: str, output: Any, progress: float) -> ToolCall | None:
+    """Store a finished step's output (so a redelivery skips it) and its progress."""
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
+        current_step=step, progress=progress,
+        step_outputs=ToolCall.step_outputs.op("||")(
+            func.jsonb_build_object(literal(step), bindparam(None, output, type_=JSONB))
+        ),
+    )
+
+
+def checkpoint(s: Session, tool_call_id: str, step: str, progress: float) -> ToolCall | None:
+    """EXECUTING → PREPARED: the chain ends here until resumed."""
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=PREPARED, reason=f"Checkpoint {step}",
+        current_step=step, progress=progress, prepared_at=func.now(),
+        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+    )
+
+
+def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller") -> ToolCall:
+    row = _transition(
+        s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, reason=reason, resumed_at=func.now()
+    )
+    if row is None:
+        raise _refuse(s, tool_call_id, "resume")
+    return row
+
+
+def complete(s: Session, tool_call_id: str, result: dict[str, Any], voice_response: str,
+             context_key: str | None = None) -> ToolCall | None:
+    extra = {"context_key": context_key} if context_key else {}
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
+        result=result, voice_response=voice_response, completed_at=func.now(), progress=1.0, **extra,
+        current_step=COMPLETED,
+        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+    )
+
+
+def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
+         from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False) -> ToolCall | None:
+    """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed."""
+    return _transition(
+        s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
+        extra_where=[ToolCall.committed_at.is_(None)] if uncommitted_only else (),
+        error_message=error_message, voice_response=voice_response, completed_at=func.now(),
+        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+    )
+
+
+# -- sweeps (beat) --------------------------------------------------------------
+
+def expire_stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[ToolCall]:
+    """PENDING past its TTL (from creation) and PREPARED past its TTL (from the checkpoint)."""
+    expired: list[ToolCall] = []
+    for status, column, ttl in ((PENDING, ToolCall.created_at, pending_ttl_s), (PREPARED, ToolCall.prepared_at, prepared_ttl_s)):
+        stmt = (
+            update(ToolCall)
+            .where(ToolCall.status == status, column < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ttl))
+            .values(
+                status=EXPIRED,
+                status_history=_append(ToolCall.status_history, [_entry(EXPIRED, EXPIRED_REASON)]),
+                completed_at=func.now(), error_message=EXPIRED_REASON,
+                event_seq=ToolCall.event_seq + 1,
+            )
+            .returning(ToolCall)
+            .execution_options(synchronize_session=False)
+        )
+        expired.extend(s.scalars(stmt).all())
+    return expired
+
+
+def _quiet_for(older_than_s: int) -> ColumnElement[bool]:
+    # the latest sign of life (GREATEST skips NULLs): a call resumed after a long
+    # checkpoint wait is not stuck because its first step ran long ago
+    return (func.greatest(ToolCall.executed_at, ToolCall.resumed_at, ToolCall.confirmed_at)
+            < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s))
+
+
+def stuck_executing(s: Session, older_than_s: int) -> list[str]:
+    """Calls EXECUTING with no progress for ``older_than_s`` (their worker died)."""
+    stmt = select(ToolCall.tool_call_id).where(ToolCall.status == EXECUTING, _quiet_for(older_than_s))
+    return list(s.scalars(stmt).all())
+
+
+def redrive(s: Session, tool_call_id: str, older_than_s: int) -> ToolCall | None:
+    """Claim a stuck call past its point of no return for one more run of its chain.
+
+    Its side effect carries an idempotency key, so running the rest again finishes
+    it with the effect done once; failing it would tell the caller "not done" about
+    something that may have been done. ``resumed_at`` becomes the new sign of life,
+    so the sweep claims it again only after another quiet period.
+    """
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
+        extra_where=[ToolCall.committed_at.is_not(None), _quiet_for(older_than_s)],
+        resumed_at=func.now(),
+    )
+
+
+# -- reading --------------------------------------------------------------------
+
+def session_calls(s: Session, session_id: str, limit: int) -> tuple[list[ToolCall], list[ToolCall]]:
+    """(open calls, the ``limit`` most recent terminal calls), newest first."""
+    open_calls = s.scalars(
+        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN))
+        .order_by(ToolCall.created_at.desc())
+    ).all()
+    recent = s.scalars(
+        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL))
+        .order_by(ToolCall.created_at.desc()).limit(limit)
+    ).all()
+    return list(open_calls), list(recent)
+
+
+def put_context(s: Session, session_id: str, context_key: str, value: dict[str, Any], ttl_s: int) -> datetime:
+    stmt = (
+        insert(SessionContext)
+        .values(session_id=session_id, context_key=context_key, context_value=value,
+                expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, ttl_s))
+    )
+    stmt = stmt.on_conflict_do_update(
+        constraint="uq_session_context_key",
+        set_={"context_value": stmt.excluded.context_value, "expires_at": stmt.excluded.expires_at,
+              "created_at": func.now()},
+    ).returning(SessionContext.expires_at)
+    return s.scalars(stmt).one()
+
+
+def get_context(s: Session, session_id: str, context_key: str) -> SessionContext | None:
+    return s.scalars(
+        select(SessionContext).where(
+            SessionContext.session_id == session_id,
+            SessionContext.context_key == context_key,
+            (SessionContext.expires_at.is_(None)) | (SessionContext.expires_at > func.now()),
+        )
+    ).one_or_none()
+
+
+def purge_expired_context(s: Session) -> int:
+    result = s.execute(delete(SessionContext).where(SessionContext.expires_at <= func.now()))
+    return result.rowcount or 0

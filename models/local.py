@@ -1,0 +1,36 @@
+"""Tables of the local tool backends (used when no Google credentials are set)."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import DateTime, Integer, String, Text, func
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from models.calls import Base
+
+
+class EmailOutbox(Base):
+    """One row per sent message; ``tool_call_id`` unique so a call never sends twice."""
+
+    __tablename__ = "email_outbox"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tool_call_id: Mapped[str] = mapped_column(String(100), unique=True, nullable=False)
+    message_id: Mapped[str] = mapped_column(String(200), nullable=False)
+    thread_id: Mapped[str] = mapped_column(String(100), nullable=False)
+    headers: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    body: Mapped[str] = mapped_column(Text, nullable=False)
+    sent_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+class Document(Base):
+    """The local document store searched by query_vector_db / search_documentation."""
+
+    __tablename__ = "documents"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    title: Mapped[str] = mapped_column(Text, nullable=False)
+    content: Mapped[str] = mapped_column(Text, nullable=False)
+    doc_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, nullable=False, server_default="{}")
