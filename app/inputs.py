@@ -1,0 +1,65 @@
+"""Reading a request: the JSON body (any content type, as the seed's curls send none),
+the query string and the path, each loaded with its schema."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from flask import request
+from marshmallow import Schema
+
+from app.errors import ApiError
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+MAX_DEPTH = 32
+
+
+def depth(value: Any) -> int:
+    """How deeply ``value`` nests objects and arrays (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in item)
+    return deepest
+
+
+def body() -> dict[str, Any]:
+    """The body as a JSON object; an empty body is ``{}``. 400 for anything else, 413 if too large."""
+    raw = request.get_data(cache=True)  # raises 413 past MAX_CONTENT_LENGTH
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, "bad_json", "The body is not valid JSON.", {"reason": str(exc)[:200]}) from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "bad_json", "The body must be a JSON object.", {"type": type(data).__name__})
+    if depth(data) > MAX_DEPTH:
+        raise ApiError(400, "bad_json", f"The body nests deeper than {MAX_DEPTH} levels.", {"max_depth": MAX_DEPTH})
+    return data
+
+
+def query() -> dict[str, Any]:
+    """The query string; a repeated key keeps its first value."""
+    return {key: request.args.get(key) for key in request.args}
+
+
+def load(schema: type[Schema], data: dict[str, Any]) -> dict[str, Any]:
+    """Load ``data`` with ``schema``; a ValidationError becomes 422 in app.errors."""
+    return schema().load(data)

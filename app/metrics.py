@@ -1,0 +1,48 @@
+"""Prometheus metrics of the API: request count and latency by endpoint and status.
+
+Under gunicorn with several workers set ``PROMETHEUS_MULTIPROC_DIR`` (an empty
+folder) so ``/metrics`` adds up every worker's numbers (prometheus-client's
+multiprocess collector).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from flask import Flask, Response, g, request
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import multiprocess
+
+REQUESTS = Counter("voice_tools_http_requests_total", "HTTP requests answered",
+                   ["method", "endpoint", "status"])
+LATENCY = Histogram("voice_tools_http_request_duration_seconds", "Time to answer an HTTP request",
+                    ["method", "endpoint"])
+
+
+def _endpoint() -> str:
+    rule = request.url_rule
+    return rule.rule if rule is not None else "unmatched"
+
+
+def register(app: Flask) -> None:
+    @app.before_request
+    def _start_clock() -> None:
+        g.metrics_started = time.perf_counter()
+
+    @app.after_request
+    def _count(response):
+        started = g.pop("metrics_started", None)
+        endpoint = _endpoint()
+        REQUESTS.labels(request.method, endpoint, str(response.status_code)).inc()
+        if started is not None:
+            LATENCY.labels(request.method, endpoint).observe(time.perf_counter() - started)
+        return response
+
+
+def render() -> Response:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = REGISTRY
+    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)

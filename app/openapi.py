@@ -1,0 +1,81 @@
+"""The OpenAPI document (GET /openapi.json), generated from the marshmallow schemas.
+
+Each view says what it takes and answers with :func:`doc`; :func:`build` walks the
+app's URL map, so every route is listed, and apispec's marshmallow plugin turns the
+schemas into components.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from apispec import APISpec
+from apispec.ext.marshmallow import MarshmallowPlugin
+from flask import Flask
+from marshmallow import Schema
+
+from app import schemas
+
+_PATH_ARG = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")
+_ERRORS = {
+    "400": "Bad JSON", "401": "Missing or unknown token", "404": "Unknown tool call",
+    "409": "Not allowed in the call's current status", "413": "Body over 256 KiB",
+    "422": "Invalid fields", "503": "Database or broker unavailable",
+}
+
+
+def doc(summary: str, *, body: type[Schema] | None = None, query: type[Schema] | None = None,
+        responses: dict[int, type[Schema] | str] | None = None, public: bool = False) -> Callable:
+    """Describe a view for the OpenAPI document (no effect on how it runs)."""
+    def mark(view: Callable) -> Callable:
+        view.openapi = {  # type: ignore[attr-defined]
+            "summary": summary, "body": body, "query": query, "responses": responses or {}, "public": public,
+        }
+        return view
+    return mark
+
+
+def _operation(meta: dict[str, Any], path_args: list[str]) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": meta.get("summary", "")}
+    parameters: list[dict[str, Any]] = [
+        {"in": "path", "name": name, "required": True, "schema": {"type": "string"}} for name in path_args
+    ]
+    if meta.get("query"):
+        parameters.append({"in": "query", "schema": meta["query"]})
+    if parameters:
+        operation["parameters"] = parameters
+    if meta.get("body"):
+        operation["requestBody"] = {"content": {"application/json": {"schema": meta["body"]}}}
+    responses: dict[str, Any] = {}
+    for status, answer in meta.get("responses", {}).items():
+        if isinstance(answer, str):
+            responses[str(status)] = {"description": answer, "content": {"text/plain": {"schema": {"type": "string"}}}}
+        else:
+            responses[str(status)] = {"description": answer.__doc__ or answer.__name__,
+                                      "content": {"application/json": {"schema": answer}}}
+    for status, description in _ERRORS.items():
+        responses.setdefault(status, {"description": description,
+                                      "content": {"application/json": {"schema": schemas.ErrorAnswer}}})
+    operation["responses"] = responses
+    if not meta.get("public"):
+        operation["security"] = [{"bearer": []}]
+    return operation
+
+
+def build(app: Flask) -> dict[str, Any]:
+    spec = APISpec(
+        title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
+        info={"description": "Runs the tool calls of a voice assistant (see README and CONTRACT)."},
+    )
+    spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
+    paths: dict[str, dict[str, Any]] = {}
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        meta = getattr(app.view_functions[rule.endpoint], "openapi", {"summary": rule.endpoint})
+        path = _PATH_ARG.sub(r"{\1}", rule.rule)
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+            paths.setdefault(path, {})[method.lower()] = _operation(meta, sorted(rule.arguments))
+    for path in sorted(paths):
+        spec.path(path=path, operations=paths[path])
+    return spec.to_dict()

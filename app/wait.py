@@ -1,0 +1,59 @@
+"""``?wait=S``: answer when a call reaches PREPARED or a terminal status, without polling.
+
+A trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every status
+change (migration 0001). We borrow a pooled connection, LISTEN, read the status once
+(a change made before the LISTEN would otherwise be missed), then sleep in
+``select()`` on the connection's socket until a notification for this call arrives or
+the deadline passes; the connection goes back to the pool after ``UNLISTEN *``.
+"""
+from __future__ import annotations
+
+import select
+import time
+
+from models import db, lifecycle
+from models.calls import PREPARED, TERMINAL, ToolCall
+
+SETTLED = (PREPARED, *TERMINAL)
+CHANNEL = "tool_call_status"
+
+
+def _status(conn, tool_call_id: str) -> str | None:
+    with conn.cursor() as cur:
+        cur.execute("SELECT status FROM tool_calls WHERE tool_call_id = %s", (tool_call_id,))
+        found = cur.fetchone()
+    return found[0] if found else None
+
+
+def until_settled(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
+    """``(call, settled)``: the call once PREPARED or terminal, or as it is at the deadline."""
+    deadline = time.monotonic() + timeout
+    proxy = db.engine().raw_connection()
+    conn = proxy.dbapi_connection
+    try:
+        conn.rollback()
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(f"LISTEN {CHANNEL}")
+        status = _status(conn, tool_call_id)
+        while status not in SETTLED and status is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([conn], [], [], left)[0]:
+                break
+            conn.poll()
+            mine = any(note.payload == tool_call_id for note in conn.notifies)
+            conn.notifies.clear()
+            if mine:
+                status = _status(conn, tool_call_id)
+        with conn.cursor() as cur:  # back to the pool as it came: listening to nothing
+            cur.execute("UNLISTEN *")
+        conn.notifies.clear()
+        conn.autocommit = False
+    except Exception:
+        proxy.invalidate()  # never hand a half-listening connection to someone else
+        raise
+    finally:
+        proxy.close()
+    with db.session() as s:
+        call = lifecycle.get(s, tool_call_id)
+    return call, call.status in SETTLED
