@@ -1,0 +1,68 @@
+"""Celery settings (CONTRACT section 7).
+
+Queues: one per tool, ``tools.<name>`` (declared from the tool registry by the app in
+``tasks/__init__.py``), plus ``callbacks`` (delivery retries) and ``maintenance``
+(beat sweeps). Task names are dotted; the router sends ``tools.<name>.<step>`` to
+``tools.<name>`` and ``callbacks.*`` / ``maintenance.*`` to their own queue.
+"""
+import os
+
+from models.settings import load as _load_settings
+
+_settings = _load_settings()
+
+broker_url = _settings.broker_url or "redis://127.0.0.1:6379/0"
+broker_connection_retry_on_startup = True
+# Redis redelivers an unacknowledged message after this many seconds (a worker that
+# was SIGKILLed as a whole). Keep it above the longest step time limit.
+_visibility_timeout = int(os.environ.get("VOICE_TOOLS_VISIBILITY_TIMEOUT", "600"))
+broker_transport_options = {
+    "visibility_timeout": _visibility_timeout,
+    # How often a worker sweeps for such messages. kombu's default sweep runs about
+    # every 100 s (interval 10 s x throttle 10), which would hold a lost link for up
+    # to 100 s past the timeout; sweep every tenth of the timeout (1..10 s) instead.
+    "unacked_restore_interval": max(1, min(10, _visibility_timeout // 10)),
+    "unacked_restore_throttle": 1,
+}
+# The database holds every outcome: no result backend.
+result_backend = None
+task_ignore_result = True
+
+task_serializer = "json"
+accept_content = ["json"]
+timezone = "UTC"
+enable_utc = True
+
+# A link is acknowledged only after it ran, and redelivered if its worker died.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+# Celery's consumer, kept alive when the broker restarts with links in flight (see tasks/consumer.py).
+worker_consumer = "tasks.consumer:Consumer"
+task_time_limit = 120
+task_soft_time_limit = 90
+
+worker_send_task_events = True
+task_send_sent_event = True
+
+task_default_queue = "maintenance"
+
+
+def route_by_name(name, args, kwargs, options, task=None, **kw):
+    """``tools.send_email.SENDING`` -> ``tools.send_email``; ``callbacks.x`` -> ``callbacks``."""
+    parts = name.split(".")
+    if parts[0] == "tools" and len(parts) >= 3:
+        return {"queue": f"tools.{parts[1]}"}
+    if parts[0] in ("callbacks", "maintenance"):
+        return {"queue": parts[0]}
+    return None
+
+
+task_routes = (route_by_name,)
+
+beat_schedule = {
+    "expire-stale-calls": {"task": "maintenance.expire_stale", "schedule": 30.0},
+    "fail-stuck-calls": {"task": "maintenance.fail_stuck", "schedule": 60.0},
+    "retry-due-callbacks": {"task": "maintenance.retry_callbacks", "schedule": 15.0},
+    "purge-expired-context": {"task": "maintenance.purge_context", "schedule": 300.0},
+}

@@ -1,0 +1,32 @@
+"""The Celery app: ``celery -A tasks worker|beat|flower`` from the repo root.
+
+Queues are declared here from the tool registry (one ``tools.<name>`` per tool, plus
+``callbacks`` and ``maintenance``) so Flower knows them with no worker online, and a
+plain ``celery -A tasks worker`` consumes them all.
+"""
+from celery import Celery
+from celery.signals import worker_process_init
+from kombu import Queue
+
+from models import db
+from tasks import tools
+
+app = Celery("tasks")
+app.config_from_object("celeryconfig")
+app.conf.task_queues = tuple(
+    [Queue(tool.queue) for tool in tools.TOOLS.values()] + [Queue("callbacks"), Queue("maintenance")]
+)
+
+
+@worker_process_init.connect
+def _fresh_connections_after_fork(**_: object) -> None:
+    """A forked child must not share the parent's database or HTTP connections."""
+    db.dispose()
+    from tasks import callbacks
+
+    callbacks.reset_http_session()
+
+
+from tasks import callbacks, chains, maintenance  # noqa: E402,F401  (register the tasks)
+
+__all__ = ["app"]

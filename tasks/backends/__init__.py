@@ -1,0 +1,1 @@
+"""Side effects and data sources of the tools. No Celery, no Flask: only ``models``."""

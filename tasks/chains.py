@@ -1,0 +1,341 @@
+"""The engine: a tool's chain of ``Link`` tasks, and the operations faces call.
+
+Every step of every tool is a task named ``tools.<name>.<step>`` on queue
+``tools.<name>``, built here from the tool's declaration. What each link does is
+written once, in :class:`Link`:
+
+1. gate and claim: one conditional UPDATE that only applies while the call is
+   EXECUTING; if it does not apply (cancelled, expired, failed) the chain stops
+   quietly (the transition that ended the call already recorded its event);
+2. skip a step whose output is already recorded (a redelivered link);
+3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
+4. a side-effect step first passes the point of no return (``committed_at``);
+5. run the step, then record its output and progress together with its callback row,
+   post the callback inline; the last step completes the call.
+
+Transient errors retry with backoff (Celery's retry); permanent ones fail the call.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import Task, chain
+from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded
+from kombu import Queue
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import RedisError
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from models import db, lifecycle
+from models.calls import CallbackDelivery, ToolCall
+from tasks import app, callbacks, tools
+from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+
+log = logging.getLogger(__name__)
+
+
+class BrokerUnavailable(Exception):
+    """The chain could not be enqueued; the call was put back to PENDING."""
+
+
+class Link(Task):
+    """Base task of every chain link; ``tool`` and ``step`` are set per task class."""
+
+    abstract = True
+    ignore_result = True
+    acks_late = True
+    reject_on_worker_lost = True
+    # The database went away in the link's own statements (a restart, a failover):
+    # run the link again later. Every link is idempotent, so this is safe; the
+    # message is acknowledged only when the retry has been published.
+    autoretry_for = (OperationalError, InterfaceError)
+    retry_backoff = 1
+    retry_backoff_max = 30
+    retry_jitter = True
+    max_retries = 40
+    tool: Tool
+    step: Step
+    index: int
+
+    def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
+        tool, step = self.tool, self.step
+        progress = self.index / len(tool.steps)
+        with db.session() as s:
+            call = lifecycle.begin_step(s, tool_call_id, step.name, progress)
+        if call is None:
+            return self._stop()
+        if step.name in call.step_outputs:
+            # Redelivered after this step was recorded: do not redo it. A checkpoint
+            # that was already passed must not start the rest of the chain twice.
+            return self._stop() if step.checkpoint else None
+        given = StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs)
+
+        if step.checkpoint:
+            return self._checkpoint(given, progress)
+        if step.side_effect:
+            with db.session() as s:
+                if lifecycle.commit_point(s, tool_call_id, step.name) is None:
+                    return self._stop()
+
+        try:
+            output = step.run(given) if step.run else None
+        except TransientError as exc:
+            return self._retry_or_fail(tool_call_id, given, exc)
+        except SoftTimeLimitExceeded:
+            return self._retry_or_fail(tool_call_id, given, TransientError(f"step {step.name} timed out"))
+        except PermanentError as exc:
+            return self._fail(tool_call_id, given, str(exc))
+        except Exception as exc:  # classify it; an unforeseen error fails the call, never leaves it hanging
+            if tools.is_transient(exc):
+                return self._retry_or_fail(tool_call_id, given, exc)
+            log.exception("step %s of %s failed", step.name, tool_call_id)
+            return self._fail(tool_call_id, given, f"Unexpected error in {step.name}: {type(exc).__name__}")
+
+        if self.index == len(tool.steps) - 1:
+            return self._complete(tool_call_id, given, step.name, output)
+        cancellable = not (step.side_effect or any(s.side_effect for s in tool.steps[: self.index]))
+        progress_done = (self.index + 1) / len(tool.steps)
+        with db.session() as s:
+            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done)
+            if call is None:
+                return self._stop()
+            delivery = callbacks.record(
+                s, call, "progress", step=step.name, gate=self.index + 1,
+                message=tool.say(step.message, call.parameters), cancellable=cancellable, inline=True,
+            )
+        callbacks.deliver_inline(delivery)
+        return None
+
+    # -- the endings ---------------------------------------------------------------
+
+    def _stop(self) -> None:
+        """End the chain here: the following links are not sent."""
+        self.request.chain = None
+        self.request.callbacks = None
+        return None
+
+    def _checkpoint(self, given: StepInput, progress: float) -> None:
+        tool, step = self.tool, self.step
+        preview = step.preview(given) if step.preview else None
+        with db.session() as s:
+            lifecycle.record_step(s, given.tool_call_id, step.name, preview or {}, progress)
+            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress)
+            if call is None:
+                return self._stop()
+            delivery = callbacks.record(
+                s, call, "checkpoint", step=step.name, gate=self.index + 1,
+                message=tool.say(step.message, call.parameters), cancellable=True,
+                requires_confirmation=True, preview=preview, inline=True,
+            )
+        callbacks.deliver_inline(delivery)
+        return self._stop()
+
+    def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
+        tool = self.tool
+        outputs = dict(given.outputs)
+        if output is not None:
+            outputs[step_name] = output
+        result = tool.result(outputs)
+        voice = tool.say(tool.voice_response, given.parameters, result=result)
+        context_key = result.get("context_key") if isinstance(result, dict) else None
+        with db.session() as s:
+            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key)
+            if call is None:
+                return self._stop()
+            delivery = callbacks.record(
+                s, call, "completed", step=step_name, gate=self.index + 1, message=voice,
+                context_key=context_key, inline=True,
+            )
+        callbacks.deliver_inline(delivery)
+        return None
+
+    def _fail(self, tool_call_id: str, given: StepInput, error: str) -> None:
+        fail_call(self.tool, tool_call_id, error, given.parameters, step=self.step.name, gate=self.index + 1)
+        return self._stop()
+
+    def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception) -> None:
+        try:
+            raise self.retry(exc=exc, countdown=min(2 ** self.request.retries, 30), max_retries=self.tool.max_retries)
+        except MaxRetriesExceededError:
+            return self._fail(tool_call_id, given, f"{exc} (gave up after {self.request.retries} retries)")
+        except Exception as reraised:  # Celery re-raises exc itself when max_retries is exceeded
+            if reraised is not exc:
+                raise
+            return self._fail(tool_call_id, given, f"{exc} (gave up after {self.request.retries} retries)")
+
+
+def _run_link(self: Link, tool_call_id: str) -> None:
+    return self.drive(tool_call_id)
+
+
+def _links_for(tool: Tool) -> list[Link]:
+    """One ``Link`` task per step of ``tool``, named ``tools.<name>.<step>``."""
+    return [
+        app.task(
+            bind=True,
+            base=Link,
+            name=tool.task_name(step),
+            shared=False,
+            time_limit=tool.time_limit + 10,
+            soft_time_limit=tool.time_limit,
+            tool=tool,
+            step=step,
+            index=index,
+        )(_run_link)
+        for index, step in enumerate(tool.steps)
+    ]
+
+
+def _register_links() -> dict[str, list[Link]]:
+    return {tool.name: _links_for(tool) for tool in tools.TOOLS.values()}
+
+
+def register_tool(tool: Tool) -> list[Link]:
+    """Add a tool at run time (tests, plugins): registry entry, queue and link tasks.
+
+    A worker already running must be told to consume ``tool.queue``
+    (``app.control.add_consumer``); workers started later consume it anyway.
+    """
+    unregister_tool(tool.name)
+    tools.TOOLS[tool.name] = tool
+    app.conf.task_queues = (*app.conf.task_queues, Queue(tool.queue))
+    LINKS[tool.name] = _links_for(tool)
+    return LINKS[tool.name]
+
+
+def unregister_tool(name: str) -> None:
+    """Undo :func:`register_tool` (the tasks too, so the name can be reused)."""
+    tool = tools.TOOLS.pop(name, None)
+    LINKS.pop(name, None)
+    if tool is None:
+        return
+    app.conf.task_queues = tuple(q for q in app.conf.task_queues if q.name != tool.queue)
+    for step in tool.steps:
+        app.tasks.pop(tool.task_name(step), None)
+
+
+LINKS = _register_links()
+
+
+# -- operations the faces call ------------------------------------------------------
+
+def signature(tool: Tool, tool_call_id: str, start: int = 0):
+    """The chain of the tool's links from step ``start``, as immutable signatures."""
+    return chain(*(link.si(tool_call_id) for link in LINKS[tool.name][start:]))
+
+
+def _enqueue(tool: Tool, call: ToolCall, start: int) -> str:
+    try:
+        result = signature(tool, call.tool_call_id, start).apply_async(retry=False)
+    except (KombuOperationalError, RedisError, OSError) as exc:
+        raise BrokerUnavailable(str(exc)) from exc
+    with db.session() as s:
+        lifecycle.set_workflow_id(s, call.tool_call_id, result.id)
+    return result.id
+
+
+def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller") -> ToolCall:
+    """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
+
+    If the broker refuses the chain, the call goes back to PENDING and
+    :class:`BrokerUnavailable` is raised.
+    """
+    with db.session() as s:
+        call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url)
+    tool = tools.TOOLS[call.function_name]
+    try:
+        call.workflow_id = _enqueue(tool, call, 0)
+    except BrokerUnavailable:
+        with db.session() as s:
+            lifecycle.unconfirm(s, tool_call_id)
+        raise
+    return call
+
+
+def resume(tool_call_id: str) -> ToolCall:
+    """PREPARED → EXECUTING and enqueue the links after the checkpoint."""
+    with db.session() as s:
+        call = lifecycle.resume(s, tool_call_id)
+    tool = tools.TOOLS[call.function_name]
+    start = tool.step_index(call.current_step) + 1 if call.current_step else 0
+    try:
+        call.workflow_id = _enqueue(tool, call, start)
+    except BrokerUnavailable:
+        with db.session() as s:
+            lifecycle.checkpoint(s, tool_call_id, call.current_step or "", call.progress)
+        raise
+    return call
+
+
+def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False) -> ToolCall:
+    """Cancel (CONTRACT section 4) and announce it once with a ``cancelled`` event."""
+    with db.session() as s:
+        call = lifecycle.cancel(s, tool_call_id, reason)
+        tool = tools.TOOLS.get(call.function_name)
+        voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
+        call = lifecycle.set_voice_response(s, tool_call_id, voice)
+        delivery = callbacks.record(s, call, "cancelled", message=voice, inline=deliver_now)
+    if deliver_now:
+        callbacks.deliver_inline(delivery)
+    else:
+        _dispatch_quietly(delivery)
+    return call
+
+
+def redrive(tool_call_id: str, older_than_s: int) -> ToolCall | None:
+    """Run again, from its current step, a committed call whose worker died (see lifecycle.redrive)."""
+    with db.session() as s:
+        call = lifecycle.redrive(s, tool_call_id, older_than_s)
+    if call is None:
+        return None
+    tool = tools.TOOLS[call.function_name]
+    start = tool.step_index(call.current_step) if call.current_step in {st.name for st in tool.steps} else 0
+    call.workflow_id = _enqueue(tool, call, start)
+    return call
+
+
+def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
+              gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
+              uncommitted_only: bool = False) -> ToolCall | None:
+    voice = tool.say(tool.failure_response, parameters, error=error.rstrip("."))
+    with db.session() as s:
+        call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
+                              uncommitted_only=uncommitted_only)
+        if call is None:
+            return None
+        delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
+    callbacks.deliver_inline(delivery)
+    return call
+
+
+def announce_expired(call: ToolCall) -> None:
+    """Record and send the ``expired`` event of a call the sweep just expired."""
+    tool = tools.TOOLS.get(call.function_name)
+    voice = f"The {call.function_name.replace('_', ' ')} request expired unanswered."
+    if tool is not None:
+        voice = tool.say(tool.cancelled_response, call.parameters).replace("Cancelled.", "Expired.")
+    with db.session() as s:
+        call = lifecycle.set_voice_response(s, call.tool_call_id, voice)
+        delivery = callbacks.record(s, call, "expired", message=voice)
+    _dispatch_quietly(delivery)
+
+
+def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
+    try:
+        callbacks.dispatch(delivery)
+    except (KombuOperationalError, RedisError, OSError):
+        log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
+
+
+@callbacks.on_relay_cancel
+def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
+    try:
+        cancel(tool_call_id, reason)
+    except (lifecycle.Refused, lifecycle.NotFound) as exc:
+        log.info("relay asked to cancel %s: %s", tool_call_id, exc)
+
+
+def elapsed_ms(started: float) -> int:
+    return int((time.perf_counter() - started) * 1000)

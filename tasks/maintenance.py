@@ -1,0 +1,61 @@
+"""Beat sweeps on the ``maintenance`` queue (CONTRACT section 7)."""
+from __future__ import annotations
+
+import logging
+
+from models import db, lifecycle, settings
+from tasks import app, callbacks, chains, tools
+
+log = logging.getLogger(__name__)
+
+
+@app.task(name="maintenance.expire_stale", ignore_result=True)
+def expire_stale() -> int:
+    """PENDING and PREPARED calls left unanswered past their TTL become EXPIRED."""
+    cfg = settings.load()
+    with db.session() as s:
+        expired = lifecycle.expire_stale(s, pending_ttl_s=cfg.pending_ttl_s, prepared_ttl_s=cfg.prepared_ttl_s)
+    for call in expired:
+        chains.announce_expired(call)
+    return len(expired)
+
+
+@app.task(name="maintenance.fail_stuck", ignore_result=True)
+def fail_stuck() -> int:
+    """Calls EXECUTING with no progress for longer than any link may take (their worker
+    died): fail those that never reached the point of no return; run the rest of the
+    chain again for those that did (their side effect is idempotent). Returns how many
+    calls it handled."""
+    cfg = settings.load()
+    with db.session() as s:
+        stuck = lifecycle.stuck_executing(s, cfg.stuck_executing_s)
+    handled = 0
+    for tool_call_id in stuck:
+        with db.session() as s:
+            call = lifecycle.get(s, tool_call_id)
+        tool = tools.get(call.function_name)
+        if tool is None:
+            continue
+        if call.committed_at is not None:
+            done = chains.redrive(tool_call_id, cfg.stuck_executing_s)
+        else:
+            done = chains.fail_call(tool, tool_call_id, "The worker stopped before finishing.", call.parameters,
+                                    uncommitted_only=True)
+        handled += done is not None
+    return handled
+
+
+@app.task(name="maintenance.retry_callbacks", ignore_result=True)
+def retry_callbacks() -> int:
+    """Re-enqueue deliveries whose retry is overdue (their message was lost)."""
+    with db.session() as s:
+        due = callbacks.due_event_ids(s)
+    for event_id in due:
+        callbacks.dispatch(event_id)
+    return len(due)
+
+
+@app.task(name="maintenance.purge_context", ignore_result=True)
+def purge_context() -> int:
+    with db.session() as s:
+        return lifecycle.purge_expired_context(s)

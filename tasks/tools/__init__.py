@@ -1,0 +1,144 @@
+"""The tool registry: the only list of tools.
+
+A tool is one module in this package that defines ``TOOL = Tool(...)``: its name,
+description, parameter schema (marshmallow), action level, steps and the sentences
+the assistant speaks. It never touches status, HTTP or Celery: the ``Link`` task in
+``tasks/chains.py`` does that for every tool. Adding a tool is adding one module.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from marshmallow import Schema
+
+Message = str | Callable[..., str]
+
+
+class TransientError(Exception):
+    """A failure worth retrying (timeout, 429, 5xx, connection refused)."""
+
+
+class PermanentError(Exception):
+    """A failure that retrying will not fix; the call ends FAILED."""
+
+
+TRANSIENT_HTTP_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Is ``exc`` worth retrying? TransientError, a lost database or HTTP connection,
+    a timeout, or an HTTP answer of 429 / 5xx from any client library (``requests``,
+    ``googleapiclient``'s ``HttpError.resp.status``, ``openai``'s ``status_code``)."""
+    import requests
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    if isinstance(exc, (TransientError, OperationalError, InterfaceError, TimeoutError, ConnectionError,
+                        requests.ConnectionError, requests.Timeout)):
+        return True
+    response = getattr(exc, "response", None)
+    status = (getattr(exc, "status_code", None) or getattr(getattr(exc, "resp", None), "status", None)
+              or getattr(response, "status_code", None))
+    try:
+        return int(status) in TRANSIENT_HTTP_STATUSES
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """What a step function sees: the call's parameters and earlier steps' outputs."""
+
+    tool_call_id: str
+    session_id: str
+    parameters: Mapping[str, Any]
+    outputs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One link of a tool's chain; its name is the seed's gate name.
+
+    ``run`` returns a JSON-able output stored on the call (``step_outputs``) so a
+    redelivered link skips a step already done. A ``checkpoint`` step has no ``run``:
+    it sets PREPARED and ends the chain until resumed; its ``preview`` says what will
+    happen. A ``side_effect`` step is the point of no return (CONTRACT section 4).
+    ``message`` is the sentence of its progress callback.
+    """
+
+    name: str
+    run: Callable[[StepInput], Any] | None = None
+    message: Message = ""
+    checkpoint: bool = False
+    side_effect: bool = False
+    preview: Callable[[StepInput], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    schema: type[Schema]
+    action_level: str
+    steps: tuple[Step, ...]
+    result: Callable[[Mapping[str, Any]], dict[str, Any]]
+    confirmation_message: Message
+    start_message: Message
+    modified_message: Message
+    voice_response: Message
+    failure_response: Message
+    cancelled_response: Message
+    time_limit: int = 60
+    max_retries: int = 5
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def queue(self) -> str:
+        return f"tools.{self.name}"
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return any(step.checkpoint for step in self.steps)
+
+    def task_name(self, step: Step) -> str:
+        return f"tools.{self.name}.{step.name}"
+
+    def step_index(self, name: str) -> int:
+        return [s.name for s in self.steps].index(name)
+
+    def say(self, message: Message, parameters: Mapping[str, Any], **extra: Any) -> str:
+        """Render one of the tool's sentences (at most 1,000 characters)."""
+        if callable(message):
+            text = message(parameters, **extra)
+        else:
+            values = dict(parameters)
+            values.update(extra)
+            text = message.format_map(_Blank(values))
+        return text[:1000]
+
+
+class _Blank(dict):
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def _discover() -> dict[str, Tool]:
+    found: dict[str, Tool] = {}
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        tool = getattr(importlib.import_module(f"{__name__}.{module.name}"), "TOOL", None)
+        if isinstance(tool, Tool):
+            found[tool.name] = tool
+    return found
+
+
+TOOLS: dict[str, Tool] = _discover()
+
+
+def get(name: str) -> Tool | None:
+    return TOOLS.get(name)
+
+
+def names() -> list[str]:
+    return sorted(TOOLS)
