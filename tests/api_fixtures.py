@@ -1,0 +1,111 @@
+"""Fixtures and helpers for the API tests: a test client of ``create_app()`` and
+snapshots of the tables so an error test can show that nothing changed."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from models import db
+from tests.conftest import AUTH
+
+SEED_EMAIL = {"to": "test@example.com", "subject": "Test"}
+
+
+@pytest.fixture
+def client():
+    from app import create_app
+
+    app = create_app({"TESTING": True})
+    with app.test_client() as test_client:
+        yield test_client
+
+
+def snapshot() -> dict[str, list[dict[str, Any]]]:
+    """Every row of the tables a request may change, in a stable order."""
+    tables = {"tool_calls": "tool_call_id", "session_context": "session_id, context_key",
+              "callback_deliveries": "event_id", "email_outbox": "tool_call_id"}
+    with db.engine().connect() as conn:
+        return {name: [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY {order}"))]
+                for name, order in tables.items()}
+
+
+def call_count() -> int:
+    with db.engine().connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM tool_calls")).scalar_one()
+
+
+def pending(client, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None):
+    """POST /voice-tools/pending with the seed's step-4 body by default."""
+    payload = body if body is not None else {"session_id": "test_123", "function": "send_email",
+                                             "parameters": dict(SEED_EMAIL)}
+    return client.post("/voice-tools/pending", json=payload, headers=headers or AUTH)
+
+
+def created_id(client, **body: Any) -> str:
+    payload = {"session_id": "test_123", "function": "send_email", "parameters": dict(SEED_EMAIL)}
+    payload.update(body)
+    answer = pending(client, payload)
+    assert answer.status_code == 201, answer.get_json()
+    return answer.get_json()["tool_call_id"]
+
+
+CLOSED_PORT_BROKER = "redis://127.0.0.1:1/0"
+CLOSED_PORT_DATABASE = "postgresql://nobody@127.0.0.1:1/nothing"
+
+
+class BrokerDown:
+    """Points the Celery app's producers at a closed port until :meth:`restore`.
+
+    ``app.pool`` and ``app.amqp.producer_pool`` are made from ``conf.broker_url`` on
+    first use, so clearing them makes the next publish connect to the closed port.
+    Request it after ``worker`` so the worker's own set-up sees the real broker.
+    """
+
+    def __init__(self, celery_app):
+        self.app = celery_app
+        self.saved = (celery_app.conf.broker_url, celery_app.conf.broker_write_url,
+                      celery_app._pool, celery_app.amqp._producer_pool)
+        celery_app.conf.broker_url = CLOSED_PORT_BROKER
+        celery_app.conf.broker_write_url = CLOSED_PORT_BROKER
+        celery_app._pool = None
+        celery_app.amqp._producer_pool = None
+
+    def restore(self) -> None:
+        if self.saved is None:
+            return
+        (self.app.conf.broker_url, self.app.conf.broker_write_url,
+         self.app._pool, self.app.amqp._producer_pool) = self.saved
+        self.saved = None
+
+
+@pytest.fixture
+def broker_down():
+    from tasks import app as celery_app
+
+    down = BrokerDown(celery_app)
+    try:
+        yield down
+    finally:
+        down.restore()
+
+
+@pytest.fixture
+def database_down(monkeypatch):
+    """A context manager: inside it this process's engine points at a closed port."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def down():
+        real = os.environ["DATABASE_URL"]
+        db.dispose()
+        monkeypatch.setenv("DATABASE_URL", CLOSED_PORT_DATABASE)
+        try:
+            yield
+        finally:
+            monkeypatch.setenv("DATABASE_URL", real)
+            db.dispose()
+
+    return down

@@ -1,0 +1,129 @@
+"""Test set-up: real PostgreSQL and Redis, real Celery workers.
+
+Each embedded server starts once per run (under the system temp folder); when
+``DATABASE_URL`` / ``REDIS_URL`` are set those servers are used instead (the tests
+create and migrate their own database ``voice_tools_test`` there). Every test gets
+clean tables; tests that need a worker take the ``worker`` fixture (an in-process
+Celery worker consuming every queue).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+pytest_plugins = ("celery.contrib.pytest", "tests.api_fixtures")
+
+TEST_DATABASE = "voice_tools_test"
+API_TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+
+os.environ.setdefault("VOICE_TOOLS_API_TOKENS", f"tests:{API_TOKEN}")
+os.environ.setdefault("VOICE_TOOLS_CALLBACK_SECRET", "test-callback-secret")
+os.environ.setdefault("VOICE_TOOLS_CALLBACK_HOSTS", "127.0.0.1,localhost")
+os.environ.setdefault("VOICE_TOOLS_CALLBACK_TIMEOUT", "2")
+
+_data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-tests-", dir=tempfile.gettempdir()))
+
+
+def _point_at_test_database(url: str) -> str:
+    """Create ``voice_tools_test`` on the server of ``url``; return its URL."""
+    import servers
+
+    parts = urlsplit(url)
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    servers.create_database(admin, TEST_DATABASE, drop=True)
+    return urlunsplit(parts._replace(path=f"/{TEST_DATABASE}"))
+
+
+def _start_servers() -> None:
+    import servers
+
+    if os.environ.get("DATABASE_URL"):
+        os.environ["DATABASE_URL"] = _point_at_test_database(os.environ["DATABASE_URL"])
+    else:
+        os.environ["DATABASE_URL"] = servers.start_postgres(_data_dir, TEST_DATABASE)
+    if not (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
+        os.environ["REDIS_URL"] = servers.start_redis(_data_dir / "redis")
+    os.environ.setdefault("CELERY_BROKER_URL", os.environ["REDIS_URL"])
+    servers.migrate()
+
+
+_start_servers()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import servers
+
+    servers.stop_servers()
+    shutil.rmtree(_data_dir, ignore_errors=True)
+
+
+TABLES = ("callback_deliveries", "tool_calls", "session_context", "email_outbox", "documents")
+
+
+@pytest.fixture(autouse=True)
+def clean_database():
+    """Every test starts with empty tables."""
+    from sqlalchemy import text
+
+    from models import db
+
+    with db.engine().begin() as conn:
+        conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def celery_app_instance():
+    from tasks import app
+
+    return app
+
+
+def purge_queues(app) -> None:
+    with app.connection_for_write() as conn:
+        for queue in app.conf.task_queues:
+            try:
+                queue.bind(conn.default_channel).purge()
+            except Exception:
+                pass
+
+
+@pytest.fixture(scope="session")
+def _session_worker(celery_app_instance):
+    """One in-process worker (4 threads) for the whole run, consuming every queue."""
+    from celery.contrib.testing.worker import start_worker
+
+    app = celery_app_instance
+    purge_queues(app)
+    with start_worker(
+        app,
+        pool="threads",
+        concurrency=4,
+        perform_ping_check=False,
+        shutdown_timeout=30,
+        loglevel="WARNING",
+        queues=[q.name for q in app.conf.task_queues],
+    ) as worker:
+        yield worker
+
+
+@pytest.fixture
+def worker(_session_worker, celery_app_instance):
+    """A running worker; queues are purged before the test."""
+    purge_queues(celery_app_instance)
+    yield _session_worker
+
+
+@pytest.fixture
+def relay():
+    """A real HTTP receiver that checks signatures and records every event."""
+    from tests.relay import Relay
+
+    with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as receiver:
+        yield receiver

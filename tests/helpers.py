@@ -1,0 +1,52 @@
+"""Small helpers shared by the tests: make calls, read rows, wait for a status."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import select
+
+from models import db, lifecycle
+from models.calls import TERMINAL, CallbackDelivery, ToolCall
+from tasks import tools
+
+
+def make_call(function_name: str = "send_email", parameters: dict[str, Any] | None = None,
+              session_id: str = "sess_test", callback_url: str | None = None, **kw: Any) -> ToolCall:
+    tool = tools.TOOLS[function_name]
+    if parameters is None:
+        parameters = {"to": "john@example.com", "subject": "Meeting Tomorrow"}
+    parameters = tool.schema().load(parameters)
+    with db.session() as s:
+        call, _ = lifecycle.create(s, session_id=session_id, function_name=function_name,
+                                   action_level=tool.action_level, parameters=parameters,
+                                   callback_url=callback_url, **kw)
+    return call
+
+
+def row(tool_call_id: str) -> ToolCall:
+    with db.session() as s:
+        return lifecycle.get(s, tool_call_id)
+
+
+def wait_status(tool_call_id: str, statuses: tuple[str, ...] | str = TERMINAL, timeout: float = 15.0) -> ToolCall:
+    """Poll the row until its status is one of ``statuses`` (tests only)."""
+    if isinstance(statuses, str):
+        statuses = (statuses,)
+    deadline = time.monotonic() + timeout
+    while True:
+        call = row(tool_call_id)
+        if call.status in statuses:
+            return call
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{tool_call_id} is {call.status} after {timeout}s, wanted {statuses}")
+        time.sleep(0.02)
+
+
+def deliveries(tool_call_id: str, event: str | None = None) -> list[CallbackDelivery]:
+    """The call's callback rows (of one event type if given), in ``seq`` order."""
+    stmt = select(CallbackDelivery).where(CallbackDelivery.tool_call_id == tool_call_id)
+    if event:
+        stmt = stmt.where(CallbackDelivery.event == event)
+    with db.session() as s:
+        return list(s.scalars(stmt.order_by(CallbackDelivery.seq)))

@@ -1,0 +1,64 @@
+"""Process helpers for the tests that start the system or its servers as child processes."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import psutil
+
+SERVER_VARS = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL")
+
+
+def bare_env(**extra: str) -> dict[str, str]:
+    """This run's environment without the server variables (conftest set them), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in SERVER_VARS}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def running(data_dir: Path) -> list[psutil.Process]:
+    """Live processes started for ``data_dir``.
+
+    They inherit VOICE_TOOLS_DATA_DIR, except that redis-server rewrites its process
+    title over its environment: it (and postgres) is known by its working folder,
+    which is in the data dir. Zombies have ended and are not counted.
+    """
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("VOICE_TOOLS_DATA_DIR") == str(data_dir) or \
+                    Path(proc.cwd()).is_relative_to(data_dir):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_none_running(data_dir: Path, timeout: float = 15.0) -> list[psutil.Process]:
+    """Wait for every process of ``data_dir`` to end; return those still there."""
+    deadline = time.monotonic() + timeout
+    left = running(data_dir)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = running(data_dir)
+    return left
+
+
+def describe(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for proc in procs:
+        try:
+            out.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.Error:
+            out.append(str(proc.pid))
+    return out

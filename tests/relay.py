@@ -1,0 +1,98 @@
+"""A relay stand-in: a real local HTTP server that receives callbacks.
+
+It checks every request's HMAC signature (a bad one is answered 401 and counted in
+``bad_signatures``), records the events in order, and answers as programmed:
+``relay.answer(lambda event: {...})`` returns the JSON to send back (or an int status,
+or ``None`` for ``{"received": true}``); ``relay.delay`` makes it slow.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+
+class Relay:
+    def __init__(self, secret: str):
+        self.secret = secret
+        self.events: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.bad_signatures = 0
+        self.delay = 0.0
+        self._answer: Callable[[dict[str, Any]], Any] = lambda event: None
+        self._lock = threading.Condition()
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                timestamp = self.headers.get("X-Voice-Tools-Timestamp", "")
+                expected = "sha256=" + hmac.new(
+                    relay.secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256
+                ).hexdigest()
+                if not hmac.compare_digest(expected, self.headers.get("X-Voice-Tools-Signature", "")):
+                    with relay._lock:
+                        relay.bad_signatures += 1
+                    self._reply(401, {"error": "bad signature"})
+                    return
+                event = json.loads(body)
+                if relay.delay:
+                    time.sleep(relay.delay)
+                answer = relay._answer(event)
+                with relay._lock:
+                    relay.events.append(event)
+                    relay.headers.append(dict(self.headers))
+                    relay._lock.notify_all()
+                if isinstance(answer, int):
+                    self._reply(answer, {"error": "programmed failure"})
+                else:
+                    self._reply(200, answer if answer is not None else {"received": True})
+
+            def _reply(self, status: int, payload: Any) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/tool-progress"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Relay":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def answer(self, fn: Callable[[dict[str, Any]], Any]) -> None:
+        self._answer = fn
+
+    def events_for(self, tool_call_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for e in self.events if e["tool_call_id"] == tool_call_id]
+
+    def wait_for(self, tool_call_id: str, event: str, timeout: float = 15.0) -> dict[str, Any]:
+        """Block until ``event`` arrives for the call; return it (AssertionError on timeout)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                for e in self.events:
+                    if e["tool_call_id"] == tool_call_id and e["event"] == event:
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    seen = [(e["event"], e.get("step")) for e in self.events if e["tool_call_id"] == tool_call_id]
+                    raise AssertionError(f"no {event!r} event for {tool_call_id} within {timeout}s; saw {seen}")
+                self._lock.wait(left)

@@ -1,0 +1,399 @@
+"""Every error class answers JSON {error, message, details} and leaves the database as it was."""
+from __future__ import annotations
+
+import pytest
+
+from models import db, lifecycle
+from tests.api_fixtures import SEED_EMAIL, call_count, created_id, pending, snapshot
+from tests.conftest import AUTH
+from tests.helpers import row
+
+BODY = {"session_id": "test_123", "function": "send_email", "parameters": SEED_EMAIL}
+
+
+def assert_error(answer, status: int, error: str) -> dict:
+    assert answer.status_code == status, answer.get_data(as_text=True)
+    assert answer.is_json, answer.get_data(as_text=True)
+    body = answer.get_json()
+    assert set(body) == {"error", "message", "details"}, body
+    assert body["error"] == error, body
+    assert isinstance(body["message"], str) and body["message"]
+    return body
+
+
+@pytest.fixture
+def existing(client):
+    """One PENDING call, and the database as it is before the request under test."""
+    tool_call_id = created_id(client)
+    return tool_call_id, snapshot()
+
+
+# -- 400 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data", ['{"session_id": "x",', "[1, 2]", '"text"', "null", '{"a": NaN}',
+                                  '{"a": 1e999}', "\xff\xfe", "[" * 100_000,
+                                  '{"session_id": "s", "parameters": {"a": %s}}' % ("[" * 900 + "]" * 900)])
+def test_bad_json_is_400(client, existing, data):
+    _, before = existing
+    body = assert_error(client.post("/voice-tools/pending", headers=AUTH, data=data), 400, "bad_json")
+    assert body["message"]
+    assert snapshot() == before
+
+
+def test_bad_json_on_modify_changes_nothing(client, existing):
+    tool_call_id, before = existing
+    assert_error(client.patch(f"/voice-tools/modify/{tool_call_id}", headers=AUTH, data="{nope"), 400, "bad_json")
+    assert snapshot() == before
+
+
+# -- 401 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-token"},
+                                     {"Authorization": "Basic dGVzdC10b2tlbg=="}, {"Authorization": "Bearer "}])
+def test_missing_or_wrong_token_is_401(client, existing, headers):
+    _, before = existing
+    answer = client.post("/voice-tools/pending", headers=headers, json=BODY)
+    assert_error(answer, 401, "unauthorized")
+    assert answer.headers["WWW-Authenticate"].startswith("Bearer")
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("path", ["/voice-tools/status/x", "/voice-tools/context/s", "/voice-tools/tools",
+                                  "/readyz", "/metrics", "/openapi.json", "/get-session-context", "/nowhere"])
+def test_every_endpoint_but_healthz_needs_the_token(client, path):
+    assert_error(client.get(path), 401, "unauthorized")
+
+
+def test_healthz_is_open(client):
+    answer = client.get("/healthz")
+    assert answer.status_code == 200 and answer.get_json() == {"status": "ok"}
+
+
+def test_caller_is_the_tokens_name(client, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", "alice:token-a, bare-token-b")
+    first = client.post("/voice-tools/pending", headers={"Authorization": "Bearer token-a"}, json=BODY)
+    second = client.post("/voice-tools/pending", headers={"Authorization": "Bearer bare-token-b"}, json=BODY)
+    assert first.status_code == second.status_code == 201
+    assert row(first.get_json()["tool_call_id"]).caller == "alice"
+    assert row(second.get_json()["tool_call_id"]).caller == hashlib.sha256(b"bare-token-b").hexdigest()[:8]
+    assert_error(client.post("/voice-tools/pending", headers=AUTH, json=BODY), 401, "unauthorized")
+
+
+# -- 404 / 405 -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method, path, kwargs", [
+    ("get", "/voice-tools/status/tc_000000000000", {}),
+    ("patch", "/voice-tools/modify/tc_000000000000", {"json": {"parameters": {"subject": "x"}}}),
+    ("post", "/voice-tools/confirm/tc_000000000000", {}),
+    ("post", "/voice-tools/resume/tc_000000000000", {"json": {"action": "proceed"}}),
+    ("delete", "/voice-tools/cancel/tc_000000000000", {}),
+])
+def test_unknown_id_is_404(client, existing, method, path, kwargs):
+    _, before = existing
+    body = assert_error(getattr(client, method)(path, headers=AUTH, **kwargs), 404, "not_found")
+    assert body["details"]["tool_call_id"] == "tc_000000000000"
+    assert snapshot() == before
+
+
+def test_unknown_path_and_session_context_are_404(client, existing):
+    _, before = existing
+    assert_error(client.get("/voice-tools/nothing-here", headers=AUTH), 404, "not_found")
+    body = assert_error(client.get("/voice-tools/session-context?session_id=s&context_key=k", headers=AUTH),
+                        404, "not_found")
+    assert body["message"] == "Not found or expired"
+    assert snapshot() == before
+
+
+def test_wrong_method_is_405(client, existing):
+    _, before = existing
+    answer = client.get("/voice-tools/pending", headers=AUTH)
+    body = assert_error(answer, 405, "method_not_allowed")
+    assert "POST" in body["details"]["allowed"]
+    assert_error(client.put(f"/voice-tools/cancel/{existing[0]}", headers=AUTH), 405, "method_not_allowed")
+    assert snapshot() == before
+
+
+# -- 409 -----------------------------------------------------------------------------------
+
+def _executing(tool_call_id: str) -> None:
+    with db.session() as s:
+        lifecycle.confirm(s, tool_call_id)
+
+
+def test_confirm_twice_is_409_invalid_status(client):
+    tool_call_id = created_id(client)
+    _executing(tool_call_id)
+    before = snapshot()
+    body = assert_error(client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH), 409, "invalid_status")
+    assert body["details"]["status"] == "EXECUTING"
+    assert "EXECUTING" in body["message"]
+    assert snapshot() == before
+
+
+def test_modify_after_confirm_is_409_naming_the_status(client):
+    tool_call_id = created_id(client)
+    _executing(tool_call_id)
+    before = snapshot()
+    answer = client.patch(f"/voice-tools/modify/{tool_call_id}", headers=AUTH, json={"parameters": {"to": "x@example.com"}})
+    body = assert_error(answer, 409, "invalid_status")
+    assert body["details"]["status"] == "EXECUTING"
+    assert snapshot() == before
+
+
+def test_resume_a_pending_call_is_409(client, existing):
+    tool_call_id, before = existing
+    body = assert_error(client.post(f"/voice-tools/resume/{tool_call_id}", headers=AUTH, json={"action": "proceed"}),
+                        409, "invalid_status")
+    assert body["details"]["status"] == "PENDING"
+    assert snapshot() == before
+
+
+def test_cancel_twice_is_409_already_terminal(client, existing):
+    tool_call_id, _ = existing
+    assert client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=AUTH).status_code == 200
+    before = snapshot()
+    body = assert_error(client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=AUTH), 409, "already_terminal")
+    assert body["details"]["status"] == "CANCELLED"
+    assert snapshot() == before
+
+
+def test_cancel_after_point_of_no_return_is_409_too_late(client, existing):
+    tool_call_id, _ = existing
+    _executing(tool_call_id)
+    with db.session() as s:
+        assert lifecycle.commit_point(s, tool_call_id, "SENDING") is not None
+    before = snapshot()
+    body = assert_error(client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=AUTH), 409, "too_late")
+    assert body["details"]["status"] == "EXECUTING"
+    assert snapshot() == before
+
+
+# -- idempotency ---------------------------------------------------------------------------
+
+def test_replay_with_same_key_is_200_same_body_no_new_row(client):
+    first = pending(client, {**BODY, "idempotency_key": "key-1"})
+    assert first.status_code == 201
+    before = snapshot()
+    again = pending(client, {**BODY, "idempotency_key": "key-1"})
+    assert again.status_code == 200
+    assert again.get_json() == first.get_json()
+    assert snapshot() == before and call_count() == 1
+
+
+def test_replay_with_header_key(client):
+    first = pending(client, BODY, headers={**AUTH, "Idempotency-Key": "hdr-1"})
+    again = pending(client, BODY, headers={**AUTH, "Idempotency-Key": "hdr-1"})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.get_json()["tool_call_id"] == first.get_json()["tool_call_id"]
+    assert row(first.get_json()["tool_call_id"]).idempotency_key == "hdr-1"
+    assert call_count() == 1
+
+
+def test_same_key_other_content_is_409(client):
+    assert pending(client, {**BODY, "idempotency_key": "key-2"}).status_code == 201
+    before = snapshot()
+    other = {**BODY, "parameters": {"to": "someone@example.com", "subject": "Test"}, "idempotency_key": "key-2"}
+    body = assert_error(pending(client, other), 409, "idempotency_conflict")
+    assert body["details"]["status"] == "PENDING"
+    assert snapshot() == before
+
+
+def test_execute_replay_starts_nothing_new(client, worker):
+    first = client.post("/voice-tools/execute?wait=10", headers=AUTH, json={**BODY, "idempotency_key": "ex-1"})
+    assert first.status_code == 200 and first.get_json()["status"] == "PREPARED"
+    before = snapshot()
+    again = client.post("/voice-tools/execute", headers=AUTH, json={**BODY, "idempotency_key": "ex-1"})
+    assert again.status_code == 200
+    assert again.get_json()["status"] == "PREPARED"
+    assert again.get_json()["tool_call_id"] == first.get_json()["tool_call_id"]
+    assert again.get_json()["current_step"] == "READY_TO_SEND"
+    assert snapshot() == before
+
+
+# -- 413 -----------------------------------------------------------------------------------
+
+def test_body_over_256_kib_is_413(client, existing):
+    _, before = existing
+    big = {**BODY, "parameters": {**SEED_EMAIL, "body": "x" * (256 * 1024)}}
+    body = assert_error(pending(client, big), 413, "too_large")
+    assert body["details"]["max_bytes"] == 256 * 1024
+    assert snapshot() == before
+
+
+# -- 422 -----------------------------------------------------------------------------------
+
+def _fields(body: dict) -> dict:
+    return body["details"]["fields"]
+
+
+def test_unknown_tool_lists_the_known_ones(client, existing):
+    _, before = existing
+    body = assert_error(pending(client, {**BODY, "function": "launch_rocket"}), 422, "validation_error")
+    assert "launch_rocket" in _fields(body)["function"][0]
+    assert body["details"]["known_tools"] == ["query_vector_db", "send_email"]
+    assert "send_email" in _fields(body)["function"][0]
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"session_id": None}, "session_id"),
+    ({"session_id": "a b"}, "session_id"),
+    ({"session_id": "x" * 101}, "session_id"),
+    ({"session_id": "ok\x00"}, "session_id"),
+    ({"tool_call_id": "tc 1"}, "tool_call_id"),
+    ({"tool_call_id": "t" * 101}, "tool_call_id"),
+    ({"intent_id": "i" * 101}, "intent_id"),
+    ({"callback_url": "http://evil.example.com/hook"}, "callback_url"),
+    ({"callback_url": "file:///etc/passwd"}, "callback_url"),
+    ({"status": "COMPLETED"}, "status"),
+    ({"surprise": 1}, "surprise"),
+    ({"parameters": {"to": "not-an-email", "subject": "Test"}}, "parameters"),
+    ({"parameters": {"to": "a@example.com"}}, "parameters"),
+    ({"parameters": {**SEED_EMAIL, "bcc": "x@example.com"}}, "parameters"),
+    ({"parameters": {**SEED_EMAIL, "body": "hello\x00world"}}, "parameters"),
+    ({"parameters": {**SEED_EMAIL, "body": "bell\x07"}}, "parameters"),
+    ({"parameters": {**SEED_EMAIL, "body": "lone \ud800 surrogate"}}, "parameters"),
+    ({"parameters": {**SEED_EMAIL, "cc": ["a@example.com", "b\x1b@example.com"]}}, "parameters"),
+    ({"parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}}, "parameters"),
+    ({"parameters": "not an object"}, "parameters"),
+    ({"function": "send_email", "function_name": "query_vector_db"}, "function_name"),
+])
+def test_invalid_fields_are_422_naming_the_field(client, existing, change, field):
+    _, before = existing
+    payload = {**BODY, **change}
+    payload = {key: value for key, value in payload.items() if value is not None}
+    body = assert_error(pending(client, payload), 422, "validation_error")
+    assert field in _fields(body), body
+    assert snapshot() == before
+
+
+def test_nested_control_character_names_the_nested_field(client, existing):
+    _, before = existing
+    payload = {"session_id": "s", "function": "query_vector_db",
+               "parameters": {"user_query": "q", "structured_query": {"filters": {"region\x00": "x", "ok": "\x01"}}}}
+    body = assert_error(pending(client, payload), 422, "validation_error")
+    filters = _fields(body)["parameters"]["structured_query"]["filters"]
+    assert "ok" in filters and "region\\x00" in filters
+    assert snapshot() == before
+
+
+def test_tabs_and_newlines_are_allowed(client):
+    answer = pending(client, {**BODY, "parameters": {**SEED_EMAIL, "body": "Hi,\n\tline two\r\n"}})
+    assert answer.status_code == 201
+    assert row(answer.get_json()["tool_call_id"]).parameters["body"] == "Hi,\n\tline two\r\n"
+
+
+@pytest.mark.parametrize("path", ["/voice-tools/status/bad%00id", "/voice-tools/status/has%20space",
+                                  "/voice-tools/status/" + "x" * 101])
+def test_bad_tool_call_id_in_path_is_422(client, existing, path):
+    _, before = existing
+    body = assert_error(client.get(path, headers=AUTH), 422, "validation_error")
+    assert "tool_call_id" in _fields(body)
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"parameters": {"to": "not-an-email"}}, "parameters"),
+    ({"parameters": {"subject": None}}, "parameters"),
+    ({"parameters": {"unknown": "x"}}, "parameters"),
+    ({"parameters": {"reference_context": "nothing_stored"}}, "parameters"),
+    ({"parameters": {"to": "a@example.com"}, "status": "COMPLETED"}, "status"),
+    ({"parameters": {"to": "a@example.com"}, "session_id": "other"}, "session_id"),
+    ({"parameters": {"to": "a@example.com"}, "function": "query_vector_db"}, "function"),
+    ({}, "parameters"),
+    ({"parameters": {"body": "nul\x00"}}, "parameters"),
+])
+def test_invalid_modify_is_422_and_changes_nothing(client, existing, patch, field):
+    tool_call_id, before = existing
+    body = assert_error(client.patch(f"/voice-tools/modify/{tool_call_id}", headers=AUTH, json=patch),
+                        422, "validation_error")
+    assert field in _fields(body), body
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("method, path, kwargs, field", [
+    ("post", "/voice-tools/confirm/{id}?wait=0", {}, "wait"),
+    ("post", "/voice-tools/confirm/{id}?wait=31", {}, "wait"),
+    ("post", "/voice-tools/confirm/{id}?wait=soon", {}, "wait"),
+    ("post", "/voice-tools/confirm/{id}", {"json": {"callback_url": "http://203.0.113.9/x"}}, "callback_url"),
+    ("post", "/voice-tools/confirm/{id}", {"json": {"status": "EXECUTING"}}, "status"),
+    ("post", "/voice-tools/resume/{id}", {"json": {"action": "jump"}}, "action"),
+    ("post", "/voice-tools/resume/{id}", {"json": {}}, "action"),
+    ("delete", "/voice-tools/cancel/{id}", {"json": {"reason": "x\x00"}}, "reason"),
+    ("delete", "/voice-tools/cancel/{id}", {"json": {"why": "x"}}, "why"),
+    ("get", "/voice-tools/context/test_123?limit=0", {}, "limit"),
+    ("get", "/voice-tools/context/test_123?limit=101", {}, "limit"),
+    ("get", "/voice-tools/context/bad%20session", {}, "session_id"),
+    ("get", "/voice-tools/tools?format=xml", {}, "format"),
+    ("get", "/voice-tools/session-context?session_id=s", {}, "context_key"),
+    ("post", "/execute-gmail", {"json": {"session_id": "s", "to": "a@example.com"}}, "subject"),
+])
+def test_invalid_request_is_422(client, existing, method, path, kwargs, field):
+    tool_call_id, before = existing
+    answer = getattr(client, method)(path.format(id=tool_call_id), headers=AUTH, **kwargs)
+    body = assert_error(answer, 422, "validation_error")
+    assert field in _fields(body), body
+    assert snapshot() == before
+
+
+def test_idempotency_key_body_and_header_must_agree(client):
+    answer = pending(client, {**BODY, "idempotency_key": "a"}, headers={**AUTH, "Idempotency-Key": "b"})
+    assert "idempotency_key" in _fields(assert_error(answer, 422, "validation_error"))
+    assert call_count() == 0
+
+
+# -- 503 -----------------------------------------------------------------------------------
+
+def test_broker_down_on_confirm_is_503_and_the_call_is_pending_again(client, existing, broker_down):
+    tool_call_id, before = existing
+    body = assert_error(client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH), 503, "unavailable")
+    assert body["details"]["service"] == "broker"
+    stored = row(tool_call_id)
+    assert stored.status == "PENDING"
+    assert [h["status"] for h in stored.status_history] == ["PENDING", "EXECUTING", "PENDING"]
+    assert stored.confirmed_at is None and stored.workflow_id is None
+
+
+def test_broker_down_makes_readyz_503(client, broker_down):
+    body = assert_error(client.get("/readyz", headers=AUTH), 503, "unavailable")
+    assert body["details"]["down"] == ["broker"]
+
+
+def test_database_down_is_503(client, existing, database_down):
+    tool_call_id, _ = existing
+    with database_down():
+        body = assert_error(client.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH), 503, "unavailable")
+        assert body["details"]["service"] == "database"
+        ready = assert_error(client.get("/readyz", headers=AUTH), 503, "unavailable")
+        assert ready["details"]["down"] == ["database"]
+        assert_error(pending(client), 503, "unavailable")
+    assert snapshot() == existing[1]
+
+
+def test_broker_down_on_execute_leaves_a_pending_call_that_a_replay_starts(client, worker, broker_down):
+    body = {**BODY, "idempotency_key": "ex-down"}
+    answer = client.post("/voice-tools/execute", headers=AUTH, json=body)
+    assert_error(answer, 503, "unavailable")
+    [stored] = snapshot()["tool_calls"]
+    assert stored["status"] == "PENDING"
+    assert [h["status"] for h in stored["status_history"]] == ["PENDING", "EXECUTING", "PENDING"]
+    broker_down.restore()
+    again = client.post("/voice-tools/execute?wait=10", headers=AUTH, json=body)
+    assert again.status_code == 200, again.get_json()
+    assert again.get_json()["tool_call_id"] == stored["tool_call_id"]
+    assert again.get_json()["status"] == "PREPARED"
+    assert call_count() == 1
+
+
+def test_broker_down_on_resume_is_503_and_the_call_stays_prepared(client, existing, broker_down):
+    tool_call_id, _ = existing
+    with db.session() as s:
+        lifecycle.confirm(s, tool_call_id)
+        lifecycle.checkpoint(s, tool_call_id, "READY_TO_SEND", 0.25)
+    answer = client.post(f"/voice-tools/resume/{tool_call_id}", headers=AUTH, json={"action": "proceed"})
+    assert assert_error(answer, 503, "unavailable")["details"]["service"] == "broker"
+    stored = row(tool_call_id)
+    assert stored.status == "PREPARED" and stored.committed_at is None
+    assert [h["status"] for h in stored.status_history][-3:] == ["PREPARED", "EXECUTING", "PREPARED"]

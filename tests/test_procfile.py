@@ -1,0 +1,68 @@
+"""The Procfile and the two README commands stay in step with the code and CI."""
+from __future__ import annotations
+
+import re
+import shlex
+
+from servers import ROOT
+from tasks import app as celery_app
+from tasks import tools
+
+README = (ROOT / "README.md").read_text()
+
+
+def procfile() -> dict[str, list[str]]:
+    lines = {}
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, command = line.split(":", 1)
+            lines[name.strip()] = shlex.split(command)
+    return lines
+
+
+def option(words: list[str], name: str) -> str:
+    for i, word in enumerate(words):
+        if word == name:
+            return words[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {words}")
+
+
+def test_every_queue_is_consumed_by_exactly_one_worker_line():
+    workers = {name: words for name, words in procfile().items() if words[3:4] == ["worker"]}
+    consumed = [q for words in workers.values() for q in option(words, "--queues").split(",")]
+    declared = {queue.name for queue in celery_app.conf.task_queues}
+    assert declared == {tool.queue for tool in tools.TOOLS.values()} | {"callbacks", "maintenance"}
+    assert sorted(consumed) == sorted(declared), "add each tool's queue to one worker line of the Procfile"
+    assert {option(words, "--hostname").split("@")[0] for words in workers.values()} == set(workers)
+
+
+def test_web_beat_and_flower_lines():
+    lines = procfile()
+    web = lines["web"]
+    assert web[0] == "gunicorn" and "--no-control-socket" in web and web[-1] == "app:create_app()"
+    assert option(web, "--worker-class") == "gthread"
+    assert option(web, "--bind").endswith("${PORT:-8000}")
+    assert lines["beat"][:4] == ["celery", "-A", "tasks", "beat"]
+    flower = lines["flower"]
+    assert flower[:2] == ["env", "-u"] and flower[2] == "FLOWER_UNAUTHENTICATED_API"
+    assert flower[3:7] == ["celery", "-A", "tasks", "flower"]
+    assert option(flower, "--port") == "${FLOWER_PORT:-5555}"
+    assert option(flower, "--basic-auth").startswith("${FLOWER_BASIC_AUTH")
+
+
+def readme_command(section: str) -> str:
+    block = re.search(rf"## {section}\n.*?```sh\n(.+?)\n```", README, re.S)
+    assert block, f"no command under '## {section}'"
+    return block.group(1).strip()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    run, test = readme_command("Run it"), readme_command("Test it")
+    assert run == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/voice-tools run"
+    assert test == "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/python -m pytest"
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith("#")]
+    assert ci == ["set -euo pipefail", 'cd "$(dirname "${BASH_SOURCE[0]}")/.."', test]
+    assert "## API" in README

@@ -1,0 +1,210 @@
+"""``voice-tools run`` as a user starts it: embedded servers, migrations, the Procfile
+under honcho (gunicorn, three workers, beat, Flower); the API answers, Flower asks for
+its password, the demo plays the seed's scenario through real workers, and SIGTERM
+leaves no process behind.
+
+One system is started for the whole module (it takes a while on two cores); the tests
+run in file order and the last one stops it.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.procs import bare_env, describe, free_port, running, wait_none_running
+
+TOKEN = "run-command-test-token"
+SECRET = "run-command-test-secret"
+FLOWER_AUTH = ("ops", "flower-test-password")
+START_TIMEOUT = 180
+
+
+class System:
+    def __init__(self) -> None:
+        self.data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-run-", dir=tempfile.gettempdir()))
+        self.port, self.flower_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flower_url = f"http://127.0.0.1:{self.flower_port}"
+        self.env = bare_env(
+            VOICE_TOOLS_DATA_DIR=str(self.data_dir),
+            PORT=str(self.port),
+            FLOWER_PORT=str(self.flower_port),
+            VOICE_TOOLS_API_TOKENS=f"runtest:{TOKEN}",
+            VOICE_TOOLS_CALLBACK_SECRET=SECRET,
+            VOICE_TOOLS_CALLBACK_HOSTS="127.0.0.1",
+            FLOWER_BASIC_AUTH=":".join(FLOWER_AUTH),
+            FLOWER_UNAUTHENTICATED_API="true",  # the Procfile must not let this open Flower's API
+            VOICE_TOOLS_WORKER_CONCURRENCY="1",
+            WEB_CONCURRENCY="1",
+        )
+        self.log_path = self.data_dir.with_suffix(".log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("voice-tools")), "run"],
+            cwd=tempfile.gettempdir(), env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"voice-tools run exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/healthz", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:  # not listening yet, or workers still booting
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"/healthz did not answer 200 in {START_TIMEOUT}s:\n{self.tail()}")
+
+    def wait_listening(self, port: int) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                return
+            except OSError:
+                time.sleep(0.5)
+        pytest.fail(f"nothing listens on port {port} after {START_TIMEOUT}s:\n{self.tail()}")
+
+    def api(self, method: str, path: str, **kw) -> requests.Response:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        return requests.request(method, self.url + path, headers=headers, timeout=40, **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=90)
+        finally:
+            self.log.close()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def system():
+    started = System()
+    try:
+        started.wait_healthy()
+        yield started
+    finally:
+        if started.proc.poll() is None:
+            started.stop()
+        left = wait_none_running(started.data_dir)
+        for proc in left:  # only ours: they carry this test's data dir
+            proc.kill()
+        started.remove()
+
+
+def test_the_api_runs_under_gunicorn_on_port(system):
+    health = requests.get(f"{system.url}/healthz", timeout=5)
+    assert health.status_code == 200
+    assert requests.get(f"{system.url}/voice-tools/tools", timeout=5).status_code == 401  # token needed
+
+    created = system.api("POST", "/voice-tools/pending", json={
+        "session_id": "sess_run", "function": "send_email",
+        "parameters": {"to": "john@example.com", "subject": "Meeting Tomorrow"},
+    })
+    assert created.status_code == 201, created.text
+    call_id = created.json()["tool_call_id"]
+    assert created.json()["status"] == "PENDING"
+
+    status = system.api("GET", f"/voice-tools/status/{call_id}")
+    assert status.status_code == 200, status.text
+    body = status.json()
+    assert body["tool_call_id"] == call_id and body["status"] == "PENDING"
+    assert body["parameters"]["to"] == "john@example.com"
+    assert body["caller"] == "runtest"
+
+    ready = system.api("GET", "/readyz")
+    assert ready.status_code == 200, ready.text
+
+
+def test_flower_needs_its_password_and_sees_one_worker_per_procfile_line(system):
+    workers_url = f"{system.flower_url}/api/workers"
+    system.wait_listening(system.flower_port)  # Flower may come up after the API
+    assert requests.get(workers_url, timeout=10).status_code == 401
+    assert requests.get(workers_url, auth=("ops", "wrong"), timeout=10).status_code == 401
+
+    expected = {"writes": {"tools.send_email"}, "reads": {"tools.query_vector_db"},
+                "callbacks": {"callbacks", "maintenance"}}
+    deadline = time.monotonic() + 60
+    seen: dict[str, set[str]] = {}
+    while time.monotonic() < deadline:
+        answer = requests.get(workers_url, params={"refresh": "1"}, auth=FLOWER_AUTH, timeout=30)
+        assert answer.status_code == 200, answer.text
+        seen = {name.split("@")[0]: {q["name"] for q in info.get("active_queues") or []}
+                for name, info in answer.json().items()}
+        if all(seen.get(worker) == queues for worker, queues in expected.items()):
+            break
+        time.sleep(1)
+    assert {worker: seen.get(worker) for worker in expected} == expected
+
+
+def test_the_demo_plays_the_updating_email_scenario(system):
+    played = subprocess.run(
+        [str(Path(sys.executable).with_name("voice-tools")), "demo", "--url", system.url],
+        env=system.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    out = played.stdout
+    assert played.returncode == 0, out + played.stderr
+    assistant = [line for line in out.splitlines() if line.startswith("Assistant:")]
+    # pending, modify, confirm, checkpoint, resume: five things said, each with the address
+    assert len(assistant) == 5, out
+    assert "john@example.com" in assistant[0]
+    assert all("john.smith@example.com" in line for line in assistant[1:]), assistant
+    assert "callback checkpoint step=READY_TO_SEND status=PREPARED" in out
+    trail = "PENDING -> MODIFIED -> PENDING -> EXECUTING -> PREPARED -> EXECUTING -> COMPLETED"
+    assert trail in out
+
+    call_id = next(line.split()[0] for line in out.splitlines() if line.startswith("    tc_"))
+    final = system.api("GET", f"/voice-tools/status/{call_id}").json()
+    assert final["status"] == "COMPLETED"
+    assert final["parameters"]["to"] == "john.smith@example.com"
+    assert final["result"]["to"] == "john.smith@example.com" and final["result"]["message_id"]
+    assert [(c["field"], c["old"], c["new"]) for c in final["parameters_history"]] == \
+        [("to", "john@example.com", "john.smith@example.com")]
+
+
+def test_a_second_run_on_the_same_data_dir_is_refused(system):
+    second = subprocess.run(
+        [str(Path(sys.executable).with_name("voice-tools")), "run"], env=dict(system.env, PORT=str(free_port())),
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert second.returncode == 1
+    assert "another voice-tools run is using" in second.stdout
+    assert requests.get(f"{system.url}/healthz", timeout=5).status_code == 200  # the first one is untouched
+
+
+def test_sigterm_stops_every_process_it_started(system):
+    before = running(system.data_dir)
+    commands = " ".join(" ".join(p.cmdline()) for p in before)
+    for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
+                 "celery -A tasks beat", "celery -A tasks flower", "honcho"):
+        assert part in commands, f"{part} not running: {describe(before)}"
+
+    assert system.stop() == 128 + signal.SIGTERM
+    left = wait_none_running(system.data_dir)
+    assert left == [], describe(left)
+    out = system.output()
+    assert "stopped" in out.splitlines()[-1]
+    assert "forcefully killing" not in out

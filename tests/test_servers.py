@@ -1,0 +1,189 @@
+"""The embedded servers (servers.py) and the run environment (launcher.py): started when the variables are unset, keep data
+across a restart, stop cleanly (also on SIGTERM), and the migrations go both ways.
+
+Each check runs in a child Python process: conftest already set DATABASE_URL and
+REDIS_URL for this run, and a server a process starts is stopped by that process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlalchemy import create_engine, inspect, text
+
+from models import db
+from servers import ROOT
+from tests.helpers import make_call
+from tests.procs import bare_env, running, wait_none_running
+
+def python(code: str, data_dir: Path, timeout: float = 90) -> dict:
+    """Run ``code`` in a fresh interpreter without the server variables; return its JSON line."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "forcefully killing" not in done.stderr, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def data_dir():
+    with tempfile.TemporaryDirectory(prefix="voice-tools-servers-", dir=tempfile.gettempdir()) as path:
+        yield Path(path)
+
+
+ENSURE_AND_WRITE = """
+    import json, os, servers
+    from pathlib import Path
+    import redis, psycopg2
+    urls = servers.ensure_servers()
+    conn = psycopg2.connect(urls["DATABASE_URL"]); conn.autocommit = True
+    cur = conn.cursor()
+    cur.execute("CREATE TABLE IF NOT EXISTS kept (note text)")
+    cur.execute("INSERT INTO kept VALUES ('call recorded before the restart')")
+    cur.execute("SELECT count(*) FROM kept"); rows = cur.fetchone()[0]
+    cur.execute("SHOW server_version_num"); version = int(cur.fetchone()[0])
+    cur.execute("SELECT count(*) FROM pg_available_extensions WHERE name = 'vector'"); vector = cur.fetchone()[0]
+    conn.close()
+    r = redis.Redis.from_url(urls["REDIS_URL"].replace("redis+socket://", "unix://"))
+    r.set("kept", "yes"); pong = r.ping()
+    pids = {"postgres": servers._started["postgres"].get_pid(), "redis": servers._started["redis"].pid}
+    print(json.dumps({"urls": urls, "rows": rows, "version": version, "vector": vector, "pong": pong, "pids": pids}))
+"""
+
+
+def test_ensure_servers_starts_embedded_servers_that_keep_rows_across_a_restart(data_dir):
+    first = python(ENSURE_AND_WRITE, data_dir)
+    assert first["urls"]["DATABASE_URL"].startswith("postgresql://")
+    assert first["urls"]["REDIS_URL"].startswith("redis+socket://")
+    assert first["version"] >= 180000 and first["vector"] == 1  # PostgreSQL 18 with pgvector
+    assert first["pong"] is True
+    assert first["rows"] == 1
+    assert (data_dir / "postgres" / "PG_VERSION").exists()
+    assert (data_dir / "redis").is_dir()
+    # the process stopped both servers when it ended
+    for pid in first["pids"].values():
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert wait_none_running(data_dir) == []
+
+    second = python(ENSURE_AND_WRITE, data_dir)
+    assert second["rows"] == 2  # the first run's row survived the restart
+    assert wait_none_running(data_dir) == []
+
+
+def test_sigterm_stops_the_embedded_servers(data_dir):
+    code = """
+        import json, servers, signal
+        urls = servers.ensure_servers()
+        print(json.dumps({"ready": True}), flush=True)
+        signal.pause()
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+        env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+        names = {p.name() for p in running(data_dir)}
+        assert {"postgres", "redis-server"} <= names, names
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM  # still dies of SIGTERM, after stopping them
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert "forcefully killing" not in proc.stderr.read()
+    assert wait_none_running(data_dir) == []
+
+
+def test_a_killed_owner_does_not_keep_the_server_running_for_ever(data_dir):
+    """After a SIGKILLed run the next run joins the server left behind, and stops it."""
+    code = """
+        import json, servers, signal
+        servers.ensure_servers()
+        print(json.dumps({"ready": True}), flush=True)
+        signal.pause()
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+        env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)), stdout=subprocess.PIPE, text=True,
+    )
+    assert json.loads(proc.stdout.readline()) == {"ready": True}
+    left = running(data_dir)
+    proc.kill()
+    proc.wait()
+    assert {p.name() for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE} >= {"postgres"}
+
+    again = python(ENSURE_AND_WRITE, data_dir)
+    assert again["rows"] == 1
+    assert wait_none_running(data_dir) == []
+
+
+def alembic(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", *args], cwd=ROOT, env=dict(os.environ),
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_alembic_downgrade_base_then_upgrade_head_from_the_repo_root():
+    """On this run's DATABASE_URL (conftest migrated it): down to nothing and back up."""
+    engine = create_engine(os.environ["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg2://", 1))
+    try:
+        make_call()
+        db.dispose()  # no pooled connection of ours in the way of DROP TABLE
+        down = alembic("downgrade", "base")
+        assert down.returncode == 0, down.stderr
+        tables = set(inspect(engine).get_table_names())
+        assert "tool_calls" not in tables and "callback_deliveries" not in tables, tables
+
+        up = alembic("upgrade", "head")
+        assert up.returncode == 0, up.stderr
+        inspector = inspect(engine)
+        assert {"tool_calls", "session_context", "callback_deliveries"} <= set(inspector.get_table_names())
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM tool_calls")).scalar() == 0
+            head = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        current = alembic("heads")
+        assert head in current.stdout
+    finally:
+        engine.dispose()
+
+
+def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, monkeypatch):
+    import launcher
+
+    for name in ("VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_HOSTS",
+                 "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLOWER_UNAUTHENTICATED_API", "true")
+    stale = data_dir / "prometheus" / "counter_123.db"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("old")
+
+    env, filled = launcher.run_environment(data_dir)
+    assert set(filled) == {"VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET",
+                           "VOICE_TOOLS_CALLBACK_HOSTS", "FLOWER_BASIC_AUTH"}
+    name, token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)
+    assert name == "local" and len(token) >= 24
+    assert env["FLOWER_BASIC_AUTH"].startswith("admin:")
+    assert "FLOWER_UNAUTHENTICATED_API" not in env
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(data_dir / "prometheus") and not stale.exists()
+    assert env["VOICE_TOOLS_PUBLIC_URL"] == "http://127.0.0.1:8000"
+    assert (data_dir / launcher.LOCAL_SECRETS).stat().st_mode & 0o777 == 0o600
+
+    again, _ = launcher.run_environment(data_dir)  # a restart keeps the same token
+    assert again["VOICE_TOOLS_API_TOKENS"] == env["VOICE_TOOLS_API_TOKENS"]
+
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", "ops:mine")  # a set variable wins
+    mine, filled = launcher.run_environment(data_dir)
+    assert mine["VOICE_TOOLS_API_TOKENS"] == "ops:mine" and "VOICE_TOOLS_API_TOKENS" not in filled
