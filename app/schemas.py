@@ -269,6 +269,7 @@ class CallRecord(Schema):
     callback_url = fields.String(allow_none=True)
     workflow_id = fields.String(allow_none=True)
     attempts = fields.Integer()
+    redrives = fields.Integer()
     caller = fields.String(allow_none=True)
     committed_at = fields.DateTime(allow_none=True)
     created_at = fields.DateTime()

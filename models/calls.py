@@ -79,6 +79,8 @@ class ToolCall(Base):
     voice_response: Mapped[str | None] = mapped_column(Text)
     context_key: Mapped[str | None] = mapped_column(String(100))
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # how often the stuck-call sweep ran a committed call's chain again (capped)
+    redrives: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     event_seq: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     caller: Mapped[str | None] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())

@@ -413,18 +413,40 @@ def stuck_executing(s: Session, older_than_s: int) -> list[str]:
     return list(s.scalars(stmt).all())
 
 
-def redrive(s: Session, tool_call_id: str, older_than_s: int) -> ToolCall | None:
+REDRIVEN_REASON = "Run again: its worker stopped after the point of no return"
+
+
+def redrive(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
     """Claim a stuck call past its point of no return for one more run of its chain.
 
     Its side effect carries an idempotency key, so running the rest again finishes
     it with the effect done once; failing it would tell the caller "not done" about
     something that may have been done. ``resumed_at`` becomes the new sign of life,
-    so the sweep claims it again only after another quiet period.
+    so the sweep claims it again only after another quiet period. At most
+    ``max_redrives`` times: a chain that keeps dying is given up (:func:`give_up`).
     """
     return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
-        extra_where=[ToolCall.committed_at.is_not(None), _quiet_for(older_than_s)],
-        resumed_at=func.now(),
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None,
+        history=[_entry(EXECUTING, REDRIVEN_REASON)],
+        extra_where=[ToolCall.committed_at.is_not(None), _quiet_for(older_than_s),
+                     ToolCall.redrives < max_redrives],
+        resumed_at=func.now(), redrives=ToolCall.redrives + 1,
+    )
+
+
+def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
+            error_message: str, voice_response: str) -> ToolCall | None:
+    """→ FAILED a committed call still stuck after ``max_redrives`` runs.
+
+    Its side effect may have happened: the caller is told so (never "not done"),
+    and ``committed_at`` stays set for the audit.
+    """
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=FAILED, reason=error_message[:200],
+        extra_where=[ToolCall.committed_at.is_not(None), _quiet_for(older_than_s),
+                     ToolCall.redrives >= max_redrives],
+        error_message=error_message, voice_response=voice_response, completed_at=func.now(),
+        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )
 
 

@@ -36,6 +36,7 @@ class Settings:
     prepared_ttl_s: int
     session_context_ttl_s: int
     stuck_executing_s: int
+    max_redrives: int
     max_wait_s: int
     public_url: str
 
@@ -55,6 +56,7 @@ def load() -> Settings:
         prepared_ttl_s=_int("VOICE_TOOLS_PREPARED_TTL", 300),
         session_context_ttl_s=_int("VOICE_TOOLS_SESSION_CONTEXT_TTL", 3600),
         stuck_executing_s=_int("VOICE_TOOLS_STUCK_EXECUTING_AFTER", 900),
+        max_redrives=_int("VOICE_TOOLS_MAX_REDRIVES", 3),
         max_wait_s=30,
         public_url=os.environ.get("VOICE_TOOLS_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/"),
     )

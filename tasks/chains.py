@@ -284,10 +284,10 @@ def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = Fal
     return call
 
 
-def redrive(tool_call_id: str, older_than_s: int) -> ToolCall | None:
+def redrive(tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
     """Run again, from its current step, a committed call whose worker died (see lifecycle.redrive)."""
     with db.session() as s:
-        call = lifecycle.redrive(s, tool_call_id, older_than_s)
+        call = lifecycle.redrive(s, tool_call_id, older_than_s, max_redrives)
     if call is None:
         return None
     tool = tools.TOOLS[call.function_name]
@@ -306,6 +306,21 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
         if call is None:
             return None
         delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
+    callbacks.deliver_inline(delivery)
+    return call
+
+
+def give_up(tool: Tool, tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
+    """FAIL a committed call still stuck after ``max_redrives`` runs, saying its effect is unconfirmed."""
+    with db.session() as s:
+        call = lifecycle.get(s, tool_call_id)
+        voice = tool.say(tool.unconfirmed_response, call.parameters, tool=tool.name.replace("_", " "))
+        error = (f"Gave up: its chain stopped {max_redrives + 1} times past the point of no return; "
+                 "whether the side effect happened is unconfirmed.")
+        call = lifecycle.give_up(s, tool_call_id, older_than_s, max_redrives, error, voice)
+        if call is None:
+            return None
+        delivery = callbacks.record(s, call, "failed", step=call.current_step, message=voice, inline=True)
     callbacks.deliver_inline(delivery)
     return call
 

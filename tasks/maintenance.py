@@ -24,8 +24,9 @@ def expire_stale() -> int:
 def fail_stuck() -> int:
     """Calls EXECUTING with no progress for longer than any link may take (their worker
     died): fail those that never reached the point of no return; run the rest of the
-    chain again for those that did (their side effect is idempotent). Returns how many
-    calls it handled."""
+    chain again for those that did (their side effect is idempotent), at most
+    ``VOICE_TOOLS_MAX_REDRIVES`` times, then fail them saying the outcome is
+    unconfirmed. Returns how many calls it handled."""
     cfg = settings.load()
     with db.session() as s:
         stuck = lifecycle.stuck_executing(s, cfg.stuck_executing_s)
@@ -37,7 +38,8 @@ def fail_stuck() -> int:
         if tool is None:
             continue
         if call.committed_at is not None:
-            done = chains.redrive(tool_call_id, cfg.stuck_executing_s)
+            done = (chains.redrive(tool_call_id, cfg.stuck_executing_s, cfg.max_redrives)
+                    or chains.give_up(tool, tool_call_id, cfg.stuck_executing_s, cfg.max_redrives))
         else:
             done = chains.fail_call(tool, tool_call_id, "The worker stopped before finishing.", call.parameters,
                                     uncommitted_only=True)

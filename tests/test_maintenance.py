@@ -110,6 +110,35 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
     assert redriven.queue == "tools.send_email"
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 1
+    assert done.redrives == 1
+    assert [(h["status"], h["reason"]) for h in done.status_history][-2:] == [
+        ("EXECUTING", lifecycle.REDRIVEN_REASON), ("COMPLETED", "Completed")]
+    assert sweep(task_log, maintenance.fail_stuck) == 0
+
+
+def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outcome_is_unconfirmed(
+        worker, relay, task_log, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
+    monkeypatch.setenv("VOICE_TOOLS_MAX_REDRIVES", "2")
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:  # past its point of no return, its chain already run again twice and lost again
+        lifecycle.confirm(s, call.tool_call_id)
+        lifecycle.begin_step(s, call.tool_call_id, "SENDING", 0.5)
+        lifecycle.commit_point(s, call.tool_call_id, "SENDING")
+        s.execute(text("UPDATE tool_calls SET redrives = 2 WHERE tool_call_id = :id"), {"id": call.tool_call_id})
+    for column in ("confirmed_at", "executed_at"):
+        backdate(call.tool_call_id, column, 120)
+
+    assert sweep(task_log, maintenance.fail_stuck) == 1
+    failed = relay.wait_for(call.tool_call_id, "failed")
+    done = row(call.tool_call_id)
+    assert done.status == "FAILED" and done.committed_at is not None and done.redrives == 2
+    said = "I could not confirm that the email to john@example.com was sent. Please check your sent mail before trying again."
+    assert done.voice_response == failed["voice_response"] == said
+    assert "unconfirmed" in done.error_message
+    assert task_log.published_for(call.tool_call_id, "tools.send_email.SENDING") == []
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 0  # nothing was run again
     assert sweep(task_log, maintenance.fail_stuck) == 0
 
 

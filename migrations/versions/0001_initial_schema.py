@@ -87,6 +87,7 @@ def upgrade() -> None:
     sa.Column('voice_response', sa.Text(), nullable=True),
     sa.Column('context_key', sa.String(length=100), nullable=True),
     sa.Column('attempts', sa.Integer(), server_default=sa.text('0'), nullable=False),
+    sa.Column('redrives', sa.Integer(), server_default=sa.text('0'), nullable=False),
     sa.Column('event_seq', sa.Integer(), server_default=sa.text('0'), nullable=False),
     sa.Column('caller', sa.String(length=100), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),

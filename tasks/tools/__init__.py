@@ -90,6 +90,9 @@ class Tool:
     voice_response: Message
     failure_response: Message
     cancelled_response: Message
+    # said when a call stuck past its point of no return is given up: the side
+    # effect may or may not have happened, and the caller must not be told "not done"
+    unconfirmed_response: Message = "I could not confirm that the {tool} request went through. Please check before trying again."
     time_limit: int = 60
     max_retries: int = 5
     aliases: tuple[str, ...] = field(default_factory=tuple)

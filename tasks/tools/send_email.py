@@ -66,5 +66,6 @@ TOOL = Tool(
     voice_response="Email sent to {to}.",
     failure_response="The email to {to} was not sent: {error}.",
     cancelled_response="Cancelled. The email was not sent.",
+    unconfirmed_response="I could not confirm that the email to {to} was sent. Please check your sent mail before trying again.",
     time_limit=60,
 )
