@@ -31,7 +31,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from models import db, lifecycle
 from models.calls import CallbackDelivery, ToolCall
 from tasks import app, callbacks, tools
-from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Link(Task):
         except SoftTimeLimitExceeded:
             return self._retry_or_fail(tool_call_id, given, TransientError(f"step {step.name} timed out"))
         except PermanentError as exc:
-            return self._fail(tool_call_id, given, str(exc))
+            return self._fail(tool_call_id, given, str(exc), refused=True)
         except Exception as exc:  # classify it; an unforeseen error fails the call, never leaves it hanging
             if tools.is_transient(exc):
                 return self._retry_or_fail(tool_call_id, given, exc)
@@ -151,8 +151,10 @@ class Link(Task):
         callbacks.deliver_inline(delivery)
         return None
 
-    def _fail(self, tool_call_id: str, given: StepInput, error: str) -> None:
-        fail_call(self.tool, tool_call_id, error, given.parameters, step=self.step.name, gate=self.index + 1)
+    def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False) -> None:
+        sentence = self.tool.failure_sentence(self.step, given.outputs, refused)
+        fail_call(self.tool, tool_call_id, error, given.parameters, step=self.step.name, gate=self.index + 1,
+                  sentence=sentence)
         return self._stop()
 
     def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception) -> None:
@@ -298,8 +300,9 @@ def redrive(tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall
 
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
-              uncommitted_only: bool = False) -> ToolCall | None:
-    voice = tool.say(tool.failure_response, parameters, error=error.rstrip("."))
+              uncommitted_only: bool = False, sentence: Message | None = None) -> ToolCall | None:
+    voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
+                     error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
         call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
                               uncommitted_only=uncommitted_only)
@@ -314,7 +317,7 @@ def give_up(tool: Tool, tool_call_id: str, older_than_s: int, max_redrives: int)
     """FAIL a committed call still stuck after ``max_redrives`` runs, saying its effect is unconfirmed."""
     with db.session() as s:
         call = lifecycle.get(s, tool_call_id)
-        voice = tool.say(tool.unconfirmed_response, call.parameters, tool=tool.name.replace("_", " "))
+        voice = tool.say(tool.unconfirmed_response, call.parameters, tool=tool.spoken_name)
         error = (f"Gave up: its chain stopped {max_redrives + 1} times past the point of no return; "
                  "whether the side effect happened is unconfirmed.")
         call = lifecycle.give_up(s, tool_call_id, older_than_s, max_redrives, error, voice)

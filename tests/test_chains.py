@@ -377,6 +377,33 @@ def test_transient_errors_past_max_retries_fail(register, task_log):
     assert_no_link_failed(task_log, call.tool_call_id)
 
 
+@pytest.mark.parametrize("where, error, said", [
+    ("APPLY", PermanentError("the bank refused it"), "The transfer did not happen: the bank refused it."),
+    ("APPLY", TransientError("no answer"),
+     "I could not confirm that the gated c request went through. Please check before trying again."),
+    ("AFTER", PermanentError("the receipt store is full"),
+     "The gated c request went through, but a later step failed: the receipt store is full."),
+])
+def test_a_failure_at_or_after_the_point_of_no_return_never_says_it_did_not_happen(
+        register, relay, task_log, where, error, said):
+    """Refused by its service: not done. Unknown (no answer): unconfirmed. After the effect: done."""
+    def fails(step):
+        raise error
+
+    steps = {"APPLY": {"applied": True}, "AFTER": {"filed": True}}
+    runs = {name: (fails if name == where else (lambda step, out=out: out)) for name, out in steps.items()}
+    tool = register(make_tool("gated_c", (Step("APPLY", run=runs["APPLY"], side_effect=True),
+                                          Step("AFTER", run=runs["AFTER"]), Step("COMPLETED")), max_retries=0))
+    call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    failed = relay.wait_for(call.tool_call_id, "failed")
+    done = row(call.tool_call_id)
+    assert done.status == "FAILED" and done.committed_at is not None
+    assert done.voice_response == failed["voice_response"] == said
+    assert failed["step"] == where and failed["cancellable"] is False
+    assert_no_link_failed(task_log, call.tool_call_id)
+
+
 def test_an_unexpected_exception_fails_the_call(register, task_log):
     def buggy(step):
         return {}["missing"]

@@ -93,6 +93,8 @@ class Tool:
     # said when a call stuck past its point of no return is given up: the side
     # effect may or may not have happened, and the caller must not be told "not done"
     unconfirmed_response: Message = "I could not confirm that the {tool} request went through. Please check before trying again."
+    # said when a step after a completed side effect fails: the effect did happen
+    after_effect_failure_response: Message = "The {tool} request went through, but a later step failed: {error}."
     time_limit: int = 60
     max_retries: int = 5
     aliases: tuple[str, ...] = field(default_factory=tuple)
@@ -100,6 +102,11 @@ class Tool:
     @property
     def queue(self) -> str:
         return f"tools.{self.name}"
+
+    @property
+    def spoken_name(self) -> str:
+        """``send_email`` → ``send email`` (for the generic sentences)."""
+        return self.name.replace("_", " ")
 
     @property
     def has_checkpoint(self) -> bool:
@@ -110,6 +117,21 @@ class Tool:
 
     def step_index(self, name: str) -> int:
         return [s.name for s in self.steps].index(name)
+
+    def failure_sentence(self, step: Step, done: Mapping[str, Any], refused: bool) -> Message:
+        """What to say when ``step`` fails, given the steps ``done`` so far.
+
+        Before the point of no return, or when the side effect's own service refused
+        it (``refused``), it did not happen; once the side effect step is recorded
+        done, it did; in between (a timeout, a lost answer, a crash) nobody knows, and
+        the caller is told so rather than "not sent".
+        """
+        effect = next((s for s in self.steps if s.side_effect), None)
+        if effect is None or self.steps.index(step) < self.steps.index(effect):
+            return self.failure_response
+        if effect.name in done:
+            return self.after_effect_failure_response
+        return self.failure_response if step is effect and refused else self.unconfirmed_response
 
     def say(self, message: Message, parameters: Mapping[str, Any], **extra: Any) -> str:
         """Render one of the tool's sentences (at most 1,000 characters)."""

@@ -67,5 +67,6 @@ TOOL = Tool(
     failure_response="The email to {to} was not sent: {error}.",
     cancelled_response="Cancelled. The email was not sent.",
     unconfirmed_response="I could not confirm that the email to {to} was sent. Please check your sent mail before trying again.",
+    after_effect_failure_response="The email to {to} was sent, but a later step failed: {error}.",
     time_limit=60,
 )
