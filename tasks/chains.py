@@ -228,9 +228,19 @@ def signature(tool: Tool, tool_call_id: str, start: int = 0):
     return chain(*(link.si(tool_call_id) for link in LINKS[tool.name][start:]))
 
 
+# The faces enqueue while a caller waits on the line: one quick reconnect, then the
+# broker is "unavailable" (503; the relay may retry). Left to kombu's defaults, a
+# process that has never reached the broker keeps trying for about 6 s first
+# (``broker_connection_timeout`` around redis-py's connect).
+QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
+
+
 def _enqueue(tool: Tool, call: ToolCall, start: int) -> str:
     try:
-        result = signature(tool, call.tool_call_id, start).apply_async(retry=False)
+        with app.producer_or_acquire() as producer:
+            producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
+            result = signature(tool, call.tool_call_id, start).apply_async(
+                producer=producer, retry=True, retry_policy=QUICK_RETRY)
     except (KombuOperationalError, RedisError, OSError) as exc:
         raise BrokerUnavailable(str(exc)) from exc
     with db.session() as s:
