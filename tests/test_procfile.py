@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 from servers import ROOT
 from tasks import app as celery_app
@@ -66,3 +69,17 @@ def test_ci_runs_exactly_the_readme_test_command():
           if line.strip() and not line.startswith("#")]
     assert ci == ["set -euo pipefail", 'cd "$(dirname "${BASH_SOURCE[0]}")/.."', test]
     assert "## API" in README
+
+
+def test_flask_cli_finds_the_app_factory():
+    """``flask --app app`` (as CONTRACT section 1 and the README promise) loads ``create_app``."""
+    flask = Path(sys.executable).with_name("flask")
+    done = subprocess.run([str(flask), "--app", "app", "routes"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    routes = {line.split()[-1] for line in done.stdout.splitlines()[2:] if line.strip()}
+    assert {"/voice-tools/pending", "/voice-tools/modify/<tool_call_id>", "/voice-tools/confirm/<tool_call_id>",
+            "/voice-tools/execute", "/voice-tools/resume/<tool_call_id>", "/voice-tools/cancel/<tool_call_id>",
+            "/voice-tools/status/<tool_call_id>", "/voice-tools/context/<session_id>", "/voice-tools/session-context",
+            "/voice-tools/tools", "/execute-gmail", "/query-vector-db", "/get-session-context", "/healthz",
+            "/readyz", "/metrics", "/openapi.json"} <= routes, done.stdout
