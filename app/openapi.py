@@ -35,10 +35,16 @@ def doc(summary: str, *, body: type[Schema] | None = None, query: type[Schema] |
     return mark
 
 
+# the schema each path argument is loaded with (so its pattern and length are documented)
+_PATH_SCHEMAS: dict[str, type[Schema]] = {"tool_call_id": schemas.ToolCallPath, "session_id": schemas.SessionPath}
+
+
 def _operation(meta: dict[str, Any], path_args: list[str]) -> dict[str, Any]:
     operation: dict[str, Any] = {"summary": meta.get("summary", "")}
     parameters: list[dict[str, Any]] = [
-        {"in": "path", "name": name, "required": True, "schema": {"type": "string"}} for name in path_args
+        {"in": "path", "schema": _PATH_SCHEMAS[name]} if name in _PATH_SCHEMAS
+        else {"in": "path", "name": name, "required": True, "schema": {"type": "string"}}
+        for name in path_args
     ]
     if meta.get("query"):
         parameters.append({"in": "query", "schema": meta["query"]})

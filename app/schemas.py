@@ -75,7 +75,8 @@ def _allowed_callback_url(url: str) -> None:
 def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
     return fields.String(
         validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
-        metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS"},
+        metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
+                  "format": "uri", "pattern": "^https?://[^/?#]+"},
         **kwargs,
     )
 

@@ -72,7 +72,15 @@ def test_openapi_lists_every_path(client):
     schemas = spec["components"]["schemas"]
     assert {"PendingRequest", "PendingAnswer", "CallRecord", "ErrorAnswer", "ModifyAnswer"} <= set(schemas)
     assert "session_id" in schemas["PendingRequest"]["properties"]
+    assert schemas["PendingRequest"]["additionalProperties"] is False  # unknown fields are 422
     assert "security" not in spec["paths"]["/healthz"]["get"]
+    # path arguments say what they accept, as their loading schemas do
+    [tool_call_id] = [p for p in confirm["parameters"] if p["in"] == "path"]
+    [session_id] = spec["paths"]["/voice-tools/context/{session_id}"]["get"]["parameters"][:1]
+    for parameter, name in ((tool_call_id, "tool_call_id"), (session_id, "session_id")):
+        assert parameter["name"] == name and parameter["required"] is True
+        assert parameter["schema"] == {"type": "string", "minLength": 1, "maxLength": 100,
+                                       "pattern": "^[A-Za-z0-9_.:\\-]+$"}
 
 
 def test_healthz_and_readyz(client):
