@@ -122,6 +122,15 @@ def test_sign_is_hmac_sha256_over_timestamp_dot_body():
     assert callbacks.sign("k", "1700000000", body) == f"sha256={expected}"
 
 
+# CONTRACT section 8: every callback body carries these (null where they do not apply)
+CONTRACT_FIELDS = {
+    "event_id", "type", "event", "tool_call_id", "intent_id", "session_id", "function_name", "parameters",
+    "status", "step", "gate", "progress", "message", "cancellable", "requires_confirmation", "preview",
+    "resume_url", "actions_available", "result", "voice_response", "execution_time_ms", "context_available",
+    "context_key", "seq", "sent_at",
+}
+
+
 def test_every_event_is_signed_ordered_and_identified(worker, relay):
     relay.answer(lambda event: {"continue": True})
     call = make_call(callback_url=relay.url)
@@ -142,6 +151,7 @@ def test_every_event_is_signed_ordered_and_identified(worker, relay):
         assert event["type"] == "tool_status" and event["tool_call_id"] == call.tool_call_id
         assert event["session_id"] == "sess_test" and event["function_name"] == "send_email"
         assert datetime.fromisoformat(event["sent_at"])
+        assert CONTRACT_FIELDS <= set(event), CONTRACT_FIELDS - set(event)
     seqs = [e["seq"] for e in events]
     assert all(a < b for a, b in zip(seqs, seqs[1:])), seqs
     assert len({e["event_id"] for e in events}) == 4
