@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from celery import Task, chain
-from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded
+from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu import Queue
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
@@ -107,6 +107,33 @@ class Link(Task):
             )
         callbacks.deliver_inline(delivery)
         return None
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        """The link itself ended in error: fail its call now, not after the stuck-call sweep.
+
+        Steps' own errors are handled in :meth:`drive`; what reaches here is what
+        Celery ends from outside: the hard time limit (the pool child is killed;
+        Celery calls this in the worker's main process) or database retries used up.
+        Only the call still EXECUTING at this link's step is failed, with the sentence
+        that fits how far it got (never "not sent" past the point of no return).
+        """
+        tool_call_id = args[0] if args else None
+        if not tool_call_id:
+            return
+        if isinstance(exc, TimeLimitExceeded):
+            error = f"step {self.step.name} ran past its hard time limit"
+        else:
+            error = f"Unexpected error in {self.step.name}: {type(exc).__name__}"
+        try:
+            with db.session() as s:
+                call = lifecycle.get(s, tool_call_id)
+            if call.status != "EXECUTING" or call.current_step != self.step.name:
+                return
+            sentence = self.tool.failure_sentence(self.step, call.step_outputs, refused=False)
+            fail_call(self.tool, tool_call_id, error, call.parameters, step=self.step.name, gate=self.index + 1,
+                      sentence=sentence)
+        except Exception:  # the database may be what failed: the stuck-call sweep is the backstop
+            log.exception("could not record the failure of %s at %s", tool_call_id, self.step.name)
 
     # -- the endings ---------------------------------------------------------------
 

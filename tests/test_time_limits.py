@@ -60,3 +60,19 @@ def test_a_side_effect_past_its_soft_time_limit_fails_as_unconfirmed(timed_worke
     assert done.error_message == "step APPLY timed out (gave up after 0 retries)"
     assert done.voice_response == failed["voice_response"] == \
         "I could not confirm that the timed write request went through. Please check before trying again."
+
+
+def test_a_step_killed_at_its_hard_time_limit_fails_the_call_at_once(timed_worker, relay):
+    """Celery kills the pool child and acknowledges the message; ``Link.on_failure`` (run by the
+    worker's main process) fails the call instead of leaving it EXECUTING for the stuck-call sweep."""
+    call = make_call("timed_stubborn", {"what": "lookup"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    failed = relay.wait_for(call.tool_call_id, "failed", timeout=60)
+    done = wait_status(call.tool_call_id)
+    assert done.status == "FAILED" and done.committed_at is None
+    assert done.error_message == "step FETCH ran past its hard time limit"
+    assert done.voice_response == failed["voice_response"] == \
+        "The lookup did not happen: step FETCH ran past its hard time limit."
+    assert done.attempts == 1, "killed once, not redelivered"
+    assert "Hard time limit (11s) exceeded for tools.timed_stubborn.FETCH" in timed_worker.log()
+    assert app.control.ping(destination=[timed_worker.name], timeout=5), "the worker replaced its child"
