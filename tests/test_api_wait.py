@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 
+from sqlalchemy import event
+
 from app.wait import until_settled
 from models import db, lifecycle
 from tests.api_fixtures import created_id
@@ -85,8 +87,18 @@ def test_the_waiting_connection_goes_back_to_the_pool_listening_to_nothing():
     with db.session() as s:
         lifecycle.confirm(s, call.tool_call_id)
     pool = db.engine().pool
-    until_settled(call.tool_call_id, 0.2)
-    assert pool.checkedout() == 0
+    # the in-process worker shares this pool: count only this thread's checkouts and checkins
+    mine, out, back = threading.get_ident(), [], []
+    on_checkout = lambda dbapi, record, proxy: threading.get_ident() == mine and out.append(dbapi)  # noqa: E731
+    on_checkin = lambda dbapi, record: threading.get_ident() == mine and back.append(dbapi)  # noqa: E731
+    event.listen(pool, "checkout", on_checkout)
+    event.listen(pool, "checkin", on_checkin)
+    try:
+        until_settled(call.tool_call_id, 0.2)
+    finally:
+        event.remove(pool, "checkout", on_checkout)
+        event.remove(pool, "checkin", on_checkin)
+    assert out and sorted(map(id, out)) == sorted(map(id, back)), "every connection it borrowed went back"
     borrowed = [db.engine().raw_connection() for _ in range(pool.checkedin())]
     try:
         for proxy in borrowed:
