@@ -368,11 +368,16 @@ def complete(s: Session, tool_call_id: str, result: dict[str, Any], voice_respon
 
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
-         from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False) -> ToolCall | None:
-    """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed."""
+         from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False,
+         at_step: str | None = None) -> ToolCall | None:
+    """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed;
+    ``at_step``: only if the call is still at that step."""
+    where = [ToolCall.committed_at.is_(None)] if uncommitted_only else []
+    if at_step is not None:
+        where.append(ToolCall.current_step == at_step)
     return _transition(
         s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
-        extra_where=[ToolCall.committed_at.is_(None)] if uncommitted_only else (),
+        extra_where=where,
         error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )

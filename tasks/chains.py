@@ -126,12 +126,10 @@ class Link(Task):
             error = f"Unexpected error in {self.step.name}: {type(exc).__name__}"
         try:
             with db.session() as s:
-                call = lifecycle.get(s, tool_call_id)
-            if call.status != "EXECUTING" or call.current_step != self.step.name:
-                return
+                call = lifecycle.get(s, tool_call_id)  # what it had done, for the sentence
             sentence = self.tool.failure_sentence(self.step, call.step_outputs, refused=False)
             fail_call(self.tool, tool_call_id, error, call.parameters, step=self.step.name, gate=self.index + 1,
-                      sentence=sentence)
+                      sentence=sentence, only_at_step=True)  # the statement checks EXECUTING at this step
         except Exception:  # the database may be what failed: the stuck-call sweep is the backstop
             log.exception("could not record the failure of %s at %s", tool_call_id, self.step.name)
 
@@ -337,12 +335,13 @@ def redrive(tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall
 
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
-              uncommitted_only: bool = False, sentence: Message | None = None) -> ToolCall | None:
+              uncommitted_only: bool = False, sentence: Message | None = None,
+              only_at_step: bool = False) -> ToolCall | None:
     voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
                      error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
         call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
-                              uncommitted_only=uncommitted_only)
+                              uncommitted_only=uncommitted_only, at_step=step if only_at_step else None)
         if call is None:
             return None
         delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
@@ -350,11 +349,10 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
     return call
 
 
-def give_up(tool: Tool, tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
+def give_up(tool: Tool, tool_call_id: str, parameters: Any, older_than_s: int, max_redrives: int) -> ToolCall | None:
     """FAIL a committed call still stuck after ``max_redrives`` runs, saying its effect is unconfirmed."""
+    voice = tool.say(tool.unconfirmed_response, parameters, tool=tool.spoken_name)
     with db.session() as s:
-        call = lifecycle.get(s, tool_call_id)
-        voice = tool.say(tool.unconfirmed_response, call.parameters, tool=tool.spoken_name)
         error = (f"Gave up: its chain stopped {max_redrives + 1} times past the point of no return; "
                  "whether the side effect happened is unconfirmed.")
         call = lifecycle.give_up(s, tool_call_id, older_than_s, max_redrives, error, voice)

@@ -39,7 +39,8 @@ def fail_stuck() -> int:
             continue
         if call.committed_at is not None:
             done = (chains.redrive(tool_call_id, cfg.stuck_executing_s, cfg.max_redrives)
-                    or chains.give_up(tool, tool_call_id, cfg.stuck_executing_s, cfg.max_redrives))
+                    or chains.give_up(tool, tool_call_id, call.parameters, cfg.stuck_executing_s,
+                                   cfg.max_redrives))
         else:
             done = chains.fail_call(tool, tool_call_id, "The worker stopped before finishing.", call.parameters,
                                     uncommitted_only=True)

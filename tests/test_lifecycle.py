@@ -234,6 +234,20 @@ def test_fail_records_error_and_voice_response():
     assert failed.status_history[-1]["reason"] == "SMTP said no"
 
 
+def test_fail_at_step_applies_only_while_the_call_is_at_that_step():
+    """Link.on_failure fails a call only if it is still at the link's own step."""
+    call = make_call()
+    to_executing(call.tool_call_id)
+    apply(lifecycle.begin_step, call.tool_call_id, "PREPARING", 0.0)
+    before = row(call.tool_call_id)
+    assert apply(lifecycle.fail, call.tool_call_id, "late", "x", at_step="SENDING") is None
+    after = row(call.tool_call_id)
+    assert (after.status, after.status_history, after.event_seq) == (
+        "EXECUTING", before.status_history, before.event_seq)
+    failed = apply(lifecycle.fail, call.tool_call_id, "timed out", "x", at_step="PREPARING")
+    assert failed.status == "FAILED" and failed.error_message == "timed out"
+
+
 def test_confirm_refusals_name_the_status():
     call = make_call()
     to_executing(call.tool_call_id)
