@@ -145,6 +145,8 @@ def run(procfile: str | None = None) -> int:
     try:
         urls = ensure_servers(data_dir)
         migrate()
+        if _never_used():
+            _say(f"demo data loaded: {_describe(load_demo())}")
         env, filled = run_environment(data_dir)
         procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / "Procfile")
         _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
@@ -172,6 +174,35 @@ def run(procfile: str | None = None) -> int:
         _say("stopped")
 
 
+def _never_used() -> bool:
+    """No call was ever recorded: a fresh system, which gets the demo data set."""
+    from sqlalchemy import select
+
+    from models import db
+    from models.calls import ToolCall
+
+    with db.session() as s:
+        return s.scalars(select(ToolCall.id).limit(1)).first() is None
+
+
+def load_demo() -> dict[str, int]:
+    from tasks.backends import load_demo as load_every_backends_demo
+
+    return load_every_backends_demo()
+
+
+def _describe(added: dict[str, int]) -> str:
+    return ", ".join(f"{name} +{count}" for name, count in added.items()) or "nothing to load"
+
+
+def ingest(paths: list[str]) -> int:
+    from tasks.backends import documents
+
+    report = documents.ingest(paths)
+    print(json.dumps(report, indent=2), flush=True)
+    return 0
+
+
 def _say(text: str) -> None:
     print(f"voice-tools: {text}", flush=True)
 
@@ -193,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
     sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
+    sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
+    ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
+    ingest_parser.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
     args, rest = parser.parse_known_args(argv)
     command = args.command or "run"
     if command == "demo":
@@ -207,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     if command == "migrate":
         migrate()
         return 0
+    if command == "load-demo":
+        migrate()
+        print(f"demo data loaded: {_describe(load_demo())}", flush=True)
+        return 0
+    if command == "ingest":
+        migrate()
+        return ingest(args.paths)
     for key, value in urls.items():
         print(f"export {key}='{value}'", flush=True)
     signal.signal(signal.SIGINT, lambda *_: None)

@@ -2,9 +2,11 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from models import local  # noqa: F401  (registers the backend tables)
+import models
 from models.calls import Base
 from models.db import database_url
+
+models.import_all()  # every backend's tables
 
 config = context.config
 target_metadata = Base.metadata

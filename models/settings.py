@@ -22,6 +22,9 @@ def _list(name: str) -> list[str]:
     return [part.strip() for part in os.environ.get(name, "").split(",") if part.strip()]
 
 
+GOOGLE_SERVICES = ("gmail", "calendar", "people", "tasks")
+
+
 @dataclass(frozen=True)
 class Settings:
     database_url: str
@@ -39,6 +42,20 @@ class Settings:
     max_redrives: int
     max_wait_s: int
     public_url: str
+    # real backends (README "Real backends"); unset: the local ones
+    google_credentials: str
+    google_subject: str
+    google_services: list[str]
+    google_api_endpoint: str
+    google_timeout_s: float
+    openai_api_key: str
+    openai_base_url: str
+    embedding_model: str
+    summary_model: str
+
+    def uses_google(self, service: str) -> bool:
+        """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
+        return bool(self.google_credentials) and service in self.google_services
 
 
 def load() -> Settings:
@@ -59,4 +76,14 @@ def load() -> Settings:
         max_redrives=_int("VOICE_TOOLS_MAX_REDRIVES", 3),
         max_wait_s=30,
         public_url=os.environ.get("VOICE_TOOLS_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/"),
+        google_credentials=(os.environ.get("VOICE_TOOLS_GOOGLE_CREDENTIALS")
+                            or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")),
+        google_subject=os.environ.get("VOICE_TOOLS_GOOGLE_SUBJECT", ""),
+        google_services=_list("VOICE_TOOLS_GOOGLE_SERVICES") or list(GOOGLE_SERVICES),
+        google_api_endpoint=os.environ.get("VOICE_TOOLS_GOOGLE_API_ENDPOINT", ""),
+        google_timeout_s=_float("VOICE_TOOLS_GOOGLE_TIMEOUT", 10.0),
+        openai_api_key=os.environ.get("OPENAI_API_KEY", ""),
+        openai_base_url=os.environ.get("OPENAI_BASE_URL", ""),
+        embedding_model=os.environ.get("VOICE_TOOLS_EMBEDDING_MODEL", ""),
+        summary_model=os.environ.get("VOICE_TOOLS_SUMMARY_MODEL", ""),
     )

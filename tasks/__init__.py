@@ -9,13 +9,15 @@ from celery.signals import worker_process_init
 from kombu import Queue
 
 from models import db
-from tasks import tools
+from tasks import tools, worker_groups
 
 app = Celery("tasks")
 app.config_from_object("celeryconfig")
 app.conf.task_queues = tuple(
     [Queue(tool.queue) for tool in tools.TOOLS.values()] + [Queue("callbacks"), Queue("maintenance")]
 )
+
+worker_groups.install(app)
 
 
 @worker_process_init.connect

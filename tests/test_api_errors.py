@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from models import db, lifecycle
+from tasks import tools
 from tests.api_fixtures import SEED_EMAIL, call_count, created_id, pending, snapshot
 from tests.conftest import AUTH
 from tests.helpers import row
@@ -232,7 +233,7 @@ def test_unknown_tool_lists_the_known_ones(client, existing):
     _, before = existing
     body = assert_error(pending(client, {**BODY, "function": "launch_rocket"}), 422, "validation_error")
     assert "launch_rocket" in _fields(body)["function"][0]
-    assert body["details"]["known_tools"] == ["query_vector_db", "send_email"]
+    assert body["details"]["known_tools"] == tools.names() and "send_email" in tools.names()
     assert "send_email" in _fields(body)["function"][0]
     assert snapshot() == before
 

@@ -17,7 +17,7 @@ from sqlalchemy import select, text
 
 from models import db, lifecycle
 from models.calls import CallbackDelivery
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 from tasks import callbacks, chains
 from tests.helpers import deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog

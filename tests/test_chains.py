@@ -13,7 +13,7 @@ from sqlalchemy import func, select, text
 
 from models import db, lifecycle
 from models.calls import SessionContext
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 from tasks import chains, tools
 from tasks.tools import PermanentError, Step, Tool, TransientError
 from tests.helpers import deliveries, make_call, row, wait_status

@@ -6,7 +6,7 @@ from sqlalchemy import func, select, text
 
 from models import db, lifecycle
 from models.calls import CallbackDelivery, SessionContext
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 from tasks import callbacks, chains, maintenance
 from tests.helpers import make_call, row, wait_status
 from tests.tasklog import TaskLog

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from servers import ROOT
 from tasks import app as celery_app
-from tasks import tools
+from tasks import tools, worker_groups
 
 README = (ROOT / "README.md").read_text()
 
@@ -32,13 +32,34 @@ def option(words: list[str], name: str) -> str:
     raise AssertionError(f"{name} not in {words}")
 
 
+def worker_lines() -> dict[str, list[str]]:
+    return {name: words for name, words in procfile().items() if words[3:4] == ["worker"]}
+
+
+def consumed_by(words: list[str]) -> list[str]:
+    """The queues a worker line consumes: its ``--queues`` plus its ``--group``'s tools' queues."""
+    queues = [q for q in option(words, "--queues").split(",")] if "--queues" in words else []
+    if "--group" in words:
+        queues += worker_groups.queues_of([option(words, "--group")])
+    return queues
+
+
 def test_every_queue_is_consumed_by_exactly_one_worker_line():
-    workers = {name: words for name, words in procfile().items() if words[3:4] == ["worker"]}
-    consumed = [q for words in workers.values() for q in option(words, "--queues").split(",")]
+    workers = worker_lines()
+    consumed = [q for words in workers.values() for q in consumed_by(words)]
     declared = {queue.name for queue in celery_app.conf.task_queues}
     assert declared == {tool.queue for tool in tools.TOOLS.values()} | {"callbacks", "maintenance"}
-    assert sorted(consumed) == sorted(declared), "add each tool's queue to one worker line of the Procfile"
+    assert sorted(consumed) == sorted(declared), "give each worker group of the tools a worker line (--group)"
     assert {option(words, "--hostname").split("@")[0] for words in workers.values()} == set(workers)
+
+
+def test_tool_queues_come_from_the_registry_not_the_procfile():
+    """A new tool in an existing group needs no Procfile change: no line names a tool queue."""
+    for name, words in worker_lines().items():
+        if "--queues" in words:
+            assert not any(q.startswith("tools.") for q in option(words, "--queues").split(",")), name
+    groups = {option(words, "--group") for words in worker_lines().values() if "--group" in words}
+    assert groups == set(tools.worker_groups())
 
 
 def test_web_beat_and_flower_lines():

@@ -34,7 +34,7 @@ from sqlalchemy import func, select
 
 from models import db, lifecycle
 from models.calls import OPEN, ToolCall
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 from tasks import chains
 from tests.helpers import make_call, wait_status
 

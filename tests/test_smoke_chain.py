@@ -1,7 +1,7 @@
 from sqlalchemy import func, select
 
 from models import db
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 from tasks import chains
 from tests.helpers import make_call, wait_status
 

@@ -35,7 +35,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 from tasks import app, chains
 from tests.helpers import make_call, row, wait_status
 from tests.worker_process import WorkerProcess, queues_taken_from_others

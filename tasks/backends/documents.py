@@ -10,7 +10,7 @@ from sqlalchemy import func, literal_column, select
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db
-from models.local import Document
+from models.documents import Document
 
 DEMO_DOCUMENTS = [
     ("q3-sales-northwest", "Q3 sales report: Northwest region",

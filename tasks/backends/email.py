@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db
-from models.local import EmailOutbox
+from models.email import EmailOutbox
 
 
 def message_id_for(tool_call_id: str) -> str:

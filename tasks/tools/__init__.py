@@ -98,6 +98,18 @@ class Tool:
     time_limit: int = 60
     max_retries: int = 5
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    # the Procfile worker line that consumes this tool's queue (``--group``); by
+    # default ``writes`` for tools with a side effect, ``reads`` for the others
+    group: str = ""
+    # parameters a caller might give: the README, the OpenAPI examples and the tests
+    # that run every tool end to end use them
+    example: Mapping[str, Any] = field(default_factory=dict)
+    # the stated shape of ``result`` (CONTRACT section 6), checked by the tests
+    result_schema: type[Schema] | None = None
+
+    @property
+    def worker_group(self) -> str:
+        return self.group or ("writes" if self.action_level == "write" else "reads")
 
     @property
     def queue(self) -> str:
@@ -167,3 +179,11 @@ def get(name: str) -> Tool | None:
 
 def names() -> list[str]:
     return sorted(TOOLS)
+
+
+def worker_groups() -> dict[str, list[str]]:
+    """Each worker group's queues (``{"reads": ["tools.query_vector_db", ...]}``)."""
+    groups: dict[str, list[str]] = {}
+    for name in names():
+        groups.setdefault(TOOLS[name].worker_group, []).append(TOOLS[name].queue)
+    return groups

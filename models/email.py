@@ -1,4 +1,4 @@
-"""Tables of the local tool backends (used when no Google credentials are set)."""
+"""The local email backend's table: the outbox (used when no Gmail credentials are set)."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -23,14 +23,3 @@ class EmailOutbox(Base):
     headers: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     body: Mapped[str] = mapped_column(Text, nullable=False)
     sent_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
-
-
-class Document(Base):
-    """The local document store searched by query_vector_db / search_documentation."""
-
-    __tablename__ = "documents"
-
-    id: Mapped[str] = mapped_column(String(100), primary_key=True)
-    title: Mapped[str] = mapped_column(Text, nullable=False)
-    content: Mapped[str] = mapped_column(Text, nullable=False)
-    doc_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, nullable=False, server_default="{}")

@@ -1,0 +1,111 @@
+"""Google API clients (google-api-python-client + google-auth), one per thread.
+
+Credentials come from ``VOICE_TOOLS_GOOGLE_CREDENTIALS`` (or
+``GOOGLE_APPLICATION_CREDENTIALS``): a service-account key file, optionally acting
+for a user through domain-wide delegation (``VOICE_TOOLS_GOOGLE_SUBJECT``), or an
+authorized-user token file (``{"type": "authorized_user", "client_id", "client_secret",
+"refresh_token", ...}``, as ``gcloud auth application-default login`` or an OAuth
+consent flow writes it). Services are built from the discovery documents the library
+ships (no discovery request). ``VOICE_TOOLS_GOOGLE_API_ENDPOINT`` replaces the API's
+root URL (a proxy, a private endpoint, or the tests' local HTTP double).
+
+Errors: ``googleapiclient.errors.HttpError`` carries ``resp.status``; the engine
+retries 429 and 5xx by itself (``tasks.tools.is_transient``). A backend turns the
+answers it understands (404, 409, 400) into what they mean.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Sequence
+
+import httplib2
+from google.auth.exceptions import TransportError
+from google_auth_httplib2 import AuthorizedHttp
+from googleapiclient.discovery import build
+from googleapiclient.errors import HttpError
+
+from models import settings
+
+# Scopes per API, the narrowest each tool needs (README "Real backends").
+SCOPES: dict[str, tuple[str, ...]] = {
+    "gmail": ("https://www.googleapis.com/auth/gmail.send", "https://www.googleapis.com/auth/gmail.readonly"),
+    "calendar": ("https://www.googleapis.com/auth/calendar.events",
+                 "https://www.googleapis.com/auth/calendar.freebusy"),
+    "people": ("https://www.googleapis.com/auth/contacts.readonly",),
+    "tasks": ("https://www.googleapis.com/auth/tasks",),
+}
+
+_local = threading.local()  # httplib2.Http is not thread-safe: one client per thread
+
+
+class CredentialsError(RuntimeError):
+    """The credentials file is missing or not one Google's libraries can use."""
+
+
+def credentials(scopes: Sequence[str], conf: settings.Settings | None = None) -> Any:
+    """Credentials for ``scopes`` from the configured file (service account or authorized user)."""
+    conf = conf or settings.load()
+    path = conf.google_credentials
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CredentialsError(f"cannot read the Google credentials file {path!r}: {exc}") from exc
+    kind = info.get("type")
+    if kind == "service_account":
+        from google.oauth2 import service_account
+
+        creds = service_account.Credentials.from_service_account_info(info, scopes=list(scopes))
+        return creds.with_subject(conf.google_subject) if conf.google_subject else creds
+    if kind == "authorized_user":
+        from google.oauth2.credentials import Credentials
+
+        return Credentials.from_authorized_user_info(info, scopes=list(scopes))
+    raise CredentialsError(f"{path!r} is neither a service_account nor an authorized_user file (type {kind!r})")
+
+
+def build_service(api: str, version: str, http: Any = None, conf: settings.Settings | None = None) -> Any:
+    """A client for ``api`` ``version``; ``http`` (e.g. an ``HttpMockSequence``) replaces the authorised transport."""
+    conf = conf or settings.load()
+    if http is None:
+        scopes = SCOPES.get(api if api != "gmail" else "gmail", ())
+        http = AuthorizedHttp(credentials(scopes, conf), http=httplib2.Http(timeout=conf.google_timeout_s))
+    options = {"api_endpoint": conf.google_api_endpoint} if conf.google_api_endpoint else None
+    return build(api, version, http=http, cache_discovery=False, static_discovery=True, client_options=options)
+
+
+def service(api: str, version: str) -> Any:
+    """This thread's client for ``api`` ``version``, made once with the current settings."""
+    conf = settings.load()
+    key = (api, version, conf.google_credentials, conf.google_subject, conf.google_api_endpoint)
+    cache = getattr(_local, "services", None)
+    if cache is None:
+        cache = _local.services = {}
+    if key not in cache:
+        cache[key] = build_service(api, version, conf=conf)
+    return cache[key]
+
+
+def reset() -> None:
+    """Forget this thread's clients (after a fork, or when the settings change)."""
+    _local.services = {}
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status of a Google API error, or None."""
+    if isinstance(exc, HttpError):
+        return int(exc.resp.status)
+    return None
+
+
+def reason_of(exc: HttpError) -> str:
+    """Google's own message for an API error ("Requested entity was not found.")."""
+    try:
+        return json.loads(exc.content)["error"]["message"]
+    except Exception:  # not JSON, or another shape
+        return exc.reason or f"HTTP {exc.resp.status}"
+
+
+__all__ = ["SCOPES", "CredentialsError", "HttpError", "TransportError", "build_service", "credentials",
+           "reason_of", "reset", "service", "status_of"]
