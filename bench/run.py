@@ -4,19 +4,21 @@
 
 In one run, on one broker, one database and one worker:
 
-(a) a 4-link chain (query_vector_db: QUERYING, SEARCHING, STORE_CONTEXT, COMPLETED; no
-    checkpoint), timed from the API's ``POST /voice-tools/confirm/<id>`` (Flask test
-    client) to the ``completed`` callback arriving at a local relay (a real HTTP
-    server checking signatures, ``tests/relay.py``); the call is recorded beforehand
+(a) every read tool of the registry (no checkpoint; e.g. query_vector_db: QUERYING,
+    SEARCHING, STORE_CONTEXT, COMPLETED) with its declared ``example`` parameters on the
+    local backends and the demo data, timed from the API's ``POST /voice-tools/confirm/<id>``
+    (Flask test client) to the ``completed`` callback arriving at a local relay (a real
+    HTTP server checking signatures, ``tests/relay.py``); the call is recorded beforehand
     with ``POST /voice-tools/pending`` (not timed);
-(b) a bare Celery chain of 4 no-op tasks (``bench/noop.py``) with the same task options,
-    timed from ``apply_async`` to the last task's signed POST arriving at the same relay;
+(b) a bare Celery chain of as many no-op tasks (``bench/noop.py``) as the tool has steps,
+    with the same task options, timed from ``apply_async`` to the last task's signed POST
+    arriving at the same relay;
 (c) the median latency of ``POST /voice-tools/pending`` and ``GET /voice-tools/status``
     through the Flask test client, against a bare Flask app answering a constant JSON.
 
 (a) and (b) alternate call by call so both see the same machine; both run on the same
-real worker subprocess (``celery -A tasks worker --pool prefork -c 2``, consuming
-tools.query_vector_db, callbacks and bench.noop). Warm-up runs are excluded.
+real worker subprocess (``celery -A tasks worker --pool prefork -c 2``, consuming the
+read tools' queues, callbacks and bench.noop). Warm-up runs are excluded.
 ``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into that
 database); otherwise embedded servers are started under a temporary folder and
 removed afterwards. Results are printed and written to ``bench/RESULTS.md``.
@@ -43,8 +45,6 @@ import servers  # noqa: E402
 
 API_TOKEN = "bench-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
-LINKS = 4
-QUERY = {"user_query": "Q3 sales in the northwest region"}
 
 
 def configure_environment() -> None:
@@ -70,19 +70,29 @@ def timed(operation: Callable[[], Any]) -> float:
 
 # -- (a) and (b): chains ---------------------------------------------------------------
 
+def read_tools() -> list[Any]:
+    """The tools a bench can run back to back: reads, with no checkpoint."""
+    from tasks import tools
+
+    return [tools.TOOLS[name] for name in tools.names()
+            if tools.TOOLS[name].action_level == "read" and not tools.TOOLS[name].has_checkpoint]
+
+
 class ChainBench:
-    def __init__(self, client: Any, relay: Any):
+    def __init__(self, client: Any, relay: Any, tool: Any):
         from bench import noop
         from celery import chain
 
         self.client = client
         self.relay = relay
+        self.tool = tool
+        self.links = len(tool.steps)
         self._chain = chain
         self._noop = noop.noop
 
     def engine_once(self) -> float:
         created = self.client.post("/voice-tools/pending", headers=AUTH, json={
-            "session_id": "bench", "function": "query_vector_db", "parameters": QUERY,
+            "session_id": "bench", "function": self.tool.name, "parameters": dict(self.tool.example),
             "callback_url": self.relay.url})
         assert created.status_code == 201, created.get_json()
         tool_call_id = created.get_json()["tool_call_id"]
@@ -91,13 +101,13 @@ class ChainBench:
             confirmed = self.client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
             assert confirmed.status_code == 202, confirmed.get_json()
             done = self.relay.wait_for(tool_call_id, "completed", timeout=60)
-            assert done["status"] == "COMPLETED" and done["result"]["documents"], done
+            assert done["status"] == "COMPLETED" and done["result"], done
 
         return timed(run)
 
     def bare_once(self) -> float:
         key = "bare_" + uuid.uuid4().hex[:12]
-        links = [self._noop.si(key) for _ in range(LINKS - 1)] + [self._noop.si(key, self.relay.url)]
+        links = [self._noop.si(key) for _ in range(self.links - 1)] + [self._noop.si(key, self.relay.url)]
 
         def run() -> None:
             self._chain(*links).apply_async()
@@ -193,11 +203,20 @@ def row(name: str, s: dict[str, float]) -> str:
     return f"| {name} | {s['n']} | {s['median']:.2f} | {s['p95']:.2f} | {s['min']:.2f} | {s['max']:.2f} |"
 
 
-def report(args: argparse.Namespace, engine: list[float], bare: list[float],
+def chain_rows(chains: dict[str, tuple[int, list[float], list[float]]]) -> list[str]:
+    lines = [
+        "| tool (links) | (a) voice-tools median | (a) p95 | (b) bare chain median | (b) p95 | (a)/(b) | overhead per link |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, (links, engine, bare) in chains.items():
+        e, b = summary(engine), summary(bare)
+        lines.append(f"| {name} ({links}) | {e['median']:.2f} | {e['p95']:.2f} | {b['median']:.2f} | {b['p95']:.2f} "
+                     f"| **{e['median'] / b['median']:.2f}x** | {(e['median'] - b['median']) / links:.2f} |")
+    return lines
+
+
+def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], list[float]]],
            api: dict[str, list[float]] | None) -> str:
-    e, b = summary(engine), summary(bare)
-    ratio = e["median"] / b["median"]
-    per_link = (e["median"] - b["median"]) / LINKS
     info = machine()
     lines = [
         "# voice-tools benchmark",
@@ -209,21 +228,20 @@ def report(args: argparse.Namespace, engine: list[float], bare: list[float],
         f"- command: `cd {ROOT} && .venv/bin/python bench/run.py --runs {args.runs} --warmup {args.warmup}"
         f" --api-runs {args.api_runs}`",
         "- worker: one `celery -A tasks worker --pool prefork --concurrency 2 -Q "
-        "tools.query_vector_db,callbacks,bench.noop --include bench.noop` subprocess for both sides; "
-        "(a) and (b) alternate call by call; warm-up runs excluded",
+        "<the read tools' queues>,callbacks,bench.noop --include bench.noop` subprocess for both sides; "
+        "(a) and (b) alternate call by call; warm-up runs excluded; local backends, demo data loaded",
         "",
-        "## Chains: 4 links, from start to the completed signal at a local HTTP receiver (ms)",
+        "## Chains: each read tool, from start to the completed signal at a local HTTP receiver (ms)",
         "",
-        "| measurement | n | median | p95 | min | max |",
-        "|---|---|---|---|---|---|",
-        row("(a) voice-tools query_vector_db: API confirm → `completed` callback", e),
-        row("(b) bare Celery chain of 4 no-op tasks: apply_async → last task's POST", b),
+        "(a) voice-tools: API confirm of the tool's `example` → `completed` callback; (b) a bare Celery chain "
+        "of as many no-op tasks: apply_async → last task's POST. "
+        f"{args.runs} timed runs of each, after {args.warmup} warm-up runs.",
         "",
-        f"Ratio of medians (a)/(b): **{ratio:.2f}x**; overhead per link: **{per_link:.2f} ms** "
-        f"((median a - median b) / {LINKS}).",
+        *chain_rows(chains),
         "",
+        "Overhead per link = (median a - median b) / links. "
         "What (a) does that (b) does not, per link: one conditional UPDATE to gate and claim the step, the "
-        "step itself (plan; a full-text search over the documents; an upsert into session_context), one "
+        "step itself (e.g. embedding the query, a vector search, an upsert into session_context), one "
         "transaction recording the output with the callback row, and the signed `progress` (or `completed`) "
         "callback posted inline (each an HTTP round trip to the relay, plus an UPDATE recording the "
         "attempt); plus the API's confirm (auth, CAS to EXECUTING, enqueue, workflow id).",
@@ -255,7 +273,7 @@ def report(args: argparse.Namespace, engine: list[float], bare: list[float],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=100, help="timed chains of each kind (default 100)")
+    parser.add_argument("--runs", type=int, default=50, help="timed chains of each kind, per tool (default 50)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed chains of each kind first (default 10)")
     parser.add_argument("--api-runs", type=int, default=300, help="timed API requests of each kind (default 300)")
     parser.add_argument("--output", default=str(ROOT / "bench" / "RESULTS.md"))
@@ -273,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         from tests.relay import Relay
         from tests.worker_process import WorkerProcess
 
-        queues = ["tools.query_vector_db", "callbacks", "bench.noop"]
+        from tasks.backends import load_demo
+
+        load_demo()
+        tools_to_run = read_tools()
+        queues = [tool.queue for tool in tools_to_run] + ["callbacks", "bench.noop"]
         with app.connection_for_write() as conn:
             for name in queues:
                 conn.default_channel.queue_purge(name)
@@ -281,12 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay, \
                 WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=data_dir, name="bench",
                               include=["bench.noop"]):
-            print(f"chains: {args.warmup} warm-up + {args.runs} timed of each kind ...", flush=True)
-            engine, bare = ChainBench(client, relay).run(args.runs, args.warmup)
+            chains = {}
+            for tool in tools_to_run:
+                print(f"{tool.name}: {args.warmup} warm-up + {args.runs} timed chains of each kind ...", flush=True)
+                bench = ChainBench(client, relay, tool)
+                chains[tool.name] = (bench.links, *bench.run(args.runs, args.warmup))
             print(f"API: {args.api_runs} timed requests of each kind ...", flush=True)
             api = api_bench(client, args.api_runs, max(args.api_runs // 10, 10))
             assert relay.bad_signatures == 0
-        text = report(args, engine, bare, api)
+        text = report(args, chains, api)
         Path(args.output).write_text(text)
         print(text)
         print(f"written to {args.output}")

@@ -24,12 +24,12 @@ def client():
 
 
 def snapshot() -> dict[str, list[dict[str, Any]]]:
-    """Every row of the tables a request may change, in a stable order."""
-    tables = {"tool_calls": "tool_call_id", "session_context": "session_id, context_key",
-              "callback_deliveries": "event_id", "email_outbox": "tool_call_id"}
+    """Every row of every table (the backends' too), in a stable order."""
+    from tests.conftest import TABLES
+
     with db.engine().connect() as conn:
-        return {name: [dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name} ORDER BY {order}"))]
-                for name, order in tables.items()}
+        return {name: sorted((dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name}"))), key=repr)
+                for name in TABLES}
 
 
 def call_count() -> int:

@@ -186,6 +186,35 @@ def test_the_demo_plays_the_updating_email_scenario(system):
         [("to", "john@example.com", "john.smith@example.com")]
 
 
+@pytest.mark.parametrize("scenario, calls", [("calendar", 2), ("docs", 3)])
+def test_the_demo_plays_the_calendar_and_docs_scenarios_on_the_demo_data(system, scenario, calls):
+    """A fresh `voice-tools run` loaded the demo data set, so every tool works from the first command."""
+    played = subprocess.run(
+        [str(Path(sys.executable).with_name("voice-tools")), "demo", "--scenario", scenario, "--url", system.url],
+        env=system.env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )
+    out = played.stdout
+    assert played.returncode == 0, out + played.stderr
+    trails = [line for line in out.splitlines() if line.startswith("tc_")]
+    ids = [line.split(":")[0] for line in trails]
+    assert len(ids) == 1, out  # the write; the reads answer at once with ?wait
+    final = system.api("GET", f"/voice-tools/status/{ids[0]}").json()
+    assert final["status"] == "COMPLETED", final
+    assert "PREPARED -> EXECUTING -> COMPLETED" in trails[0]
+    session = final["session_id"]
+    context = system.api("GET", f"/voice-tools/context/{session}").json()
+    assert len(context["recent"]) == calls and {c["status"] for c in context["recent"]} == {"COMPLETED"}, context
+    if scenario == "calendar":
+        assert final["result"]["event_id"] and final["result"]["start"]
+        assert "callback checkpoint step=READY_TO_BOOK status=PREPARED" in out
+    else:
+        searched = next(c for c in context["recent"] if c["function_name"] == "query_vector_db")
+        top = searched["result"]["documents"][0]["title"]
+        assert "Northwest" in top, searched["result"]
+        assert top in out.split("preview:", 1)[1], "the email's draft carries the search's results"
+        assert final["result"]["to"] == "john.smith@example.com"
+
+
 def test_a_second_run_on_the_same_data_dir_is_refused(system):
     second = subprocess.run(
         [str(Path(sys.executable).with_name("voice-tools")), "run"], env=dict(system.env, PORT=str(free_port())),
