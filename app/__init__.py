@@ -1,6 +1,9 @@
 """The Flask API, from an app factory (``gunicorn 'app:create_app()'``, ``flask --app app``).
 
 Blueprints, error handlers, auth and metrics are registered here, in one place.
+The API's one route table is registered twice: at the root and under ``/webhook``
+(the paths the seeds call on n8n), so a relay moving off n8n changes only its base
+URL and adds its token.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 from flask import Flask
 
 MAX_BODY_BYTES = 256 * 1024
+N8N_PREFIX = "/webhook"
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
@@ -22,5 +26,8 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     auth.register(app)
     errors.register(app)
     app.register_blueprint(api.bp)
+    app.register_blueprint(api.bp, name="n8n", url_prefix=N8N_PREFIX)  # the same table, n8n's paths
+    app.add_url_rule(f"{N8N_PREFIX}/resume-execution/<tool_call_id>", endpoint="n8n.resume_execution",
+                     view_func=api.resume, methods=["POST"])  # seed 000's resume_webhook
     app.register_blueprint(ops.bp)
     return app

@@ -67,6 +67,7 @@ def _record(loaded: dict[str, Any], reason: str) -> tuple[ToolCall, bool]:
             connection_id=loaded.get("connection_id"),
             intent_id=loaded.get("intent_id"),
             callback_url=loaded.get("callback_url"),
+            callback_urls=loaded.get("callback_urls"),
             idempotency_key=loaded.get("idempotency_key"),
             caller=g.get("caller"),
             reason=reason,
@@ -183,7 +184,7 @@ def confirm(tool_call_id: str):
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds()
     loaded = inputs.load(schemas.ConfirmRequest, inputs.body())
-    call = chains.confirm(tool_call_id, loaded.get("callback_url"))
+    call = chains.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"))
     return _started(call, wait)
 
 

@@ -68,6 +68,15 @@ def _operation(meta: dict[str, Any], path_args: list[str]) -> dict[str, Any]:
     return operation
 
 
+def alias_of(endpoint: str, app: Flask) -> str | None:
+    """The canonical path an n8n-compatible route stands for (None: it is canonical itself)."""
+    if not endpoint.startswith("n8n."):
+        return None
+    name = "resume" if endpoint == "n8n.resume_execution" else endpoint.split(".", 1)[1]
+    rule = next(r for r in app.url_map.iter_rules() if r.endpoint == f"api.{name}")
+    return _PATH_ARG.sub(r"{\1}", rule.rule)
+
+
 def build(app: Flask) -> dict[str, Any]:
     spec = APISpec(
         title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
@@ -80,8 +89,13 @@ def build(app: Flask) -> dict[str, Any]:
             continue
         meta = getattr(app.view_functions[rule.endpoint], "openapi", {"summary": rule.endpoint})
         path = _PATH_ARG.sub(r"{\1}", rule.rule)
+        canonical = alias_of(rule.endpoint, app)
         for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
-            paths.setdefault(path, {})[method.lower()] = _operation(meta, sorted(rule.arguments))
+            operation = _operation(meta, sorted(rule.arguments))
+            if canonical:
+                operation["summary"] = f"n8n-compatible alias of {canonical}: {operation['summary']}"
+                operation["x-alias-of"] = canonical
+            paths.setdefault(path, {})[method.lower()] = operation
     for path in sorted(paths):
         spec.path(path=path, operations=paths[path])
     return spec.to_dict()

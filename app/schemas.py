@@ -81,6 +81,23 @@ def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
     )
 
 
+class CallbackUrls(Strict):
+    """A URL per event (seed 000's relay: /tool-progress, /tool-checkpoint, /tool-complete)."""
+
+    progress = CallbackUrl()
+    checkpoint = CallbackUrl()
+    completed = CallbackUrl()
+    failed = CallbackUrl()
+    cancelled = CallbackUrl()
+    expired = CallbackUrl()
+
+
+def CallbackUrlsField(**kwargs: Any) -> fields.Nested:  # noqa: N802
+    return fields.Nested(CallbackUrls, metadata={
+        "description": "A callback URL per event (progress, checkpoint, completed, failed, cancelled, expired); "
+                       "events not named here go to callback_url"}, **kwargs)
+
+
 UNKNOWN_TOOL = "Unknown tool"
 
 
@@ -102,6 +119,7 @@ class PendingRequest(Strict):
     connection_id = ShortText()
     intent_id = ShortText()
     callback_url = CallbackUrl()
+    callback_urls = CallbackUrlsField()
     idempotency_key = ShortText(200, metadata={"description": "Or the Idempotency-Key header"})
 
     @post_load
@@ -125,7 +143,8 @@ class PendingRequest(Strict):
         return data
 
 
-ENVELOPE_FIELDS = ("session_id", "intent_id", "callback_url", "tool_call_id", "connection_id", "idempotency_key")
+ENVELOPE_FIELDS = ("session_id", "intent_id", "callback_url", "callback_urls", "tool_call_id", "connection_id",
+                   "idempotency_key")
 
 
 def flat_request_schema(tool: tools.Tool) -> type[Strict]:
@@ -151,6 +170,7 @@ class ModifyRequest(Strict):
 
 class ConfirmRequest(Strict):
     callback_url = CallbackUrl()
+    callback_urls = CallbackUrlsField()
 
 
 class ResumeRequest(Strict):
@@ -268,6 +288,7 @@ class CallRecord(Schema):
     error_message = fields.String(allow_none=True)
     context_key = fields.String(allow_none=True)
     callback_url = fields.String(allow_none=True)
+    callback_urls = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)
     workflow_id = fields.String(allow_none=True)
     attempts = fields.Integer()
     redrives = fields.Integer()

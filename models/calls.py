@@ -73,6 +73,8 @@ class ToolCall(Base):
     step_outputs: Mapped[dict[str, Any]] = mapped_column(nullable=False, server_default=text("'{}'::jsonb"))
     committed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     callback_url: Mapped[str | None] = mapped_column(Text)
+    # per-event URLs (``{"checkpoint": url, "completed": url, ...}``); events not named go to callback_url
+    callback_urls: Mapped[dict[str, str] | None] = mapped_column(JSONB)
     workflow_id: Mapped[str | None] = mapped_column(String(100))
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     error_message: Mapped[str | None] = mapped_column(Text)

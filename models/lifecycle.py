@@ -1,8 +1,8 @@
 """The state machine: the only code that writes a call's ``status`` or ``committed_at``.
 
 Every transition is one conditional ``UPDATE ... WHERE status IN (...) RETURNING``
-that also appends to ``status_history`` and bumps ``event_seq`` (the number of the
-callback event the transition may emit). A transition that does not apply changes
+that also appends to ``status_history``. ``event_seq`` counts the call's recorded
+callback events (1, 2, 3 ... with no gaps; see :func:`next_event_seq`). A transition that does not apply changes
 nothing and raises :class:`Refused` naming the status it found, so the caller can
 answer 404 or 409 without a second guess. Callers own the transaction
 (``with db.session() as s:``) so a link can record its progress and its callback row
@@ -122,7 +122,6 @@ def _transition(
         values["status"] = to_status
     if history:
         values["status_history"] = _append(ToolCall.status_history, history)
-    values["event_seq"] = ToolCall.event_seq + 1
     stmt = (
         update(ToolCall)
         .where(ToolCall.tool_call_id == tool_call_id, ToolCall.status.in_(tuple(from_statuses)), *extra_where)
@@ -131,6 +130,20 @@ def _transition(
         .execution_options(synchronize_session=False, populate_existing=True)
     )
     return s.scalars(stmt).one_or_none()
+
+
+def next_event_seq(s: Session, tool_call_id: str) -> int:
+    """The number of the call's next callback event (1, 2, 3 ...), taken in the caller's transaction.
+
+    The transition that causes an event has already locked the call's row in the same
+    transaction, so two events of one call never take the same number, and an event
+    rolled back gives its number back.
+    """
+    return s.execute(
+        update(ToolCall).where(ToolCall.tool_call_id == tool_call_id)
+        .values(event_seq=ToolCall.event_seq + 1).returning(ToolCall.event_seq)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
 
 
 def get(s: Session, tool_call_id: str) -> ToolCall:
@@ -163,6 +176,7 @@ def create(
     connection_id: str | None = None,
     intent_id: str | None = None,
     callback_url: str | None = None,
+    callback_urls: dict[str, str] | None = None,
     idempotency_key: str | None = None,
     context_key: str | None = None,
     caller: str | None = None,
@@ -189,6 +203,7 @@ def create(
             status=PENDING,
             status_history=_stamped([_entry(PENDING, reason)]),
             callback_url=callback_url,
+            callback_urls=callback_urls or None,
             context_key=context_key,
             caller=caller,
         )
@@ -253,10 +268,14 @@ def modify(
     raise _refuse(s, tool_call_id, "modify")
 
 
-def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None) -> ToolCall:
+def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
+            callback_urls: dict[str, str] | None = None) -> ToolCall:
+    """PENDING → EXECUTING; a ``callback_url`` / ``callback_urls`` given now replace the recorded ones."""
     values: dict[str, Any] = {"confirmed_at": func.now()}
     if callback_url:
         values["callback_url"] = callback_url
+    if callback_urls:
+        values["callback_urls"] = callback_urls
     row = _transition(s, tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason, **values)
     if row is None:
         raise _refuse(s, tool_call_id, "confirm")
@@ -396,7 +415,6 @@ def expire_stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list
                 status=EXPIRED,
                 status_history=_append(ToolCall.status_history, [_entry(EXPIRED, EXPIRED_REASON)]),
                 completed_at=func.now(), error_message=EXPIRED_REASON,
-                event_seq=ToolCall.event_seq + 1,
             )
             .returning(ToolCall)
             .execution_options(synchronize_session=False)

@@ -33,7 +33,7 @@ from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
-from models import db, settings
+from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
 from tasks import app
 
@@ -81,6 +81,8 @@ def url_error(url: str, allowed: list[str] | None = None) -> str | None:
         return "is not a valid URL"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http or https URL with a host"
+    if parts.username is not None or parts.password is not None:
+        return "must not hold credentials (user:password@); callbacks are signed instead"
     host = parts.hostname.lower()
     port = port or (443 if parts.scheme == "https" else 80)
     for entry in allowed:
@@ -125,16 +127,22 @@ def record(
     context_key: str | None = None,
     inline: bool = False,
 ) -> CallbackDelivery | None:
-    """Insert the event's delivery row and return it (None: the call has no callback_url).
+    """Insert the event's delivery row and return it (None: no URL takes this event).
 
-    ``call`` is the row a transition just returned, so ``seq`` is its ``event_seq``.
+    The URL is the call's ``callback_urls[event]`` if it names one, else its
+    ``callback_url``.
+
+    ``call`` is the row a transition just returned; ``seq`` is the call's next event number.
     ``inline``: the caller will post it at once with :func:`deliver_inline`, so the row
     is inserted already claimed for that attempt (no second statement to claim it).
     """
-    if not call.callback_url:
+    url = url_for(call, event)
+    if not url:
         return None
     event_id = uuid.uuid4().hex
+    seq = lifecycle.next_event_seq(s, call.tool_call_id)
     public = settings.load().public_url
+    resume_url = f"{public}/voice-tools/resume/{call.tool_call_id}" if requires_confirmation else None
     payload = {
         "event_id": event_id,
         "type": "tool_status",
@@ -152,23 +160,30 @@ def record(
         "cancellable": cancellable,
         "requires_confirmation": requires_confirmation,
         "preview": preview,
-        "resume_url": f"{public}/voice-tools/resume/{call.tool_call_id}" if requires_confirmation else None,
+        "resume_url": resume_url,
         "actions_available": actions_available(call.status),
         "result": call.result,
         "voice_response": call.voice_response or (message if event != "progress" else None),
         "execution_time_ms": call.execution_time_ms,
         "context_available": context_key is not None,
         "context_key": context_key,
-        "seq": call.event_seq,
+        "seq": seq,
     }
+    if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
+        payload.update(checkpoint=step or call.current_step, resume_webhook=resume_url)
     lease = datetime.now(timezone.utc) + timedelta(seconds=_lease_s(settings.load().callback_timeout))
     delivery = CallbackDelivery(
-        event_id=event_id, tool_call_id=call.tool_call_id, event=event, seq=call.event_seq,
-        payload=payload, url=call.callback_url, state="pending", attempts=0,
+        event_id=event_id, tool_call_id=call.tool_call_id, event=event, seq=seq,
+        payload=payload, url=url, state="pending", attempts=0,
         next_attempt_at=lease if inline else None,
     )
     s.add(delivery)
     return delivery
+
+
+def url_for(call: ToolCall, event: str) -> str | None:
+    """Where ``event`` of ``call`` goes: its own URL in ``callback_urls``, else ``callback_url``."""
+    return (call.callback_urls or {}).get(event) or call.callback_url
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:

@@ -273,14 +273,16 @@ def _enqueue(tool: Tool, call: ToolCall, start: int) -> str:
     return result.id
 
 
-def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller") -> ToolCall:
+def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
+            callback_urls: dict[str, str] | None = None) -> ToolCall:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
     If the broker refuses the chain, the call goes back to PENDING and
     :class:`BrokerUnavailable` is raised.
     """
     with db.session() as s:
-        call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url)
+        call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
+                                 callback_urls=callback_urls)
     tool = tools.TOOLS[call.function_name]
     try:
         call.workflow_id = _enqueue(tool, call, 0)

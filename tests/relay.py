@@ -21,6 +21,7 @@ class Relay:
         self.secret = secret
         self.events: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.paths: list[str] = []  # the path each event was posted to, beside ``events``
         self.bad_signatures = 0
         self.delay = 0.0
         self._answer: Callable[[dict[str, Any]], Any] = lambda event: None
@@ -49,6 +50,7 @@ class Relay:
                 with relay._lock:
                     relay.events.append(event)
                     relay.headers.append(dict(self.headers))
+                    relay.paths.append(self.path)
                     relay._lock.notify_all()
                 if isinstance(answer, int):
                     self._reply(answer, {"error": "programmed failure"})
@@ -78,6 +80,16 @@ class Relay:
 
     def answer(self, fn: Callable[[dict[str, Any]], Any]) -> None:
         self._answer = fn
+
+    @property
+    def base(self) -> str:
+        """``http://127.0.0.1:<port>``: any path on it reaches this relay (``/tool-checkpoint``, ...)."""
+        return self.url.rsplit("/", 1)[0]
+
+    def events_at(self, tool_call_id: str) -> list[tuple[str, str]]:
+        """``(path, event)`` of each of the call's events, in arrival order."""
+        with self._lock:
+            return [(p, e["event"]) for p, e in zip(self.paths, self.events) if e["tool_call_id"] == tool_call_id]
 
     def events_for(self, tool_call_id: str) -> list[dict[str, Any]]:
         with self._lock:

@@ -215,13 +215,15 @@ def test_happy_path_with_checkpoint():
     assert_valid_history(done)
 
 
-def test_event_seq_grows_with_every_transition():
+def test_event_seq_counts_events_not_transitions():
+    """A relay tells a missed event by a gap in seq: only recorded events take a number."""
     call = make_call()
     seqs = [call.event_seq, to_executing(call.tool_call_id).event_seq]
     seqs.append(apply(lifecycle.begin_step, call.tool_call_id, "PREPARING", 0.0).event_seq)
-    seqs.append(apply(lifecycle.checkpoint, call.tool_call_id, "READY_TO_SEND", 0.25).event_seq)
-    seqs.append(apply(lifecycle.cancel, call.tool_call_id).event_seq)
-    assert seqs == sorted(set(seqs))
+    assert seqs == [0, 0, 0]
+    seqs += [apply(lifecycle.next_event_seq, call.tool_call_id) for _ in range(3)]
+    assert seqs == [0, 0, 0, 1, 2, 3]
+    assert apply(lifecycle.cancel, call.tool_call_id).event_seq == 3
 
 
 def test_fail_records_error_and_voice_response():
