@@ -16,7 +16,7 @@ N8N_PREFIX = "/webhook"
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
-    from app import api, auth, errors, metrics, ops
+    from app import api, auth, errors, events, metrics, ops
 
     app = Flask(__name__, static_folder=None)
     app.config.update(MAX_CONTENT_LENGTH=MAX_BODY_BYTES, JSON_SORT_KEYS=False)
@@ -29,5 +29,6 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     app.register_blueprint(api.bp, name="n8n", url_prefix=N8N_PREFIX)  # the same table, n8n's paths
     app.add_url_rule(f"{N8N_PREFIX}/resume-execution/<tool_call_id>", endpoint="n8n.resume_execution",
                      view_func=api.resume, methods=["POST"])  # seed 000's resume_webhook
+    app.register_blueprint(events.bp)
     app.register_blueprint(ops.bp)
     return app

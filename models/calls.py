@@ -6,10 +6,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     String,
@@ -20,6 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import UserDefinedType
 
 PENDING = "PENDING"
 MODIFIED = "MODIFIED"
@@ -34,6 +37,15 @@ STATUSES = (PENDING, MODIFIED, EXECUTING, PREPARED, COMPLETED, FAILED, CANCELLED
 TERMINAL = (COMPLETED, FAILED, CANCELLED, EXPIRED)
 OPEN = (PENDING, MODIFIED, EXECUTING, PREPARED)
 ACTION_LEVELS = ("read", "draft", "write")
+
+
+class XID8(UserDefinedType[str]):
+    """PostgreSQL's 64-bit transaction id (``pg_current_xact_id()``), read as its text."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "xid8"
 
 
 class Base(DeclarativeBase):
@@ -115,8 +127,9 @@ class CallbackDelivery(Base):
     __tablename__ = "callback_deliveries"
     __table_args__ = (
         UniqueConstraint("tool_call_id", "seq", name="uq_callback_seq"),
-        CheckConstraint("state IN ('pending', 'delivered', 'failed')", name="valid_delivery_state"),
+        CheckConstraint("state IN ('pending', 'delivered', 'failed', 'none')", name="valid_delivery_state"),
         Index("idx_callback_due", "next_attempt_at", postgresql_where=text("state = 'pending'")),
+        Index("idx_callback_session_order", "session_id", "xid", "position"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(
@@ -129,7 +142,12 @@ class CallbackDelivery(Base):
     event: Mapped[str] = mapped_column(String(20), nullable=False)
     seq: Mapped[int] = mapped_column(Integer, nullable=False)
     payload: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
-    url: Mapped[str] = mapped_column(Text, nullable=False)
+    # null (state "none"): no URL takes this event; it is recorded for the session's event stream
+    url: Mapped[str | None] = mapped_column(Text)
+    session_id: Mapped[str] = mapped_column(String(100), nullable=False)
+    # the stream's order (migration 0007): the inserting transaction, then insertion order
+    xid: Mapped[str] = mapped_column(XID8, nullable=False, server_default=text("pg_current_xact_id()"))
+    position: Mapped[int] = mapped_column(BigInteger, Identity(always=False), nullable=False)
     state: Mapped[str] = mapped_column(String(10), nullable=False, server_default="pending")
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     last_error: Mapped[str | None] = mapped_column(Text)

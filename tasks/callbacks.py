@@ -127,7 +127,10 @@ def record(
     context_key: str | None = None,
     inline: bool = False,
 ) -> CallbackDelivery | None:
-    """Insert the event's delivery row and return it (None: no URL takes this event).
+    """Insert the event's row; return it to be delivered (None: no URL takes this event).
+
+    Every event is recorded, with or without a URL: the session's event stream
+    (``GET /voice-tools/events/<session_id>``) reads the same rows.
 
     The URL is the call's ``callback_urls[event]`` if it names one, else its
     ``callback_url``.
@@ -137,8 +140,6 @@ def record(
     is inserted already claimed for that attempt (no second statement to claim it).
     """
     url = url_for(call, event)
-    if not url:
-        return None
     event_id = uuid.uuid4().hex
     seq = lifecycle.next_event_seq(s, call.tool_call_id)
     public = settings.load().public_url
@@ -173,12 +174,12 @@ def record(
         payload.update(checkpoint=step or call.current_step, resume_webhook=resume_url)
     lease = datetime.now(timezone.utc) + timedelta(seconds=_lease_s(settings.load().callback_timeout))
     delivery = CallbackDelivery(
-        event_id=event_id, tool_call_id=call.tool_call_id, event=event, seq=seq,
-        payload=payload, url=url, state="pending", attempts=0,
-        next_attempt_at=lease if inline else None,
+        event_id=event_id, tool_call_id=call.tool_call_id, session_id=call.session_id, event=event, seq=seq,
+        payload=payload, url=url, state="pending" if url else "none", attempts=0,
+        next_attempt_at=lease if inline and url else None,
     )
     s.add(delivery)
-    return delivery
+    return delivery if url else None
 
 
 def url_for(call: ToolCall, event: str) -> str | None:

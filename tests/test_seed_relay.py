@@ -68,8 +68,11 @@ def test_resume_execution_is_the_seeds_resume_webhook_path(client, worker, relay
     assert cancelled.status_code == 200, cancelled.get_json()
     assert cancelled.get_json()["status"] == "CANCELLED"
     assert row(tool_call_id).status == "CANCELLED"
-    # only the checkpoint had a URL: the other events had nowhere to go, and were not recorded
-    assert [d.event for d in deliveries(tool_call_id)] == ["checkpoint"]
+    # only the checkpoint had a URL: the other events were recorded (for the event stream), not posted
+    recorded = deliveries(tool_call_id)
+    assert [(d.event, d.state) for d in recorded] == [
+        ("progress", "none"), ("checkpoint", "delivered"), ("cancelled", "none")]
+    assert relay.events_at(tool_call_id) == [("/tool-checkpoint", "checkpoint")]
 
 
 def test_events_not_named_in_callback_urls_go_to_callback_url(client, worker, relay):
