@@ -48,6 +48,8 @@ class Settings:
     google_services: list[str]
     google_api_endpoint: str
     google_timeout_s: float
+    google_calendar_id: str
+    google_tasklist: str
     openai_api_key: str
     openai_base_url: str
     embedding_model: str
@@ -82,6 +84,8 @@ def load() -> Settings:
         google_services=_list("VOICE_TOOLS_GOOGLE_SERVICES") or list(GOOGLE_SERVICES),
         google_api_endpoint=os.environ.get("VOICE_TOOLS_GOOGLE_API_ENDPOINT", ""),
         google_timeout_s=_float("VOICE_TOOLS_GOOGLE_TIMEOUT", 10.0),
+        google_calendar_id=os.environ.get("VOICE_TOOLS_GOOGLE_CALENDAR_ID", "").strip() or "primary",
+        google_tasklist=os.environ.get("VOICE_TOOLS_GOOGLE_TASKLIST", "").strip() or "@default",
         openai_api_key=os.environ.get("OPENAI_API_KEY", ""),
         openai_base_url=os.environ.get("OPENAI_BASE_URL", ""),
         embedding_model=os.environ.get("VOICE_TOOLS_EMBEDDING_MODEL", ""),
