@@ -14,6 +14,7 @@ from marshmallow import Schema, ValidationError, fields, validate, validates_sch
 
 from tasks.backends import calendar
 from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools._fields import valid_datetime, valid_timezone
 
 DEFAULT_DAYS = 7
 MAX_DAYS = 31
@@ -21,21 +22,6 @@ WORKDAY = (time(9, 0), time(17, 0))  # in the window's time zone
 WORKDAYS = frozenset(range(5))  # Monday to Friday
 SAID_SLOTS = 3
 UTC = timezone.utc
-
-
-def valid_timezone(name: str) -> None:
-    try:
-        calendar.zone(name)
-    except ValueError as exc:
-        raise ValidationError("Not a known time zone: use an IANA name such as Europe/London or America/New_York.") \
-            from exc
-
-
-def valid_datetime(text: str) -> None:
-    try:
-        calendar.parse_datetime(text)
-    except ValueError as exc:
-        raise ValidationError("Not an ISO 8601 date or date and time, such as 2026-11-24T09:00:00.") from exc
 
 
 class GetCalendarAvailabilityParameters(Schema):

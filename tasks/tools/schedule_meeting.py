@@ -16,24 +16,14 @@ from marshmallow import Schema, ValidationError, fields, validate, validates_sch
 
 from tasks.backends import calendar
 from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools._fields import valid_datetime, valid_timezone
 
 # a start this far in the past is still accepted (a caller saying "now", a slow confirmation)
 PAST_GRACE = timedelta(minutes=10)
 
 
-def valid_timezone(name: str) -> None:
-    try:
-        calendar.zone(name)
-    except ValueError as exc:
-        raise ValidationError("Not a known time zone: use an IANA name such as Europe/London or America/New_York.") \
-            from exc
-
-
 def valid_start(text: str) -> None:
-    try:
-        calendar.parse_datetime(text)
-    except ValueError as exc:
-        raise ValidationError("Not an ISO 8601 date and time, such as 2026-11-24T14:00:00.") from exc
+    valid_datetime(text)
     if "T" not in text.upper() and " " not in text.strip():
         raise ValidationError("Give a time as well as a date, such as 2026-11-24T14:00:00.")
 
