@@ -195,10 +195,14 @@ def _describe(added: dict[str, int]) -> str:
     return ", ".join(f"{name} +{count}" for name, count in added.items()) or "nothing to load"
 
 
-def ingest(paths: list[str]) -> int:
+def ingest(paths: list[str], reembed: bool = False) -> int:
     from tasks.backends import documents
 
-    report = documents.ingest(paths)
+    try:
+        report = documents.ingest(paths, reembed=reembed)
+    except documents.PERMANENT_ERRORS as exc:
+        print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
+        return 2
     print(json.dumps(report, indent=2), flush=True)
     return 0
 
@@ -226,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
-    ingest_parser.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
+    ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
+    ingest_parser.add_argument("--reembed", action="store_true",
+                               help="first re-embed every stored chunk with the active model (after changing it)")
     args, rest = parser.parse_known_args(argv)
     command = args.command or "run"
     if command == "demo":
@@ -246,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo data loaded: {_describe(load_demo())}", flush=True)
         return 0
     if command == "ingest":
+        if not args.paths and not args.reembed:
+            parser.error("ingest needs a PATH (or --reembed)")
         migrate()
-        return ingest(args.paths)
+        return ingest(args.paths, args.reembed)
     for key, value in urls.items():
         print(f"export {key}='{value}'", flush=True)
     signal.signal(signal.SIGINT, lambda *_: None)

@@ -1,22 +1,50 @@
-"""The document store's table, searched by query_vector_db and search_documentation."""
+"""The document store: one row per CHUNK of a document, with its embedding.
+
+Searched by query_vector_db and search_documentation (``tasks/backends/documents.py``).
+Every chunk records the model that embedded it and the vector's size, so a search
+never compares vectors of two models. ``embedding`` is a pgvector ``vector(384)``
+with an HNSW index (cosine); on a PostgreSQL without pgvector the migration leaves
+the column out and the backend says how to fix it.
+"""
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Integer, String, Text, func
+from pgvector.sqlalchemy import Vector
+from sqlalchemy import DateTime, Index, Integer, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.calls import Base
 
+EMBEDDING_DIM = 384
 
-class Document(Base):
-    """The local document store searched by query_vector_db / search_documentation."""
+
+class DocumentChunk(Base):
+    """A chunk of a document: ``id`` is ``<document_id>#<chunk_index>``."""
 
     __tablename__ = "documents"
 
-    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    document_id: Mapped[str] = mapped_column(Text, nullable=False)
+    source: Mapped[str] = mapped_column(Text, nullable=False)
     title: Mapped[str] = mapped_column(Text, nullable=False)
+    chunk_index: Mapped[int] = mapped_column(Integer, nullable=False)
     content: Mapped[str] = mapped_column(Text, nullable=False)
     doc_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, nullable=False, server_default="{}")
+    embedding: Mapped[Any] = mapped_column(Vector(EMBEDDING_DIM), nullable=False)
+    embedding_model: Mapped[str] = mapped_column(Text, nullable=False)
+    embedding_dim: Mapped[int] = mapped_column(Integer, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+
+    __table_args__ = (
+        Index("ix_documents_document_id", "document_id"),
+        Index("ix_documents_embedding_model", "embedding_model"),
+        Index("ix_documents_metadata", "metadata", postgresql_using="gin"),
+        Index("ix_documents_embedding_hnsw", "embedding", postgresql_using="hnsw",
+              postgresql_with={"m": 16, "ef_construction": 64}, postgresql_ops={"embedding": "vector_cosine_ops"}),
+    )
+
+
+Document = DocumentChunk  # the name the table had before it held chunks

@@ -54,6 +54,10 @@ class Settings:
     openai_base_url: str
     embedding_model: str
     summary_model: str
+    openai_timeout_s: float
+    embedding_threads: int
+    ingest_threads: int
+    search_min_score: float | None
 
     def uses_google(self, service: str) -> bool:
         """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
@@ -90,4 +94,9 @@ def load() -> Settings:
         openai_base_url=os.environ.get("OPENAI_BASE_URL", ""),
         embedding_model=os.environ.get("VOICE_TOOLS_EMBEDDING_MODEL", ""),
         summary_model=os.environ.get("VOICE_TOOLS_SUMMARY_MODEL", ""),
+        openai_timeout_s=_float("VOICE_TOOLS_OPENAI_TIMEOUT", 20.0),
+        embedding_threads=_int("VOICE_TOOLS_EMBEDDING_THREADS", 1),
+        ingest_threads=_int("VOICE_TOOLS_INGEST_THREADS", 0) or os.cpu_count() or 1,
+        search_min_score=_float("VOICE_TOOLS_SEARCH_MIN_SCORE", -1.0) if os.environ.get(
+            "VOICE_TOOLS_SEARCH_MIN_SCORE", "").strip() else None,
     )

@@ -181,6 +181,9 @@ def test_redelivered_links_never_send_twice(worker, relay, task_log):
 # -- query_vector_db ---------------------------------------------------------------------
 
 def test_query_vector_db_stores_context(worker, relay):
+    from tasks.backends import documents
+
+    documents.load_demo()  # the embedded demo documents (no longer loaded by the first search)
     call = make_call("query_vector_db", {"user_query": "Q3 sales Northwest region"}, callback_url=relay.url)
     chains.confirm(call.tool_call_id)
     completed = relay.wait_for(call.tool_call_id, "completed")
@@ -189,7 +192,7 @@ def test_query_vector_db_stores_context(worker, relay):
     assert set(done.result) == {"summary", "documents", "context_key"}
     assert done.result["context_key"] == "last_query_results" == done.context_key
     docs = done.result["documents"]
-    assert docs and docs[0]["id"] == "q3-sales-northwest"
+    assert docs and docs[0]["id"] == "q3-sales-northwest#0"
     for doc in docs:
         assert set(doc) == {"id", "title", "snippet", "score", "metadata"}
     assert done.result["summary"].startswith(f"{len(docs)} document")

@@ -1,14 +1,15 @@
-"""query_vector_db: read; searches the document store and keeps the results in the
-session's context as ``last_query_results`` for an email to draw on."""
+"""query_vector_db: read; searches the document store (embeddings + pgvector) and keeps the
+results in the session's context as ``last_query_results`` for an email to draw on."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 from marshmallow import Schema, fields, validate
 
 from models import db, lifecycle, settings
-from tasks.backends import documents
-from tasks.tools import Step, StepInput, Tool
+from tasks.backends import documents, embeddings
+from tasks.tools import PermanentError, Step, StepInput, Tool
 
 CONTEXT_KEY = "last_query_results"
 
@@ -16,7 +17,10 @@ CONTEXT_KEY = "last_query_results"
 class StructuredQuery(Schema):
     semantic_query = fields.String(validate=validate.Length(max=1000),
                                    metadata={"description": "What to look for, in words"})
-    filters = fields.Dict(keys=fields.String(), metadata={"description": "Metadata that must match"})
+    filters = fields.Dict(keys=fields.String(), metadata={
+        "description": "Metadata that must match exactly, e.g. {\"region\": \"northwest\"}"})
+    top_k = fields.Integer(validate=validate.Range(min=1, max=50),
+                           metadata={"description": "How many documents to return (overrides the top-level top_k)"})
 
 
 class QueryVectorDbParameters(Schema):
@@ -27,45 +31,85 @@ class QueryVectorDbParameters(Schema):
                            metadata={"description": "How many documents to return"})
 
 
+class FoundDocument(Schema):
+    id = fields.String(required=True, metadata={"description": "The chunk's id: <document>#<n>"})
+    title = fields.String(required=True)
+    snippet = fields.String(required=True)
+    score = fields.Float(required=True, metadata={"description": "Cosine similarity, -1..1"})
+    metadata = fields.Dict(required=True)
+
+
+class QueryVectorDbResult(Schema):
+    summary = fields.String(required=True)
+    documents = fields.List(fields.Nested(FoundDocument), required=True)
+    context_key = fields.String(required=True)
+
+
+@contextmanager
+def store_errors() -> Iterator[None]:
+    """The store's refusals (no pgvector, another model, a refused API key) end the call FAILED."""
+    try:
+        yield
+    except documents.PERMANENT_ERRORS as exc:
+        raise PermanentError(str(exc)) from exc
+
+
+def embed_query(text: str) -> dict[str, Any]:
+    """Embed the question once (a retried SEARCHING does not embed again)."""
+    with store_errors():
+        vector = embeddings.embed_query(text)
+    model, _ = embeddings.active_model()
+    return {"model": model, "vector": [round(float(x), 7) for x in vector]}
+
+
+def find(text: str, query: Mapping[str, Any], top_k: int, filters: Mapping[str, Any] | None) -> dict[str, Any]:
+    with store_errors():
+        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}))
+    return {"documents": found, "summary": documents.summarise(text, found)}
+
+
 def plan(step: StepInput) -> dict[str, Any]:
     p = step.parameters
     structured = p.get("structured_query") or {}
+    text = structured.get("semantic_query") or p["user_query"]
     return {
-        "text": structured.get("semantic_query") or p["user_query"],
+        "text": text,
         "filters": structured.get("filters") or {},
-        "top_k": p.get("top_k") or 5,
+        "top_k": structured.get("top_k") or p.get("top_k") or 5,
+        **embed_query(text),
     }
 
 
 def search(step: StepInput) -> dict[str, Any]:
     q = step.outputs["QUERYING"]
-    return {"documents": documents.search(q["text"], q["top_k"], q["filters"])}
-
-
-def summarise(found: list[dict[str, Any]]) -> str:
-    if not found:
-        return "No matching documents."
-    return f"{len(found)} document{'s' if len(found) != 1 else ''} found; best match: {found[0]['title']}."
+    return find(step.parameters["user_query"], q, q["top_k"], q["filters"])
 
 
 def store_context(step: StepInput) -> dict[str, Any]:
-    found = step.outputs["SEARCHING"]["documents"]
-    value = {"query": step.parameters["user_query"], "summary": summarise(found), "documents": found,
-             "tool_call_id": step.tool_call_id}
+    searched = step.outputs["SEARCHING"]
+    value = {"query": step.parameters["user_query"], "summary": searched["summary"],
+             "documents": searched["documents"], "tool_call_id": step.tool_call_id}
     with db.session() as s:
         expires_at = lifecycle.put_context(s, step.session_id, CONTEXT_KEY, value, settings.load().session_context_ttl_s)
     return {"context_key": CONTEXT_KEY, "expires_at": expires_at.isoformat()}
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
-    found = outputs["SEARCHING"]["documents"]
-    return {"summary": summarise(found), "documents": found, "context_key": CONTEXT_KEY}
+    searched = outputs["SEARCHING"]
+    found = searched["documents"]
+    return {"summary": searched.get("summary") or documents.plain_summary(found), "documents": found,
+            "context_key": CONTEXT_KEY}
 
 
 def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | None = None, **_: Any) -> str:
     if not result or not result.get("documents"):
-        return f"I found nothing for {parameters.get('user_query', 'that')}."
-    return f"{result['summary']} It is available if you want to use it in an email."
+        return f"I couldn't find any documents about {parameters.get('user_query', 'that')}."
+    found = result["documents"]
+    said = result["summary"]
+    if said == documents.plain_summary(found):  # no chat model: say it as a sentence
+        said = (f"I found {len(found)} document{'s' if len(found) != 1 else ''}; "
+                f"the best match is {found[0]['title']}.")
+    return f"{said} It is available if you want to use it in an email."
 
 
 TOOL = Tool(
@@ -87,4 +131,8 @@ TOOL = Tool(
     failure_response="The search for {user_query} did not run: {error}.",
     cancelled_response="Cancelled. The search was not run.",
     time_limit=30,
+    example={"user_query": "What were our Q3 sales in the Northwest region?",
+             "structured_query": {"semantic_query": "Q3 sales Northwest region", "filters": {"quarter": "Q3"}},
+             "top_k": 3},
+    result_schema=QueryVectorDbResult,
 )

@@ -1,0 +1,379 @@
+"""The document store (tasks/backends/documents.py) on the real PostgreSQL + pgvector, with
+the real offline embedding model; query_vector_db and search_documentation end to end
+through a real worker; OpenAI through the real client against a local HTTP double."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg2
+import pytest
+from sqlalchemy import func, select, text
+
+from models import db
+from models.calls import SessionContext
+from models.documents import DocumentChunk
+from tasks import chains
+from tasks.backends import documents
+from tests.helpers import deliveries, make_call, wait_status
+from tests.test_embeddings import chat_answer, embeddings_answer, fake_vector, openai_api  # noqa: F401 (fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL = "all-MiniLM-L6-v2-int8"
+
+HR_GUIDE = """---
+team: hr
+audience: staff
+---
+# People handbook
+
+Welcome to the company. This handbook explains how we work together.
+
+## Sick leave
+
+If you are ill, tell your manager before 10am. From the fourth day of sickness you need a doctor's note.
+
+## Bicycle scheme
+
+Employees can lease an e-bike through the salary sacrifice scheme; the lease runs for 36 months.
+"""
+
+IT_NOTES = """Printers
+
+The office printers on every floor print double-sided by default. To print in colour, choose the
+colour queue and enter your badge number at the printer.
+"""
+
+
+def chunks() -> list[DocumentChunk]:
+    with db.session() as s:
+        return list(s.scalars(select(DocumentChunk).order_by(DocumentChunk.id)))
+
+
+@pytest.fixture
+def folder(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "it").mkdir(parents=True)
+    (docs / "handbook.md").write_text(HR_GUIDE)
+    (docs / "it" / "printers.txt").write_text(IT_NOTES)
+    (docs / "it" / "ignored.pdf").write_text("not a text file")
+    (docs / ".drafts").mkdir()
+    (docs / ".drafts" / "secret.md").write_text("# Draft\n\nNot for the store.")
+    return docs
+
+
+@pytest.fixture
+def demo():
+    assert documents.load_demo() == len(documents.DEMO_DOCUMENTS)
+
+
+# -- chunking ---------------------------------------------------------------------------------
+
+def test_chunks_follow_headings_and_stay_near_800_characters():
+    paragraph = "This sentence is about the expense policy and is a little long. " * 6  # ~390 characters
+    body = f"# Title\n\nIntro.\n\n## Part one\n\n{paragraph}\n\n{paragraph}\n\n{paragraph}\n\n## Part two\n\n" \
+           f"```\n# not a heading, code\n```\n\n{'word ' * 400}"
+    cut = documents.chunk_text(body)
+    assert [heading for heading, _ in cut] == ["Title"] + ["Part one"] * 2 + ["Part two"] * 4
+    assert cut[0][1] == "Intro."
+    assert cut[1][1].count("expense policy") == 12 and cut[2][1].count("expense policy") == 6  # two paragraphs fit
+    assert cut[3][1] == "```\n# not a heading, code\n```"  # a fenced block stays whole; "#" in it is code
+    assert all(len(content) <= 800 for _, content in cut)
+    assert "".join(c for _, c in cut[3:]).count("word") == 400  # nothing lost when a paragraph is cut
+    assert documents.chunk_text("# Not a heading in a .txt\n\nText.", markdown=False) == [
+        ("", "# Not a heading in a .txt\n\nText.")]
+
+
+# -- ingest and search ---------------------------------------------------------------------------
+
+def test_ingest_a_folder_then_search_finds_the_right_chunk_with_filters(folder):
+    report = documents.ingest([str(folder)])
+    assert report["files"] == 2 and report["chunks"] == 4 and report["model"] == LOCAL
+    assert report["seconds"] >= 0 and report["reembedded"] == 0
+    handbook = str((folder / "handbook.md").resolve())
+    stored = chunks()
+    assert [c.id for c in stored] == [f"{handbook}#0", f"{handbook}#1", f"{handbook}#2",
+                                      f"{(folder / 'it' / 'printers.txt').resolve()}#0"]
+    sick = stored[1]
+    assert (sick.title, sick.chunk_index, sick.document_id, sick.source) == ("People handbook", 1, handbook, handbook)
+    assert sick.doc_metadata == {"team": "hr", "audience": "staff", "source": handbook, "file": "handbook.md",
+                                 "section": "Sick leave"}
+    assert (sick.embedding_model, sick.embedding_dim, len(sick.embedding)) == (LOCAL, 384, 384)
+    assert stored[3].title == "Printers" and stored[3].doc_metadata["file"] == "printers.txt"
+
+    found = documents.search("I feel ill and can't come to work, what should I do?", top_k=2)
+    assert found[0]["id"] == f"{handbook}#1"
+    assert found[0]["title"] == "People handbook" and found[0]["snippet"].startswith("If you are ill")
+    assert set(found[0]) == {"id", "title", "snippet", "score", "metadata"}
+    assert 0.3 <= found[0]["score"] <= 1 and found[0]["score"] == round(found[0]["score"], 4)
+    assert [f["score"] for f in found] == sorted((f["score"] for f in found), reverse=True)
+
+    printing = documents.search("how do I print in colour", top_k=3)
+    assert printing[0]["id"].endswith("printers.txt#0")
+    assert documents.search("how do I print in colour", filters={"team": "hr"}) == []  # its best match is IT's
+    only_hr = documents.search("leasing an e-bike through the company", top_k=3, filters={"team": "hr"})
+    assert only_hr[0]["metadata"]["section"] == "Bicycle scheme"
+    assert all(f["metadata"]["team"] == "hr" for f in only_hr)
+    assert documents.search("how do I print in colour", filters={"file": "printers.txt"})[0]["id"] == printing[0]["id"]
+    assert documents.search("how do I print in colour", filters={"team": "finance"}) == []
+
+
+def test_reingesting_a_file_replaces_its_chunks(folder):
+    documents.ingest([str(folder)])
+    handbook = folder / "handbook.md"
+    handbook.write_text("# People handbook\n\n## Sick leave\n\nCall the HR hotline on the first day of illness.\n")
+    report = documents.ingest([str(handbook)])
+    assert (report["files"], report["chunks"]) == (1, 1)
+    mine = [c for c in chunks() if c.document_id == str(handbook.resolve())]
+    assert [(c.id, c.content) for c in mine] == [(f"{handbook.resolve()}#0",
+                                                   "Call the HR hotline on the first day of illness.")]
+    assert len(chunks()) == 2  # the printers file was left alone
+    found = documents.search("what do I do when I'm sick", top_k=1)
+    assert found[0]["snippet"] == "Call the HR hotline on the first day of illness."
+    assert "bicycle" not in json.dumps(documents.search("leasing an e-bike", top_k=5)).lower()
+
+
+def test_ingest_refuses_what_it_cannot_read(folder):
+    with pytest.raises(documents.DocumentStoreError, match="no such file or folder: /no/such/place"):
+        documents.ingest(["/no/such/place"])
+    with pytest.raises(documents.DocumentStoreError, match="is not a .md or .txt file"):
+        documents.ingest([str(folder / "it" / "ignored.pdf")])
+    assert chunks() == []
+
+
+def test_relevance_floor(demo, monkeypatch):
+    assert documents.search("recipe for a chocolate cake") == []  # nothing scores 0.3
+    monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "-1")
+    assert len(documents.search("recipe for a chocolate cake", top_k=3)) == 3
+    monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "0.99")
+    assert documents.search("Q3 sales Northwest region") == []
+
+
+def test_load_demo_is_idempotent_and_records_the_model(demo):
+    assert documents.load_demo() == 0
+    stored = chunks()
+    assert len(stored) == len(documents.DEMO_DOCUMENTS) == 10
+    assert {(c.embedding_model, c.embedding_dim, c.chunk_index, c.source) for c in stored} == {(LOCAL, 384, 0, "demo")}
+    assert {c.id for c in stored} >= {"q3-sales-northwest#0", "q3-sales-southwest#0", "onboarding-guide#0",
+                                      "travel-policy#0"}
+    assert documents.search("Q3 sales Northwest region", top_k=1)[0]["id"] == "q3-sales-northwest#0"
+
+
+# -- never mix models -----------------------------------------------------------------------------
+
+def test_a_new_model_refuses_until_reembedded(folder, openai_api):
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer, times=None)
+    with pytest.MonkeyPatch.context() as local:  # ingest with the offline model first
+        local.delenv("OPENAI_API_KEY")
+        documents.ingest([str(folder / "handbook.md")])
+    assert {c.embedding_model for c in chunks()} == {LOCAL}
+
+    expected = (f"the documents were embedded with {LOCAL}, this system now uses text-embedding-3-small: "
+                "run `voice-tools ingest --reembed`")
+    with pytest.raises(documents.ModelMismatch) as refused:
+        documents.search("sick leave")
+    assert str(refused.value) == expected
+    with pytest.raises(documents.ModelMismatch):
+        documents.ingest([str(folder / "it")])  # would mix two models in one store
+    assert len(chunks()) == 3
+
+    report = documents.ingest([str(folder / "it")], reembed=True)
+    assert (report["reembedded"], report["files"], report["chunks"]) == (3, 1, 1)
+    assert report["model"] == "text-embedding-3-small"
+    stored = chunks()
+    assert {(c.embedding_model, c.embedding_dim) for c in stored} == {("text-embedding-3-small", 384)}
+    sick = next(c for c in stored if c.doc_metadata.get("section") == "Sick leave")
+    assert sick.embedding == pytest.approx(fake_vector(documents.embedding_text(
+        {"title": sick.title, "content": sick.content, "doc_metadata": sick.doc_metadata})), abs=1e-6)
+    inputs = [i for r in openai_api.requests_to("POST", r"/v1/embeddings$") for i in r.json["input"]]
+    assert inputs[0] == "sick leave"  # the refused search's question
+    assert len(inputs[1:]) == 4 and any("If you are ill" in i for i in inputs[1:])
+    assert documents.search("doctor's note sickness", top_k=1)[0]["metadata"]["section"] == "Sick leave"
+
+
+# -- a PostgreSQL without pgvector ------------------------------------------------------------------
+
+NO_PGVECTOR_DB = "voice_tools_nopgvector"
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    import servers
+    servers.migrate()  # alembic upgrade head, as `voice-tools migrate` does
+    from sqlalchemy import text
+    from models import db
+    from tasks.backends import documents
+    out = {}
+    with db.engine().connect() as conn:
+        out["columns"] = sorted(r[0] for r in conn.execute(text(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'documents'")))
+        out["head"] = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    for name, run in (("search", lambda: documents.search("travel policy")),
+                      ("ingest", lambda: documents.ingest([sys.argv[1]]))):
+        try:
+            run()
+            out[name] = None
+        except documents.VectorSupportMissing as exc:
+            out[name] = str(exc)
+    out["load_demo"] = documents.load_demo()
+    print(json.dumps(out))
+""")
+
+
+def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder):
+    """The embedded server HAS pgvector; this database is made to look as if it had not:
+    its ``search_path`` puts a view hiding ``vector`` from ``pg_available_extensions`` before
+    ``pg_catalog``, so the migration and the store see a server without it (what the
+    check reads is the only thing faked; no CREATE EXTENSION is ever run there)."""
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    admin = psycopg2.connect(urlunsplit(parts._replace(path="/postgres")))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{NO_PGVECTOR_DB}" WITH (FORCE)')
+        cur.execute(f'CREATE DATABASE "{NO_PGVECTOR_DB}"')
+        cur.execute(f'ALTER DATABASE "{NO_PGVECTOR_DB}" SET search_path = public, shadow, pg_catalog')
+    url = urlunsplit(parts._replace(path=f"/{NO_PGVECTOR_DB}"))
+    target = psycopg2.connect(url)
+    target.autocommit = True
+    with target.cursor() as cur:
+        cur.execute("CREATE SCHEMA shadow")
+        cur.execute("CREATE VIEW shadow.pg_available_extensions AS "
+                    "SELECT * FROM pg_catalog.pg_available_extensions WHERE name <> 'vector'")
+    target.close()
+    try:
+        probe = subprocess.run([sys.executable, "-c", PROBE, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                               env={**os.environ, "DATABASE_URL": url}, timeout=120)
+        assert probe.returncode == 0, probe.stderr
+        out = json.loads(probe.stdout.strip().splitlines()[-1])
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f'DROP DATABASE IF EXISTS "{NO_PGVECTOR_DB}" WITH (FORCE)')
+        admin.close()
+    assert out["head"] is not None and "embedding" not in out["columns"] and "embedding_model" in out["columns"]
+    assert out["search"] == out["ingest"] == documents.NO_PGVECTOR
+    assert out["load_demo"] == 0
+
+
+@pytest.fixture
+def embedding_column_dropped():
+    """The documents table as a migration without pgvector leaves it (restored afterwards)."""
+    with db.engine().begin() as conn:
+        conn.execute(text("ALTER TABLE documents DROP COLUMN embedding"))
+    yield
+    with db.engine().begin() as conn:
+        conn.execute(text("TRUNCATE documents"))
+        conn.execute(text("ALTER TABLE documents ADD COLUMN embedding vector(384) NOT NULL"))
+        conn.execute(text("CREATE INDEX ix_documents_embedding_hnsw ON documents "
+                          "USING hnsw (embedding vector_cosine_ops) WITH (m = 16, ef_construction = 64)"))
+
+
+def test_a_table_without_the_vector_column_fails_the_call_with_the_fix(worker, relay, embedding_column_dropped):
+    call = make_call("search_documentation", {"query": "travel policy"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    done = wait_status(call.tool_call_id)
+    assert done.status == "FAILED" and done.error_message == documents.NO_EMBEDDING_COLUMN
+    assert done.voice_response == f"The documentation search for travel policy did not run: " \
+                                  f"{documents.NO_EMBEDDING_COLUMN}."
+    failed = relay.wait_for(call.tool_call_id, "failed")
+    assert failed["step"] == "SEARCHING" and failed["voice_response"] == done.voice_response
+
+
+# -- the tools end to end through a worker ------------------------------------------------------------
+
+def test_search_documentation_end_to_end(worker, relay, demo):
+    call = make_call("search_documentation", {"query": "How do I reset my password?", "top_k": 3},
+                     callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    completed = relay.wait_for(call.tool_call_id, "completed")
+    done = wait_status(call.tool_call_id)
+    assert done.status == "COMPLETED" and set(done.result) == {"summary", "documents"}
+    found = done.result["documents"]
+    assert found[0]["id"] == "it-password-reset#0" and len(found) <= 3
+    assert done.result["summary"].startswith(f"{len(found)} document")
+    assert done.voice_response.startswith("The documentation on IT help: resetting your password says: "
+                                          "Reset a forgotten password at the self-service page")
+    assert completed["result"] == done.result and completed["voice_response"] == done.voice_response
+    assert [(d.event, d.payload["step"]) for d in deliveries(call.tool_call_id)] == [
+        ("progress", "QUERYING"), ("progress", "SEARCHING"), ("completed", "COMPLETED")]
+    assert done.context_key is None
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(SessionContext)) == 0
+
+
+def test_search_documentation_that_finds_nothing_completes_saying_so(worker, relay, demo):
+    call = make_call("search_documentation", {"query": "the weather in Paris"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    done = wait_status(call.tool_call_id)
+    assert done.status == "COMPLETED" and done.result == {"summary": "No matching documents.", "documents": []}
+    assert done.voice_response == "I couldn't find anything about the weather in Paris in the documentation."
+
+
+def test_query_vector_db_with_filters_end_to_end(worker, relay, demo):
+    call = make_call("query_vector_db", {"user_query": "How did sales go last quarter?", "structured_query": {
+        "semantic_query": "Q3 sales report", "filters": {"region": "southwest"}, "top_k": 2}}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    done = wait_status(call.tool_call_id)
+    assert done.status == "COMPLETED"
+    assert [d["id"] for d in done.result["documents"]] == ["q3-sales-southwest#0"]
+    assert done.voice_response == ("I found 1 document; the best match is Q3 sales report: Southwest region. "
+                                   "It is available if you want to use it in an email.")
+    with db.session() as s:
+        stored = s.scalars(select(SessionContext)).one()
+    assert stored.context_value["documents"] == done.result["documents"]
+
+    nothing = make_call("query_vector_db", {"user_query": "chocolate cake recipes"}, callback_url=relay.url)
+    chains.confirm(nothing.tool_call_id)
+    empty = wait_status(nothing.tool_call_id)
+    assert empty.status == "COMPLETED" and empty.result["documents"] == []
+    assert empty.voice_response == "I couldn't find any documents about chocolate cake recipes."
+
+
+def test_openai_429_is_retried_by_the_engine_and_the_summary_is_spoken(worker, relay, openai_api, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_SUMMARY_MODEL", "gpt-test")
+    monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "0.2")  # the double's bag-of-words vectors score lower
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer)  # the demo documents
+    openai_api.answer("POST", r"/v1/embeddings$", {"error": {"message": "Rate limit reached"}}, status=429)
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer, times=None)
+    openai_api.answer("POST", r"/v1/chat/completions$", chat_answer("Northwest sales were 4.2 million dollars."))
+    assert documents.load_demo() == 10
+    call = make_call("query_vector_db", {"user_query": "Q3 sales in the Northwest region"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    done = wait_status(call.tool_call_id, timeout=30)
+    assert done.status == "COMPLETED", done.error_message
+    assert done.result["documents"][0]["id"] == "q3-sales-northwest#0"
+    assert done.result["summary"] == "Northwest sales were 4.2 million dollars."
+    assert done.voice_response == ("Northwest sales were 4.2 million dollars. "
+                                   "It is available if you want to use it in an email.")
+    asked = openai_api.requests_to("POST", r"/v1/embeddings$")
+    assert [r.json["input"] for r in asked[1:]] == [["Q3 sales in the Northwest region"]] * 2  # 429, then again
+    assert all(r.json["model"] == "text-embedding-3-small" and r.json["dimensions"] == 384 for r in asked)
+    assert [e["status"] for e in done.status_history] == ["PENDING", "EXECUTING", "COMPLETED"]
+    assert {c.embedding_model for c in chunks()} == {"text-embedding-3-small"}
+
+
+def test_openai_401_fails_the_call_saying_the_search_did_not_run(worker, relay, openai_api):
+    openai_api.answer("POST", r"/v1/embeddings$", {"error": {"message": "Incorrect API key provided"}}, status=401)
+    call = make_call("query_vector_db", {"user_query": "Q3 sales"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    done = wait_status(call.tool_call_id)
+    assert done.status == "FAILED"
+    assert done.voice_response == "The search for Q3 sales did not run: the OpenAI API key was refused (HTTP 401)."
+    assert relay.wait_for(call.tool_call_id, "failed")["step"] == "QUERYING"
+    assert len(openai_api.requests_to("POST", r"/v1/embeddings$")) == 1  # not retried
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(SessionContext)) == 0
+
+
+def test_a_search_with_another_model_fails_the_call_naming_reembed(worker, relay, demo, openai_api):
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer, times=None)
+    call = make_call("search_documentation", {"query": "travel policy"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    done = wait_status(call.tool_call_id)
+    assert done.status == "FAILED"
+    assert done.voice_response == (f"The documentation search for travel policy did not run: the documents were "
+                                   f"embedded with {LOCAL}, this system now uses text-embedding-3-small: run "
+                                   "`voice-tools ingest --reembed`.")

@@ -1,0 +1,137 @@
+"""The embedders (tasks/backends/embeddings.py): the real offline model, and OpenAI's
+endpoint through the real ``openai`` client against a local HTTP double (the request
+bodies it sends, and what its errors become)."""
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+import openai
+import pytest
+
+from tasks.backends import documents, embeddings
+from tasks.tools import is_transient
+from tests.http_double import HttpDouble
+
+# -- an OpenAI double, shared with tests/test_documents.py ------------------------------------
+
+
+def fake_vector(text: str) -> list[float]:
+    """A stand-in for OpenAI's embedding: hashed bag of words, unit length (similar words, similar vectors)."""
+    vector = np.zeros(embeddings.DIM)
+    for word in re.findall(r"[a-z0-9]+", text.lower()):
+        vector[int(hashlib.md5(word.encode()).hexdigest(), 16) % embeddings.DIM] += 1.0
+    if not vector.any():
+        vector[0] = 1.0
+    return [float(x) for x in vector / np.linalg.norm(vector)]
+
+
+def embeddings_answer(request) -> dict:
+    body = request.json
+    inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    return {"object": "list", "model": body["model"], "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            "data": [{"object": "embedding", "index": i, "embedding": fake_vector(t)} for i, t in enumerate(inputs)]}
+
+
+def chat_answer(content: str) -> dict:
+    return {"id": "chatcmpl-test", "object": "chat.completion", "created": 1700000000, "model": "gpt-test",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
+
+
+@pytest.fixture
+def openai_api(monkeypatch):
+    """An OpenAI API double the product (and the in-process worker) is configured to use."""
+    with HttpDouble() as double:
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
+        monkeypatch.setenv("OPENAI_BASE_URL", f"{double.url}/v1")
+        monkeypatch.delenv("VOICE_TOOLS_EMBEDDING_MODEL", raising=False)
+        monkeypatch.delenv("VOICE_TOOLS_SUMMARY_MODEL", raising=False)
+        yield double
+    embeddings.reset()
+
+
+# -- the offline model ---------------------------------------------------------------------------
+
+def test_local_model_gives_unit_vectors_of_384_that_rank_meaning():
+    assert embeddings.active_model() == ("all-MiniLM-L6-v2-int8", 384)
+    vectors = embeddings.embed(["How do I reset my password?", "Steps to change a forgotten login password",
+                                "Q3 sales in the northwest region"])
+    assert vectors.shape == (3, 384) and vectors.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    related, unrelated = float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])
+    assert related > 0.5 > 0.2 > unrelated, (related, unrelated)
+    assert isinstance(embeddings.active(), embeddings.LocalEmbedder)
+
+
+def test_local_batches_pool_over_the_mask_only_and_cut_at_256_tokens():
+    short, longer = "Travel policy", "Book travel through the portal; meals up to sixty dollars a day. " * 3
+    alone = embeddings.embed([short])[0]
+    padded = embeddings.embed([short, longer])[0]  # padded to the longer text in the same batch
+    assert float(alone @ padded) > 0.9999
+
+    words = " ".join(f"word{i}" for i in range(400))  # far more than 256 tokens
+    a = embeddings.embed([words + " the weather in Paris is sunny"])[0]
+    b = embeddings.embed([words + " quarterly revenue fell sharply in Oregon"])[0]
+    assert float(a @ b) > 0.9999  # what comes after the 256th token is not read
+    bulk = embeddings.embed(["Travel policy"], bulk=True)[0]  # the ingest's many-thread session: same model
+    assert float(bulk @ alone) > 0.9999
+
+
+# -- OpenAI -------------------------------------------------------------------------------------
+
+def test_openai_embeddings_request_and_answer(openai_api):
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer)
+    assert embeddings.active_model() == ("text-embedding-3-small", 384)
+    vectors = embeddings.embed(["first text", "second text"])
+    assert vectors.shape == (2, 384)
+    assert np.allclose(vectors[0], fake_vector("first text"), atol=1e-6)
+    (request,) = openai_api.requests_to("POST", r"/v1/embeddings$")
+    assert request.json == {"model": "text-embedding-3-small", "input": ["first text", "second text"],
+                            "dimensions": 384, "encoding_format": "float"}
+    assert request.headers["authorization"] == "Bearer sk-test-key"
+
+
+def test_openai_embedding_model_is_configurable(openai_api, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_EMBEDDING_MODEL", "text-embedding-3-large")
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer)
+    embeddings.embed_query("hello")
+    assert openai_api.requests_to("POST", r"/v1/embeddings$")[0].json["model"] == "text-embedding-3-large"
+    assert embeddings.active_model() == ("text-embedding-3-large", 384)
+
+
+def test_openai_errors_mean_retry_or_give_up(openai_api, monkeypatch):
+    openai_api.answer("POST", r"/v1/embeddings$", {"error": {"message": "Rate limit", "type": "requests"}}, status=429)
+    with pytest.raises(openai.RateLimitError) as limited:
+        embeddings.embed_query("hello")
+    assert is_transient(limited.value)  # the engine retries it with backoff
+    assert len(openai_api.requests_to("POST", r"/v1/embeddings$")) == 1  # the client itself does not retry
+
+    openai_api.answer("POST", r"/v1/embeddings$", {"error": {"message": "Incorrect API key"}}, status=401)
+    with pytest.raises(embeddings.EmbeddingError, match=r"the OpenAI API key was refused \(HTTP 401\)") as refused:
+        embeddings.embed_query("hello")
+    assert not is_transient(refused.value)
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")  # nothing listens there
+    with pytest.raises(ConnectionError) as lost:
+        embeddings.embed_query("hello")
+    assert is_transient(lost.value)
+
+
+def test_summary_model_writes_the_spoken_summary(openai_api, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_SUMMARY_MODEL", "gpt-test")
+    openai_api.answer("POST", r"/v1/chat/completions$", chat_answer("Northwest sales were 4.2 million dollars in Q3."))
+    found = [{"id": "a#0", "title": "Q3 sales report: Northwest region", "snippet": "Northwest region Q3 sales "
+              "totalled $4.2M.", "score": 0.8, "metadata": {}}]
+    assert documents.summarise("What were Q3 sales?", found) == "Northwest sales were 4.2 million dollars in Q3."
+    (request,) = openai_api.requests_to("POST", r"/v1/chat/completions$")
+    assert request.json["model"] == "gpt-test"
+    user = request.json["messages"][-1]["content"]
+    assert "What were Q3 sales?" in user and "Q3 sales report: Northwest region" in user
+
+    openai_api.answer("POST", r"/v1/chat/completions$", {"error": {"message": "no such model"}}, status=404)
+    assert documents.summarise("What were Q3 sales?", found) == "1 document found; best match: Q3 sales report: " \
+                                                                "Northwest region."
+    assert documents.summarise("anything", []) == "No matching documents."  # nothing found: no request
+    assert len(openai_api.requests_to("POST", r"/v1/chat/completions$")) == 2
