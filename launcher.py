@@ -62,6 +62,7 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
             filled.append(name)
     env.setdefault("PORT", "8000")
     env.setdefault("FLOWER_PORT", "5555")
+    env.setdefault("MCP_PORT", "8001")
     env.setdefault("VOICE_TOOLS_PUBLIC_URL", f"http://127.0.0.1:{env['PORT']}")
     env["VOICE_TOOLS_DATA_DIR"] = str(data_dir)
     # The Procfile's commands (gunicorn, celery) live beside this Python: the README
@@ -151,7 +152,8 @@ def run(procfile: str | None = None) -> int:
         procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / "Procfile")
         _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
         _say(f"data in {data_dir}")
-        _say(f"API on {env['VOICE_TOOLS_PUBLIC_URL']}, Flower on http://127.0.0.1:{env['FLOWER_PORT']}")
+        _say(f"API on {env['VOICE_TOOLS_PUBLIC_URL']}, MCP on http://127.0.0.1:{env['MCP_PORT']}/mcp, "
+             f"Flower on http://127.0.0.1:{env['FLOWER_PORT']}")
         if filled:
             _say(f"set for this local run (unset in the environment): {', '.join(filled)};"
                  f" values in {data_dir / LOCAL_SECRETS}")
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
     sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
+    sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001)")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
@@ -239,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         import demo
 
         return demo.main(rest)
+    if command == "mcp":
+        from app import mcp_server
+
+        mcp_server.main(rest)
+        return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if command == "run":

@@ -40,7 +40,7 @@ def caller_for(presented: str, entries: list[str]) -> str | None:
     return match
 
 
-def _unauthorized(message: str) -> ApiError:
+def unauthorized(message: str) -> ApiError:
     return ApiError(401, "unauthorized", message, {}, {"WWW-Authenticate": 'Bearer realm="voice-tools"'})
 
 
@@ -51,8 +51,8 @@ def register(app: Flask) -> None:
             return
         scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
-            raise _unauthorized("Send Authorization: Bearer <token>.")
+            raise unauthorized("Send Authorization: Bearer <token>.")
         caller = caller_for(presented.strip(), settings.load().api_tokens)
         if caller is None:
-            raise _unauthorized("Unknown API token.")
+            raise unauthorized("Unknown API token.")
         g.caller = caller

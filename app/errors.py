@@ -1,7 +1,9 @@
 """Every error the API gives is JSON ``{error, message, details}`` (CONTRACT section 5).
 
-Views raise :class:`ApiError` (or let a lifecycle/chains/database exception through);
-the handlers registered here turn each into the right status. Nothing answers HTML,
+Operations raise :class:`ApiError` (or let a validation/lifecycle/chains/database
+exception through); :func:`api_error` is the one mapping from an exception to its
+status, code and message, used by the Flask handlers registered here and by the MCP
+face (``app.mcp_server``), which answers the same :func:`payload`. Nothing answers HTML,
 and an unforeseen exception is a JSON 500 (logged), never a stack trace.
 """
 from __future__ import annotations
@@ -93,37 +95,48 @@ def unavailable(service: str, reason: str) -> ApiError:
                     {"service": service, "reason": reason[:300]})
 
 
+def api_error(exc: Exception) -> ApiError | None:
+    """The ApiError an exception raised by an operation is answered with, on every face
+    (the REST views and the MCP tools); None for an exception we do not know (a 500)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return validation_error(exc.messages, _known_tools(exc.messages))
+    if isinstance(exc, lifecycle.NotFound):
+        return not_found(exc.tool_call_id)
+    if isinstance(exc, lifecycle.Refused):
+        return refused(exc)
+    if isinstance(exc, chains.BrokerUnavailable):
+        return unavailable("broker", str(exc))
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        log.warning("database unavailable: %s", exc)
+        return unavailable("database", str(getattr(exc, "orig", exc)).strip())
+    return None
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "internal_error", "Something went wrong on our side.", {})
+
+
+def payload(err: ApiError) -> dict[str, Any]:
+    """The JSON body of an error: ``{error, message, details}``."""
+    return {"error": err.error, "message": err.message, "details": err.details}
+
+
 def response(err: ApiError):
-    body = {"error": err.error, "message": err.message, "details": err.details}
-    return jsonify(body), err.status, err.headers
+    return jsonify(payload(err)), err.status, err.headers
+
+
+KNOWN = (ApiError, ValidationError, lifecycle.NotFound, lifecycle.Refused, chains.BrokerUnavailable,
+         OperationalError, InterfaceError)
 
 
 def register(app: Flask) -> None:
-    @app.errorhandler(ApiError)
-    def _api_error(err: ApiError):
-        return response(err)
+    def _known(err: Exception):
+        return response(api_error(err) or internal_error())
 
-    @app.errorhandler(ValidationError)
-    def _validation(err: ValidationError):
-        return response(validation_error(err.messages, _known_tools(err.messages)))
-
-    @app.errorhandler(lifecycle.NotFound)
-    def _not_found(err: lifecycle.NotFound):
-        return response(not_found(err.tool_call_id))
-
-    @app.errorhandler(lifecycle.Refused)
-    def _refused(err: lifecycle.Refused):
-        return response(refused(err))
-
-    @app.errorhandler(chains.BrokerUnavailable)
-    def _broker(err: chains.BrokerUnavailable):
-        return response(unavailable("broker", str(err)))
-
-    @app.errorhandler(OperationalError)
-    @app.errorhandler(InterfaceError)
-    def _database(err: Exception):
-        log.warning("database unavailable: %s", err)
-        return response(unavailable("database", str(getattr(err, "orig", err)).strip()))
+    for kind in KNOWN:
+        app.register_error_handler(kind, _known)
 
     @app.errorhandler(HTTPException)
     def _http(err: HTTPException):
@@ -148,4 +161,4 @@ def register(app: Flask) -> None:
         if isinstance(err, HTTPException):  # pragma: no cover (handled above)
             return _http(err)
         log.exception("unhandled error")
-        return response(ApiError(500, "internal_error", "Something went wrong on our side.", {}))
+        return response(internal_error())

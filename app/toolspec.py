@@ -35,14 +35,14 @@ def only_allowed(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=1)
-def _converter():
+def converter():
     plugin = MarshmallowPlugin(schema_name_resolver=lambda schema: None)  # None: inline nested schemas
     APISpec("voice-tools tools", "1", "3.0.3", plugins=[plugin])
     return plugin.converter
 
 
 def parameters_schema(tool: tools.Tool) -> dict[str, Any]:
-    return only_allowed(_converter().schema2jsonschema(tool.schema))
+    return only_allowed(converter().schema2jsonschema(tool.schema))
 
 
 def definition(tool: tools.Tool, fmt: str) -> dict[str, Any]:

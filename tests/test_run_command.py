@@ -32,13 +32,14 @@ START_TIMEOUT = 180
 class System:
     def __init__(self) -> None:
         self.data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-run-", dir=tempfile.gettempdir()))
-        self.port, self.flower_port = free_port(), free_port()
+        self.port, self.flower_port, self.mcp_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flower_url = f"http://127.0.0.1:{self.flower_port}"
         self.env = bare_env(
             VOICE_TOOLS_DATA_DIR=str(self.data_dir),
             PORT=str(self.port),
             FLOWER_PORT=str(self.flower_port),
+            MCP_PORT=str(self.mcp_port),
             VOICE_TOOLS_API_TOKENS=f"runtest:{TOKEN}",
             VOICE_TOOLS_CALLBACK_SECRET=SECRET,
             VOICE_TOOLS_CALLBACK_HOSTS="127.0.0.1",
@@ -140,6 +141,16 @@ def test_the_api_runs_under_gunicorn_on_port(system):
     assert ready.status_code == 200, ready.text
 
 
+def test_the_mcp_face_runs_as_its_own_process_behind_the_token(system):
+    system.wait_listening(system.mcp_port)
+    mcp = f"http://127.0.0.1:{system.mcp_port}"
+    assert requests.get(f"{mcp}/healthz", timeout=10).status_code == 200
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    refused = requests.post(f"{mcp}/mcp", json=hello, timeout=10,
+                            headers={"Accept": "application/json, text/event-stream"})
+    assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+
+
 def test_flower_needs_its_password_and_sees_one_worker_per_procfile_line(system):
     workers_url = f"{system.flower_url}/api/workers"
     system.wait_listening(system.flower_port)  # Flower may come up after the API
@@ -229,7 +240,7 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "celery -A tasks beat", "celery -A tasks flower", "honcho"):
+                 "celery -A tasks beat", "celery -A tasks flower", "honcho", "voice-tools mcp"):
         assert part in commands, f"{part} not running: {describe(before)}"
 
     assert system.stop() == 128 + signal.SIGTERM

@@ -1,0 +1,331 @@
+"""The MCP face (seed 000 "Option C"; CONTRACT section 11): the REST API's operations as MCP tools.
+
+An MCP client (an assistant runtime that speaks the Model Context Protocol) drives
+tool calls here instead of over REST: ``request_tool`` -> ``modify_tool`` ->
+``confirm_tool`` (``wait``) -> ``resume_tool`` (``action``, ``wait``), ``cancel_tool``,
+``execute_tool``, ``get_status``, ``get_context``, ``get_session_context`` and
+``list_tools`` (the registry's tools with their JSON Schemas).
+
+Each MCP tool is one line over the operation of ``app.operations`` that the REST view
+of the same route calls: its arguments are the REST call's path arguments, query and
+body fields side by side (``tool_call_id``, ``wait``, ``session_id``, ``function``,
+``parameters``, ...), split back into those three parts and validated by the same
+request schemas; its result is the REST answer's JSON, as structured content and as
+JSON text. An error is the REST error's ``{error, message, details}`` (from
+``app.errors.api_error``) in a result with ``isError: true``, whatever the HTTP status
+would have been (404, 409, 422, 503 ...). The argument JSON Schemas (``inputSchema``)
+are generated from those same marshmallow schemas.
+
+Every request needs ``Authorization: Bearer <token>`` of ``VOICE_TOOLS_API_TOKENS``
+(``app.auth``'s token lookup; the token's name is the call's ``caller``), refused
+with a JSON 401 at the HTTP level otherwise. The transport is streamable HTTP at
+``/mcp``, stateless with JSON responses (any process can answer any request).
+
+Run it with ``python -m app.mcp_server`` (``--host``/``--port``, defaults ``HOST`` or
+127.0.0.1 and ``MCP_PORT`` or 8001), or ``uvicorn --factory app.mcp_server:create_mcp_app``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import anyio
+import anyio.to_thread
+from marshmallow import Schema
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.tools.base import Tool as McpTool
+from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from pydantic import ConfigDict
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app import MAX_BODY_BYTES, auth, errors, inputs, operations, schemas, toolspec
+from app.errors import ApiError
+from models import settings
+from tasks import tools
+
+log = logging.getLogger(__name__)
+
+MCP_PATH = "/mcp"
+DEFAULT_PORT = 8001
+SERVER_NAME = "voice-tools"
+INSTRUCTIONS = (
+    "Runs a voice assistant's tool calls. Call list_tools for the tools and their parameters. "
+    "request_tool records a call as PENDING and answers the sentence to read back; modify_tool changes it; "
+    "confirm_tool starts it (wait up to 30 s for the answer); a write stops at a checkpoint (PREPARED): "
+    "resume_tool with action proceed or cancel. Speak voice_response when status is COMPLETED or FAILED."
+)
+NO_ARGUMENTS: type[Schema] = schemas.Strict  # no fields: any argument is an unknown field (422)
+
+PATH_DESCRIPTIONS = {"tool_call_id": "The call's id (request_tool answers it)", "session_id": "The relay's session"}
+
+Arguments = dict[str, Any]
+Answer = operations.Answer
+
+
+# -- the MCP tools: each one line over app.operations ------------------------------------------
+
+@dataclass(frozen=True)
+class Face:
+    """One MCP tool: which REST parts its arguments come from, and the operation it runs."""
+
+    name: str
+    description: str
+    run: Callable[[Arguments, Arguments, Arguments, str | None], Answer]  # (path, query, body, caller)
+    path: type[Schema] | None = None  # arguments that are the REST path's
+    query: type[Schema] | None = None  # arguments that are the REST query's
+    body: type[Schema] | None = None  # the rest: the REST body
+    read_only: bool = False
+
+    def split(self, arguments: Arguments) -> tuple[Arguments, Arguments, Arguments]:
+        """``(path, query, body)``: the path and query schemas' fields, then everything else."""
+        path_names = set(self.path._declared_fields) if self.path else set()
+        query_names = set(self.query._declared_fields) if self.query else set()
+        path = {k: v for k, v in arguments.items() if k in path_names}
+        query = {k: v for k, v in arguments.items() if k in query_names}
+        body = {k: v for k, v in arguments.items() if k not in path_names | query_names}
+        if self.path is not None:
+            path = inputs.load(self.path, path)  # a missing path argument is 422 naming it
+        if self.body is NO_ARGUMENTS:  # an operation without a body: what is left is unknown (422)
+            inputs.load(NO_ARGUMENTS, body)
+        return path, query, body
+
+    def input_schema(self) -> dict[str, Any]:
+        """The JSON Schema of the arguments, from the same request schemas (unknown fields are refused)."""
+        merged: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+        for part in (self.path, self.query, self.body):
+            if part is None:
+                continue
+            converted = _json_schema(part)
+            merged["properties"].update(converted.get("properties", {}))
+            merged["required"].extend(converted.get("required", []))
+        if not merged["required"]:
+            del merged["required"]
+        for name, description in PATH_DESCRIPTIONS.items():
+            if name in merged["properties"]:
+                merged["properties"][name].setdefault("description", description)
+        merged["additionalProperties"] = False
+        return merged
+
+
+def _json_schema(schema: type[Schema]) -> dict[str, Any]:
+    return toolspec.converter().schema2jsonschema(schema)
+
+
+def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: str | None) -> Answer:
+    """list_tools: every tool of the registry as ``{name, description, inputSchema}``."""
+    found = [{"name": tool.name, "description": tool.description, "inputSchema": toolspec.parameters_schema(tool)}
+             for tool in (tools.TOOLS[name] for name in tools.names())]
+    return {"tools": found}, 200
+
+
+FACES = (
+    Face("request_tool",
+         "Record a tool call as PENDING (nothing runs yet); answers the confirmation sentence to read back. "
+         "= POST /voice-tools/pending",
+         lambda path, query, body, caller: operations.pending(body, caller), body=schemas.PendingRequest),
+    Face("modify_tool",
+         "Change parameters of a PENDING call (a null removes an optional field). = PATCH /voice-tools/modify/{id}",
+         lambda path, query, body, caller: operations.modify(path["tool_call_id"], body),
+         path=schemas.ToolCallPath, body=schemas.ModifyRequest),
+    Face("confirm_tool",
+         "The user said yes: a PENDING call starts. With wait, answers the call's record once it is PREPARED "
+         "(a write's checkpoint) or finished. = POST /voice-tools/confirm/{id}?wait=",
+         lambda path, query, body, caller: operations.confirm(path["tool_call_id"], body, query),
+         path=schemas.ToolCallPath, query=schemas.WaitQuery, body=schemas.ConfirmRequest),
+    Face("resume_tool",
+         "At the checkpoint (PREPARED): action proceed (the point of no return) or cancel. With wait, answers "
+         "the record once finished. = POST /voice-tools/resume/{id}?wait=",
+         lambda path, query, body, caller: operations.resume(path["tool_call_id"], body, query),
+         path=schemas.ToolCallPath, query=schemas.WaitQuery, body=schemas.ResumeRequest),
+    Face("cancel_tool",
+         "Cancel a call before its point of no return. = DELETE /voice-tools/cancel/{id}",
+         lambda path, query, body, caller: operations.cancel(path["tool_call_id"], body, {}),
+         path=schemas.ToolCallPath, body=schemas.CancelRequest),
+    Face("execute_tool",
+         "Record and start at once a call the user already confirmed (arguments as request_tool, plus wait). "
+         "= POST /voice-tools/execute?wait=",
+         lambda path, query, body, caller: operations.execute(body, query, caller),
+         query=schemas.WaitQuery, body=schemas.PendingRequest),
+    Face("get_status",
+         "The whole record of a call. = GET /voice-tools/status/{id}",
+         lambda path, query, body, caller: operations.status(path["tool_call_id"]),
+         path=schemas.ToolCallPath, body=NO_ARGUMENTS, read_only=True),
+    Face("get_context",
+         "A session's open calls and its recent finished ones (newest first). = GET /voice-tools/context/{session_id}",
+         lambda path, query, body, caller: operations.context(path["session_id"], query),
+         path=schemas.SessionPath, query=schemas.ContextQuery, body=NO_ARGUMENTS, read_only=True),
+    Face("get_session_context",
+         "A stored session context value (e.g. search results an email refers to). "
+         "= GET /voice-tools/session-context",
+         lambda path, query, body, caller: operations.session_context(query),
+         query=schemas.SessionContextQuery, body=NO_ARGUMENTS, read_only=True),
+    Face("list_tools",
+         "Every tool this service runs, with its parameters' JSON Schema as inputSchema.",
+         tool_schemas, body=NO_ARGUMENTS, read_only=True),
+)
+
+
+# -- running one: the arguments as given, the answer or the error as JSON ------------------
+
+def _bad_arguments(arguments: Arguments) -> ApiError | None:
+    """The REST body's JSON rules (CONTRACT section 5) for arguments: finite numbers, bounded nesting."""
+    if inputs.depth(arguments) > inputs.MAX_DEPTH:
+        return ApiError(400, "bad_json", f"The arguments nest deeper than {inputs.MAX_DEPTH} levels.",
+                        {"max_depth": inputs.MAX_DEPTH})
+    stack: list[Any] = [arguments]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return ApiError(400, "bad_json", "The arguments hold a number out of range.", {"reason": repr(item)})
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def _result(answer: dict[str, Any], status: int, is_error: bool = False) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=json.dumps(answer, ensure_ascii=False))],
+                          structured_content=answer, is_error=is_error,
+                          _meta={"voice-tools/http_status": status})
+
+
+def call(face: Face, arguments: Arguments, caller: str | None) -> CallToolResult:
+    """Run one MCP tool: the REST operation's answer, or its error JSON with ``is_error``."""
+    try:
+        bad = _bad_arguments(arguments)
+        if bad is not None:
+            raise bad
+        path, query, body = face.split(arguments)
+        answer, status = face.run(path, query, body, caller)
+    except Exception as exc:  # every error is answered as the REST API answers it
+        err = errors.api_error(exc)
+        if err is None:
+            log.exception("unhandled error in MCP tool %s", face.name)
+            err = errors.internal_error()
+        return _result(errors.payload(err), err.status, is_error=True)
+    return _result(answer, status)
+
+
+class _AsGiven(ArgModelBase):
+    """The SDK validates a tool's arguments with a pydantic model; ours takes them as given,
+    so that the REST schemas alone judge them (the same rules and the same error JSON)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def model_dump_one_level(self) -> dict[str, Any]:
+        return {"arguments": dict(self.__pydantic_extra__ or {})}
+
+
+def _caller(ctx: Context) -> str | None:
+    request = ctx.request_context.request
+    return getattr(request.state, "caller", None) if isinstance(request, Request) else None
+
+
+def mcp_tool(face: Face) -> McpTool:
+    def run(arguments: Arguments, ctx: Context) -> CallToolResult:  # the SDK runs it in a worker thread
+        return call(face, arguments, _caller(ctx))
+
+    return McpTool(
+        fn=run, name=face.name, description=face.description, parameters=face.input_schema(),
+        fn_metadata=FuncMetadata(arg_model=_AsGiven), is_async=False, context_kwarg="ctx",
+        annotations=ToolAnnotations(read_only_hint=face.read_only,
+                                    destructive_hint=False if face.read_only else None),
+    )
+
+
+def create_mcp_server() -> MCPServer:
+    return MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, tools=[mcp_tool(face) for face in FACES])
+
+
+# -- HTTP: the token, then the streamable-HTTP endpoint --------------------------------------
+
+class BearerToken:
+    """Refuse (401, the REST API's JSON) a request without a token of ``VOICE_TOOLS_API_TOKENS``;
+    keep the token's name in ``request.state.caller``."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in auth.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        scheme, _, presented = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            refused = auth.unauthorized("Send Authorization: Bearer <token>.")
+        else:
+            caller = auth.caller_for(presented.strip(), settings.load().api_tokens)
+            if caller is not None:
+                scope.setdefault("state", {})["caller"] = caller
+                await self.app(scope, receive, send)
+                return
+            refused = auth.unauthorized("Unknown API token.")
+        answer = JSONResponse(errors.payload(refused), status_code=refused.status, headers=refused.headers)
+        await answer(scope, receive, send)
+
+
+async def _healthz(_: Request) -> JSONResponse:
+    return JSONResponse(schemas.HealthAnswer().dump({"status": "ok"}))
+
+
+def create_mcp_app() -> Starlette:
+    """The ASGI app: streamable HTTP at ``/mcp`` (stateless, JSON answers) and ``/healthz``, behind the token.
+
+    The SDK's DNS-rebinding check (Host/Origin allowlist) is off: it guards servers that trust
+    whoever reaches them, and every request here needs a bearer token a browser page does not have.
+    """
+    server = create_mcp_server()
+    server.custom_route("/healthz", methods=["GET"])(_healthz)
+    app = server.streamable_http_app(
+        streamable_http_path=MCP_PATH, stateless_http=True, json_response=True,
+        max_request_body_size=MAX_BODY_BYTES,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    app.add_middleware(BearerToken)
+    app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
+    return app
+
+
+def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Run at most ``MCP_THREADS`` (default 16) operations at once: each is a blocking call in a
+    worker thread that holds a pooled database connection (for up to 30 s with ``wait``), so the
+    count stays within the pool (``VOICE_TOOLS_DB_POOL_SIZE`` + 20 overflow) instead of anyio's 40."""
+    @asynccontextmanager
+    async def bounded(app: Any):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = int(os.environ.get("MCP_THREADS") or 16)
+        async with lifespan(app) as state:
+            yield state
+
+    return bounded
+
+
+def serve(host: str, port: int) -> None:
+    """Serve the MCP face with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_mcp_app(), host=host, port=port, log_level="info")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="voice-tools mcp", description="Serve the MCP face at /mcp.")
+    parser.add_argument("--host", default=os.environ.get("HOST") or "127.0.0.1")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("MCP_PORT") or DEFAULT_PORT))
+    args = parser.parse_args(argv)
+    serve(args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

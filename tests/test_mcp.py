@@ -1,0 +1,255 @@
+"""The MCP face (issue 12 section 2, CONTRACT section 11), through the SDK's own client.
+
+One real server for the module (``create_mcp_app()`` under uvicorn in a thread, on a
+free port), spoken to over streamable HTTP by ``mcp.Client``; the in-process worker
+runs the calls. Each test shows the MCP face is the REST API's operations: the same
+answers, the same error JSON, the same rows, callbacks, idempotency and tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx2
+import pytest
+import uvicorn
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from app import toolspec
+from app.mcp_server import create_mcp_app
+from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
+from tests.conftest import API_TOKEN, AUTH
+from tests.helpers import deliveries, row
+from tasks import tools
+
+pytestmark = pytest.mark.anyio
+
+MCP_TOKEN = "mcp-token"  # a second token: its name "mcp-client" is recorded as the caller
+FACES = {"request_tool", "modify_tool", "confirm_tool", "resume_tool", "cancel_tool", "execute_tool",
+         "get_status", "get_context", "get_session_context", "list_tools"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def mcp_url():
+    saved = os.environ["VOICE_TOOLS_API_TOKENS"]
+    os.environ["VOICE_TOOLS_API_TOKENS"] = f"{saved},mcp-client:{MCP_TOKEN}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_mcp_app(), host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, name="mcp-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the MCP server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/mcp"
+    server.should_exit = True
+    thread.join(10)
+    os.environ["VOICE_TOOLS_API_TOKENS"] = saved
+
+
+@pytest.fixture
+def client():
+    """The REST API beside it (a test client kept out of ``with``: its Flask contexts would be
+    pushed and popped in different contextvars contexts under the anyio runner)."""
+    from app import create_app
+
+    return create_app({"TESTING": True}).test_client()
+
+
+@asynccontextmanager
+async def connected(url: str, token: str = MCP_TOKEN, mode: str = "auto"):
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
+        async with Client(streamable_http_client(url, http_client=http), mode=mode) as client:
+            yield client
+
+
+async def answer(client: Client, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A tool's structured result, checked to be a success that says the same as its JSON text."""
+    result = await client.call_tool(name, arguments)
+    assert not result.is_error, result.structured_content
+    assert json.loads(result.content[0].text) == result.structured_content
+    return result.structured_content
+
+
+async def error(client: Client, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A tool's error JSON, checked to be an is_error result whose text is that JSON."""
+    result = await client.call_tool(name, arguments)
+    assert result.is_error, result.structured_content
+    assert json.loads(result.content[0].text) == result.structured_content
+    assert set(result.structured_content) == {"error", "message", "details"}
+    return result.structured_content
+
+
+async def test_the_updating_email_walkthrough_entirely_over_mcp(mcp_url, worker, relay):
+    urls = {"checkpoint": f"{relay.base}/tool-checkpoint", "completed": f"{relay.base}/tool-complete"}
+    async with connected(mcp_url) as mcp:
+        pending = await answer(mcp, "request_tool", {
+            "session_id": "sess_mcp", "function": "send_email", "intent_id": "intent_1",
+            "parameters": {"to": "john@example.com", "subject": "Meeting Tomorrow"}})
+        tool_call_id = pending["tool_call_id"]
+        assert pending["status"] == "PENDING" and pending["function_name"] == "send_email"
+        assert "john@example.com" in pending["confirmation_message"]
+        assert row(tool_call_id).caller == "mcp-client"
+
+        modified = await answer(mcp, "modify_tool", {"tool_call_id": tool_call_id,
+                                                     "parameters": {"to": "john.smith@example.com"}})
+        assert modified["changes"] == [{"field": "to", "old": "john@example.com", "new": "john.smith@example.com"}]
+        assert modified["status"] == "PENDING"
+
+        prepared = await answer(mcp, "confirm_tool", {"tool_call_id": tool_call_id, "wait": 15,
+                                                      "callback_urls": urls})
+        assert prepared["status"] == "PREPARED" and prepared["current_step"] == "READY_TO_SEND", prepared
+        assert set(prepared["actions_available"]) >= {"proceed", "cancel"}
+        checkpoint = relay.wait_for(tool_call_id, "checkpoint")
+        assert checkpoint["status"] == "PREPARED" and checkpoint["resume_webhook"].endswith(tool_call_id)
+
+        done = await answer(mcp, "resume_tool", {"tool_call_id": tool_call_id, "action": "proceed", "wait": 15})
+        assert done["status"] == "COMPLETED", done
+        assert done["result"]["to"] == "john.smith@example.com"
+        assert done["voice_response"] == "Email sent to john.smith@example.com."
+
+    stored = row(tool_call_id)
+    assert stored.status == "COMPLETED" and stored.result == done["result"]
+    assert stored.parameters["to"] == "john.smith@example.com" and stored.intent_id == "intent_1"
+    assert [h["field"] for h in stored.parameters_history] == ["to"]
+    relay.wait_for(tool_call_id, "completed")
+    assert [path for path, event in relay.events_at(tool_call_id)] == ["/tool-checkpoint", "/tool-complete"]
+    assert [(d.event, d.url) for d in deliveries(tool_call_id) if d.url] == [
+        ("checkpoint", urls["checkpoint"]), ("completed", urls["completed"])]
+
+
+async def test_execute_then_cancel_at_the_checkpoint_over_mcp(mcp_url, worker):
+    async with connected(mcp_url) as mcp:
+        prepared = await answer(mcp, "execute_tool", {"session_id": "sess_mcp", "function": "send_email",
+                                                      "parameters": SEED_EMAIL, "wait": 15})
+        assert prepared["status"] == "PREPARED", prepared
+        cancelled = await answer(mcp, "cancel_tool", {"tool_call_id": prepared["tool_call_id"],
+                                                      "reason": "Changed my mind"})
+        assert cancelled["status"] == "CANCELLED" and cancelled["voice_response"] == "Cancelled. The email was not sent."
+        record = await answer(mcp, "get_status", {"tool_call_id": prepared["tool_call_id"]})
+    assert record["status"] == "CANCELLED" and record["error_message"] == "Changed my mind"
+    assert row(prepared["tool_call_id"]).status == "CANCELLED"
+
+
+async def test_bad_input_over_mcp_is_the_rest_apis_error_json_and_changes_nothing(mcp_url, client):
+    created = client.post("/voice-tools/pending", headers=AUTH,
+                          json={"session_id": "s", "function": "send_email", "parameters": SEED_EMAIL})
+    tool_call_id = created.get_json()["tool_call_id"]
+    assert client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=AUTH).status_code == 200
+    before = snapshot()
+    async with connected(mcp_url) as mcp:
+        unknown_tool = await error(mcp, "request_tool", {"session_id": "s", "function": "send_fax"})
+        assert unknown_tool["error"] == "validation_error"
+        assert "function" in unknown_tool["details"]["fields"]
+        assert set(tools.names()) <= set(unknown_tool["details"]["known_tools"])
+        assert unknown_tool == client.post("/voice-tools/pending", headers=AUTH,
+                                           json={"session_id": "s", "function": "send_fax"}).get_json()
+
+        bad_parameters = await error(mcp, "request_tool", {"session_id": "s", "function": "send_email",
+                                                           "parameters": {"to": "not an address"}})
+        assert "parameters" in bad_parameters["details"]["fields"], bad_parameters
+        unknown_argument = await error(mcp, "confirm_tool", {"tool_call_id": tool_call_id, "when": "now"})
+        assert unknown_argument["details"]["fields"] == {"when": ["Unknown field."]}
+        missing_id = await error(mcp, "modify_tool", {"parameters": {"to": "a@example.com"}})
+        assert list(missing_id["details"]["fields"]) == ["tool_call_id"]
+        bad_wait = await error(mcp, "confirm_tool", {"tool_call_id": tool_call_id, "wait": 99})
+        assert bad_wait == client.post(f"/voice-tools/confirm/{tool_call_id}?wait=99", headers=AUTH).get_json()
+        assert list(bad_wait["details"]["fields"]) == ["wait"]
+
+        not_found = await error(mcp, "modify_tool", {"tool_call_id": "tc_000000000000",
+                                                     "parameters": {"to": "a@example.com"}})
+        assert not_found["error"] == "not_found"
+        assert not_found == client.patch("/voice-tools/modify/tc_000000000000", headers=AUTH,
+                                         json={"parameters": {"to": "a@example.com"}}).get_json()
+
+        wrong_status = await error(mcp, "modify_tool", {"tool_call_id": tool_call_id,
+                                                        "parameters": {"to": "a@example.com"}})
+        assert wrong_status["error"] == "invalid_status" and wrong_status["details"]["status"] == "CANCELLED"
+        confirm_cancelled = await error(mcp, "confirm_tool", {"tool_call_id": tool_call_id})
+        assert confirm_cancelled == client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH).get_json()
+        assert confirm_cancelled["error"] == "already_terminal"
+    assert snapshot() == before and call_count() == 1
+
+
+async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp_url, client):
+    rest = client.post("/voice-tools/pending", headers=AUTH, json={
+        "session_id": "sess_both", "function": "send_email", "parameters": SEED_EMAIL})
+    assert rest.status_code == 201
+    async with connected(mcp_url) as mcp:
+        over_mcp = await answer(mcp, "request_tool", {
+            "session_id": "sess_both", "function": "send_email", "idempotency_key": "key-1",
+            "parameters": {"to": "jane@example.com", "subject": "Lunch"}})
+        seen_by_mcp = await answer(mcp, "get_context", {"session_id": "sess_both"})
+        # the same idempotency rule: a REST replay with the key gets the MCP call back
+        replay = client.post("/voice-tools/pending", headers={**AUTH, "Idempotency-Key": "key-1"}, json={
+            "session_id": "sess_both", "function": "send_email",
+            "parameters": {"to": "jane@example.com", "subject": "Lunch"}})
+        assert replay.status_code == 200 and replay.get_json()["tool_call_id"] == over_mcp["tool_call_id"]
+        first = await mcp.call_tool("request_tool", {  # and the REST status rides along in _meta
+            "session_id": "sess_both", "function": "send_email", "idempotency_key": "key-1",
+            "parameters": {"to": "jane@example.com", "subject": "Lunch"}})
+        assert first.structured_content["tool_call_id"] == over_mcp["tool_call_id"]
+        assert first.meta["voice-tools/http_status"] == 200
+        again = await client_answer_equal(mcp, client, over_mcp["tool_call_id"])
+    seen_by_rest = client.get("/voice-tools/context/sess_both", headers=AUTH).get_json()
+    ids = {rest.get_json()["tool_call_id"], over_mcp["tool_call_id"]}
+    assert {c["tool_call_id"] for c in seen_by_mcp["pending"]} == ids
+    assert seen_by_mcp == seen_by_rest
+    assert again["caller"] == "mcp-client" and row(rest.get_json()["tool_call_id"]).caller == "tests"
+
+
+async def client_answer_equal(mcp: Client, client, tool_call_id: str) -> dict[str, Any]:
+    """get_status over MCP answers exactly GET /voice-tools/status/{id}."""
+    record = await answer(mcp, "get_status", {"tool_call_id": tool_call_id})
+    assert record == client.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH).get_json()
+    return record
+
+
+async def test_list_tools_lists_every_registry_tool_with_an_object_input_schema(mcp_url):
+    async with connected(mcp_url) as mcp:
+        faces = {tool.name: tool for tool in (await mcp.list_tools()).tools}
+        listed = await answer(mcp, "list_tools", {})
+        assert (await error(mcp, "list_tools", {"format": "chat"}))["details"]["fields"] == {"format": ["Unknown field."]}
+    assert set(faces) == FACES
+    assert all(face.input_schema["type"] == "object" for face in faces.values())
+    assert faces["resume_tool"].input_schema["properties"]["action"]["enum"] == ["proceed", "cancel"]
+    assert set(faces["confirm_tool"].input_schema["required"]) == {"tool_call_id"}
+    assert [t["name"] for t in listed["tools"]] == tools.names()
+    for tool in listed["tools"]:
+        assert tool["inputSchema"]["type"] == "object" and tool["description"]
+        assert tool["inputSchema"] == toolspec.parameters_schema(tools.TOOLS[tool["name"]])
+
+
+async def test_without_a_known_token_the_mcp_endpoint_refuses_at_the_http_level(mcp_url):
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    async with httpx2.AsyncClient() as http:
+        missing = await http.post(mcp_url, json=initialize)
+        wrong = await http.post(mcp_url, json=initialize, headers={"Authorization": "Bearer nope"})
+        health = await http.get(mcp_url.removesuffix("/mcp") + "/healthz")
+    assert missing.status_code == 401 and missing.json()["error"] == "unauthorized"
+    assert missing.headers["www-authenticate"].startswith("Bearer")
+    assert wrong.status_code == 401 and wrong.json()["message"] == "Unknown API token."
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    with pytest.raises(BaseExceptionGroup) as refused:  # the SDK's client gives up on the 401
+        async with connected(mcp_url, token="nope") as mcp:
+            await mcp.list_tools()
+    assert refused.group_contains(MCPError)
+    # the REST API's token works here too, and so does a client of the older initialize handshake
+    async with connected(mcp_url, token=API_TOKEN, mode="legacy") as mcp:
+        assert {tool.name for tool in (await mcp.list_tools()).tools} == FACES
+        assert (await error(mcp, "get_status", {"tool_call_id": "tc_000000000000"}))["error"] == "not_found"
