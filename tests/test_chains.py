@@ -208,9 +208,28 @@ def test_query_vector_db_stores_context(worker, relay):
     assert completed["context_available"] is True and completed["context_key"] == "last_query_results"
     assert completed["result"] == done.result
     progress = [e for e in relay.events_for(call.tool_call_id) if e["event"] == "progress"]
+    # once the context is stored the call has had its effect: no longer cancellable (CONTRACT section 6)
     assert [(e["step"], e["gate"], e["cancellable"]) for e in progress] == [
-        ("QUERYING", 1, True), ("SEARCHING", 2, True), ("STORE_CONTEXT", 3, True)]
+        ("QUERYING", 1, True), ("SEARCHING", 2, True), ("STORE_CONTEXT", 3, False)]
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "COMPLETED"]
+    assert done.committed_at is not None
+
+
+def test_a_relay_cannot_cancel_a_query_once_its_results_are_stored(worker, relay):
+    """A cancel answered to the STORE_CONTEXT event comes after the effect: the call completes."""
+    from tasks.backends import documents
+
+    documents.load_demo()
+    relay.answer(lambda event: {"cancel": True, "reason": "too late"} if event.get("step") == "STORE_CONTEXT" else None)
+    call = make_call("query_vector_db", {"user_query": "Q3 sales Northwest region"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "completed")
+    done = row(call.tool_call_id)
+    assert (done.status, done.error_message) == ("COMPLETED", None)
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(SessionContext)) == 1
+        with pytest.raises(lifecycle.Refused):
+            lifecycle.cancel(s, call.tool_call_id)
 
 
 # -- throwaway tools: cancellation windows, retries, failures ---------------------------------

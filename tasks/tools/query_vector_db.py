@@ -120,7 +120,9 @@ TOOL = Tool(
     steps=(
         Step("QUERYING", run=plan, message="Looking up {user_query}."),
         Step("SEARCHING", run=search, message="Searching the documents."),
-        Step("STORE_CONTEXT", run=store_context, message="Keeping the results for this conversation."),
+        # storing the results is the call's effect: once it is done the call can no longer be
+        # cancelled (CONTRACT section 6), so it is the point of no return (an upsert: idempotent)
+        Step("STORE_CONTEXT", run=store_context, side_effect=True, message="Keeping the results for this conversation."),
         Step("COMPLETED", message="Search finished."),
     ),
     result=result,
@@ -130,6 +132,8 @@ TOOL = Tool(
     voice_response=voice_response,
     failure_response="The search for {user_query} did not run: {error}.",
     cancelled_response="Cancelled. The search was not run.",
+    unconfirmed_response="I could not confirm that the results for {user_query} were kept for this conversation.",
+    after_effect_failure_response="The results for {user_query} were kept, but a later step failed: {error}.",
     time_limit=30,
     example={"user_query": "What were our Q3 sales in the Northwest region?",
              "structured_query": {"semantic_query": "Q3 sales Northwest region", "filters": {"quarter": "Q3"}},
