@@ -3,6 +3,7 @@ snapshots of the tables so an error test can show that nothing changed."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -109,3 +110,19 @@ def database_down(monkeypatch):
             db.dispose()
 
     return down
+
+
+@pytest.fixture
+def api_url():
+    """The API in a real threaded HTTP server (werkzeug) on a free port: for streams and HTTP clients."""
+    from werkzeug.serving import make_server
+
+    from app import create_app
+
+    server = make_server("127.0.0.1", 0, create_app(), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()

@@ -1,59 +1,16 @@
 """GET /voice-tools/events/<session_id>: the session's events as Server-Sent Events (CONTRACT section 11).
 
-The API runs in a real threaded HTTP server (werkzeug) so the stream is read over
-HTTP as a relay would, with ``requests`` streaming; calls run on the in-process worker.
+The API runs in a real threaded HTTP server (the ``api_url`` fixture) so the stream is
+read over HTTP as a relay would (``tests/sse_client.py``); calls run on the in-process worker.
 """
 from __future__ import annotations
 
-import json
-import threading
-from typing import Any, Iterator
-
-import pytest
 import requests
-from werkzeug.serving import make_server
 
 from tests.api_fixtures import SEED_EMAIL
 from tests.conftest import AUTH
 from tests.helpers import deliveries, wait_status
-
-
-@pytest.fixture
-def api_url():
-    from app import create_app
-
-    server = make_server("127.0.0.1", 0, create_app(), threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-
-
-class Stream:
-    """An open SSE connection: ``next_event()`` returns ``(id, data)``; comments are kept apart."""
-
-    def __init__(self, url: str, headers: dict[str, str] | None = None):
-        self.response = requests.get(url, headers={**AUTH, **(headers or {})}, stream=True, timeout=(5, 20))
-        self.comments: list[str] = []
-        self._lines: Iterator[str] = self.response.iter_lines(decode_unicode=True)
-
-    def next_event(self) -> tuple[str, dict[str, Any]]:
-        event_id, data = None, None
-        for line in self._lines:
-            if line.startswith(":"):
-                self.comments.append(line)
-            elif line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-            elif line == "" and data is not None:
-                return event_id, data
-        raise AssertionError("stream ended")
-
-    def close(self) -> None:
-        self.response.close()
+from tests.sse_client import Stream
 
 
 def start_email(api_url: str, session_id: str) -> str:

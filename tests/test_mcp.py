@@ -253,3 +253,60 @@ async def test_without_a_known_token_the_mcp_endpoint_refuses_at_the_http_level(
     async with connected(mcp_url, token=API_TOKEN, mode="legacy") as mcp:
         assert {tool.name for tool in (await mcp.list_tools()).tools} == FACES
         assert (await error(mcp, "get_status", {"tool_call_id": "tc_000000000000"}))["error"] == "not_found"
+
+
+async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_cancels_there(mcp_url, api_url, worker):
+    """No callback endpoint at all: the checkpoint is read from GET /voice-tools/events, the cancel said over MCP."""
+    import asyncio
+
+    from tests.sse_client import Stream
+
+    stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse")
+    async with connected(mcp_url) as mcp:
+        pending = await answer(mcp, "request_tool", {"session_id": "sess_mcp_sse", "function": "send_email",
+                                                     "parameters": SEED_EMAIL})
+        tool_call_id = pending["tool_call_id"]
+        started = await answer(mcp, "confirm_tool", {"tool_call_id": tool_call_id})
+        assert started["status"] == "EXECUTING"
+        events = [await asyncio.to_thread(stream.next_event) for _ in range(2)]
+        assert [e["event"] for _, e in events] == ["progress", "checkpoint"]
+        assert events[1][1]["tool_call_id"] == tool_call_id and events[1][1]["checkpoint"] == "READY_TO_SEND"
+        cancelled = await answer(mcp, "resume_tool", {"tool_call_id": tool_call_id, "action": "cancel"})
+        assert cancelled["status"] == "CANCELLED"
+        last = await asyncio.to_thread(stream.next_event)
+    stream.close()
+    assert last[1]["event"] == "cancelled" and last[1]["seq"] == 3
+    assert row(tool_call_id).status == "CANCELLED" and row(tool_call_id).committed_at is None
+
+
+async def test_an_mcp_client_searches_then_emails_the_results(mcp_url, worker):
+    from tasks.backends import documents
+
+    documents.load_demo()
+    async with connected(mcp_url) as mcp:
+        searched = await answer(mcp, "execute_tool", {
+            "session_id": "sess_mcp_docs", "function": "query_vector_db", "wait": 15,
+            "parameters": {"user_query": "Q3 sales northwest"}})
+        assert searched["status"] == "COMPLETED", searched
+        top = searched["result"]["documents"][0]["title"]
+        kept = await answer(mcp, "get_session_context", {"session_id": "sess_mcp_docs",
+                                                         "context_key": "last_query_results"})
+        assert kept["context"]["documents"][0]["title"] == top
+        pending = await answer(mcp, "request_tool", {
+            "session_id": "sess_mcp_docs", "function": "send_email",
+            "parameters": {"to": "john.smith@example.com", "subject": "Q3", "reference_context": "last_query_results"}})
+        prepared = await answer(mcp, "confirm_tool", {"tool_call_id": pending["tool_call_id"], "wait": 15})
+        assert prepared["status"] == "PREPARED"
+        done = await answer(mcp, "resume_tool", {"tool_call_id": pending["tool_call_id"], "action": "proceed",
+                                                 "wait": 15})
+        assert done["status"] == "COMPLETED" and done["voice_response"] == "Email sent to john.smith@example.com."
+        context = await answer(mcp, "get_context", {"session_id": "sess_mcp_docs"})
+    assert [c["function_name"] for c in context["recent"]] == ["send_email", "query_vector_db"]
+    from sqlalchemy import select
+
+    from models import db
+    from models.email import EmailOutbox
+
+    with db.session() as s:
+        body = s.scalars(select(EmailOutbox.body).where(EmailOutbox.tool_call_id == pending["tool_call_id"])).one()
+    assert top in body

@@ -125,3 +125,39 @@ def test_every_api_path_answers_under_webhook_too_and_openapi_marks_the_aliases(
     assert paths["/webhook/voice-tools/pending"]["post"]["x-alias-of"] == "/voice-tools/pending"
     assert paths["/webhook/resume-execution/{tool_call_id}"]["post"]["x-alias-of"] == "/voice-tools/resume/{tool_call_id}"
     assert "x-alias-of" not in paths["/voice-tools/pending"]["post"]
+
+
+def test_the_seed_relay_searches_then_emails_the_results_on_its_final_endpoints(client, worker, relay):
+    """Seed 000's FINAL IMPLEMENTATION: /query-vector-db, /get-session-context, /execute-gmail, on n8n paths."""
+    from tasks.backends import documents
+
+    documents.load_demo()
+    searched = client.post("/webhook/query-vector-db", headers=AUTH, json={
+        "intent_id": "intent_9", "session_id": "sess_final", "user_query": "Q3 sales northwest",
+        "structured_query": {"semantic_query": "quarterly sales northwest", "filters": {"region": "northwest"}},
+        "callback_urls": seed_urls(relay)})
+    assert searched.status_code == 202, searched.get_json()
+    search_id = searched.get_json()["tool_call_id"]
+    done = relay.wait_for(search_id, "completed")
+    assert done["context_available"] is True and done["context_key"] == "last_query_results"
+    assert ("/tool-complete", "completed") in relay.events_at(search_id)
+    top = done["result"]["documents"][0]["title"]
+
+    stored = client.get("/webhook/get-session-context?session_id=sess_final&context_key=last_query_results",
+                        headers=AUTH)
+    assert stored.status_code == 200 and stored.get_json()["context"]["documents"][0]["title"] == top
+
+    sent = client.post("/webhook/execute-gmail", headers=AUTH, json={
+        "intent_id": "intent_10", "session_id": "sess_final", "to": "john.smith@example.com",
+        "subject": "Q3 sales", "body": "The numbers you asked for.", "reference_context": "last_query_results",
+        "callback_urls": seed_urls(relay)})
+    assert sent.status_code == 202, sent.get_json()
+    email_id = sent.get_json()["tool_call_id"]
+    checkpoint = relay.wait_for(email_id, "checkpoint")
+    assert top in checkpoint["preview"]["body"]  # the draft carries the search's results
+    resume_path = "/" + checkpoint["resume_webhook"].split("/", 3)[3]
+    assert client.post(resume_path, headers=AUTH, json={"action": "proceed"}).status_code == 202
+    completed = relay.wait_for(email_id, "completed")
+    assert completed["voice_response"] == "Email sent to john.smith@example.com."
+    assert [p for p, e in relay.events_at(email_id) if e == "completed"] == ["/tool-complete"]
+    assert wait_status(email_id).status == "COMPLETED"

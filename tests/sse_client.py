@@ -1,0 +1,34 @@
+"""A Server-Sent Events client for the tests: reads ``GET /voice-tools/events/<session>`` over HTTP."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import requests
+
+from tests.conftest import AUTH
+
+
+class Stream:
+    """An open SSE connection: ``next_event()`` returns ``(id, data)``; comments are kept apart."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        self.response = requests.get(url, headers={**AUTH, **(headers or {})}, stream=True, timeout=(5, 20))
+        self.comments: list[str] = []
+        self._lines: Iterator[str] = self.response.iter_lines(decode_unicode=True)
+
+    def next_event(self) -> tuple[str, dict[str, Any]]:
+        event_id, data = None, None
+        for line in self._lines:
+            if line.startswith(":"):
+                self.comments.append(line)
+            elif line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+            elif line == "" and data is not None:
+                return event_id, data
+        raise AssertionError("stream ended")
+
+    def close(self) -> None:
+        self.response.close()
