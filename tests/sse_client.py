@@ -6,14 +6,13 @@ from typing import Any, Iterator
 
 import requests
 
-from tests.conftest import AUTH
-
 
 class Stream:
     """An open SSE connection: ``next_event()`` returns ``(id, data)``; comments are kept apart."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None):
-        self.response = requests.get(url, headers={**AUTH, **(headers or {})}, stream=True, timeout=(5, 20))
+    def __init__(self, url: str, headers: dict[str, str]):
+        """``headers`` carry the ``Authorization`` (and a ``Last-Event-ID`` to resume)."""
+        self.response = requests.get(url, headers=headers, stream=True, timeout=(5, 20))
         self.comments: list[str] = []
         self._lines: Iterator[str] = self.response.iter_lines(decode_unicode=True)
 

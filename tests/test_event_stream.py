@@ -23,7 +23,7 @@ def start_email(api_url: str, session_id: str) -> str:
 
 
 def test_a_relay_with_no_callback_endpoint_follows_a_call_on_the_stream(api_url, worker):
-    stream = Stream(f"{api_url}/voice-tools/events/sess_sse")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_sse", AUTH)
     assert stream.response.status_code == 200
     assert stream.response.headers["Content-Type"].startswith("text/event-stream")
     tool_call_id = start_email(api_url, "sess_sse")
@@ -47,7 +47,7 @@ def test_a_relay_with_no_callback_endpoint_follows_a_call_on_the_stream(api_url,
 def test_a_dropped_stream_resumes_with_last_event_id_with_no_loss_and_no_duplicate(api_url, worker):
     first = start_email(api_url, "sess_resume")
     wait_status(first, "PREPARED")
-    stream = Stream(f"{api_url}/voice-tools/events/sess_resume")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_resume", AUTH)
     seen = [stream.next_event()]
     stream.close()  # dropped after the first event
 
@@ -56,7 +56,7 @@ def test_a_dropped_stream_resumes_with_last_event_id_with_no_loss_and_no_duplica
     requests.delete(f"{api_url}/voice-tools/cancel/{first}", headers=AUTH, timeout=10)
     wait_status(first, "CANCELLED")
 
-    again = Stream(f"{api_url}/voice-tools/events/sess_resume", headers={"Last-Event-ID": seen[-1][0]})
+    again = Stream(f"{api_url}/voice-tools/events/sess_resume", {**AUTH, "Last-Event-ID": seen[-1][0]})
     expected = len(deliveries(first)) + len(deliveries(second))
     seen += [again.next_event() for _ in range(expected - 1)]
     again.close()
@@ -67,7 +67,7 @@ def test_a_dropped_stream_resumes_with_last_event_id_with_no_loss_and_no_duplica
         seqs = [e["seq"] for _, e in seen if e["tool_call_id"] == call]
         assert seqs == list(range(1, len(seqs) + 1))
 
-    by_query = Stream(f"{api_url}/voice-tools/events/sess_resume?last_event_id={ids[-2]}")
+    by_query = Stream(f"{api_url}/voice-tools/events/sess_resume?last_event_id={ids[-2]}", AUTH)
     assert by_query.next_event()[0] == ids[-1]
     by_query.close()
 

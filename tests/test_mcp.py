@@ -261,7 +261,7 @@ async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_canc
 
     from tests.sse_client import Stream
 
-    stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse", AUTH)
     async with connected(mcp_url) as mcp:
         pending = await answer(mcp, "request_tool", {"session_id": "sess_mcp_sse", "function": "send_email",
                                                      "parameters": SEED_EMAIL})
