@@ -7,6 +7,8 @@ Queues: one per tool, ``tools.<name>`` (declared from the tool registry by the a
 """
 import os
 
+from kombu import Exchange, Queue
+
 from models.settings import load as _load_settings
 
 _settings = _load_settings()
@@ -46,6 +48,15 @@ worker_send_task_events = True
 task_send_sent_event = True
 
 task_default_queue = "maintenance"
+task_default_exchange = "maintenance"
+task_default_routing_key = "maintenance"
+
+
+def queue(name: str) -> Queue:
+    """A queue with an exchange and a routing key of its own (``tools.send_email`` → exchange and key
+    ``tools.send_email``), as the Celery routing docs declare them: a message routed to one queue
+    lands in that queue only, on Redis and on RabbitMQ alike."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
 def route_by_name(name, args, kwargs, options, task=None, **kw):

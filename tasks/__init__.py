@@ -6,15 +6,15 @@ plain ``celery -A tasks worker`` consumes them all.
 """
 from celery import Celery
 from celery.signals import worker_process_init
-from kombu import Queue
 
+from celeryconfig import queue
 from models import db
 from tasks import tools, worker_groups
 
 app = Celery("tasks")
 app.config_from_object("celeryconfig")
 app.conf.task_queues = tuple(
-    [Queue(tool.queue) for tool in tools.TOOLS.values()] + [Queue("callbacks"), Queue("maintenance")]
+    [queue(tool.queue) for tool in tools.TOOLS.values()] + [queue("callbacks"), queue("maintenance")]
 )
 
 worker_groups.install(app)

@@ -23,11 +23,11 @@ from typing import Any
 
 from celery import Task, chain
 from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
-from kombu import Queue
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from celeryconfig import queue
 from models import db, lifecycle
 from models.calls import CallbackDelivery, ToolCall
 from tasks import app, callbacks, tools
@@ -227,7 +227,7 @@ def register_tool(tool: Tool) -> list[Link]:
     """
     unregister_tool(tool.name)
     tools.TOOLS[tool.name] = tool
-    app.conf.task_queues = (*app.conf.task_queues, Queue(tool.queue))
+    app.conf.task_queues = (*app.conf.task_queues, queue(tool.queue))
     LINKS[tool.name] = _links_for(tool)
     return LINKS[tool.name]
 
