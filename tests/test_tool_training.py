@@ -312,6 +312,8 @@ def test_a_database_outage_mid_step_is_retried_and_the_call_completes(worker, re
                 while not watcher.execute(text(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                         "AND query ILIKE '%FROM learners%'")).scalar():
+                    # pg_stat_activity is a snapshot kept for the whole transaction: end it to look again
+                    watcher.rollback()
                     assert time.monotonic() < deadline, "the step never reached its query"
                     time.sleep(0.05)
             pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user, timeout=30)
