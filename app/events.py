@@ -77,6 +77,7 @@ class Listener:
         self._waiters: dict[str, set[threading.Event]] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._reconnecting = False
 
     def subscribe(self, session_id: str) -> threading.Event:
         self._ensure_running()
@@ -113,8 +114,11 @@ class Listener:
         while True:
             try:
                 self._listen()
-            except Exception:  # the database went away: wake everyone (they re-read), then listen again
-                log.warning("event listener lost its connection; reconnecting", exc_info=True)
+            except Exception as exc:  # the database went away: wake everyone (they re-read), then listen again
+                if not self._reconnecting:  # said once per outage, not once a second
+                    self._reconnecting = True
+                    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    log.warning("event listener lost its database connection (%s); reconnecting", first_line)
                 self._wake(None)
                 time.sleep(1.0)
 
@@ -127,6 +131,7 @@ class Listener:
             conn.autocommit = True
             with conn.cursor() as cur:
                 cur.execute(f"LISTEN {CHANNEL}")
+            self._reconnecting = False
             self._wake(None)  # anything recorded before the LISTEN is read by the woken streams
             while True:
                 if select.select([conn], [], [], 60.0)[0]:
