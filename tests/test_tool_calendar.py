@@ -338,6 +338,8 @@ def test_booking_redelivered_after_its_child_is_killed_books_once(tmp_path, rela
             done = wait_status(tool_call_id, timeout=60)
             assert done.status == "COMPLETED", (done.status, done.error_message, worker.log()[-3000:])
             assert "signal 9 (SIGKILL)" in worker.log()
+            # the link posts `completed` right after its commit: wait for it before stopping its worker
+            completed = relay.wait_for(tool_call_id, "completed", timeout=30)
         inserts = api.requests_to("POST", r"/calendars/primary/events$")
         assert [r.json["id"] for r in inserts] == [event_id, event_id], "the redelivered link booked the same id"
         assert len(api.requests_to("GET", rf"/events/{event_id}$")) == 1
@@ -346,5 +348,5 @@ def test_booking_redelivered_after_its_child_is_killed_books_once(tmp_path, rela
     assert done.attempts == CLAIMS_WITHOUT_LOSS + 1, "BOOKING claimed twice, everything else once"
     assert [d.event for d in deliveries(tool_call_id)] == ["progress", "checkpoint", "progress", "completed"]
     assert [e["status"] for e in done.status_history].count("COMPLETED") == 1
-    assert relay.wait_for(tool_call_id, "completed")["result"] == done.result
+    assert completed["result"] == done.result
     assert done.voice_response == f"Booked Project sync on {WHEN} for 45 minutes with ann@example.com."
