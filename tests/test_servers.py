@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, inspect, text
 from models import db
 from servers import ROOT
 from tests.helpers import make_call
-from tests.procs import bare_env, running, wait_none_running
+from tests.procs import bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
 
 def python(code: str, data_dir: Path, timeout: float = 90) -> dict:
     """Run ``code`` in a fresh interpreter without the server variables; return its JSON line."""
@@ -191,61 +191,13 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
 
 # -- commands sharing one data dir's servers -------------------------------------------------
 
-HOLD = """
-    import json, servers, signal
-    urls = servers.ensure_servers()
-    print(json.dumps(urls), flush=True)
-    signal.pause()
-"""
-
-
-def _hold(data_dir: Path) -> tuple[subprocess.Popen, dict]:
-    """A process that starts the servers as ``voice-tools run`` does and keeps them until SIGTERM."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HOLD)], cwd=ROOT,
-        env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)), stdout=subprocess.PIPE, text=True,
-    )
-    return proc, json.loads(proc.stdout.readline())
-
-
-def _voice_tools(data_dir: Path, *args: str, **popen: object) -> subprocess.Popen:
-    """This worktree's ``voice-tools`` command (launcher.py), with no server variables set."""
-    return subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), *args], cwd=ROOT,
-                            env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)), text=True, **popen)
-
-
 def _env_command(data_dir: Path) -> tuple[subprocess.Popen, dict]:
-    proc = _voice_tools(data_dir, "env", stdout=subprocess.PIPE)
+    proc = voice_tools(data_dir, "env", stdout=subprocess.PIPE)
     exports = {}
     for _ in range(2):
         name, value = proc.stdout.readline().removeprefix("export ").strip().split("=", 1)
         exports[name] = value.strip("'")
     return proc, exports
-
-
-def _answers(urls: dict) -> dict:
-    """Which servers answer at ``urls``: the postmaster's start time, Redis's pid, and a value kept in Redis."""
-    import psycopg2
-    import redis
-
-    conn = psycopg2.connect(urls["DATABASE_URL"], connect_timeout=5)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_postmaster_start_time()::text")
-            started = cur.fetchone()[0]
-    finally:
-        conn.close()
-    client = redis.Redis.from_url(urls["REDIS_URL"].replace("redis+socket://", "unix://"), socket_timeout=5)
-    try:
-        return {"postgres": started, "redis": client.info("server")["process_id"], "kept": client.get("kept")}
-    finally:
-        client.close()
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=60)
 
 
 def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_dir):
@@ -254,17 +206,17 @@ def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_
     import redis
     import servers
 
-    first, urls = _hold(data_dir)
+    first, urls = hold_servers(data_dir)
     try:
         redis.Redis.from_url(urls["REDIS_URL"].replace("redis+socket://", "unix://")).set("kept", "yes")
-        before = _answers(urls)
+        before = server_answers(urls)
         assert before["kept"] == b"yes"
         assert servers.redis_users(data_dir / "redis") == [first.pid]
 
-        migrate = _voice_tools(data_dir, "migrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        migrate = voice_tools(data_dir, "migrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _out, err = migrate.communicate(timeout=180)
         assert migrate.returncode == 0, err
-        assert _answers(urls) == before  # the same two servers, still up
+        assert server_answers(urls) == before  # the same two servers, still up
         assert servers.redis_users(data_dir / "redis") == [first.pid]  # migrate needs no Redis: it did not join
         engine = create_engine(urls["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg2://", 1))
         try:
@@ -275,30 +227,30 @@ def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_
         env, exports = _env_command(data_dir)
         assert exports == urls  # it joined, it did not start servers of its own
         assert sorted(servers.redis_users(data_dir / "redis")) == sorted([first.pid, env.pid])
-        assert _stop(env) == 0
-        assert _answers(urls) == before
+        assert stop_process(env) == 0
+        assert server_answers(urls) == before
         assert servers.redis_users(data_dir / "redis") == [first.pid]
     finally:
-        assert _stop(first) == -signal.SIGTERM
+        assert stop_process(first) == -signal.SIGTERM
     assert wait_none_running(data_dir) == []  # the last user stopped both
 
 
 def test_the_last_user_stops_the_servers_also_when_it_only_joined_them(data_dir):
     import servers
 
-    first, urls = _hold(data_dir)
+    first, urls = hold_servers(data_dir)
     env = None
     try:
         env, exports = _env_command(data_dir)
         assert exports == urls
-        before = _answers(urls)
-        assert _stop(first) == -signal.SIGTERM  # the process that started them leaves first
-        assert _answers(urls) == before  # env still uses them: both still answer
+        before = server_answers(urls)
+        assert stop_process(first) == -signal.SIGTERM  # the process that started them leaves first
+        assert server_answers(urls) == before  # env still uses them: both still answer
         assert servers.redis_users(data_dir / "redis") == [env.pid]
-        assert _stop(env) == 0
+        assert stop_process(env) == 0
     finally:
         for proc in (first, env):
             if proc is not None and proc.poll() is None:
-                _stop(proc)
+                stop_process(proc)
     assert wait_none_running(data_dir) == []
     assert not (data_dir / "redis" / "redis.rdb.settings").exists()  # the next command starts afresh
