@@ -15,7 +15,6 @@ from datetime import datetime, timedelta, timezone
 from importlib import metadata
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 from sqlalchemy import update
 
@@ -23,7 +22,7 @@ from models import db, lifecycle
 from models.calls import ToolCall
 from tasks import callbacks, chains
 from tests.conftest import AUTH
-from tests.helpers import deliveries, make_call, row, wait_status
+from tests.helpers import deliveries, make_call, row
 from tests.procs import ROOT, bare_env, hold_servers, server_answers, stop_process, voice_tools, wait_none_running
 
 # Celery's CLI with our commands: the setup.cfg entry points add them once installed
