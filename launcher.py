@@ -117,8 +117,8 @@ def _stop_honcho(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 def _lock_data_dir(data_dir: Path) -> Any:
     """Hold ``<data_dir>/run.lock`` for this process's life, or None if another run holds it.
 
-    Two runs on one data dir would share its servers and the second would stop them
-    under the first.
+    Two runs on one data dir would run two sets of processes on one system (and fight
+    over the ports). Other commands (env, migrate, the operator CLI) may join its servers.
     """
     import fcntl
 
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if command == "run":
         return run()
-    urls = ensure_servers()
+    if command != "env":  # migrate, load-demo and ingest need the database only
+        ensure_servers(need=("postgres",))
     if command == "migrate":
         migrate()
         return 0
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("ingest needs a PATH (or --reembed)")
         migrate()
         return ingest(args.paths, args.reembed)
+    urls = ensure_servers()
     for key, value in urls.items():
         print(f"export {key}='{value}'", flush=True)
     signal.signal(signal.SIGINT, lambda *_: None)

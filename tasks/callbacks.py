@@ -328,6 +328,30 @@ def dispatch(delivery: CallbackDelivery | str | None) -> None:
         deliver.apply_async((event_id,))
 
 
+def redeliver(event_ids: list[str]) -> list[str]:
+    """An operator's redelivery: make these deliveries due now and send each from the callbacks queue.
+
+    Only rows with a URL that did not get through (``failed``, or ``pending`` while
+    retrying) are taken; a ``failed`` one is ``pending`` again for one more attempt
+    (its ``attempts`` stay counted, so a failure ends it ``failed`` again). Returns the
+    event ids queued.
+    """
+    if not event_ids:
+        return []
+    with db.session() as s:
+        taken = list(s.scalars(
+            update(CallbackDelivery)
+            .where(CallbackDelivery.event_id.in_(event_ids), CallbackDelivery.url.is_not(None),
+                   CallbackDelivery.state.in_(("failed", "pending")))
+            .values(state="pending", next_attempt_at=func.now())
+            .returning(CallbackDelivery.event_id)
+            .execution_options(synchronize_session=False)
+        ))
+    for event_id in taken:
+        dispatch(event_id)
+    return taken
+
+
 def schedule_retry(event_id: str) -> None:
     with db.session() as s:
         row = s.execute(

@@ -1,13 +1,19 @@
 """Process helpers for the tests that start the system or its servers as child processes."""
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
 import psutil
 
+ROOT = Path(__file__).resolve().parent.parent
 SERVER_VARS = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL")
 
 
@@ -62,3 +68,53 @@ def describe(procs: list[psutil.Process]) -> list[str]:
         except psutil.Error:
             out.append(str(proc.pid))
     return out
+
+
+# -- processes sharing one data dir's embedded servers ---------------------------------------
+
+HOLD = """
+    import json, servers, signal
+    urls = servers.ensure_servers()
+    print(json.dumps(urls), flush=True)
+    signal.pause()
+"""
+
+
+def hold_servers(data_dir: Path) -> tuple[subprocess.Popen, dict]:
+    """A process that starts the servers as ``voice-tools run`` does and keeps them until SIGTERM."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLD)], cwd=ROOT,
+        env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)), stdout=subprocess.PIPE, text=True,
+    )
+    return proc, json.loads(proc.stdout.readline())
+
+
+def voice_tools(data_dir: Path, *args: str, **popen: object) -> subprocess.Popen:
+    """This worktree's ``voice-tools`` command (launcher.py), with no server variables set."""
+    return subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), *args], cwd=ROOT,
+                            env=bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)), text=True, **popen)
+
+
+def server_answers(urls: dict) -> dict:
+    """Which servers answer at ``urls``: the postmaster's start time, Redis's pid, and a value kept in Redis."""
+    import psycopg2
+    import redis
+
+    conn = psycopg2.connect(urls["DATABASE_URL"], connect_timeout=5)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_postmaster_start_time()::text")
+            started = cur.fetchone()[0]
+    finally:
+        conn.close()
+    client = redis.Redis.from_url(urls["REDIS_URL"].replace("redis+socket://", "unix://"), socket_timeout=5)
+    try:
+        return {"postgres": started, "redis": client.info("server")["process_id"], "kept": client.get("kept")}
+    finally:
+        client.close()
+
+
+def stop_process(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=60)

@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, inspect, text
 from models import db
 from servers import ROOT
 from tests.helpers import make_call
-from tests.procs import bare_env, running, wait_none_running
+from tests.procs import bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
 
 def python(code: str, data_dir: Path, timeout: float = 90) -> dict:
     """Run ``code`` in a fresh interpreter without the server variables; return its JSON line."""
@@ -187,3 +187,70 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", "ops:mine")  # a set variable wins
     mine, filled = launcher.run_environment(data_dir)
     assert mine["VOICE_TOOLS_API_TOKENS"] == "ops:mine" and "VOICE_TOOLS_API_TOKENS" not in filled
+
+
+# -- commands sharing one data dir's servers -------------------------------------------------
+
+def _env_command(data_dir: Path) -> tuple[subprocess.Popen, dict]:
+    proc = voice_tools(data_dir, "env", stdout=subprocess.PIPE)
+    exports = {}
+    for _ in range(2):
+        name, value = proc.stdout.readline().removeprefix("export ").strip().split("=", 1)
+        exports[name] = value.strip("'")
+    return proc, exports
+
+
+def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_dir):
+    """``voice-tools migrate`` and ``voice-tools env`` join the servers another process started
+    and, when they end, leave them to it; the first process's servers still answer."""
+    import redis
+    import servers
+
+    first, urls = hold_servers(data_dir)
+    try:
+        redis.Redis.from_url(urls["REDIS_URL"].replace("redis+socket://", "unix://")).set("kept", "yes")
+        before = server_answers(urls)
+        assert before["kept"] == b"yes"
+        assert servers.redis_users(data_dir / "redis") == [first.pid]
+
+        migrate = voice_tools(data_dir, "migrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _out, err = migrate.communicate(timeout=180)
+        assert migrate.returncode == 0, err
+        assert server_answers(urls) == before  # the same two servers, still up
+        assert servers.redis_users(data_dir / "redis") == [first.pid]  # migrate needs no Redis: it did not join
+        engine = create_engine(urls["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg2://", 1))
+        try:
+            assert "tool_calls" in inspect(engine).get_table_names()  # it migrated the first process's database
+        finally:
+            engine.dispose()
+
+        env, exports = _env_command(data_dir)
+        assert exports == urls  # it joined, it did not start servers of its own
+        assert sorted(servers.redis_users(data_dir / "redis")) == sorted([first.pid, env.pid])
+        assert stop_process(env) == 0
+        assert server_answers(urls) == before
+        assert servers.redis_users(data_dir / "redis") == [first.pid]
+    finally:
+        assert stop_process(first) == -signal.SIGTERM
+    assert wait_none_running(data_dir) == []  # the last user stopped both
+
+
+def test_the_last_user_stops_the_servers_also_when_it_only_joined_them(data_dir):
+    import servers
+
+    first, urls = hold_servers(data_dir)
+    env = None
+    try:
+        env, exports = _env_command(data_dir)
+        assert exports == urls
+        before = server_answers(urls)
+        assert stop_process(first) == -signal.SIGTERM  # the process that started them leaves first
+        assert server_answers(urls) == before  # env still uses them: both still answer
+        assert servers.redis_users(data_dir / "redis") == [env.pid]
+        assert stop_process(env) == 0
+    finally:
+        for proc in (first, env):
+            if proc is not None and proc.poll() is None:
+                stop_process(proc)
+    assert wait_none_running(data_dir) == []
+    assert not (data_dir / "redis" / "redis.rdb.settings").exists()  # the next command starts afresh

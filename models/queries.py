@@ -1,0 +1,120 @@
+"""Read-only questions operators ask of the calls (``celery -A tasks calls ...``).
+
+Nothing here writes: cancelling goes through the state machine (``models/lifecycle.py``
+via ``tasks.chains.cancel``) and redelivering through ``tasks/callbacks.py``.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable
+
+from sqlalchemy import Integer, and_, cast, func, select
+from sqlalchemy.orm import Session
+
+from models.calls import COMPLETED, FAILED, OPEN, STATUSES, CallbackDelivery, ToolCall
+
+# Which deliveries an operator may send again: those with a URL that did not get through.
+REDELIVERABLE = ("failed", "pending")
+
+
+def schema_ready(s: Session) -> bool:
+    """Has this database been migrated (is there a ``tool_calls`` table)?"""
+    return s.scalar(select(func.to_regclass("tool_calls"))) is not None
+
+
+def list_calls(s: Session, *, statuses: Iterable[str] = (), session_id: str | None = None,
+               tool: str | None = None, since: datetime | None = None, limit: int = 50) -> list[ToolCall]:
+    """Calls matching every filter given, newest first."""
+    stmt = select(ToolCall)
+    if statuses:
+        stmt = stmt.where(ToolCall.status.in_(tuple(statuses)))
+    if session_id:
+        stmt = stmt.where(ToolCall.session_id == session_id)
+    if tool:
+        stmt = stmt.where(ToolCall.function_name == tool)
+    if since is not None:
+        stmt = stmt.where(ToolCall.created_at >= since)
+    return list(s.scalars(stmt.order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id).limit(limit)))
+
+
+def deliveries(s: Session, tool_call_id: str) -> list[CallbackDelivery]:
+    """A call's callback events (every one recorded, with or without a URL), in ``seq`` order."""
+    return list(s.scalars(
+        select(CallbackDelivery).where(CallbackDelivery.tool_call_id == tool_call_id).order_by(CallbackDelivery.seq)
+    ))
+
+
+def redeliverable(s: Session, *, failed_only: bool = False, tool_call_id: str | None = None) -> list[CallbackDelivery]:
+    """Deliveries that did not get through: ``failed`` (retries exhausted) and, unless
+    ``failed_only``, ``pending`` ones (still retrying), of one call if given; oldest first."""
+    stmt = select(CallbackDelivery).where(
+        CallbackDelivery.url.is_not(None),
+        CallbackDelivery.state.in_(("failed",) if failed_only else REDELIVERABLE),
+    )
+    if tool_call_id:
+        stmt = stmt.where(CallbackDelivery.tool_call_id == tool_call_id)
+    return list(s.scalars(stmt.order_by(CallbackDelivery.created_at, CallbackDelivery.seq)))
+
+
+def stats(s: Session, *, since: datetime | None = None, tool: str | None = None) -> list[dict[str, Any]]:
+    """Per tool: calls by status, success rate, p50/p95 ``execution_time_ms``, callback failures.
+
+    ``success_rate`` is COMPLETED / (COMPLETED + FAILED): of the calls that ran to an end,
+    the share that succeeded (a cancelled or expired call was the caller's choice, not a
+    failure); None while neither happened. The percentiles are over COMPLETED calls.
+    ``callbacks_failed`` counts deliveries given up (state ``failed``),
+    ``callback_failed_attempts`` every attempt that did not get a 2xx.
+    """
+    where = []
+    if since is not None:
+        where.append(ToolCall.created_at >= since)
+    if tool:
+        where.append(ToolCall.function_name == tool)
+    scope = and_(*where) if where else True
+
+    by_tool: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        return by_tool.setdefault(name, {
+            "tool": name, "total": 0, "by_status": {status: 0 for status in STATUSES}, "open": 0,
+            "success_rate": None, "p50_ms": None, "p95_ms": None,
+            "callbacks_failed": 0, "callback_failed_attempts": 0,
+        })
+
+    for name, status, count in s.execute(
+        select(ToolCall.function_name, ToolCall.status, func.count()).where(scope)
+        .group_by(ToolCall.function_name, ToolCall.status)
+    ):
+        item = entry(name)
+        item["by_status"][status] = count
+        item["total"] += count
+        if status in OPEN:
+            item["open"] += count
+
+    ms = ToolCall.execution_time_ms
+    for name, p50, p95 in s.execute(
+        select(ToolCall.function_name,
+               func.percentile_cont(0.5).within_group(ms), func.percentile_cont(0.95).within_group(ms))
+        .where(scope, ToolCall.status == COMPLETED, ms.is_not(None))
+        .group_by(ToolCall.function_name)
+    ):
+        entry(name).update(p50_ms=round(p50), p95_ms=round(p95))
+
+    attempt = func.jsonb_array_elements(CallbackDelivery.attempt_log).table_valued("value").alias("attempt")
+    failed_attempts = (
+        select(func.count()).select_from(attempt)
+        .where(attempt.c.value.op("->>")("error").is_not(None)).scalar_subquery()
+    )
+    for name, given_up, failed in s.execute(
+        select(ToolCall.function_name,
+               func.count().filter(CallbackDelivery.state == "failed"),
+               func.coalesce(func.sum(cast(failed_attempts, Integer)), 0))
+        .join(CallbackDelivery, CallbackDelivery.tool_call_id == ToolCall.tool_call_id)
+        .where(scope).group_by(ToolCall.function_name)
+    ):
+        entry(name).update(callbacks_failed=given_up, callback_failed_attempts=int(failed))
+
+    for item in by_tool.values():
+        ended = item["by_status"][COMPLETED] + item["by_status"][FAILED]
+        item["success_rate"] = round(item["by_status"][COMPLETED] / ended, 4) if ended else None
+    return [by_tool[name] for name in sorted(by_tool)]
