@@ -476,10 +476,10 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
 # -- reading --------------------------------------------------------------------
 
 def session_calls(s: Session, session_id: str, limit: int) -> tuple[list[ToolCall], list[ToolCall]]:
-    """(open calls, the ``limit`` most recent terminal calls), newest first."""
+    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first."""
     open_calls = s.scalars(
         select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN))
-        .order_by(ToolCall.created_at.desc())
+        .order_by(ToolCall.created_at.desc()).limit(limit)
     ).all()
     recent = s.scalars(
         select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL))
