@@ -398,3 +398,31 @@ def test_broker_down_on_resume_is_503_and_the_call_stays_prepared(client, existi
     stored = row(tool_call_id)
     assert stored.status == "PREPARED" and stored.committed_at is None
     assert [h["status"] for h in stored.status_history][-3:] == ["PREPARED", "EXECUTING", "PREPARED"]
+
+
+def _chunked(data: bytes, size: int = 16 * 1024):
+    """The body as a generator: requests sends it with Transfer-Encoding: chunked, no Content-Length."""
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+def test_a_chunked_body_over_256_kib_is_413_over_real_http(api_url):
+    """Issue 14 §1.8: without Content-Length the body is counted as it comes, never cut silently."""
+    import json
+
+    import requests
+
+    big = json.dumps({**BODY, "parameters": {**SEED_EMAIL, "body": "x" * 300_000}}).encode()
+    answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(big), timeout=30)
+    assert answer.request.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in answer.request.headers
+    assert (answer.status_code, answer.json()["error"]) == (413, "too_large"), answer.text
+    assert answer.json()["details"]["max_bytes"] == 256 * 1024
+    padded = json.dumps(BODY).encode() + b" " * (300 * 1024)  # a small call padded past the limit
+    answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(padded), timeout=30)
+    assert (answer.status_code, answer.json()["error"]) == (413, "too_large"), answer.text
+    assert call_count() == 0
+    small = json.dumps(BODY).encode() + b" " * 1024  # under the limit, chunked, is fine
+    answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(small), timeout=30)
+    assert answer.status_code == 201, answer.text
+    assert call_count() == 1
