@@ -40,7 +40,7 @@ def _session_id(value: Any) -> str:
 
 
 def _tool(call: ToolCall) -> tools.Tool:
-    return tools.TOOLS[call.function_name]
+    return chains.tool_of(call)  # a tool this process does not run: 422, as an unknown tool in a body
 
 
 def _check_reference_context(s, session_id: str, parameters: dict[str, Any]) -> None:

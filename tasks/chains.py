@@ -40,6 +40,28 @@ class BrokerUnavailable(Exception):
     """The chain could not be enqueued; the call was put back to PENDING."""
 
 
+class UnknownTool(LookupError):
+    """The call's tool is not one this process runs (removed since the call was recorded, or
+    recorded by a newer release behind the same load balancer)."""
+
+    def __init__(self, tool_call_id: str, function_name: str):
+        super().__init__(f"Unknown tool {function_name!r}: this server does not run it.")
+        self.tool_call_id = tool_call_id
+        self.function_name = function_name
+
+
+def tool_of(call: ToolCall) -> Tool:
+    """The call's tool; :class:`UnknownTool` if this process does not run it.
+
+    The faces ask inside the transition's transaction, so an unknown tool rolls the
+    transition back: a call is never left EXECUTING with no chain to run it.
+    """
+    tool = tools.get(call.function_name)
+    if tool is None:
+        raise UnknownTool(call.tool_call_id, call.function_name)
+    return tool
+
+
 class Link(Task):
     """Base task of every chain link; ``tool`` and ``step`` are set per task class."""
 
@@ -283,7 +305,7 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
     with db.session() as s:
         call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
                                  callback_urls=callback_urls)
-    tool = tools.TOOLS[call.function_name]
+        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     try:
         call.workflow_id = _enqueue(tool, call, 0)
     except BrokerUnavailable:
@@ -297,7 +319,7 @@ def resume(tool_call_id: str) -> ToolCall:
     """PREPARED → EXECUTING and enqueue the links after the checkpoint."""
     with db.session() as s:
         call = lifecycle.resume(s, tool_call_id)
-    tool = tools.TOOLS[call.function_name]
+        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     start = tool.step_index(call.current_step) + 1 if call.current_step else 0
     try:
         call.workflow_id = _enqueue(tool, call, start)
