@@ -181,12 +181,15 @@ def create(
     context_key: str | None = None,
     caller: str | None = None,
     reason: str | None = "Recorded",
+    request_kind: str = "pending",
 ) -> tuple[ToolCall, bool]:
     """Record a PENDING call; return ``(call, created)``.
 
     A replay (same ``idempotency_key`` or ``tool_call_id``, same session, tool and
-    parameters) returns the existing call with ``created=False``; the same key with
-    other content raises :class:`Refused` ``idempotency_conflict``.
+    parameters, same ``request_kind``) returns the existing call with ``created=False``;
+    the same key with other content, or on the other kind of request (a ``pending`` call
+    replayed as ``execute`` would start a call nobody confirmed), raises
+    :class:`Refused` ``idempotency_conflict``.
     """
     tool_call_id = tool_call_id or new_tool_call_id()
     stmt = (
@@ -206,6 +209,7 @@ def create(
             callback_urls=callback_urls or None,
             context_key=context_key,
             caller=caller,
+            request_kind=request_kind,
         )
         .on_conflict_do_nothing()
         .returning(ToolCall)
@@ -229,6 +233,13 @@ def create(
             "idempotency_conflict",
             existing,
             "This idempotency key or tool_call_id was already used for a different call.",
+        )
+    if existing.request_kind != request_kind:
+        raise Refused(
+            "idempotency_conflict",
+            existing,
+            f"This idempotency key or tool_call_id was already used on /{existing.request_kind}; "
+            f"a replay must be the same kind of request, not /{request_kind}.",
         )
     return existing, False
 

@@ -228,6 +228,37 @@ def test_execute_replay_starts_nothing_new(client, worker):
     assert snapshot() == before
 
 
+def test_a_key_used_on_pending_then_replayed_on_execute_is_409_and_starts_nothing(client, worker):
+    """Issue 14 §1.3 (CONTRACT section 5, "on the same kind of request"): the /pending call was
+    never confirmed, so an /execute replay of it must not start it."""
+    first = pending(client, {**BODY, "idempotency_key": "kind-1"})
+    assert first.status_code == 201
+    before = snapshot()
+    body = assert_error(client.post("/voice-tools/execute", headers=AUTH, json={**BODY, "idempotency_key": "kind-1"}),
+                        409, "idempotency_conflict")
+    assert body["details"]["status"] == "PENDING"
+    assert body["details"]["tool_call_id"] == first.get_json()["tool_call_id"]
+    assert "/pending" in body["message"]
+    assert snapshot() == before
+    assert row(first.get_json()["tool_call_id"]).request_kind == "pending"
+    # the seed alias is an /execute too
+    flat = {"session_id": "test_123", "to": SEED_EMAIL["to"], "subject": SEED_EMAIL["subject"]}
+    answer = client.post("/execute-gmail", headers={**AUTH, "Idempotency-Key": "kind-1"}, json=flat)
+    assert_error(answer, 409, "idempotency_conflict")
+    assert snapshot() == before
+
+
+def test_a_key_used_on_execute_then_replayed_on_pending_is_409(client, broker_down):
+    """The other way round: the call was started (here: recorded, its start refused by the broker);
+    a /pending replay would answer a PENDING call waiting for a confirm the caller already gave."""
+    assert_error(client.post("/voice-tools/execute", headers=AUTH, json={**BODY, "idempotency_key": "kind-2"}),
+                 503, "unavailable")
+    before = snapshot()
+    assert [c["request_kind"] for c in before["tool_calls"]] == ["execute"]
+    assert_error(pending(client, {**BODY, "idempotency_key": "kind-2"}), 409, "idempotency_conflict")
+    assert snapshot() == before
+
+
 # -- 413 -----------------------------------------------------------------------------------
 
 def test_body_over_256_kib_is_413(client, existing):
