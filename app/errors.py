@@ -106,6 +106,9 @@ def api_error(exc: Exception) -> ApiError | None:
         return not_found(exc.tool_call_id)
     if isinstance(exc, lifecycle.Refused):
         return refused(exc)
+    if isinstance(exc, chains.UnknownTool):
+        return validation_error({"function_name": [str(exc)]},
+                                {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.BrokerUnavailable):
         return unavailable("broker", str(exc))
     if isinstance(exc, (OperationalError, InterfaceError)):
@@ -128,7 +131,7 @@ def response(err: ApiError):
 
 
 KNOWN = (ApiError, ValidationError, lifecycle.NotFound, lifecycle.Refused, chains.BrokerUnavailable,
-         OperationalError, InterfaceError)
+         chains.UnknownTool, OperationalError, InterfaceError)
 
 
 def register(app: Flask) -> None:

@@ -6,8 +6,10 @@ import json
 import math
 from typing import Any
 
-from flask import request
+from flask import current_app, request
 from marshmallow import Schema
+from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.wsgi import get_input_stream
 
 from app.errors import ApiError
 
@@ -39,9 +41,27 @@ def depth(value: Any) -> int:
     return deepest
 
 
+def raw_body() -> bytes:
+    """The body's bytes; 413 past ``MAX_CONTENT_LENGTH``, with or without a Content-Length.
+
+    With a Content-Length over the limit Werkzeug refuses before reading. A body sent
+    without one (``Transfer-Encoding: chunked``) is read through a stream capped at the
+    limit, which Werkzeug's own reading stops at silently, so a longer body would come
+    out cut (a JSON error, or worse a padded body that parses): it is read here with a
+    cap one byte higher, and a byte past the limit is a 413.
+    """
+    limit = current_app.config.get("MAX_CONTENT_LENGTH")
+    if request.content_length is not None or limit is None:
+        return request.get_data(cache=True)  # raises 413 past MAX_CONTENT_LENGTH
+    raw = get_input_stream(request.environ, max_content_length=limit + 1).read()  # stops at limit + 1
+    if len(raw) > limit:
+        raise RequestEntityTooLarge()
+    return raw
+
+
 def body() -> dict[str, Any]:
     """The body as a JSON object; an empty body is ``{}``. 400 for anything else, 413 if too large."""
-    raw = request.get_data(cache=True)  # raises 413 past MAX_CONTENT_LENGTH
+    raw = raw_body()
     if not raw.strip():
         return {}
     try:

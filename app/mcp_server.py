@@ -52,7 +52,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import MAX_BODY_BYTES, auth, errors, inputs, operations, schemas, toolspec
 from app.errors import ApiError
-from models import settings
 from tasks import tools
 
 log = logging.getLogger(__name__)
@@ -263,16 +262,14 @@ class BearerToken:
         if scope["type"] != "http" or scope["path"] in auth.OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, presented = Headers(scope=scope).get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            refused = auth.unauthorized("Send Authorization: Bearer <token>.")
+        try:
+            caller = auth.identify(Headers(scope=scope).get("authorization", ""))
+        except ApiError as refused_here:
+            refused = refused_here
         else:
-            caller = auth.caller_for(presented.strip(), settings.load().api_tokens)
-            if caller is not None:
-                scope.setdefault("state", {})["caller"] = caller
-                await self.app(scope, receive, send)
-                return
-            refused = auth.unauthorized("Unknown API token.")
+            scope.setdefault("state", {})["caller"] = caller
+            await self.app(scope, receive, send)
+            return
         answer = JSONResponse(errors.payload(refused), status_code=refused.status, headers=refused.headers)
         await answer(scope, receive, send)
 

@@ -40,7 +40,7 @@ def _session_id(value: Any) -> str:
 
 
 def _tool(call: ToolCall) -> tools.Tool:
-    return tools.TOOLS[call.function_name]
+    return chains.tool_of(call)  # a tool this process does not run: 422, as an unknown tool in a body
 
 
 def _check_reference_context(s, session_id: str, parameters: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def _pending_body(data: dict[str, Any], idempotency_header: str | None) -> dict[
     return inputs.load(schemas.PendingRequest, data)
 
 
-def _record(loaded: dict[str, Any], caller: str | None, reason: str) -> tuple[ToolCall, bool]:
+def _record(loaded: dict[str, Any], caller: str | None, reason: str, kind: str) -> tuple[ToolCall, bool]:
     tool: tools.Tool = loaded["tool"]
     with db.session() as s:
         _check_reference_context(s, loaded["session_id"], loaded["parameters"])
@@ -78,6 +78,7 @@ def _record(loaded: dict[str, Any], caller: str | None, reason: str) -> tuple[To
             idempotency_key=loaded.get("idempotency_key"),
             caller=caller,
             reason=reason,
+            request_kind=kind,
         )
 
 
@@ -116,13 +117,19 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: str | None
                     idempotency_header: str | None) -> Answer:
     """Record a call the relay already confirmed, then start it (an idempotent replay starts nothing new)."""
     loaded = _pending_body(data, idempotency_header)
-    call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)")
-    if not created and call.status != PENDING:  # a replay of a call already started: its record
-        if wait:
-            call, _ = until_settled(call.tool_call_id, wait)
-        return schemas.CallRecord().dump(call), 200
-    call = chains.confirm(call.tool_call_id, reason="Confirmed by the relay")
-    return _started(call, wait)
+    call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)", kind="execute")
+    if created or call.status == PENDING:  # new, or left PENDING by a broker outage: start it
+        try:
+            call = chains.confirm(call.tool_call_id, reason="Confirmed by the relay")
+        except lifecycle.Refused as exc:
+            # a concurrent request with this key started it first (or it ended meanwhile):
+            # this one is a replay of a call already started
+            call = exc.call
+        else:
+            return _started(call, wait)
+    if wait:  # a replay of a call already started: its record
+        call, _ = until_settled(call.tool_call_id, wait)
+    return schemas.CallRecord().dump(call), 200
 
 
 def merge(parameters: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +148,7 @@ def changes_between(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, 
 def pending(body: dict[str, Any], caller: str | None, idempotency_header: str | None = None) -> Answer:
     """POST /voice-tools/pending: record a call as PENDING (201, or 200 for an idempotent replay)."""
     loaded = _pending_body(body, idempotency_header)
-    call, created = _record(loaded, caller, reason="Recorded")
+    call, created = _record(loaded, caller, reason="Recorded", kind="pending")
     tool = _tool(call)
     message = tool.say(tool.confirmation_message, call.parameters)
     answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,

@@ -37,6 +37,9 @@ STATUSES = (PENDING, MODIFIED, EXECUTING, PREPARED, COMPLETED, FAILED, CANCELLED
 TERMINAL = (COMPLETED, FAILED, CANCELLED, EXPIRED)
 OPEN = (PENDING, MODIFIED, EXECUTING, PREPARED)
 ACTION_LEVELS = ("read", "draft", "write")
+# the kind of request that recorded a call (migration 0008): an idempotent replay is the
+# same call only on the same kind (CONTRACT section 5)
+REQUEST_KINDS = ("pending", "execute")
 
 
 class XID8(UserDefinedType[str]):
@@ -60,6 +63,7 @@ class ToolCall(Base):
         ),
         CheckConstraint("action_level IN ('read', 'draft', 'write')", name="valid_action_level"),
         CheckConstraint("progress >= 0 AND progress <= 1", name="valid_progress"),
+        CheckConstraint("request_kind IN ('pending', 'execute')", name="valid_request_kind"),
         Index("idx_tool_calls_session", "session_id", text("created_at DESC")),
         Index("idx_tool_calls_status", "session_id", "status"),
         Index("idx_tool_calls_open_status", "status", "created_at",
@@ -97,6 +101,7 @@ class ToolCall(Base):
     redrives: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     event_seq: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     caller: Mapped[str | None] = mapped_column(String(100))
+    request_kind: Mapped[str] = mapped_column(String(10), nullable=False, server_default="pending")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
     confirmed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     executed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -14,7 +14,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
-from sqlalchemy import ColumnElement, Integer, bindparam, cast, delete, func, literal, select, update
+from sqlalchemy import ColumnElement, Integer, and_, bindparam, cast, delete, func, literal, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.orm import Session, object_session
 
@@ -181,12 +181,15 @@ def create(
     context_key: str | None = None,
     caller: str | None = None,
     reason: str | None = "Recorded",
+    request_kind: str = "pending",
 ) -> tuple[ToolCall, bool]:
     """Record a PENDING call; return ``(call, created)``.
 
     A replay (same ``idempotency_key`` or ``tool_call_id``, same session, tool and
-    parameters) returns the existing call with ``created=False``; the same key with
-    other content raises :class:`Refused` ``idempotency_conflict``.
+    parameters, same ``request_kind``) returns the existing call with ``created=False``;
+    the same key with other content, or on the other kind of request (a ``pending`` call
+    replayed as ``execute`` would start a call nobody confirmed), raises
+    :class:`Refused` ``idempotency_conflict``.
     """
     tool_call_id = tool_call_id or new_tool_call_id()
     stmt = (
@@ -206,6 +209,7 @@ def create(
             callback_urls=callback_urls or None,
             context_key=context_key,
             caller=caller,
+            request_kind=request_kind,
         )
         .on_conflict_do_nothing()
         .returning(ToolCall)
@@ -229,6 +233,13 @@ def create(
             "idempotency_conflict",
             existing,
             "This idempotency key or tool_call_id was already used for a different call.",
+        )
+    if existing.request_kind != request_kind:
+        raise Refused(
+            "idempotency_conflict",
+            existing,
+            f"This idempotency key or tool_call_id was already used on /{existing.request_kind}; "
+            f"a replay must be the same kind of request, not /{request_kind}.",
         )
     return existing, False
 
@@ -283,7 +294,11 @@ def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", 
 
 
 def unconfirm(s: Session, tool_call_id: str, reason: str = "Queue unavailable") -> ToolCall | None:
-    """Undo a confirm whose chain could not be enqueued (no step has run yet)."""
+    """Undo a confirm whose chain could not be enqueued (no step has run yet).
+
+    None when a link has begun: the publish reached the broker after all (only its answer
+    was lost) and the chain is running.
+    """
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=PENDING, reason=reason,
         extra_where=[ToolCall.current_step.is_(None), ToolCall.committed_at.is_(None)],
@@ -366,6 +381,19 @@ def checkpoint(s: Session, tool_call_id: str, step: str, progress: float) -> Too
     )
 
 
+def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "Queue unavailable") -> ToolCall | None:
+    """EXECUTING → PREPARED at checkpoint ``step``: undo a resume whose chain could not be enqueued.
+
+    Applies only while no later link has begun (``current_step`` is still the checkpoint)
+    and the point of no return was not passed; otherwise the chain's publish reached the
+    broker after all (only its answer was lost), the chain is running, and None says so.
+    """
+    return _transition(
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=PREPARED, reason=reason,
+        extra_where=[ToolCall.current_step.is_not_distinct_from(step), ToolCall.committed_at.is_(None)],
+    )
+
+
 def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller") -> ToolCall:
     row = _transition(
         s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, reason=reason, resumed_at=func.now()
@@ -404,23 +432,34 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
 
 # -- sweeps (beat) --------------------------------------------------------------
 
-def expire_stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[ToolCall]:
-    """PENDING past its TTL (from creation) and PREPARED past its TTL (from the checkpoint)."""
-    expired: list[ToolCall] = []
-    for status, column, ttl in ((PENDING, ToolCall.created_at, pending_ttl_s), (PREPARED, ToolCall.prepared_at, prepared_ttl_s)):
-        stmt = (
-            update(ToolCall)
-            .where(ToolCall.status == status, column < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ttl))
-            .values(
-                status=EXPIRED,
-                status_history=_append(ToolCall.status_history, [_entry(EXPIRED, EXPIRED_REASON)]),
-                completed_at=func.now(), error_message=EXPIRED_REASON,
-            )
-            .returning(ToolCall)
-            .execution_options(synchronize_session=False)
-        )
-        expired.extend(s.scalars(stmt).all())
-    return expired
+def _stale(pending_ttl_s: int, prepared_ttl_s: int) -> ColumnElement[bool]:
+    """PENDING past its TTL (from creation), PREPARED past its TTL (from the checkpoint); never a
+    call past its point of no return (its effect may have happened: it is not "unanswered")."""
+    def older(column: Any, ttl: int) -> ColumnElement[bool]:
+        return column < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ttl)
+
+    return and_(
+        or_(and_(ToolCall.status == PENDING, older(ToolCall.created_at, pending_ttl_s)),
+            and_(ToolCall.status == PREPARED, older(ToolCall.prepared_at, prepared_ttl_s))),
+        ToolCall.committed_at.is_(None),
+    )
+
+
+def stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[str]:
+    """The calls :func:`expire` would expire now, oldest first (the sweep expires each in its own
+    transaction, together with its ``expired`` event)."""
+    return list(s.scalars(
+        select(ToolCall.tool_call_id).where(_stale(pending_ttl_s, prepared_ttl_s)).order_by(ToolCall.created_at)
+    ))
+
+
+def expire(s: Session, tool_call_id: str, *, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:
+    """PENDING/PREPARED → EXPIRED if still stale (:func:`stale`'s condition, checked by the statement)."""
+    return _transition(
+        s, tool_call_id, from_statuses=(PENDING, PREPARED), to_status=EXPIRED, reason=EXPIRED_REASON,
+        extra_where=[_stale(pending_ttl_s, prepared_ttl_s)],
+        completed_at=func.now(), error_message=EXPIRED_REASON,
+    )
 
 
 def _quiet_for(older_than_s: int) -> ColumnElement[bool]:
@@ -476,10 +515,10 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
 # -- reading --------------------------------------------------------------------
 
 def session_calls(s: Session, session_id: str, limit: int) -> tuple[list[ToolCall], list[ToolCall]]:
-    """(open calls, the ``limit`` most recent terminal calls), newest first."""
+    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first."""
     open_calls = s.scalars(
         select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN))
-        .order_by(ToolCall.created_at.desc())
+        .order_by(ToolCall.created_at.desc()).limit(limit)
     ).all()
     recent = s.scalars(
         select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL))

@@ -40,6 +40,28 @@ class BrokerUnavailable(Exception):
     """The chain could not be enqueued; the call was put back to PENDING."""
 
 
+class UnknownTool(LookupError):
+    """The call's tool is not one this process runs (removed since the call was recorded, or
+    recorded by a newer release behind the same load balancer)."""
+
+    def __init__(self, tool_call_id: str, function_name: str):
+        super().__init__(f"Unknown tool {function_name!r}: this server does not run it.")
+        self.tool_call_id = tool_call_id
+        self.function_name = function_name
+
+
+def tool_of(call: ToolCall) -> Tool:
+    """The call's tool; :class:`UnknownTool` if this process does not run it.
+
+    The faces ask inside the transition's transaction, so an unknown tool rolls the
+    transition back: a call is never left EXECUTING with no chain to run it.
+    """
+    tool = tools.get(call.function_name)
+    if tool is None:
+        raise UnknownTool(call.tool_call_id, call.function_name)
+    return tool
+
+
 class Link(Task):
     """Base task of every chain link; ``tool`` and ``step`` are set per task class."""
 
@@ -278,17 +300,20 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
     If the broker refuses the chain, the call goes back to PENDING and
-    :class:`BrokerUnavailable` is raised.
+    :class:`BrokerUnavailable` is raised, unless its first link has begun: then the
+    publish reached the broker after all and the call is answered as it is.
     """
     with db.session() as s:
         call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
                                  callback_urls=callback_urls)
-    tool = tools.TOOLS[call.function_name]
+        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     try:
         call.workflow_id = _enqueue(tool, call, 0)
     except BrokerUnavailable:
         with db.session() as s:
-            lifecycle.unconfirm(s, tool_call_id)
+            undone = lifecycle.unconfirm(s, tool_call_id)
+        if undone is None:
+            return _published_after_all(tool_call_id)
         raise
     return call
 
@@ -297,15 +322,25 @@ def resume(tool_call_id: str) -> ToolCall:
     """PREPARED → EXECUTING and enqueue the links after the checkpoint."""
     with db.session() as s:
         call = lifecycle.resume(s, tool_call_id)
-    tool = tools.TOOLS[call.function_name]
+        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     start = tool.step_index(call.current_step) + 1 if call.current_step else 0
     try:
         call.workflow_id = _enqueue(tool, call, start)
     except BrokerUnavailable:
-        with db.session() as s:
-            lifecycle.checkpoint(s, tool_call_id, call.current_step or "", call.progress)
+        with db.session() as s:  # never a committed call, nor one whose next link began
+            undone = lifecycle.undo_resume(s, tool_call_id, call.current_step)
+        if undone is None:
+            return _published_after_all(tool_call_id)
         raise
     return call
+
+
+def _published_after_all(tool_call_id: str) -> ToolCall:
+    """The publish "failed" but the chain runs: it reached the broker and only the answer was
+    lost (a connection dropped after the write). Nothing to undo; the call as it is now."""
+    log.warning("the publish for %s raised, but its chain is running: its answer was lost", tool_call_id)
+    with db.session() as s:
+        return lifecycle.get(s, tool_call_id)
 
 
 def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False) -> ToolCall:
@@ -365,16 +400,25 @@ def give_up(tool: Tool, tool_call_id: str, parameters: Any, older_than_s: int, m
     return call
 
 
-def announce_expired(call: ToolCall) -> None:
-    """Record and send the ``expired`` event of a call the sweep just expired."""
+def expired_sentence(call: ToolCall) -> str:
     tool = tools.TOOLS.get(call.function_name)
-    voice = f"The {call.function_name.replace('_', ' ')} request expired unanswered."
-    if tool is not None:
-        voice = tool.say(tool.cancelled_response, call.parameters).replace("Cancelled.", "Expired.")
+    if tool is None:
+        return f"The {call.function_name.replace('_', ' ')} request expired unanswered."
+    return tool.say(tool.cancelled_response, call.parameters).replace("Cancelled.", "Expired.")
+
+
+def expire(tool_call_id: str, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:
+    """Expire a stale call and record its ``expired`` event in the same transaction (as every
+    other event: a crash cannot leave it EXPIRED unannounced), then send the event."""
     with db.session() as s:
-        call = lifecycle.set_voice_response(s, call.tool_call_id, voice)
+        call = lifecycle.expire(s, tool_call_id, pending_ttl_s=pending_ttl_s, prepared_ttl_s=prepared_ttl_s)
+        if call is None:
+            return None
+        voice = expired_sentence(call)
+        call = lifecycle.set_voice_response(s, tool_call_id, voice)
         delivery = callbacks.record(s, call, "expired", message=voice)
     _dispatch_quietly(delivery)
+    return call
 
 
 def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:

@@ -11,13 +11,19 @@ log = logging.getLogger(__name__)
 
 @app.task(name="maintenance.expire_stale", ignore_result=True)
 def expire_stale() -> int:
-    """PENDING and PREPARED calls left unanswered past their TTL become EXPIRED."""
+    """PENDING and PREPARED calls left unanswered past their TTL become EXPIRED, each in its own
+    transaction with its ``expired`` event; a call that cannot be expired is left as it was
+    (logged; the next sweep tries again) and the rest of the batch goes on. Returns how many."""
     cfg = settings.load()
     with db.session() as s:
-        expired = lifecycle.expire_stale(s, pending_ttl_s=cfg.pending_ttl_s, prepared_ttl_s=cfg.prepared_ttl_s)
-    for call in expired:
-        chains.announce_expired(call)
-    return len(expired)
+        stale = lifecycle.stale(s, pending_ttl_s=cfg.pending_ttl_s, prepared_ttl_s=cfg.prepared_ttl_s)
+    expired = 0
+    for tool_call_id in stale:
+        try:
+            expired += chains.expire(tool_call_id, cfg.pending_ttl_s, cfg.prepared_ttl_s) is not None
+        except Exception:
+            log.exception("could not expire %s; left as it was for the next sweep", tool_call_id)
+    return expired
 
 
 @app.task(name="maintenance.fail_stuck", ignore_result=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Callable
 
 import pytest
 from sqlalchemy import text
@@ -80,6 +82,72 @@ class BrokerDown:
         (self.app.conf.broker_url, self.app.conf.broker_write_url,
          self.app._pool, self.app.amqp._producer_pool) = self.saved
         self.saved = None
+
+
+class LostPublishAnswer:
+    """The next chain this thread publishes reaches the real broker, but its answer is "lost".
+
+    The publish goes through (the worker gets the message and runs the chain), then the
+    call does not return until ``settled()`` holds and raises the error a connection
+    dropped before the broker's reply raises. Only the first publish of the thread that
+    made this object is affected; the in-process worker's own publishes (its next links,
+    its callbacks) are not. Undo with :meth:`restore`.
+    """
+
+    def __init__(self, celery_app, settled: Callable[[], bool], timeout: float = 15.0):
+        self.app, self.settled, self.timeout = celery_app, settled, timeout
+        self.thread = threading.get_ident()
+        self.published = 0
+        self._real = celery_app.producer_or_acquire
+        celery_app.producer_or_acquire = self._acquire  # an instance attribute over Celery's method
+
+    def _lossy(self) -> bool:
+        return not self.published and threading.get_ident() == self.thread
+
+    @contextmanager
+    def _acquire(self, producer=None):
+        if producer is not None or not self._lossy():
+            with self._real(producer) as given:
+                yield given
+            return
+        with self._real() as lossy:
+            real_publish = lossy.publish
+
+            def publish(*args: Any, **kwargs: Any):
+                from kombu.exceptions import OperationalError
+
+                real_publish(*args, **kwargs)
+                self.published += 1
+                deadline = time.monotonic() + self.timeout
+                while not self.settled():
+                    assert time.monotonic() < deadline, "the published chain never got where the test waits"
+                    time.sleep(0.02)
+                raise OperationalError("Connection reset by peer (the broker's answer was lost)")
+
+            lossy.publish = publish
+            try:
+                yield lossy
+            finally:
+                del lossy.publish  # the producer goes back to the pool as it was
+
+    def restore(self) -> None:
+        self.app.__dict__.pop("producer_or_acquire", None)
+
+
+@pytest.fixture
+def lost_publish_answer():
+    """``lost_publish_answer(settled)``: the test thread's next chain publish loses its answer (see above)."""
+    from tasks import app as celery_app
+
+    made: list[LostPublishAnswer] = []
+
+    def _make(settled: Callable[[], bool]) -> LostPublishAnswer:
+        made.append(LostPublishAnswer(celery_app, settled))
+        return made[-1]
+
+    yield _make
+    for lost in made:
+        lost.restore()
 
 
 @pytest.fixture

@@ -250,3 +250,15 @@ def test_pending_with_reference_context(client):
     assert answer.status_code == 201, answer.get_json()
     assert row(answer.get_json()["tool_call_id"]).status == PENDING
     assert call_count() == 1
+
+
+def test_context_bounds_the_pending_list_as_it_bounds_recent(client):
+    """Issue 14 §1.11: a session with many open calls answers at most ``limit`` of them, newest first."""
+    opened = [make_call(session_id="busy", parameters={"to": f"p{i}@example.com", "subject": "s"})
+              for i in range(12)]
+    newest_first = [call.tool_call_id for call in reversed(opened)]
+    body = client.get("/voice-tools/context/busy?limit=3", headers=AUTH).get_json()
+    assert [c["tool_call_id"] for c in body["pending"]] == newest_first[:3]
+    body = client.get("/voice-tools/context/busy", headers=AUTH).get_json()  # default 10
+    assert [c["tool_call_id"] for c in body["pending"]] == newest_first[:10]
+    assert body["recent"] == []

@@ -37,3 +37,20 @@ def test_concurrent_confirms_start_the_chain_once(client, worker):
     stored = wait_status(tool_call_id, "PREPARED")
     assert [h["status"] for h in stored.status_history] == ["PENDING", "EXECUTING", "PREPARED"]
     assert row(tool_call_id).workflow_id == next(a["workflow_id"] for code, a in answers if code == 202)
+
+
+def test_concurrent_executes_with_one_key_start_the_call_once_and_replay_the_rest(client, worker):
+    """Issue 14 §1.3: every request but the one that started the call answers the replay (200, its
+    record), never 409 invalid_status, even those that found the call still PENDING and confirmed too."""
+    body = {"session_id": "race", "function": "send_email", "parameters": SEED_EMAIL, "idempotency_key": "ex-race"}
+    answers = _together(client.application, lambda c: c.post("/voice-tools/execute", headers=AUTH, json=body))
+    codes = sorted(code for code, _ in answers)
+    assert codes == [200] * (THREADS - 1) + [202], answers
+    assert len({answer["tool_call_id"] for _, answer in answers}) == 1
+    assert call_count() == 1
+    [started] = [answer for code, answer in answers if code == 202]
+    replays = [answer for code, answer in answers if code == 200]
+    assert all(answer["idempotency_key"] == "ex-race" and "status_history" in answer for answer in replays)
+    stored = wait_status(started["tool_call_id"], "PREPARED")
+    assert [h["status"] for h in stored.status_history] == ["PENDING", "EXECUTING", "PREPARED"]
+    assert stored.workflow_id == started["workflow_id"]

@@ -6,7 +6,7 @@ import pytest
 from models import db, lifecycle
 from tasks import tools
 from tests.api_fixtures import SEED_EMAIL, call_count, created_id, pending, snapshot
-from tests.conftest import AUTH
+from tests.conftest import API_TOKEN, AUTH
 from tests.helpers import row
 
 BODY = {"session_id": "test_123", "function": "send_email", "parameters": SEED_EMAIL}
@@ -80,6 +80,21 @@ def test_caller_is_the_tokens_name(client, monkeypatch):
     assert row(first.get_json()["tool_call_id"]).caller == "alice"
     assert row(second.get_json()["tool_call_id"]).caller == hashlib.sha256(b"bare-token-b").hexdigest()[:8]
     assert_error(client.post("/voice-tools/pending", headers=AUTH, json=BODY), 401, "unauthorized")
+
+
+LONG_NAME = "n" * 101
+
+
+def test_a_token_named_past_100_characters_is_refused_clearly_and_records_nothing(client, monkeypatch):
+    """Issue 14 §1.7: the caller column holds 100 characters; such a token is a configuration error
+    the presenter is told about (401), never a database error (500) and never a truncated caller."""
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"tests:{API_TOKEN},{LONG_NAME}:long-token,{'m' * 100}:ok-token")
+    body = assert_error(pending(client, BODY, headers={"Authorization": "Bearer long-token"}), 401, "unauthorized")
+    assert "longer than 100 characters" in body["message"] and "VOICE_TOOLS_API_TOKENS" in body["message"]
+    assert call_count() == 0
+    fine = pending(client, BODY, headers={"Authorization": "Bearer ok-token"})  # exactly 100 is a name
+    assert fine.status_code == 201, fine.get_json()
+    assert row(fine.get_json()["tool_call_id"]).caller == "m" * 100
 
 
 # -- 404 / 405 -----------------------------------------------------------------------------
@@ -210,6 +225,37 @@ def test_execute_replay_starts_nothing_new(client, worker):
     assert again.get_json()["status"] == "PREPARED"
     assert again.get_json()["tool_call_id"] == first.get_json()["tool_call_id"]
     assert again.get_json()["current_step"] == "READY_TO_SEND"
+    assert snapshot() == before
+
+
+def test_a_key_used_on_pending_then_replayed_on_execute_is_409_and_starts_nothing(client, worker):
+    """Issue 14 §1.3 (CONTRACT section 5, "on the same kind of request"): the /pending call was
+    never confirmed, so an /execute replay of it must not start it."""
+    first = pending(client, {**BODY, "idempotency_key": "kind-1"})
+    assert first.status_code == 201
+    before = snapshot()
+    body = assert_error(client.post("/voice-tools/execute", headers=AUTH, json={**BODY, "idempotency_key": "kind-1"}),
+                        409, "idempotency_conflict")
+    assert body["details"]["status"] == "PENDING"
+    assert body["details"]["tool_call_id"] == first.get_json()["tool_call_id"]
+    assert "/pending" in body["message"]
+    assert snapshot() == before
+    assert row(first.get_json()["tool_call_id"]).request_kind == "pending"
+    # the seed alias is an /execute too
+    flat = {"session_id": "test_123", "to": SEED_EMAIL["to"], "subject": SEED_EMAIL["subject"]}
+    answer = client.post("/execute-gmail", headers={**AUTH, "Idempotency-Key": "kind-1"}, json=flat)
+    assert_error(answer, 409, "idempotency_conflict")
+    assert snapshot() == before
+
+
+def test_a_key_used_on_execute_then_replayed_on_pending_is_409(client, broker_down):
+    """The other way round: the call was started (here: recorded, its start refused by the broker);
+    a /pending replay would answer a PENDING call waiting for a confirm the caller already gave."""
+    assert_error(client.post("/voice-tools/execute", headers=AUTH, json={**BODY, "idempotency_key": "kind-2"}),
+                 503, "unavailable")
+    before = snapshot()
+    assert [c["request_kind"] for c in before["tool_calls"]] == ["execute"]
+    assert_error(pending(client, {**BODY, "idempotency_key": "kind-2"}), 409, "idempotency_conflict")
     assert snapshot() == before
 
 
@@ -398,3 +444,80 @@ def test_broker_down_on_resume_is_503_and_the_call_stays_prepared(client, existi
     stored = row(tool_call_id)
     assert stored.status == "PREPARED" and stored.committed_at is None
     assert [h["status"] for h in stored.status_history][-3:] == ["PREPARED", "EXECUTING", "PREPARED"]
+
+
+def _chunked(data: bytes, size: int = 16 * 1024):
+    """The body as a generator: requests sends it with Transfer-Encoding: chunked, no Content-Length."""
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+def test_a_chunked_body_over_256_kib_is_413_over_real_http(api_url):
+    """Issue 14 §1.8: without Content-Length the body is counted as it comes, never cut silently."""
+    import json
+
+    import requests
+
+    big = json.dumps({**BODY, "parameters": {**SEED_EMAIL, "body": "x" * 300_000}}).encode()
+    answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(big), timeout=30)
+    assert answer.request.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in answer.request.headers
+    assert (answer.status_code, answer.json()["error"]) == (413, "too_large"), answer.text
+    assert answer.json()["details"]["max_bytes"] == 256 * 1024
+    padded = json.dumps(BODY).encode() + b" " * (300 * 1024)  # a small call padded past the limit
+    answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(padded), timeout=30)
+    assert (answer.status_code, answer.json()["error"]) == (413, "too_large"), answer.text
+    assert call_count() == 0
+    small = json.dumps(BODY).encode() + b" " * 1024  # under the limit, chunked, is fine
+    answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(small), timeout=30)
+    assert answer.status_code == 201, answer.text
+    assert call_count() == 1
+
+
+@pytest.fixture
+def vanished_tool():
+    """A call of a tool this server no longer runs (removed since the call was recorded, or a
+    process of an older release behind the same load balancer)."""
+    from marshmallow import Schema, fields
+
+    from tasks import chains
+    from tasks.tools import Step, Tool
+    from tests.helpers import make_call
+
+    class Thing(Schema):
+        what = fields.String(required=True)
+
+    tool = Tool(name="retired_tool", description="A tool that is about to be removed.", schema=Thing,
+                action_level="write", steps=(Step("READY", checkpoint=True), Step("APPLY", side_effect=True),
+                                             Step("COMPLETED")),
+                result=lambda outputs: {}, confirmation_message="Do {what}?", start_message="Doing {what}.",
+                modified_message="Now {what}?", voice_response="Did {what}.",
+                failure_response="The {what} did not happen.", cancelled_response="Cancelled.")
+    chains.register_tool(tool)
+    try:
+        pending_call = make_call(tool.name, {"what": "a transfer"}).tool_call_id
+        prepared_call = make_call(tool.name, {"what": "a refund"}).tool_call_id
+        with db.session() as s:
+            lifecycle.confirm(s, prepared_call)
+            lifecycle.checkpoint(s, prepared_call, "READY", 0.33)
+    finally:
+        chains.unregister_tool(tool.name)
+    return pending_call, prepared_call
+
+
+def test_a_call_of_a_tool_no_longer_run_here_is_refused_and_left_as_it_was(client, vanished_tool):
+    """Issue 14 §1.7: found unknown only after the confirm's transition, it was a 500 leaving the call
+    EXECUTING with no chain; now the transition does not happen: 422 naming the known tools."""
+    pending_call, prepared_call = vanished_tool
+    before = snapshot()
+    for path, body in ((f"/voice-tools/confirm/{pending_call}", None),
+                       (f"/voice-tools/resume/{prepared_call}", {"action": "proceed"})):
+        answer = client.post(path, headers=AUTH, json=body)
+        error = assert_error(answer, 422, "validation_error")
+        assert "retired_tool" in error["details"]["fields"]["function_name"][0]
+        assert error["details"]["known_tools"] == tools.names()
+    assert snapshot() == before
+    assert row(pending_call).status == "PENDING" and row(prepared_call).status == "PREPARED"
+    # what is left to do with such a call works: cancel it
+    answer = client.delete(f"/voice-tools/cancel/{pending_call}", headers=AUTH)
+    assert answer.status_code == 200 and row(pending_call).status == "CANCELLED"

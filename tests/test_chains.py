@@ -16,6 +16,7 @@ from models.calls import SessionContext
 from models.email import EmailOutbox
 from tasks import chains, tools
 from tasks.tools import PermanentError, Step, Tool, TransientError
+from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
 
@@ -334,6 +335,56 @@ def test_cancel_after_the_commit_point_is_too_late(register, gates, relay, task_
     progress = relay.events_for(call.tool_call_id)[0]
     assert (progress["event"], progress["step"], progress["cancellable"]) == ("progress", "APPLY", False)
     assert deliveries(call.tool_call_id, "cancelled") == []
+
+
+# -- a publish that reached the broker but whose answer was lost (issue 14 §1.1) ------------------
+
+def test_a_resume_whose_publish_answer_was_lost_never_undoes_the_committed_call(
+        register, gates, relay, client, lost_publish_answer, task_log):
+    """The chain was published and its side effect committed before the API heard back: the undo
+    meant for "the broker refused" must not move the call back to PREPARED (where it would wait
+    for a proceed it already had, then expire saying "not done"); the API answers what is true."""
+    effect = gates({"done": True})
+    tool = register(make_tool("lost_resume", (Step("READY", checkpoint=True),
+                                              Step("APPLY", run=effect, side_effect=True), Step("COMPLETED"))))
+    call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    lost_publish_answer(lambda: row(call.tool_call_id).committed_at is not None)
+
+    answer = client.post(f"/voice-tools/resume/{call.tool_call_id}", headers=AUTH, json={"action": "proceed"})
+    assert answer.status_code == 202, answer.get_json()
+    assert answer.get_json()["status"] == "EXECUTING"
+    running = row(call.tool_call_id)
+    assert running.status == "EXECUTING" and running.committed_at is not None and effect.runs == 1
+    effect.release.set()
+    relay.wait_for(call.tool_call_id, "completed")
+    done = row(call.tool_call_id)
+    assert done.status == "COMPLETED" and done.voice_response == "Did transfer." and effect.runs == 1
+    assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "PREPARED", "EXECUTING", "COMPLETED"]
+    assert_no_link_failed(task_log, call.tool_call_id)
+
+
+def test_a_confirm_whose_publish_answer_was_lost_answers_what_is_true(
+        register, gates, relay, client, lost_publish_answer, task_log):
+    """The first link already runs when the publish "fails": there is nothing to undo, so the answer
+    is not 503 "PENDING again" but the 202 of a started call, and the call finishes."""
+    draft = gates({"draft": True})
+    tool = register(make_tool("lost_confirm", (Step("DRAFT", run=draft),
+                                               Step("APPLY", run=lambda step: {"done": True}, side_effect=True),
+                                               Step("COMPLETED"))))
+    call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
+    lost_publish_answer(lambda: row(call.tool_call_id).current_step is not None)
+
+    answer = client.post(f"/voice-tools/confirm/{call.tool_call_id}", headers=AUTH)
+    assert answer.status_code == 202, answer.get_json()
+    assert answer.get_json()["status"] == "EXECUTING"
+    assert row(call.tool_call_id).status == "EXECUTING"
+    draft.release.set()
+    relay.wait_for(call.tool_call_id, "completed")
+    assert row(call.tool_call_id).status == "COMPLETED" and draft.runs == 1
+    assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "COMPLETED"]
+    assert_no_link_failed(task_log, call.tool_call_id)
 
 
 def test_transient_errors_retry_with_backoff_then_succeed(register, relay, task_log):

@@ -305,6 +305,42 @@ def test_unconfirm_only_before_any_step():
     assert row(call.tool_call_id).status == "EXECUTING"
 
 
+def test_the_undo_of_a_resume_applies_only_before_the_next_link_began_and_never_to_a_committed_call():
+    """Issue 14 §1.1: the undo of a resume whose chain the broker refused; a publish whose answer
+    was lost may have started the chain, and then there is nothing to undo."""
+    refused_by_broker, link_began, committed = make_call(), make_call(), make_call()
+    for call in (refused_by_broker, link_began):
+        to_prepared(call.tool_call_id)
+        apply(lifecycle.resume, call.tool_call_id)
+    to_committed(committed.tool_call_id)
+    apply(lifecycle.begin_step, link_began.tool_call_id, "SENDING", 0.5)
+
+    back = apply(lifecycle.undo_resume, refused_by_broker.tool_call_id, "READY_TO_SEND")
+    assert back.status == "PREPARED" and back.current_step == "READY_TO_SEND"
+    assert statuses(back)[-3:] == ["PREPARED", "EXECUTING", "PREPARED"]
+    assert_valid_history(back)
+    for call in (link_began, committed):
+        before = row(call.tool_call_id)
+        assert apply(lifecycle.undo_resume, call.tool_call_id, "READY_TO_SEND") is None
+        after = row(call.tool_call_id)
+        assert (after.status, after.status_history, after.committed_at) == (
+            "EXECUTING", before.status_history, before.committed_at)
+
+
+def test_expiry_never_touches_a_committed_call():
+    """Issue 14 §1.1: a call past its point of no return never ends EXPIRED ("not done"), even
+    PREPARED (a tool whose checkpoint follows its side effect)."""
+    call = make_call()
+    to_committed(call.tool_call_id)
+    apply(lifecycle.checkpoint, call.tool_call_id, "CONFIRM_SENT", 0.75)
+    backdate(call.tool_call_id, "prepared_at", 10_000)
+    backdate(call.tool_call_id, "created_at", 10_000)
+    assert apply(lifecycle.stale, pending_ttl_s=1, prepared_ttl_s=1) == []
+    assert apply(lifecycle.expire, call.tool_call_id, pending_ttl_s=1, prepared_ttl_s=1) is None
+    stored = row(call.tool_call_id)
+    assert stored.status == "PREPARED" and stored.committed_at is not None
+
+
 # -- cancel -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("status", ["PENDING", "EXECUTING", "PREPARED"])
@@ -352,7 +388,7 @@ def test_terminal_calls_refuse_everything(ending):
     else:
         with db.session() as s:
             s.execute(text("UPDATE tool_calls SET created_at = now() - interval '1 hour'"))
-        assert len(apply(lifecycle.expire_stale, pending_ttl_s=600, prepared_ttl_s=300)) == 1
+        assert apply(lifecycle.expire, call.tool_call_id, pending_ttl_s=600, prepared_ttl_s=300) is not None
     for fn in (lifecycle.confirm, lifecycle.cancel, lifecycle.resume):
         exc = refused(fn, call.tool_call_id)
         assert (exc.code, exc.status) == ("already_terminal", ending)
@@ -381,8 +417,9 @@ def test_expire_stale_uses_each_statuses_ttl():
         backdate(c.tool_call_id, "created_at", 10_000)
     backdate(executing.tool_call_id, "confirmed_at", 10_000)
 
-    expired = apply(lifecycle.expire_stale, pending_ttl_s=600, prepared_ttl_s=300)
-    assert sorted(c.tool_call_id for c in expired) == sorted([old_pending.tool_call_id, old_prepared.tool_call_id])
+    stale = apply(lifecycle.stale, pending_ttl_s=600, prepared_ttl_s=300)
+    assert sorted(stale) == sorted([old_pending.tool_call_id, old_prepared.tool_call_id])
+    expired = [apply(lifecycle.expire, tool_call_id, pending_ttl_s=600, prepared_ttl_s=300) for tool_call_id in stale]
     for c in expired:
         assert c.status == "EXPIRED" and c.error_message == "Expired unanswered" and c.completed_at is not None
         assert c.status_history[-1]["reason"] == "Expired unanswered"
@@ -390,7 +427,10 @@ def test_expire_stale_uses_each_statuses_ttl():
     assert row(new_pending.tool_call_id).status == "PENDING"
     assert row(new_prepared.tool_call_id).status == "PREPARED"
     assert row(executing.tool_call_id).status == "EXECUTING"
-    assert apply(lifecycle.expire_stale, pending_ttl_s=600, prepared_ttl_s=300) == []
+    assert apply(lifecycle.stale, pending_ttl_s=600, prepared_ttl_s=300) == []
+    # the statement checks the TTL itself: a call not (or no longer) stale is left alone
+    for c in (old_pending, new_pending, new_prepared, executing):
+        assert apply(lifecycle.expire, c.tool_call_id, pending_ttl_s=600, prepared_ttl_s=300) is None
 
 
 def test_stuck_executing_counts_from_the_latest_activity():

@@ -8,7 +8,7 @@ from models import db, lifecycle
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
 from tasks import callbacks, chains, maintenance
-from tests.helpers import make_call, row, wait_status
+from tests.helpers import deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
 
 
@@ -68,6 +68,52 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     assert sweep(task_log, maintenance.expire_stale) == 0  # each call expires once
     with db.session() as s:
         assert s.scalar(select(func.count()).where(CallbackDelivery.event == "expired")) == 2
+
+
+def test_each_expiry_and_its_event_are_one_transaction_and_one_bad_call_does_not_stop_the_sweep(
+        relay, monkeypatch):
+    """Issue 14 §1.5: the sweep committed EXPIRED for the whole batch, then recorded the events one
+    by one: an error in between (here a tool whose expired sentence raises for one call) left that
+    call EXPIRED with no event and no voice_response, and the calls after it unannounced. Now each
+    call is expired with its event in one transaction: the bad one is left as it was (the next
+    sweep tries again), the others are expired and announced."""
+    from marshmallow import Schema, fields
+
+    from tasks.tools import Step, Tool
+
+    class Thing(Schema):
+        what = fields.String(required=True)
+
+    def cancelled(parameters, **_):
+        if parameters["what"] == "poison":
+            raise ValueError("this tool's sentence cannot say that")
+        return f"Cancelled. The {parameters['what']} did not happen."
+
+    tool = Tool(name="fragile_tool", description="A tool with a fragile sentence.", schema=Thing,
+                action_level="write", steps=(Step("APPLY", side_effect=True), Step("COMPLETED")),
+                result=lambda outputs: {}, confirmation_message="Do {what}?", start_message="Doing {what}.",
+                modified_message="Now {what}?", voice_response="Did {what}.",
+                failure_response="The {what} did not happen.", cancelled_response=cancelled)
+    chains.register_tool(tool)
+    try:
+        monkeypatch.setenv("VOICE_TOOLS_PENDING_TTL", "60")
+        bad = make_call(tool.name, {"what": "poison"}, callback_url=relay.url)
+        good = [make_call(tool.name, {"what": f"transfer {i}"}, callback_url=relay.url) for i in range(2)]
+        for call in (bad, *good):
+            backdate(call.tool_call_id, "created_at", 61)
+
+        assert maintenance.expire_stale() == 2
+    finally:
+        chains.unregister_tool(tool.name)
+    for i, call in enumerate(good):
+        expired = row(call.tool_call_id)
+        assert expired.status == "EXPIRED" and expired.voice_response == f"Expired. The transfer {i} did not happen."
+        [event] = [d for d in deliveries(call.tool_call_id) if d.event == "expired"]
+        assert event.payload["status"] == "EXPIRED" and event.payload["voice_response"] == expired.voice_response
+    untouched = row(bad.tool_call_id)
+    assert untouched.status == "PENDING" and untouched.voice_response is None
+    assert [h["status"] for h in untouched.status_history] == ["PENDING"]
+    assert deliveries(bad.tool_call_id) == []
 
 
 def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_log, monkeypatch):

@@ -255,6 +255,16 @@ async def test_without_a_known_token_the_mcp_endpoint_refuses_at_the_http_level(
         assert (await error(mcp, "get_status", {"tool_call_id": "tc_000000000000"}))["error"] == "not_found"
 
 
+async def test_a_token_named_past_100_characters_is_refused_clearly_over_mcp_too(mcp_url, monkeypatch):
+    """Issue 14 §1.7 on the MCP face: the same 401 as REST, not a database error later."""
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},{'n' * 101}:long-token")
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    async with httpx2.AsyncClient() as http:
+        refused = await http.post(mcp_url, json=listing, headers={"Authorization": "Bearer long-token"})
+    assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+    assert "longer than 100 characters" in refused.json()["message"]
+
+
 async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_cancels_there(mcp_url, api_url, worker):
     """No callback endpoint at all: the checkpoint is read from GET /voice-tools/events, the cancel said over MCP."""
     import asyncio
