@@ -24,7 +24,7 @@ from tests.helpers import deliveries, make_call, wait_status
 from tests.test_embeddings import chat_answer, embeddings_answer, fake_vector, openai_api  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCAL = "all-MiniLM-L6-v2-int8"
+LOCAL = "all-MiniLM-L6-v2-int8-dyn"
 
 HR_GUIDE = """---
 team: hr

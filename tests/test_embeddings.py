@@ -55,7 +55,7 @@ def openai_api(monkeypatch):
 # -- the offline model ---------------------------------------------------------------------------
 
 def test_local_model_gives_unit_vectors_of_384_that_rank_meaning():
-    assert embeddings.active_model() == ("all-MiniLM-L6-v2-int8", 384)
+    assert embeddings.active_model() == ("all-MiniLM-L6-v2-int8-dyn", 384)
     vectors = embeddings.embed(["How do I reset my password?", "Steps to change a forgotten login password",
                                 "Q3 sales in the northwest region"])
     assert vectors.shape == (3, 384) and vectors.dtype == np.float32
