@@ -153,27 +153,7 @@ def play_email(base_url: str, token: str, secret: str | None) -> list[dict[str, 
         assistant(modified["message"])
 
         caller("Yes, send it.")
-        confirmed = relay.call("POST", f"/voice-tools/confirm/{call_id}", (202,),
-                               json={"callback_url": receiver.url})
-        assistant(confirmed["message"])
-        events: list[dict[str, Any]] = []
-        checkpoint = receiver.wait_for("checkpoint", WAIT_S, events)
-        for event in events:
-            print(f"    callback {event.get('event')} step={event.get('step')} status={event.get('status')}")
-        if checkpoint.get("event") != "checkpoint":
-            raise DemoError(f"expected a checkpoint, got {checkpoint.get('event')}: {checkpoint}")
-        print(f"    preview: {checkpoint.get('preview')}")
-        assistant(checkpoint.get("message"))
-
-        caller("Yes, go ahead.")
-        resumed = relay.call("POST", f"/voice-tools/resume/{call_id}?wait={WAIT_S}", (200, 202),
-                             json={"action": "proceed"})
-        print(f"    {call_id} is {resumed['status']}; result {resumed.get('result')}")
-        assistant(resumed.get("voice_response") or resumed.get("message"))
-
-        final = _trail(relay, call_id)
-        if receiver.bad_signatures:
-            raise DemoError(f"{receiver.bad_signatures} callbacks had a bad signature")
+        final = _confirm_through_checkpoint(relay, receiver, call_id, "Yes, go ahead.")
         return [final]
 
 
