@@ -10,14 +10,16 @@ from __future__ import annotations
 from flask import Blueprint, g, request
 
 from app import inputs, operations, schemas
+from app.auth import Caller
 from app.openapi import doc
 from tasks import tools
 
 bp = Blueprint("api", __name__)
 
 
-def _caller() -> str | None:
-    return g.get("caller")
+def _caller() -> Caller | None:
+    """Who asks (set by ``app.auth``): every operation is scoped to it."""
+    return g.get("who")
 
 
 def _idempotency_header() -> str | None:
@@ -36,14 +38,14 @@ def pending():
 @bp.patch("/voice-tools/modify/<tool_call_id>")
 @doc("Change the parameters of a PENDING call", body=schemas.ModifyRequest, responses={200: schemas.ModifyAnswer})
 def modify(tool_call_id: str):
-    return operations.modify(tool_call_id, inputs.body())
+    return operations.modify(tool_call_id, inputs.body(), _caller())
 
 
 @bp.post("/voice-tools/confirm/<tool_call_id>")
 @doc("Confirm a PENDING call: it starts running", body=schemas.ConfirmRequest, query=schemas.WaitQuery,
      responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def confirm(tool_call_id: str):
-    return operations.confirm(tool_call_id, inputs.body(), inputs.query())
+    return operations.confirm(tool_call_id, inputs.body(), inputs.query(), _caller())
 
 
 @bp.post("/voice-tools/execute")
@@ -57,14 +59,14 @@ def execute():
 @doc("At a checkpoint: proceed or cancel", body=schemas.ResumeRequest, query=schemas.WaitQuery,
      responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def resume(tool_call_id: str):
-    return operations.resume(tool_call_id, inputs.body(), inputs.query())
+    return operations.resume(tool_call_id, inputs.body(), inputs.query(), _caller())
 
 
 @bp.delete("/voice-tools/cancel/<tool_call_id>")
 @doc("Cancel a call before its point of no return", body=schemas.CancelRequest, query=schemas.CancelRequest,
      responses={200: schemas.CancelAnswer})
 def cancel(tool_call_id: str):
-    return operations.cancel(tool_call_id, inputs.body(), inputs.query())
+    return operations.cancel(tool_call_id, inputs.body(), inputs.query(), _caller())
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -72,21 +74,21 @@ def cancel(tool_call_id: str):
 @bp.get("/voice-tools/status/<tool_call_id>")
 @doc("The whole record of a call", responses={200: schemas.CallRecord})
 def status(tool_call_id: str):
-    return operations.status(tool_call_id)
+    return operations.status(tool_call_id, _caller())
 
 
 @bp.get("/voice-tools/context/<session_id>")
 @doc("A session's open calls and its recent finished ones", query=schemas.ContextQuery,
      responses={200: schemas.ContextAnswer})
 def context(session_id: str):
-    return operations.context(session_id, inputs.query())
+    return operations.context(session_id, inputs.query(), _caller())
 
 
 @bp.get("/voice-tools/session-context")
 @doc("A stored session context value that has not expired", query=schemas.SessionContextQuery,
      responses={200: schemas.SessionContextAnswer})
 def session_context():
-    return operations.session_context(inputs.query())
+    return operations.session_context(inputs.query(), _caller())
 
 
 @bp.get("/voice-tools/tools")
@@ -117,4 +119,4 @@ bp.add_url_rule("/query-vector-db", view_func=_flat_alias("query_vector_db"), me
 @doc("Seed alias of /voice-tools/session-context: {context}", query=schemas.SessionContextQuery,
      responses={200: schemas.LegacyContextAnswer})
 def legacy_session_context():
-    return operations.legacy_session_context(inputs.query())
+    return operations.legacy_session_context(inputs.query(), _caller())

@@ -1,8 +1,10 @@
 """Bearer tokens from ``VOICE_TOOLS_API_TOKENS`` (CONTRACT section 1).
 
-The variable is a comma-separated list of ``name:token``; a bare ``token`` is named
-by the first 8 hex characters of its SHA-256. Every endpoint but ``/healthz`` needs
-one; the token's name is kept in ``g.caller`` and recorded as the call's ``caller``.
+The variable is a comma-separated list of ``name:token`` or ``name:token:admin``; a bare
+``token`` is named by the first 8 hex characters of its SHA-256. Every endpoint but
+``/healthz`` needs one; the token's name is kept in ``g.caller`` (``g.who`` is the
+:class:`Caller`, with ``admin``) and recorded as the call's ``caller``. A caller sees only
+its own calls, session context and events; an ``:admin`` token (an operator's) sees all.
 With no tokens configured every request is refused (fail closed). A name longer than
 the ``caller`` column (100 characters) is a configuration error: its token is refused
 with a 401 that says so (never truncated, which could make two callers one).
@@ -13,6 +15,8 @@ import hashlib
 import hmac
 
 import logging
+
+from dataclasses import dataclass
 
 from flask import Flask, g, request
 
@@ -26,46 +30,81 @@ MAX_NAME = 100  # tool_calls.caller
 OPEN_PATHS = frozenset({"/healthz"})
 
 
-def tokens(entries: list[str]) -> list[tuple[str, bytes]]:
-    """``[(name, token)]`` from the variable's entries."""
+ADMIN_MARK = "admin"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks: the token's name, and whether it is an operator's (``:admin``)."""
+
+    name: str
+    admin: bool = False
+
+    @property
+    def scope(self) -> str | None:
+        """The ``caller`` the request's reads and actions are limited to; None (everything) for an admin."""
+        return None if self.admin else self.name
+
+
+def entries_of(entries: list[str]) -> list[tuple[str, bytes, bool]]:
+    """``[(name, token, admin)]`` from the variable's entries."""
     found = []
     for entry in entries:
         name, sep, token = entry.partition(":")
+        admin = False
         if not sep:
             name, token = hashlib.sha256(entry.encode()).hexdigest()[:8], entry
+        else:
+            token, mark_sep, mark = token.partition(":")
+            if mark_sep and mark.strip() == ADMIN_MARK:
+                admin = True
+            elif mark_sep:  # not a mark we know: the colon belongs to the token, as before
+                token = f"{token}:{mark}"
         if token:
-            found.append((name.strip(), token.strip().encode()))
+            found.append((name.strip(), token.strip().encode(), admin))
     return found
 
 
-def caller_for(presented: str, entries: list[str]) -> str | None:
-    """The name of the token presented, or None; compares against every token in constant time."""
+def tokens(entries: list[str]) -> list[tuple[str, bytes]]:
+    """``[(name, token)]`` from the variable's entries."""
+    return [(name, token) for name, token, _ in entries_of(entries)]
+
+
+def who_for(presented: str, entries: list[str]) -> Caller | None:
+    """The caller of the token presented, or None; compares against every token in constant time."""
     given = presented.encode()
     match = None
-    for name, token in tokens(entries):
+    for name, token, admin in entries_of(entries):
         if hmac.compare_digest(given, token) and match is None:
-            match = name
+            match = Caller(name, admin)
     return match
+
+
+def caller_for(presented: str, entries: list[str]) -> str | None:
+    """The name of the token presented, or None."""
+    who = who_for(presented, entries)
+    return who.name if who else None
 
 
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, "unauthorized", message, {}, {"WWW-Authenticate": 'Bearer realm="voice-tools"'})
 
 
-def identify(authorization: str) -> str:
+def identify(authorization: str) -> Caller:
     """The caller named by an ``Authorization`` header's Bearer token; :class:`ApiError` 401 otherwise."""
     scheme, _, presented = authorization.partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
         raise unauthorized("Send Authorization: Bearer <token>.")
-    caller = caller_for(presented.strip(), settings.load().api_tokens)
-    if caller is None:
+    who = who_for(presented.strip(), settings.load().api_tokens)
+    if who is None:
         raise unauthorized("Unknown API token.")
+    caller = who.name
     if len(caller) > MAX_NAME:
         log.error("VOICE_TOOLS_API_TOKENS names a token %r..., longer than %d characters: refused",
                   caller[:20], MAX_NAME)
         raise unauthorized(f"This token's name in VOICE_TOOLS_API_TOKENS is longer than {MAX_NAME} characters; "
                            "an operator must shorten it.")
-    return caller
+    return who
 
 
 def register(app: Flask) -> None:
@@ -73,4 +112,5 @@ def register(app: Flask) -> None:
     def _check_token() -> None:
         if request.path in OPEN_PATHS:
             return
-        g.caller = identify(request.headers.get("Authorization", ""))
+        g.who = identify(request.headers.get("Authorization", ""))
+        g.caller = g.who.name

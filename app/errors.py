@@ -106,6 +106,8 @@ def api_error(exc: Exception) -> ApiError | None:
         return not_found(exc.tool_call_id)
     if isinstance(exc, lifecycle.Refused):
         return refused(exc)
+    if isinstance(exc, lifecycle.IdTaken):  # another caller's call: nothing of it, not even its status
+        return ApiError(409, "idempotency_conflict", str(exc), {"tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.UnknownTool):
         return validation_error({"function_name": [str(exc)]},
                                 {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
@@ -130,8 +132,8 @@ def response(err: ApiError):
     return jsonify(payload(err)), err.status, err.headers
 
 
-KNOWN = (ApiError, ValidationError, lifecycle.NotFound, lifecycle.Refused, chains.BrokerUnavailable,
-         chains.UnknownTool, OperationalError, InterfaceError)
+KNOWN = (ApiError, ValidationError, lifecycle.NotFound, lifecycle.Refused, lifecycle.IdTaken,
+         chains.BrokerUnavailable, chains.UnknownTool, OperationalError, InterfaceError)
 
 
 def register(app: Flask) -> None:

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from flask import Blueprint, Response, request, stream_with_context
+from flask import Blueprint, Response, g, request, stream_with_context
 from marshmallow import Schema, fields
 from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -54,10 +54,17 @@ _READ = text(f"""
            xid < pg_snapshot_xmin(pg_current_snapshot()) AS settled
     FROM callback_deliveries
     WHERE session_id = :session_id AND (xid, position) > (CAST(:xid AS xid8), :position)
+      AND (CAST(:caller AS text) IS NULL OR EXISTS (
+           SELECT 1 FROM tool_calls t WHERE t.tool_call_id = callback_deliveries.tool_call_id
+                                        AND t.caller = CAST(:caller AS text)))
     ORDER BY xid, position
     LIMIT {BATCH}
 """)
-_CURSOR = text("SELECT session_id, xid::text AS xid, position FROM callback_deliveries WHERE event_id = :event_id")
+_CURSOR = text("""
+    SELECT d.session_id, d.xid::text AS xid, d.position FROM callback_deliveries d
+    JOIN tool_calls t ON t.tool_call_id = d.tool_call_id
+    WHERE d.event_id = :event_id AND (CAST(:caller AS text) IS NULL OR t.caller = CAST(:caller AS text))
+""")
 
 
 class EventsQuery(Schema):
@@ -150,12 +157,13 @@ class Listener:
 LISTENER = Listener()
 
 
-def _cursor_after(session_id: str, last_event_id: str | None) -> tuple[str, int]:
-    """Where to start: after ``last_event_id`` (which must be one of the session's events), or the beginning."""
+def _cursor_after(session_id: str, last_event_id: str | None, caller: str | None = None) -> tuple[str, int]:
+    """Where to start: after ``last_event_id`` (which must be one of the session's events, of the
+    caller's calls when ``caller`` is given), or the beginning."""
     if not last_event_id:
         return "0", 0
     with db.engine().connect() as conn:
-        found = conn.execute(_CURSOR, {"event_id": last_event_id}).one_or_none()
+        found = conn.execute(_CURSOR, {"event_id": last_event_id, "caller": caller}).one_or_none()
     if found is None or found.session_id != session_id:
         raise validation_error({"last_event_id": [f"No event {last_event_id!r} in session {session_id}."]})
     return found.xid, found.position
@@ -167,8 +175,10 @@ def _frame(event_id: str, payload: dict[str, Any]) -> str:
     return f"id: {event_id}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def stream(session_id: str, xid: str, position: int, keepalive_s: float = KEEPALIVE_S) -> Iterator[str]:
-    """The session's events after ``(xid, position)``, then new ones as they are recorded, forever."""
+def stream(session_id: str, xid: str, position: int, keepalive_s: float = KEEPALIVE_S,
+           caller: str | None = None) -> Iterator[str]:
+    """The session's events after ``(xid, position)``, then new ones as they are recorded, forever;
+    only those of ``caller``'s calls when it is given (None: an operator's, every event)."""
     woken = LISTENER.subscribe(session_id)
     try:
         yield ": voice-tools event stream\n\n"
@@ -176,7 +186,8 @@ def stream(session_id: str, xid: str, position: int, keepalive_s: float = KEEPAL
             woken.clear()
             try:
                 with db.engine().connect() as conn:  # borrowed for the read only
-                    rows = conn.execute(_READ, {"session_id": session_id, "xid": xid, "position": position}).all()
+                    rows = conn.execute(_READ, {"session_id": session_id, "xid": xid, "position": position,
+                                                "caller": caller}).all()
             except (OperationalError, InterfaceError):  # the database is away: end; the client resumes later
                 log.warning("event stream of %s ended: database unavailable", session_id)
                 return
@@ -202,8 +213,10 @@ def events(session_id: str):
     session_id = inputs.load(schemas.SessionPath, {"session_id": session_id})["session_id"]
     query = inputs.load(EventsQuery, inputs.query())
     last = request.headers.get("Last-Event-ID") or query.get("last_event_id")
-    xid, position = _cursor_after(session_id, last)
-    response = Response(stream_with_context(stream(session_id, xid, position)), mimetype="text/event-stream")
+    scope = g.who.scope  # a caller sees the events of its own calls only; an admin, all of them
+    xid, position = _cursor_after(session_id, last, scope)
+    response = Response(stream_with_context(stream(session_id, xid, position, caller=scope)),
+                        mimetype="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # no proxy buffering
     return response

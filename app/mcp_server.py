@@ -81,7 +81,7 @@ class Face:
 
     name: str
     description: str
-    run: Callable[[Arguments, Arguments, Arguments, str | None], Answer]  # (path, query, body, caller)
+    run: Callable[[Arguments, Arguments, Arguments, auth.Caller | None], Answer]  # (path, query, body, caller)
     path: type[Schema] | None = None  # arguments that are the REST path's
     query: type[Schema] | None = None  # arguments that are the REST query's
     body: type[Schema] | None = None  # the rest: the REST body
@@ -122,7 +122,7 @@ def _json_schema(schema: type[Schema]) -> dict[str, Any]:
     return toolspec.converter().schema2jsonschema(schema)
 
 
-def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: str | None) -> Answer:
+def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: auth.Caller | None) -> Answer:
     """list_tools: every tool of the registry as ``{name, description, inputSchema}``."""
     found = [{"name": tool.name, "description": tool.description, "inputSchema": toolspec.parameters_schema(tool)}
              for tool in (tools.TOOLS[name] for name in tools.names())]
@@ -136,21 +136,21 @@ FACES = (
          lambda path, query, body, caller: operations.pending(body, caller), body=schemas.PendingRequest),
     Face("modify_tool",
          "Change parameters of a PENDING call (a null removes an optional field). = PATCH /voice-tools/modify/{id}",
-         lambda path, query, body, caller: operations.modify(path["tool_call_id"], body),
+         lambda path, query, body, caller: operations.modify(path["tool_call_id"], body, caller),
          path=schemas.ToolCallPath, body=schemas.ModifyRequest),
     Face("confirm_tool",
          "The user said yes: a PENDING call starts. With wait, answers the call's record once it is PREPARED "
          "(a write's checkpoint) or finished. = POST /voice-tools/confirm/{id}?wait=",
-         lambda path, query, body, caller: operations.confirm(path["tool_call_id"], body, query),
+         lambda path, query, body, caller: operations.confirm(path["tool_call_id"], body, query, caller),
          path=schemas.ToolCallPath, query=schemas.WaitQuery, body=schemas.ConfirmRequest),
     Face("resume_tool",
          "At the checkpoint (PREPARED): action proceed (the point of no return) or cancel. With wait, answers "
          "the record once finished. = POST /voice-tools/resume/{id}?wait=",
-         lambda path, query, body, caller: operations.resume(path["tool_call_id"], body, query),
+         lambda path, query, body, caller: operations.resume(path["tool_call_id"], body, query, caller),
          path=schemas.ToolCallPath, query=schemas.WaitQuery, body=schemas.ResumeRequest),
     Face("cancel_tool",
          "Cancel a call before its point of no return. = DELETE /voice-tools/cancel/{id}",
-         lambda path, query, body, caller: operations.cancel(path["tool_call_id"], body, {}),
+         lambda path, query, body, caller: operations.cancel(path["tool_call_id"], body, {}, caller),
          path=schemas.ToolCallPath, body=schemas.CancelRequest),
     Face("execute_tool",
          "Record and start at once a call the user already confirmed (arguments as request_tool, plus wait). "
@@ -159,16 +159,16 @@ FACES = (
          query=schemas.WaitQuery, body=schemas.PendingRequest),
     Face("get_status",
          "The whole record of a call. = GET /voice-tools/status/{id}",
-         lambda path, query, body, caller: operations.status(path["tool_call_id"]),
+         lambda path, query, body, caller: operations.status(path["tool_call_id"], caller),
          path=schemas.ToolCallPath, body=NO_ARGUMENTS, read_only=True),
     Face("get_context",
          "A session's open calls and its recent finished ones (newest first). = GET /voice-tools/context/{session_id}",
-         lambda path, query, body, caller: operations.context(path["session_id"], query),
+         lambda path, query, body, caller: operations.context(path["session_id"], query, caller),
          path=schemas.SessionPath, query=schemas.ContextQuery, body=NO_ARGUMENTS, read_only=True),
     Face("get_session_context",
          "A stored session context value (e.g. search results an email refers to). "
          "= GET /voice-tools/session-context",
-         lambda path, query, body, caller: operations.session_context(query),
+         lambda path, query, body, caller: operations.session_context(query, caller),
          query=schemas.SessionContextQuery, body=NO_ARGUMENTS, read_only=True),
     Face("list_tools",
          "Every tool this service runs, with its parameters' JSON Schema as inputSchema.",
@@ -201,7 +201,7 @@ def _result(answer: dict[str, Any], status: int, is_error: bool = False) -> Call
                           _meta={"voice-tools/http_status": status})
 
 
-def call(face: Face, arguments: Arguments, caller: str | None) -> CallToolResult:
+def call(face: Face, arguments: Arguments, caller: auth.Caller | None) -> CallToolResult:
     """Run one MCP tool: the REST operation's answer, or its error JSON with ``is_error``."""
     try:
         bad = _bad_arguments(arguments)
@@ -228,7 +228,7 @@ class _AsGiven(ArgModelBase):
         return {"arguments": dict(self.__pydantic_extra__ or {})}
 
 
-def _caller(ctx: Context) -> str | None:
+def _caller(ctx: Context) -> auth.Caller | None:
     request = ctx.request_context.request
     return getattr(request.state, "caller", None) if isinstance(request, Request) else None
 
@@ -253,7 +253,7 @@ def create_mcp_server() -> MCPServer:
 
 class BearerToken:
     """Refuse (401, the REST API's JSON) a request without a token of ``VOICE_TOOLS_API_TOKENS``;
-    keep the token's name in ``request.state.caller``."""
+    keep who it is (:class:`app.auth.Caller`: its name, admin or not) in ``request.state.caller``."""
 
     def __init__(self, app: ASGIApp):
         self.app = app

@@ -9,6 +9,13 @@ response schema. Nothing here reads a Flask request. Errors are raised as
 ``app.errors.ApiError``, marshmallow ``ValidationError`` or a lifecycle/chains
 exception, and turned into ``{error, message, details}`` by ``app.errors.api_error``
 on either face.
+
+Callers are fenced from each other (CONTRACT section 5): every operation takes the
+:class:`app.auth.Caller` asking (None: unscoped, as the operator CLI is) and sees only
+that caller's calls, session context and events, unless it is an admin. Another
+caller's call is :class:`lifecycle.NotFound`, the same 404 as an unknown id, and nothing
+of it changes: an action checks ownership first, which cannot go stale because a call's
+``caller`` is written once, when it is recorded.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from typing import Any
 from marshmallow import ValidationError
 
 from app import inputs, schemas
+from app.auth import Caller
 from app.errors import ApiError, validation_error
 from app.toolspec import definitions
 from app.wait import until_settled
@@ -39,14 +47,31 @@ def _session_id(value: Any) -> str:
     return inputs.load(schemas.SessionPath, {"session_id": value})["session_id"]
 
 
+def _name(caller: Caller | None) -> str | None:
+    """The name recorded as a new call's ``caller``."""
+    return caller.name if caller is not None else None
+
+
+def _scope(caller: Caller | None) -> str | None:
+    """Whose calls the request may see: the caller's own, or everyone's (None) for an admin."""
+    return caller.scope if caller is not None else None
+
+
+def _owned(tool_call_id: str, caller: Caller | None) -> None:
+    """:class:`lifecycle.NotFound` unless the call exists and is the caller's (or the caller is an admin)."""
+    with db.session() as s:
+        lifecycle.get(s, tool_call_id, caller=_scope(caller))
+
+
 def _tool(call: ToolCall) -> tools.Tool:
     return chains.tool_of(call)  # a tool this process does not run: 422, as an unknown tool in a body
 
 
-def _check_reference_context(s, session_id: str, parameters: dict[str, Any]) -> None:
-    """``reference_context`` must name an unexpired session_context row of the session."""
+def _check_reference_context(s, session_id: str, parameters: dict[str, Any], owner: str | None) -> None:
+    """``reference_context`` must name an unexpired session_context row of the session, of the
+    call's own caller (``owner``), the one the email's link will read."""
     key = parameters.get("reference_context")
-    if key and lifecycle.get_context(s, session_id, key) is None:
+    if key and lifecycle.get_context(s, session_id, key, caller=owner or "") is None:
         raise validation_error({"parameters": {"reference_context": [
             f"No context {key!r} for session {session_id} (missing or expired)."]}})
 
@@ -60,10 +85,10 @@ def _pending_body(data: dict[str, Any], idempotency_header: str | None) -> dict[
     return inputs.load(schemas.PendingRequest, data)
 
 
-def _record(loaded: dict[str, Any], caller: str | None, reason: str, kind: str) -> tuple[ToolCall, bool]:
+def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: str) -> tuple[ToolCall, bool]:
     tool: tools.Tool = loaded["tool"]
     with db.session() as s:
-        _check_reference_context(s, loaded["session_id"], loaded["parameters"])
+        _check_reference_context(s, loaded["session_id"], loaded["parameters"], _name(caller))
         return lifecycle.create(
             s,
             session_id=loaded["session_id"],
@@ -76,7 +101,7 @@ def _record(loaded: dict[str, Any], caller: str | None, reason: str, kind: str) 
             callback_url=loaded.get("callback_url"),
             callback_urls=loaded.get("callback_urls"),
             idempotency_key=loaded.get("idempotency_key"),
-            caller=caller,
+            caller=_name(caller),
             reason=reason,
             request_kind=kind,
         )
@@ -113,7 +138,7 @@ def _cancelled(call: ToolCall) -> Answer:
     return schemas.CancelAnswer().dump(call), 200
 
 
-def _execute_loaded(data: dict[str, Any], wait: float | None, caller: str | None,
+def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | None,
                     idempotency_header: str | None) -> Answer:
     """Record a call the relay already confirmed, then start it (an idempotent replay starts nothing new)."""
     loaded = _pending_body(data, idempotency_header)
@@ -145,7 +170,7 @@ def changes_between(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, 
 
 # -- the call's life --------------------------------------------------------------------
 
-def pending(body: dict[str, Any], caller: str | None, idempotency_header: str | None = None) -> Answer:
+def pending(body: dict[str, Any], caller: Caller | None, idempotency_header: str | None = None) -> Answer:
     """POST /voice-tools/pending: record a call as PENDING (201, or 200 for an idempotent replay)."""
     loaded = _pending_body(body, idempotency_header)
     call, created = _record(loaded, caller, reason="Recorded", kind="pending")
@@ -157,13 +182,13 @@ def pending(body: dict[str, Any], caller: str | None, idempotency_header: str | 
     return schemas.PendingAnswer().dump(answer), 201 if created else 200
 
 
-def modify(tool_call_id: Any, body: dict[str, Any]) -> Answer:
+def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None) -> Answer:
     """PATCH /voice-tools/modify/{id}: change the parameters of a PENDING call."""
     tool_call_id = _tool_call_id(tool_call_id)
     patch = inputs.load(schemas.ModifyRequest, body)["parameters"]
     for attempt in range(MODIFY_ATTEMPTS):
         with db.session() as s:
-            call = lifecycle.get(s, tool_call_id)
+            call = lifecycle.get(s, tool_call_id, caller=_scope(caller))
             if call.status != PENDING:
                 raise ApiError(409, "invalid_status", f"Cannot modify a call that is {call.status}.",
                                {"status": call.status, "tool_call_id": tool_call_id})
@@ -174,7 +199,7 @@ def modify(tool_call_id: Any, body: dict[str, Any]) -> Answer:
             except ValidationError as exc:
                 raise validation_error({"parameters": exc.messages}) from exc
             if "reference_context" in patch:
-                _check_reference_context(s, call.session_id, new)
+                _check_reference_context(s, call.session_id, new, call.caller)
             changes = changes_between(old, new)
             if changes:
                 try:
@@ -189,79 +214,83 @@ def modify(tool_call_id: Any, body: dict[str, Any]) -> Answer:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any]) -> Answer:
+def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """POST /voice-tools/confirm/{id}[?wait=S]: a PENDING call starts running."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
     loaded = inputs.load(schemas.ConfirmRequest, body)
+    _owned(tool_call_id, caller)
     call = chains.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"))
     return _started(call, wait)
 
 
-def execute(body: dict[str, Any], query: dict[str, Any], caller: str | None,
+def execute(body: dict[str, Any], query: dict[str, Any], caller: Caller | None,
             idempotency_header: str | None = None) -> Answer:
     """POST /voice-tools/execute[?wait=S]: record and start at once a call the relay already confirmed."""
     wait = _wait_seconds(query)
     return _execute_loaded(body, wait, caller, idempotency_header)
 
 
-def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any]) -> Answer:
+def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """POST /voice-tools/resume/{id}[?wait=S]: at the checkpoint, proceed or cancel."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
     loaded = inputs.load(schemas.ResumeRequest, body)
+    _owned(tool_call_id, caller)
     if loaded["action"] == "cancel":
         return _cancelled(chains.cancel(tool_call_id, loaded.get("reason")))
     return _started(chains.resume(tool_call_id), wait)
 
 
-def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any]) -> Answer:
+def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """DELETE /voice-tools/cancel/{id}: cancel before the point of no return (reason in the query or body)."""
     tool_call_id = _tool_call_id(tool_call_id)
     reason = {**inputs.load(schemas.CancelRequest, query),
               **inputs.load(schemas.CancelRequest, body)}.get("reason")
+    _owned(tool_call_id, caller)
     return _cancelled(chains.cancel(tool_call_id, reason))
 
 
 # -- reading ---------------------------------------------------------------------------
 
-def status(tool_call_id: Any) -> Answer:
+def status(tool_call_id: Any, caller: Caller | None = None) -> Answer:
     """GET /voice-tools/status/{id}: the whole record of a call."""
     tool_call_id = _tool_call_id(tool_call_id)
     with db.session() as s:
-        call = lifecycle.get(s, tool_call_id)
+        call = lifecycle.get(s, tool_call_id, caller=_scope(caller))
     return schemas.CallRecord().dump(call), 200
 
 
-def context(session_id: Any, query: dict[str, Any]) -> Answer:
-    """GET /voice-tools/context/{session_id}: the session's open calls and its recent finished ones."""
+def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None) -> Answer:
+    """GET /voice-tools/context/{session_id}: the session's open calls and its recent finished ones
+    (the caller's own only)."""
     session_id = _session_id(session_id)
     limit = inputs.load(schemas.ContextQuery, query)["limit"]
     with db.session() as s:
-        open_calls, recent = lifecycle.session_calls(s, session_id, limit)
+        open_calls, recent = lifecycle.session_calls(s, session_id, limit, caller=_scope(caller))
     return schemas.ContextAnswer().dump({"session_id": session_id, "pending": open_calls, "recent": recent}), 200
 
 
-def _stored_context(query: dict[str, Any]):
+def _stored_context(query: dict[str, Any], caller: Caller | None):
     loaded = inputs.load(schemas.SessionContextQuery, query)
     with db.session() as s:
-        found = lifecycle.get_context(s, loaded["session_id"], loaded["context_key"])
+        found = lifecycle.get_context(s, loaded["session_id"], loaded["context_key"], caller=_scope(caller))
     if found is None:
         raise ApiError(404, "not_found", "Not found or expired", dict(loaded))
     return found
 
 
-def session_context(query: dict[str, Any]) -> Answer:
+def session_context(query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """GET /voice-tools/session-context?session_id&context_key: a stored value that has not expired."""
-    found = _stored_context(query)
+    found = _stored_context(query, caller)
     answer = {"session_id": found.session_id, "context_key": found.context_key,
               "context": found.context_value, "expires_at": found.expires_at}
     return schemas.SessionContextAnswer().dump(answer), 200
 
 
-def legacy_session_context(query: dict[str, Any]) -> Answer:
+def legacy_session_context(query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """GET /get-session-context (seed 000): ``{context}``."""
-    found = _stored_context(query)
+    found = _stored_context(query, caller)
     return schemas.LegacyContextAnswer().dump({"context": found.context_value}), 200
 
 
@@ -272,7 +301,7 @@ def tool_list(query: dict[str, Any]) -> Answer:
 
 
 def flat_alias(tool_name: str, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
-               caller: str | None, idempotency_header: str | None = None) -> Answer:
+               caller: Caller | None, idempotency_header: str | None = None) -> Answer:
     """A seed alias (/execute-gmail, /query-vector-db): /voice-tools/execute with the flat body."""
     tool = tools.TOOLS[tool_name]
     wait = _wait_seconds(query)

@@ -68,6 +68,9 @@ class ToolCall(Base):
         Index("idx_tool_calls_status", "session_id", "status"),
         Index("idx_tool_calls_open_status", "status", "created_at",
               postgresql_where=text("status IN ('PENDING', 'PREPARED', 'EXECUTING')")),
+        # idempotency keys are per caller (CONTRACT section 5); a call with no caller counts as ''
+        Index("uq_tool_calls_caller_idempotency_key", func.coalesce(text("caller"), text("''")), "idempotency_key",
+              unique=True, postgresql_where=text("idempotency_key IS NOT NULL")),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(
@@ -77,7 +80,7 @@ class ToolCall(Base):
     session_id: Mapped[str] = mapped_column(String(100), nullable=False)
     connection_id: Mapped[str | None] = mapped_column(String(100))
     intent_id: Mapped[str | None] = mapped_column(String(100))
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
     function_name: Mapped[str] = mapped_column(String(100), nullable=False)
     action_level: Mapped[str] = mapped_column(String(10), nullable=False)
     parameters: Mapped[dict[str, Any]] = mapped_column(nullable=False, server_default=text("'{}'::jsonb"))
@@ -114,7 +117,8 @@ class ToolCall(Base):
 class SessionContext(Base):
     __tablename__ = "session_context"
     __table_args__ = (
-        UniqueConstraint("session_id", "context_key", name="uq_session_context_key"),
+        # a caller's own: another caller's session of the same id has its own values
+        UniqueConstraint("caller", "session_id", "context_key", name="uq_session_context_key"),
         Index("idx_session_context_expires", "expires_at"),
     )
 
@@ -124,6 +128,8 @@ class SessionContext(Base):
     session_id: Mapped[str] = mapped_column(String(100), nullable=False)
     context_key: Mapped[str] = mapped_column(String(100), nullable=False)
     context_value: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    # the caller of the call that stored it ('' for a call recorded without one)
+    caller: Mapped[str] = mapped_column(String(100), nullable=False, server_default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

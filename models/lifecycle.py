@@ -44,6 +44,15 @@ class NotFound(LookupError):
         self.tool_call_id = tool_call_id
 
 
+class IdTaken(Exception):
+    """A relay-given ``tool_call_id`` that another caller's call already has: answered as a
+    conflict that tells nothing of that call (not even that it exists beyond the id)."""
+
+    def __init__(self, tool_call_id: str):
+        super().__init__(f"The tool_call_id {tool_call_id!r} is already in use; give another one (or none).")
+        self.tool_call_id = tool_call_id
+
+
 class Refused(Exception):
     """A transition that does not apply to the call as it is now.
 
@@ -146,8 +155,16 @@ def next_event_seq(s: Session, tool_call_id: str) -> int:
     ).scalar_one()
 
 
-def get(s: Session, tool_call_id: str) -> ToolCall:
-    call = s.scalars(select(ToolCall).where(ToolCall.tool_call_id == tool_call_id)).one_or_none()
+def _owned_by(caller: str | None) -> list[ColumnElement[bool]]:
+    """The rows a caller may see: its own; every row when ``caller`` is None (an operator)."""
+    return [] if caller is None else [ToolCall.caller == caller]
+
+
+def get(s: Session, tool_call_id: str, caller: str | None = None) -> ToolCall:
+    """The call; :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
+    call = s.scalars(
+        select(ToolCall).where(ToolCall.tool_call_id == tool_call_id, *_owned_by(caller))
+    ).one_or_none()
     if call is None:
         raise NotFound(tool_call_id)
     return call
@@ -185,8 +202,9 @@ def create(
 ) -> tuple[ToolCall, bool]:
     """Record a PENDING call; return ``(call, created)``.
 
-    A replay (same ``idempotency_key`` or ``tool_call_id``, same session, tool and
-    parameters, same ``request_kind``) returns the existing call with ``created=False``;
+    A replay (same ``idempotency_key`` or ``tool_call_id`` of the same ``caller``: keys are
+    per caller, and another caller's ``tool_call_id`` is :class:`IdTaken`; same session,
+    tool and parameters, same ``request_kind``) returns the existing call with ``created=False``;
     the same key with other content, or on the other kind of request (a ``pending`` call
     replayed as ``execute`` would start a call nobody confirmed), raises
     :class:`Refused` ``idempotency_conflict``.
@@ -219,10 +237,14 @@ def create(
         return call, True
     clauses = [ToolCall.tool_call_id == tool_call_id]
     if idempotency_key:
-        clauses.append(ToolCall.idempotency_key == idempotency_key)
-    existing = s.scalars(select(ToolCall).where(clauses[0] if len(clauses) == 1 else clauses[0] | clauses[1])).first()
+        clauses.append(and_(ToolCall.idempotency_key == idempotency_key,
+                            func.coalesce(ToolCall.caller, "") == (caller or "")))
+    existing = s.scalars(select(ToolCall).where(or_(*clauses))
+                         .order_by((ToolCall.tool_call_id == tool_call_id).desc())).first()
     if existing is None:  # the conflicting row vanished (deleted); let the caller retry
         raise RuntimeError("conflicting tool call disappeared")
+    if (existing.caller or "") != (caller or ""):  # only a tool_call_id can clash across callers
+        raise IdTaken(tool_call_id)
     same = (
         existing.session_id == session_id
         and existing.function_name == function_name
@@ -514,23 +536,27 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
 
 # -- reading --------------------------------------------------------------------
 
-def session_calls(s: Session, session_id: str, limit: int) -> tuple[list[ToolCall], list[ToolCall]]:
-    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first."""
+def session_calls(s: Session, session_id: str, limit: int,
+                  caller: str | None = None) -> tuple[list[ToolCall], list[ToolCall]]:
+    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
+    only ``caller``'s calls when given."""
     open_calls = s.scalars(
-        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN))
+        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN), *_owned_by(caller))
         .order_by(ToolCall.created_at.desc()).limit(limit)
     ).all()
     recent = s.scalars(
-        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL))
+        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL), *_owned_by(caller))
         .order_by(ToolCall.created_at.desc()).limit(limit)
     ).all()
     return list(open_calls), list(recent)
 
 
-def put_context(s: Session, session_id: str, context_key: str, value: dict[str, Any], ttl_s: int) -> datetime:
+def put_context(s: Session, session_id: str, context_key: str, value: dict[str, Any], ttl_s: int,
+                caller: str | None = None) -> datetime:
+    """Store ``caller``'s value (the caller of the call storing it; '' for none)."""
     stmt = (
         insert(SessionContext)
-        .values(session_id=session_id, context_key=context_key, context_value=value,
+        .values(caller=caller or "", session_id=session_id, context_key=context_key, context_value=value,
                 expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, ttl_s))
     )
     stmt = stmt.on_conflict_do_update(
@@ -541,13 +567,17 @@ def put_context(s: Session, session_id: str, context_key: str, value: dict[str, 
     return s.scalars(stmt).one()
 
 
-def get_context(s: Session, session_id: str, context_key: str) -> SessionContext | None:
+def get_context(s: Session, session_id: str, context_key: str, caller: str | None = None) -> SessionContext | None:
+    """``caller``'s unexpired value ('' for a call with no caller); with ``caller`` None (an
+    operator), the newest of any caller's."""
+    owned = [] if caller is None else [SessionContext.caller == caller]
     return s.scalars(
         select(SessionContext).where(
             SessionContext.session_id == session_id,
             SessionContext.context_key == context_key,
             (SessionContext.expires_at.is_(None)) | (SessionContext.expires_at > func.now()),
-        )
+            *owned,
+        ).order_by(SessionContext.created_at.desc()).limit(1)
     ).one_or_none()
 
 

@@ -92,7 +92,8 @@ class Link(Task):
             # Redelivered after this step was recorded: do not redo it. A checkpoint
             # that was already passed must not start the rest of the chain twice.
             return self._stop() if step.checkpoint else None
-        given = StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs)
+        given = StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs,
+                          call.caller or "")
 
         if step.checkpoint:
             return self._checkpoint(given, progress)

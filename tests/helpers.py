@@ -13,6 +13,8 @@ from tasks import tools
 
 def make_call(function_name: str = "send_email", parameters: dict[str, Any] | None = None,
               session_id: str = "sess_test", callback_url: str | None = None, **kw: Any) -> ToolCall:
+    """A PENDING call recorded as the tests' token ("tests", conftest's AUTH) records it, unless ``caller=``."""
+    kw.setdefault("caller", "tests")
     tool = tools.TOOLS[function_name]
     if parameters is None:
         parameters = {"to": "john@example.com", "subject": "Meeting Tomorrow"}

@@ -32,6 +32,7 @@ from tasks import tools
 pytestmark = pytest.mark.anyio
 
 MCP_TOKEN = "mcp-token"  # a second token: its name "mcp-client" is recorded as the caller
+MCP_AUTH = {"Authorization": f"Bearer {MCP_TOKEN}"}  # the same caller on the REST face
 FACES = {"request_tool", "modify_tool", "confirm_tool", "resume_tool", "cancel_tool", "execute_tool",
          "get_status", "get_context", "get_session_context", "list_tools"}
 
@@ -147,17 +148,17 @@ async def test_execute_then_cancel_at_the_checkpoint_over_mcp(mcp_url, worker):
 
 
 async def test_bad_input_over_mcp_is_the_rest_apis_error_json_and_changes_nothing(mcp_url, client):
-    created = client.post("/voice-tools/pending", headers=AUTH,
+    created = client.post("/voice-tools/pending", headers=MCP_AUTH,
                           json={"session_id": "s", "function": "send_email", "parameters": SEED_EMAIL})
     tool_call_id = created.get_json()["tool_call_id"]
-    assert client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=AUTH).status_code == 200
+    assert client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=MCP_AUTH).status_code == 200
     before = snapshot()
     async with connected(mcp_url) as mcp:
         unknown_tool = await error(mcp, "request_tool", {"session_id": "s", "function": "send_fax"})
         assert unknown_tool["error"] == "validation_error"
         assert "function" in unknown_tool["details"]["fields"]
         assert set(tools.names()) <= set(unknown_tool["details"]["known_tools"])
-        assert unknown_tool == client.post("/voice-tools/pending", headers=AUTH,
+        assert unknown_tool == client.post("/voice-tools/pending", headers=MCP_AUTH,
                                            json={"session_id": "s", "function": "send_fax"}).get_json()
 
         bad_parameters = await error(mcp, "request_tool", {"session_id": "s", "function": "send_email",
@@ -168,26 +169,28 @@ async def test_bad_input_over_mcp_is_the_rest_apis_error_json_and_changes_nothin
         missing_id = await error(mcp, "modify_tool", {"parameters": {"to": "a@example.com"}})
         assert list(missing_id["details"]["fields"]) == ["tool_call_id"]
         bad_wait = await error(mcp, "confirm_tool", {"tool_call_id": tool_call_id, "wait": 99})
-        assert bad_wait == client.post(f"/voice-tools/confirm/{tool_call_id}?wait=99", headers=AUTH).get_json()
+        assert bad_wait == client.post(f"/voice-tools/confirm/{tool_call_id}?wait=99", headers=MCP_AUTH).get_json()
         assert list(bad_wait["details"]["fields"]) == ["wait"]
 
         not_found = await error(mcp, "modify_tool", {"tool_call_id": "tc_000000000000",
                                                      "parameters": {"to": "a@example.com"}})
         assert not_found["error"] == "not_found"
-        assert not_found == client.patch("/voice-tools/modify/tc_000000000000", headers=AUTH,
+        assert not_found == client.patch("/voice-tools/modify/tc_000000000000", headers=MCP_AUTH,
                                          json={"parameters": {"to": "a@example.com"}}).get_json()
 
         wrong_status = await error(mcp, "modify_tool", {"tool_call_id": tool_call_id,
                                                         "parameters": {"to": "a@example.com"}})
         assert wrong_status["error"] == "invalid_status" and wrong_status["details"]["status"] == "CANCELLED"
         confirm_cancelled = await error(mcp, "confirm_tool", {"tool_call_id": tool_call_id})
-        assert confirm_cancelled == client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH).get_json()
+        assert confirm_cancelled == client.post(f"/voice-tools/confirm/{tool_call_id}", headers=MCP_AUTH).get_json()
         assert confirm_cancelled["error"] == "already_terminal"
     assert snapshot() == before and call_count() == 1
 
 
 async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp_url, client):
-    rest = client.post("/voice-tools/pending", headers=AUTH, json={
+    """One caller (the mcp-client token) on both faces sees the same calls; another caller
+    (the tests' token) on the same session id sees none of them and its key is its own."""
+    rest = client.post("/voice-tools/pending", headers=MCP_AUTH, json={
         "session_id": "sess_both", "function": "send_email", "parameters": SEED_EMAIL})
     assert rest.status_code == 201
     async with connected(mcp_url) as mcp:
@@ -196,7 +199,7 @@ async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp
             "parameters": {"to": "jane@example.com", "subject": "Lunch"}})
         seen_by_mcp = await answer(mcp, "get_context", {"session_id": "sess_both"})
         # the same idempotency rule: a REST replay with the key gets the MCP call back
-        replay = client.post("/voice-tools/pending", headers={**AUTH, "Idempotency-Key": "key-1"}, json={
+        replay = client.post("/voice-tools/pending", headers={**MCP_AUTH, "Idempotency-Key": "key-1"}, json={
             "session_id": "sess_both", "function": "send_email",
             "parameters": {"to": "jane@example.com", "subject": "Lunch"}})
         assert replay.status_code == 200 and replay.get_json()["tool_call_id"] == over_mcp["tool_call_id"]
@@ -206,17 +209,27 @@ async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp
         assert first.structured_content["tool_call_id"] == over_mcp["tool_call_id"]
         assert first.meta["voice-tools/http_status"] == 200
         again = await client_answer_equal(mcp, client, over_mcp["tool_call_id"])
-    seen_by_rest = client.get("/voice-tools/context/sess_both", headers=AUTH).get_json()
+    seen_by_rest = client.get("/voice-tools/context/sess_both", headers=MCP_AUTH).get_json()
     ids = {rest.get_json()["tool_call_id"], over_mcp["tool_call_id"]}
     assert {c["tool_call_id"] for c in seen_by_mcp["pending"]} == ids
     assert seen_by_mcp == seen_by_rest
-    assert again["caller"] == "mcp-client" and row(rest.get_json()["tool_call_id"]).caller == "tests"
+    assert again["caller"] == "mcp-client" and row(rest.get_json()["tool_call_id"]).caller == "mcp-client"
+    # another caller: the session is empty to it, the MCP call unknown, and key-1 makes it a call of its own
+    other = client.get("/voice-tools/context/sess_both", headers=AUTH).get_json()
+    assert other["pending"] == [] and other["recent"] == []
+    hidden = client.get(f"/voice-tools/status/{over_mcp['tool_call_id']}", headers=AUTH)
+    assert hidden.status_code == 404 and hidden.get_json()["error"] == "not_found"
+    own = client.post("/voice-tools/pending", headers={**AUTH, "Idempotency-Key": "key-1"}, json={
+        "session_id": "sess_both", "function": "send_email",
+        "parameters": {"to": "jane@example.com", "subject": "Lunch"}})
+    assert own.status_code == 201 and own.get_json()["tool_call_id"] not in ids
+    assert row(own.get_json()["tool_call_id"]).caller == "tests" and call_count() == 3
 
 
 async def client_answer_equal(mcp: Client, client, tool_call_id: str) -> dict[str, Any]:
     """get_status over MCP answers exactly GET /voice-tools/status/{id}."""
     record = await answer(mcp, "get_status", {"tool_call_id": tool_call_id})
-    assert record == client.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH).get_json()
+    assert record == client.get(f"/voice-tools/status/{tool_call_id}", headers=MCP_AUTH).get_json()
     return record
 
 
@@ -271,7 +284,7 @@ async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_canc
 
     from tests.sse_client import Stream
 
-    stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse", AUTH)
+    stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse", MCP_AUTH)
     async with connected(mcp_url) as mcp:
         pending = await answer(mcp, "request_tool", {"session_id": "sess_mcp_sse", "function": "send_email",
                                                      "parameters": SEED_EMAIL})

@@ -55,6 +55,7 @@ class StepInput:
     session_id: str
     parameters: Mapping[str, Any]
     outputs: Mapping[str, Any]
+    caller: str = ""  # whose call: session context is the caller's own ('' for a call without one)
 
 
 @dataclass(frozen=True)

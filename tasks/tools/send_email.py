@@ -93,10 +93,10 @@ def summarise_context(key: str, value: Any) -> str:
     return "\n".join(lines)
 
 
-def referenced(session_id: str, key: str) -> tuple[str, dict[str, Any]]:
-    """The context ``key`` of the session, summarised; PermanentError when it has expired."""
+def referenced(session_id: str, key: str, caller: str = "") -> tuple[str, dict[str, Any]]:
+    """The context ``key`` of the caller's session, summarised; PermanentError when it has expired."""
     with db.session() as s:
-        found = lifecycle.get_context(s, session_id, key)
+        found = lifecycle.get_context(s, session_id, key, caller=caller)
         value = found.context_value if found is not None else None
     if found is None:
         raise PermanentError(f"the referenced results ({key}) have expired")
@@ -113,7 +113,7 @@ def prepare(step: StepInput) -> dict[str, Any]:
     body = p.get("body") or ""
     reference = None
     if p.get("reference_context"):
-        text, reference = referenced(step.session_id, p["reference_context"])
+        text, reference = referenced(step.session_id, p["reference_context"], step.caller)
         body = f"{body.rstrip()}\n\n{text}" if body.strip() else text
     return {
         "to": p["to"],
