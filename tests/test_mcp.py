@@ -226,6 +226,45 @@ async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp
     assert row(own.get_json()["tool_call_id"]).caller == "tests" and call_count() == 3
 
 
+async def test_over_mcp_another_callers_call_and_context_are_unknown_and_an_admin_sees_them(mcp_url, client,
+                                                                                              monkeypatch):
+    """Issue 14 item 12 on the MCP face: the tests' token's call is not_found to mcp-client, as an
+    unknown id, and nothing of it changes; an ``:admin`` token over MCP sees and cancels it."""
+    from models import db, lifecycle
+
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},ops:ops-mcp:admin")
+    theirs = client.post("/voice-tools/pending", headers=AUTH, json={
+        "session_id": "sess_fenced", "function": "send_email", "parameters": SEED_EMAIL}).get_json()["tool_call_id"]
+    with db.session() as s:
+        lifecycle.put_context(s, "sess_fenced", "last_query_results", {"summary": "theirs"}, 3600, caller="tests")
+    before = snapshot()
+    by_id = [("get_status", {}), ("modify_tool", {"parameters": {"to": "a@example.com"}}), ("confirm_tool", {}),
+             ("resume_tool", {"action": "cancel"}), ("cancel_tool", {})]
+    async with connected(mcp_url) as mcp:
+        for name, arguments in by_id:
+            foreign = await error(mcp, name, {"tool_call_id": theirs, **arguments})
+            unknown = await error(mcp, name, {"tool_call_id": "tc_000000000000", **arguments})
+            assert foreign == {"error": "not_found", "message": f"No tool call {theirs}.",
+                               "details": {"tool_call_id": theirs}}, name
+            assert unknown["error"] == "not_found", name
+        assert await answer(mcp, "get_context", {"session_id": "sess_fenced"}) == {
+            "session_id": "sess_fenced", "pending": [], "recent": []}
+        hidden = await error(mcp, "get_session_context", {"session_id": "sess_fenced",
+                                                          "context_key": "last_query_results"})
+        assert hidden["error"] == "not_found"
+        taken = await error(mcp, "request_tool", {"session_id": "sess_fenced", "function": "send_email",
+                                                  "tool_call_id": theirs, "parameters": SEED_EMAIL})
+        assert taken == {"error": "idempotency_conflict", "details": {"tool_call_id": theirs},
+                         "message": f"The tool_call_id '{theirs}' is already in use; give another one (or none)."}
+    assert snapshot() == before
+    async with connected(mcp_url, token="ops-mcp") as ops:
+        assert (await answer(ops, "get_status", {"tool_call_id": theirs}))["caller"] == "tests"
+        seen = await answer(ops, "get_context", {"session_id": "sess_fenced"})
+        assert [c["tool_call_id"] for c in seen["pending"]] == [theirs]
+        assert (await answer(ops, "cancel_tool", {"tool_call_id": theirs}))["status"] == "CANCELLED"
+    assert row(theirs).status == "CANCELLED"
+
+
 async def client_answer_equal(mcp: Client, client, tool_call_id: str) -> dict[str, Any]:
     """get_status over MCP answers exactly GET /voice-tools/status/{id}."""
     record = await answer(mcp, "get_status", {"tool_call_id": tool_call_id})
