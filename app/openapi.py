@@ -18,7 +18,7 @@ from app import schemas
 
 _PATH_ARG = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")
 _ERRORS = {
-    "400": "Bad JSON", "401": "Missing or unknown token", "404": "Unknown tool call",
+    "400": "Bad JSON", "401": "Missing or unknown token", "404": "Unknown tool call (or another caller's)",
     "409": "Not allowed in the call's current status", "413": "Body over 256 KiB",
     "422": "Invalid fields", "503": "Database or broker unavailable",
 }
@@ -82,7 +82,11 @@ def build(app: Flask) -> dict[str, Any]:
         title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
         info={"description": "Runs the tool calls of a voice assistant (see README and CONTRACT)."},
     )
-    spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
+    spec.components.security_scheme("bearer", {
+        "type": "http", "scheme": "bearer",
+        "description": "A token of VOICE_TOOLS_API_TOKENS (name:token[:admin]). A caller sees and acts on only "
+                       "the calls, session context and events its token name created (another caller's are "
+                       "404, as unknown); an :admin token sees everything."})
     paths: dict[str, dict[str, Any]] = {}
     for rule in app.url_map.iter_rules():
         if rule.endpoint == "static":

@@ -199,3 +199,24 @@ def test_the_event_stream_of_a_shared_session_id_shows_only_ones_own_calls(api_u
     ops_stream.close()
     assert sorted(i for i, _ in everything) == sorted(d.event_id for d in deliveries(ours) + deliveries(bobs))
     assert everything[0][1]["tool_call_id"] == ours
+
+
+def test_migration_0009_matches_the_models_of_the_fenced_tables():
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from sqlalchemy import text
+
+    from models.calls import Base
+
+    with db.engine().connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+        indexes = {r.indexname: r.indexdef for r in conn.execute(text(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename IN ('tool_calls', 'session_context')"))}
+    fenced = ("tool_calls", "session_context")
+    touched = [d for d in diff if isinstance(d, tuple) and any(
+        getattr(x, "name", None) in fenced or getattr(getattr(x, "table", None), "name", None) in fenced for x in d)]
+    assert touched == [], touched
+    assert "UNIQUE" in indexes["uq_tool_calls_caller_idempotency_key"]
+    assert "(caller, session_id, context_key)" in indexes["uq_session_context_key"]
+    assert "tool_calls_idempotency_key_key" not in indexes

@@ -92,11 +92,34 @@ def test_create_replay_with_same_key_returns_the_same_call():
     tool_params = dict(first.parameters)
     with db.session() as s:
         again, created = lifecycle.create(s, session_id="sess_test", function_name="send_email",
-                                          action_level="write", parameters=tool_params, idempotency_key="key-1")
+                                          action_level="write", parameters=tool_params, idempotency_key="key-1",
+                                          caller="tests")
     assert created is False
     assert again.tool_call_id == first.tool_call_id
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(ToolCall)) == 1
+
+
+def test_idempotency_keys_are_per_caller_and_a_tool_call_id_is_not():
+    """Issue 14 item 12: another caller's key is another call; another caller's tool_call_id is
+    IdTaken, which carries nothing of the call that has it."""
+    first = make_call(idempotency_key="key-1")
+    same = dict(session_id="sess_test", function_name="send_email", action_level="write",
+                parameters=dict(first.parameters), idempotency_key="key-1")
+    with db.session() as s:
+        bobs, created = lifecycle.create(s, **same, caller="bob")
+    assert created is True and bobs.tool_call_id != first.tool_call_id and bobs.caller == "bob"
+    with db.session() as s:  # a call recorded with no caller has keys of its own too
+        nobodys, created = lifecycle.create(s, **same)
+    assert created is True and nobodys.caller is None
+    with pytest.raises(lifecycle.IdTaken) as info, db.session() as s:
+        lifecycle.create(s, **{**same, "idempotency_key": None}, tool_call_id=first.tool_call_id, caller="bob")
+    assert info.value.tool_call_id == first.tool_call_id and not hasattr(info.value, "call")
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(ToolCall)) == 3
+        assert lifecycle.get(s, first.tool_call_id, caller="tests").tool_call_id == first.tool_call_id
+    with pytest.raises(lifecycle.NotFound), db.session() as s:
+        lifecycle.get(s, first.tool_call_id, caller="bob")
 
 
 @pytest.mark.parametrize("change", [
@@ -107,7 +130,7 @@ def test_create_replay_with_same_key_returns_the_same_call():
 def test_create_same_key_other_content_is_a_conflict(change):
     first = make_call(idempotency_key="key-1")
     values = dict(session_id="sess_test", function_name="send_email", action_level="write",
-                  parameters=dict(first.parameters), idempotency_key="key-1")
+                  parameters=dict(first.parameters), idempotency_key="key-1", caller="tests")
     values.update(change)
     with pytest.raises(lifecycle.Refused) as info, db.session() as s:
         lifecycle.create(s, **values)
