@@ -220,3 +220,17 @@ def test_migration_0009_matches_the_models_of_the_fenced_tables():
     assert "UNIQUE" in indexes["uq_tool_calls_caller_idempotency_key"]
     assert "(caller, session_id, context_key)" in indexes["uq_session_context_key"]
     assert "tool_calls_idempotency_key_key" not in indexes
+
+
+def test_tokens_parse_name_token_and_the_admin_mark():
+    import hashlib
+
+    from app.auth import Caller, entries_of, who_for
+
+    entries = ["tests:t1", "ops:t2:admin", "odd:t3:with-colon", "bare-token", " spaced : t4 : admin "]
+    assert entries_of(entries) == [
+        ("tests", b"t1", False), ("ops", b"t2", True), ("odd", b"t3:with-colon", False),
+        (hashlib.sha256(b"bare-token").hexdigest()[:8], b"bare-token", False), ("spaced", b"t4", True)]
+    assert who_for("t2", entries) == Caller("ops", admin=True) and Caller("ops", True).scope is None
+    assert who_for("t3:with-colon", entries) == Caller("odd") and Caller("odd").scope == "odd"
+    assert who_for("t3", entries) is None and who_for("admin", entries) is None
