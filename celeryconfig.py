@@ -6,7 +6,9 @@ Queues: one per tool, ``tools.<name>`` (declared from the tool registry by the a
 ``tools.<name>`` and ``callbacks.*`` / ``maintenance.*`` to their own queue.
 """
 import os
+import warnings
 
+from celery.exceptions import SecurityWarning
 from kombu import Exchange, Queue
 
 from models.settings import load as _load_settings
@@ -29,6 +31,14 @@ broker_transport_options = {
 # The database holds every outcome: no result backend.
 result_backend = None
 task_ignore_result = True
+
+# Celery warns at every worker start when it runs as root. With JSON only (no pickle) a
+# root worker runs no code a message sends, so Celery only warns; the cause is the user
+# the processes run as, which production fixes (an unprivileged user, or --uid). A local
+# ``voice-tools run`` (VOICE_TOOLS_LOCAL_RUN, set by the launcher) on a machine where
+# everything is root says so once in its banner instead of once per worker start.
+if os.environ.get("VOICE_TOOLS_LOCAL_RUN") == "1":
+    warnings.filterwarnings("ignore", category=SecurityWarning)
 
 task_serializer = "json"
 accept_content = ["json"]

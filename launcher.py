@@ -60,6 +60,12 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
         if not env.get(name):
             env[name] = value
             filled.append(name)
+    # A local run is local: the Procfile's processes bind HOST, whose production default
+    # (the Procfile's) is 0.0.0.0; here it is the loopback unless HOST says otherwise.
+    if not env.get("HOST"):
+        env["HOST"] = "127.0.0.1"
+    # Read by celeryconfig: silences Celery's superuser warning for this run only (see there).
+    env["VOICE_TOOLS_LOCAL_RUN"] = "1"
     env.setdefault("PORT", "8000")
     env.setdefault("FLOWER_PORT", "5555")
     env.setdefault("MCP_PORT", "8001")
@@ -152,11 +158,8 @@ def run(procfile: str | None = None) -> int:
         procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / "Procfile")
         _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
         _say(f"data in {data_dir}")
-        _say(f"API on {env['VOICE_TOOLS_PUBLIC_URL']}, MCP on http://127.0.0.1:{env['MCP_PORT']}/mcp, "
-             f"Flower on http://127.0.0.1:{env['FLOWER_PORT']}")
-        if filled:
-            _say(f"set for this local run (unset in the environment): {', '.join(filled)};"
-                 f" values in {data_dir / LOCAL_SECRETS}")
+        for line in banner(env, filled, data_dir):
+            _say(line)
         if "VOICE_TOOLS_API_TOKENS" in filled:
             token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
             _say(f"API token: {token}   (try: voice-tools demo)")
@@ -174,6 +177,31 @@ def run(procfile: str | None = None) -> int:
             _stop_honcho(honcho)
         stop_servers()
         _say("stopped")
+
+
+def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
+    """What the run says about itself: where each face listens, where the secrets are, who logs into Flower.
+
+    Secrets never go to stdout, except the API token this run made (the demo needs it).
+    """
+    host = env["HOST"]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    lines = [f"API on http://{shown}:{env['PORT']}, MCP on http://{shown}:{env['MCP_PORT']}/mcp, "
+             f"Flower on http://{shown}:{env['FLOWER_PORT']}"]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        lines.append(f"listening on {host} only (set HOST=0.0.0.0 to serve other machines)")
+    else:
+        lines.append(f"listening on {host} (HOST): reachable from other machines")
+    users = [pair.split(":", 1)[0] for pair in env.get("FLOWER_BASIC_AUTH", "").split(",") if pair]
+    lines.append(f"local secrets kept in {data_dir / LOCAL_SECRETS} (mode 0600); "
+                 f"Flower user: {', '.join(users) or 'none'} (password: FLOWER_BASIC_AUTH"
+                 f"{', made for this run, in that file' if 'FLOWER_BASIC_AUTH' in filled else ', as you set it'})")
+    if filled:
+        lines.append(f"set for this local run (unset in the environment): {', '.join(filled)}")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        lines.append("running as root: Celery's superuser warning is silenced for this local run;"
+                     " in production run the workers as an unprivileged user")
+    return lines
 
 
 def _never_used() -> bool:

@@ -12,6 +12,15 @@ unrecoverable error and the whole worker exits, leaving the call EXECUTING (and
 So the second close is skipped: ``collect()`` has already released the connection,
 as it did before Celery 5.7. The old channel keeps its Redis pool, so the running link
 is acknowledged on the restarted server when it ends, and the consumer reconnects.
+
+And a worker stopped while its broker is gone (lost, and not back yet) shuts down
+quietly: its consumer steps (gossip's) close their channels with
+``kombu.common.ignore_errors(consumer.connection, channel.close)``, and that connection
+is None while the consumer waits to reconnect, so kombu's own error filter raises
+``AttributeError`` instead of ignoring the broker's connection error; the worker then
+dies with a chained traceback of some 100 lines, which the worker's stderr redirection
+logs as about 1,700 lines. Given a connection object that was never connected (it only
+knows the transport's error classes), those closes fail as ignorable connection errors.
 """
 from __future__ import annotations
 
@@ -27,3 +36,8 @@ class Consumer(CeleryConsumer):
         if self.connection is not None:
             self.connection.close = _already_released  # Celery calls it after collect(); see above
         super().on_connection_error_after_connected(exc)
+
+    def shutdown(self) -> None:
+        if self.connection is None:  # stopped while the broker is gone: see above
+            self.connection = self.app.connection_for_read()  # lazy: never connects
+        super().shutdown()

@@ -73,6 +73,10 @@ def test_web_beat_and_flower_lines():
     assert flower[:2] == ["env", "-u"] and flower[2] == "FLOWER_UNAUTHENTICATED_API"
     assert flower[3:7] == ["celery", "-A", "tasks", "flower"]
     assert option(flower, "--port") == "${FLOWER_PORT:-5555}"
+    # every face binds HOST: 0.0.0.0 in production, 127.0.0.1 under `voice-tools run`
+    assert option(flower, "--address") == "${HOST:-0.0.0.0}"
+    assert option(web, "--bind") == "${HOST:-0.0.0.0}:${PORT:-8000}"
+    assert option(lines["mcp"], "--host") == "${HOST:-0.0.0.0}"
     assert option(flower, "--basic-auth").startswith("${FLOWER_BASIC_AUTH")
 
 

@@ -8,6 +8,8 @@ run in file order and the last one stops it.
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
 import socket
@@ -17,11 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
 from tasks import tools
-from tests.procs import bare_env, describe, free_port, running, wait_none_running
+from tests.procs import ROOT, bare_env, describe, free_port, running, wait_none_running
 
 TOKEN = "run-command-test-token"
 SECRET = "run-command-test-secret"
@@ -47,7 +50,11 @@ class System:
             FLOWER_UNAUTHENTICATED_API="true",  # the Procfile must not let this open Flower's API
             VOICE_TOOLS_WORKER_CONCURRENCY="1",
             WEB_CONCURRENCY="1",
+            # This checkout's code in every process, also where the console scripts come
+            # from an editable install of another checkout (the same tree in CI).
+            PYTHONPATH=str(ROOT),
         )
+        self.env.pop("HOST", None)  # a local run's default is what is under test
         self.log_path = self.data_dir.with_suffix(".log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -151,6 +158,38 @@ def test_the_mcp_face_runs_as_its_own_process_behind_the_token(system):
     assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
 
 
+def test_the_api_mcp_and_flower_listen_on_the_loopback_only(system):
+    """HOST unset: the Procfile's 0.0.0.0 is for production; a local run binds 127.0.0.1."""
+    system.wait_listening(system.mcp_port)
+    system.wait_listening(system.flower_port)
+    ports = {system.port, system.mcp_port, system.flower_port}
+    bound: dict[int, set[str]] = {port: set() for port in ports}
+    for proc in running(system.data_dir):
+        try:
+            connections = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for conn in connections:
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
+                bound[conn.laddr.port].add(conn.laddr.ip)
+    assert bound == {port: {"127.0.0.1"} for port in ports}, describe(running(system.data_dir))
+
+
+def test_the_banner_names_the_secrets_file_and_flowers_user_and_prints_no_secret(system):
+    out = system.output()
+    secrets_file = system.data_dir / "local-secrets.json"
+    assert f"local secrets kept in {secrets_file} (mode 0600)" in out
+    assert "Flower user: ops" in out
+    assert "listening on 127.0.0.1 only" in out
+    assert f"API on http://127.0.0.1:{system.port}" in out
+    stored = json.loads(secrets_file.read_text())
+    for secret in (TOKEN, SECRET, FLOWER_AUTH[1], *stored.values()):
+        assert secret not in out  # every secret was set: none is printed, not even the API token
+    assert "superuser privileges" not in out  # Celery's root warning, once per worker start
+    if os.geteuid() == 0:
+        assert "running as root: Celery's superuser warning is silenced for this local run" in out
+
+
 def test_flower_needs_its_password_and_sees_one_worker_per_procfile_line(system):
     workers_url = f"{system.flower_url}/api/workers"
     system.wait_listening(system.flower_port)  # Flower may come up after the API
@@ -249,3 +288,4 @@ def test_sigterm_stops_every_process_it_started(system):
     out = system.output()
     assert "stopped" in out.splitlines()[-1]
     assert "forcefully killing" not in out
+    assert out.count("Traceback") == 0, out[-4000:]

