@@ -274,7 +274,7 @@ def delivery_refusal(url: str) -> tuple[str | None, str | None]:
     request (an ordinary failed attempt, retried).
     """
     cfg = settings.load()
-    if not cfg.callback_secret:
+    if not cfg.callback_secret.strip():
         return "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent", None
     reason = url_error(url, cfg.callback_hosts)
     if reason is not None:
