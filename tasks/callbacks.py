@@ -40,6 +40,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import ProxyManager
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from sqlalchemy import bindparam, func, or_, select, update
@@ -150,6 +151,13 @@ class _Adapter(HTTPAdapter):
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        """Through an HTTP proxy (``HTTP_PROXY``) the watchdog still bounds the attempt (the proxy resolves the name)."""
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if type(manager) is ProxyManager:  # a SOCKS manager keeps its own connections
+            manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+        return manager
 
 
 def http() -> requests.Session:
@@ -465,6 +473,7 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
     timestamp = str(int(time.time()))
     headers = {
         "Content-Type": "application/json",
+        "Accept-Encoding": "identity",  # the 64 KiB read bound counts the bytes the relay sends
         "X-Voice-Tools-Event": delivery.event,
         "X-Voice-Tools-Timestamp": timestamp,
         "X-Voice-Tools-Signature": sign(cfg.callback_secret, timestamp, body),

@@ -19,12 +19,12 @@ from models.calls import CallbackDelivery
 from tasks import callbacks, chains
 from tests.helpers import deliveries, make_call, row, wait_status
 
-DRIP_BYTES = 60  # at a byte a second: a minute, far past any timeout below
+DRIP_BYTES, DRIP_EVERY = 100, 0.2  # 20 s in all, yet every read gets a byte well within the 1 s timeout
 
 
 class DripServer:
-    """A relay that answers its first ``drip`` requests a byte a second (in the status line
-    or in the body), and every later one at once with ``{"received": true}``.
+    """A relay that answers its first ``drip`` requests slowly (in the status line
+    or in the body): a byte every DRIP_EVERY seconds, and every later one at once with ``{"received": true}``.
 
     ``cut`` is set when the client hung up mid-drip; ``dripped`` counts the bytes it got out.
     """
@@ -80,7 +80,7 @@ class DripServer:
                     for byte in slow:
                         conn.sendall(bytes([byte]))
                         sent += 1
-                        if self._stop.wait(1.0):
+                        if self._stop.wait(DRIP_EVERY):
                             return
                 except OSError:
                     self.cut.set()
@@ -179,17 +179,17 @@ def seconds_to_first_attempt(found: CallbackDelivery) -> float:
 
 @pytest.mark.parametrize("where", ["status", "body"])
 def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatch, where):
-    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.5")
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     drip = servers(DripServer, where)
     tool_call_id, event_id = progress_event(drip.url)
     answer = callbacks.attempt(event_id)
     assert (answer.attempted, answer.delivered, answer.cancel) == (True, False, False)
     assert drip.cut.wait(10), "the relay was not hung up on"
-    assert drip.dripped and drip.dripped[0] < 10  # the link stopped listening after a few bytes, not 60
+    assert drip.dripped and drip.dripped[0] < 30  # the link stopped listening after a few bytes, not 100
     found = delivery(event_id)
     assert (found.state, found.attempts) == ("pending", 1)
-    assert found.last_error == "Timeout: no complete answer within 0.5 s"
-    assert seconds_to_first_attempt(found) < 0.5 + 5  # the timeout plus slack, not the minute of the drip
+    assert found.last_error == "Timeout: no complete answer within 1 s"
+    assert seconds_to_first_attempt(found) < 1 + 5  # the timeout plus slack, not the minute of the drip
     assert row(tool_call_id).status == "EXECUTING"
     # The next attempt (the relay answers at once now) delivers the same event.
     with db.session() as s:
@@ -202,12 +202,12 @@ def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatc
 
 
 def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, servers, monkeypatch):
-    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.5")
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_RETRY_TIMEOUT", "5")
     drip = servers(DripServer, "body")
     call = make_call(callback_url=drip.url)
     chains.confirm(call.tool_call_id)
-    # The first event drips for a minute; the chain went on (a held link would hit its time limit).
+    # The first event drips for 20 s; the chain went on (a held link would hit its time limit).
     wait_status(call.tool_call_id, "PREPARED", timeout=30)
     chains.resume(call.tool_call_id)
     done_call = wait_status(call.tool_call_id, "COMPLETED", timeout=30)
@@ -215,12 +215,27 @@ def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, s
     first = deliveries(call.tool_call_id)[0]
     assert first.event == "progress"
     done = wait_delivered(first.event_id)  # by the callbacks queue's retry
-    assert done.attempts == 2 and done.attempt_log[0]["error"] == "Timeout: no complete answer within 0.5 s"
+    assert done.attempts == 2 and done.attempt_log[0]["error"] == "Timeout: no complete answer within 1 s"
     assert done.attempt_log[1]["response_code"] == 200 and done.attempt_log[1]["error"] is None
-    assert seconds_to_first_attempt(done) < 0.5 + 5
-    assert drip.cut.wait(10) and drip.dripped[0] < 10
+    assert seconds_to_first_attempt(done) < 1 + 5
+    assert drip.cut.wait(10) and drip.dripped[0] < 30
     for later in deliveries(call.tool_call_id)[1:]:
         assert wait_delivered(later.event_id).attempts == 1
+
+
+def test_a_drip_through_an_http_proxy_is_cut_too(servers, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
+    proxy = servers(DripServer, "status")  # the proxy drips its answer
+    monkeypatch.setenv("HTTP_PROXY", proxy.url.rsplit("/", 1)[0])
+    monkeypatch.setenv("http_proxy", proxy.url.rsplit("/", 1)[0])
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    _, event_id = progress_event("http://127.0.0.1:9/cb")  # the relay itself is never reached: the proxy is
+    assert not callbacks.attempt(event_id).delivered
+    assert proxy.requests == 1 and proxy.cut.wait(10) and proxy.dripped[0] < 30
+    found = delivery(event_id)
+    assert found.last_error == "Timeout: no complete answer within 1 s"
+    assert seconds_to_first_attempt(found) < 1 + 5
 
 
 def test_an_answer_over_64_kib_is_no_answer(servers):
