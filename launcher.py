@@ -57,7 +57,7 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
     env = dict(os.environ)
     filled = []
     for name, value in local_defaults(data_dir).items():
-        if not env.get(name):
+        if not env.get(name, "").strip():  # set but empty is unset: callbacks are never unsigned
             env[name] = value
             filled.append(name)
     # A local run is local: the Procfile's processes bind HOST, whose production default

@@ -6,6 +6,14 @@ pooled HTTP session per process; a failed attempt is retried on the ``callbacks`
 queue with exponential backoff, and every attempt is recorded on the row. The body is
 signed with HMAC-SHA256 over ``"<timestamp>.<body>"``. Redirects are not followed.
 
+One attempt is bounded as a whole: a watchdog ends the exchange at the timeout (a
+relay that drips a byte a second does not hold the link), and at most
+``MAX_ANSWER_BYTES`` of the answer are read (a longer answer counts as no answer).
+Before each attempt the URL is checked again (the allowlist of the moment, never
+this system's own ports on a local address, a host name resolved and refused if it
+points inside unless that address is listed) and the connection goes to the
+address that was checked. Without a signing secret nothing is sent.
+
 The relay may answer ``{"cancel": true}`` to a cancellable event; the engine
 registers what to do then with :func:`on_relay_cancel` (this floor knows nothing of
 tools or chains).
@@ -17,7 +25,10 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import random
+import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +38,9 @@ from urllib.parse import urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import ProxyManager
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from sqlalchemy import bindparam, func, or_, select, update
@@ -47,11 +61,110 @@ _cancel_handler: Callable[[str, str], None] | None = None
 
 # -- the pooled HTTP session ----------------------------------------------------
 
+MAX_ANSWER_BYTES = 64 * 1024  # more than any {"cancel": true, "reason": ...}; a longer answer is no answer
+_local = threading.local()  # this thread's attempt: its watchdog and the address checked for its host
+
+
+class _Watch:
+    """Ends one attempt's exchange at its deadline: shuts the connection's socket down,
+    which ends a read however slowly the relay drips (a socket timeout is per read)."""
+
+    def __init__(self, seconds: float):
+        self._lock = threading.Lock()
+        self._conn: HTTPConnection | None = None
+        self._done = False
+        self.fired = False
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def attach(self, conn: HTTPConnection) -> None:
+        with self._lock:
+            self._conn = conn
+            if self.fired:
+                self._shut()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._done:
+                self.fired = True
+                self._shut()
+
+    def _shut(self) -> None:
+        sock = getattr(self._conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "_Watch":
+        _local.watch = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+        _local.watch = None
+
+
+class _Watched:
+    """A pooled connection that its attempt's watchdog can end, and that connects to
+    the address the delivery checks approved (no second DNS answer in between)."""
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        watch = getattr(_local, "watch", None)
+        if watch is not None:
+            watch.attach(self)  # type: ignore[arg-type]
+        return super().request(*args, **kwargs)  # type: ignore[misc]
+
+    def _new_conn(self) -> socket.socket:
+        pin = getattr(_local, "pin", None)
+        name = self._dns_host  # type: ignore[attr-defined]
+        if pin is None or pin[0] != name:
+            return super()._new_conn()  # type: ignore[misc]
+        self._dns_host = pin[1]
+        try:
+            return super()._new_conn()  # type: ignore[misc]
+        finally:
+            self._dns_host = name
+
+
+class _HTTPConnection(_Watched, HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Watched, HTTPSConnection):
+    pass
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
+class _Adapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        """Through an HTTP proxy (``HTTP_PROXY``) the watchdog still bounds the attempt (the proxy resolves the name)."""
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if type(manager) is ProxyManager:  # a SOCKS manager keeps its own connections
+            manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+        return manager
+
+
 def http() -> requests.Session:
     global _http
     if _http is None:
         session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=20, pool_maxsize=20, max_retries=0)
+        adapter = _Adapter(pool_connections=20, pool_maxsize=20, max_retries=0)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
         session.headers["User-Agent"] = "voice-tools-callbacks/1"
@@ -66,12 +179,26 @@ def reset_http_session() -> None:
 
 # -- which URLs may be called ---------------------------------------------------
 
+OWN_PORTS = (("PORT", 8000, "API"), ("MCP_PORT", 8001, "MCP"), ("FLOWER_PORT", 5555, "Flower"))
+
+
+def own_ports() -> dict[int, str]:
+    """This system's own ports (the API, MCP and Flower; ``voice-tools run``'s defaults when unset)."""
+    found = {}
+    for name, default, face in OWN_PORTS:
+        raw = os.environ.get(name, "").strip()
+        found[int(raw) if raw.isdigit() else default] = face
+    return found
+
+
 def url_error(url: str, allowed: list[str] | None = None) -> str | None:
     """Why ``url`` may not be a callback_url, or None if it may.
 
-    Its host (and port, when the entry names one) must be listed in
-    ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP literal in a private, loopback or
-    link-local range is refused unless it is listed itself.
+    Its host (and port, when the entry names one; a bare host admits any port) must
+    be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP literal in a private,
+    loopback or link-local range is refused unless it is listed itself. This
+    system's own API, MCP and Flower ports on a local address are refused whatever
+    is listed.
     """
     allowed = settings.load().callback_hosts if allowed is None else allowed
     try:
@@ -85,22 +212,104 @@ def url_error(url: str, allowed: list[str] | None = None) -> str | None:
         return "must not hold credentials (user:password@); callbacks are signed instead"
     host = parts.hostname.lower()
     port = port or (443 if parts.scheme == "https" else 80)
-    for entry in allowed:
-        name, _, entry_port = entry.lower().rpartition(":") if _has_port(entry) else (entry.lower(), "", "")
-        if name.strip("[]") == host and (not entry_port or int(entry_port) == port):
-            return None
+    own = own_ports().get(port)
+    if own is not None and _is_local(host):
+        return f"port {port} on {host} is this system's own {own} port"
+    if _listed(host, port, allowed):
+        return None
     try:
         ip = ipaddress.ip_address(host)
-        if ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved:
+        if _inside(ip):
             return f"host {host} is a private address and is not in VOICE_TOOLS_CALLBACK_HOSTS"
     except ValueError:
         pass
     return f"host {host} is not in VOICE_TOOLS_CALLBACK_HOSTS"
 
 
+def _listed(host: str, port: int, allowed: list[str]) -> bool:
+    for entry in allowed:
+        name, _, entry_port = entry.lower().rpartition(":") if _has_port(entry) else (entry.lower(), "", "")
+        if name.strip("[]") == host and (not entry_port or int(entry_port) == port):
+            return True
+    return False
+
+
 def _has_port(entry: str) -> bool:
     head, sep, tail = entry.rpartition(":")
     return bool(sep) and tail.isdigit() and (not head.count(":") or head.endswith("]"))
+
+
+def _inside(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Not a public address: private, loopback, link-local (cloud metadata), reserved, unspecified, multicast."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved or ip.is_unspecified
+            or ip.is_multicast)
+
+
+def _is_local(host: str) -> bool:
+    """Is ``host`` this machine: a loopback or unspecified address, localhost, or one of its interfaces'?"""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified or str(ip) in _own_addresses()
+
+
+def _own_addresses() -> set[str]:
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with the run command's dependencies
+        return set()
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def delivery_refusal(url: str) -> tuple[str | None, str | None]:
+    """Checked again before every attempt: ``(why not, None)`` or ``(None, address to connect to)``.
+
+    The URL must pass :func:`url_error` with the allowlist of the moment (a host
+    removed since the call was recorded is not posted to), and the signing secret
+    must be set. A host name is resolved now: if any of its addresses is not public
+    (private, loopback, link-local, ...) the address itself must be listed (a listed
+    name does not admit an inside address, except ``localhost``, which is loopback by
+    definition), and no address may be this system's own port. The attempt then
+    connects to the address checked here. A name that does not resolve is left to the
+    request (an ordinary failed attempt, retried).
+    """
+    cfg = settings.load()
+    if not cfg.callback_secret.strip():
+        return "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent", None
+    reason = url_error(url, cfg.callback_hosts)
+    if reason is not None:
+        return f"refused: the callback URL {reason}", None
+    parts = urlsplit(url)
+    host = parts.hostname.lower()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        ipaddress.ip_address(host)
+        return None, None  # an IP literal: url_error has judged it
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return None, None
+    addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
+    own = own_ports().get(port)
+    loopback_name = host == "localhost" or host.endswith(".localhost")
+    for address in addresses:
+        ip = ipaddress.ip_address(address)
+        if own is not None and _is_local(address):
+            return f"refused: {host} resolves to {address}, and port {port} is this system's own {own} port", None
+        if _inside(ip) and not _listed(address, port, cfg.callback_hosts) and not (loopback_name and ip.is_loopback):
+            return (f"refused: {host} resolves to {address}, a private address that is not itself in "
+                    f"VOICE_TOOLS_CALLBACK_HOSTS"), None
+    return None, addresses[0] if addresses else None
 
 
 # -- building and recording events ------------------------------------------------
@@ -254,37 +463,90 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
     """Post a claimed delivery, record the attempt, act on the relay's answer."""
     cfg = settings.load()
     event_id = delivery.event_id
+    refusal, address = delivery_refusal(delivery.url)
+    if refusal is not None:  # no request is made; retrying would be refused the same way
+        _record_attempt(event_id, delivery.attempts, None, refusal, cfg.callback_max_attempts, final=True)
+        log.warning("callback %s not sent: %s", event_id, refusal)
+        return Answer(delivered=False)
     payload = dict(delivery.payload, sent_at=datetime.now(timezone.utc).isoformat())
     body = json.dumps(payload, separators=(",", ":"), default=str).encode()
     timestamp = str(int(time.time()))
     headers = {
         "Content-Type": "application/json",
+        "Accept-Encoding": "identity",  # the 64 KiB read bound counts the bytes the relay sends
         "X-Voice-Tools-Event": delivery.event,
         "X-Voice-Tools-Timestamp": timestamp,
         "X-Voice-Tools-Signature": sign(cfg.callback_secret, timestamp, body),
         "X-Voice-Tools-Event-Id": delivery.event_id,
     }
+    host = (urlsplit(delivery.url).hostname or "").lower()
+    code, error, raw, note = _exchange(delivery.url, body, headers, timeout, (host, address) if address else None)
+    answer: Any = None
+    if error is None and raw:
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+    delivered = error is None
+    _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
+    cancel = bool(isinstance(answer, dict) and answer.get("cancel") is True)
+    reason = answer.get("reason") if cancel and isinstance(answer.get("reason"), str) else None
+    if cancel and _is_cancellable(delivery.payload):
+        _relay_cancel(delivery.tool_call_id, reason or "Cancelled by the relay")
+    return Answer(delivered=delivered, cancel=cancel, reason=reason)
+
+
+def _exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
+              pin: tuple[str, str] | None) -> tuple[int | None, str | None, bytes, str | None]:
+    """One request and its answer, all of it within ``timeout`` seconds and ``MAX_ANSWER_BYTES``.
+
+    Returns (status code, error or None, the answer's bytes of a 2xx, a note). A 2xx
+    whose answer is longer than the limit is delivered with no answer (noted).
+    """
     code: int | None = None
     error: str | None = None
-    answer: Any = None
+    raw = b""
+    note: str | None = None
+    _local.pin = pin
     try:
-        response = http().post(delivery.url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
-        code = response.status_code
-        if 200 <= code < 300:
+        with _Watch(timeout) as watch:
             try:
-                answer = response.json()
-            except ValueError:
-                answer = None
-        else:
-            error = f"HTTP {code}"
-    except requests.RequestException as exc:
-        error = f"{type(exc).__name__}: {exc}"[:500]
+                response = http().post(url, data=body, headers=headers, timeout=(timeout, timeout),
+                                       allow_redirects=False, stream=True)
+                try:
+                    code = response.status_code
+                    if 200 <= code < 300:
+                        chunks, size = [], 0
+                        for chunk in response.iter_content(16384):
+                            chunks.append(chunk)
+                            size += len(chunk)
+                            if size > MAX_ANSWER_BYTES:
+                                note = f"answer over {MAX_ANSWER_BYTES} bytes: read as no answer"
+                                break
+                        raw = b"" if note else b"".join(chunks)
+                    else:
+                        error = f"HTTP {code}"
+                finally:
+                    response.close()  # a connection left mid-answer is closed, not pooled
+            except requests.RequestException as exc:
+                error = f"{type(exc).__name__}: {exc}"[:500]
+            if watch.fired:  # whatever the cut connection raised, the truth is the deadline
+                error, raw, note = f"Timeout: no complete answer within {timeout:g} s", b"", None
+    finally:
+        _local.pin = None
+    return code, error, raw, note
+
+
+def _record_attempt(event_id: str, attempts_before: int, code: int | None, error: str | None,
+                    max_attempts: int, *, final: bool = False, note: str | None = None) -> None:
     delivered = error is None
-    attempts = delivery.attempts + 1
-    exhausted = not delivered and attempts >= cfg.callback_max_attempts
+    attempts = attempts_before + 1
+    exhausted = not delivered and (final or attempts >= max_attempts)
     state = "delivered" if delivered else ("failed" if exhausted else "pending")
     next_at = None if delivered or exhausted else datetime.now(timezone.utc) + timedelta(seconds=backoff_s(attempts))
-    log_entry = {"at": datetime.now(timezone.utc).isoformat(), "response_code": code, "error": error}
+    log_entry: dict[str, Any] = {"at": datetime.now(timezone.utc).isoformat(), "response_code": code, "error": error}
+    if note:
+        log_entry["note"] = note
     with db.session() as s:
         s.execute(
             update(CallbackDelivery)
@@ -296,11 +558,6 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
             )
             .execution_options(synchronize_session=False)
         )
-    cancel = bool(isinstance(answer, dict) and answer.get("cancel") is True)
-    reason = answer.get("reason") if cancel and isinstance(answer.get("reason"), str) else None
-    if cancel and _is_cancellable(delivery.payload):
-        _relay_cancel(delivery.tool_call_id, reason or "Cancelled by the relay")
-    return Answer(delivered=delivered, cancel=cancel, reason=reason)
 
 
 def _is_cancellable(payload: dict[str, Any]) -> bool:
