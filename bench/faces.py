@@ -24,22 +24,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import servers  # noqa: E402
-from bench.run import AUTH, API_TOKEN, configure_environment, machine  # noqa: E402
+from bench.run import AUTH, API_TOKEN, bench_servers, machine  # noqa: E402
 
 
 def pct(values: list[float], p: int) -> float:
@@ -208,13 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(ROOT / "bench" / "FACES.md"))
     args = parser.parse_args(argv)
 
-    configure_environment()
-    if os.environ.get("DATABASE_URL") and (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
-        os.environ["VOICE_TOOLS_BENCH_EXTERNAL"] = "1"
-    data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-bench-faces-"))
-    try:
-        servers.ensure_servers(data_dir)
-        servers.migrate()
+    with bench_servers("voice-tools-bench-faces-") as data_dir:
         from tasks import app, tools
         from tasks.backends import load_demo
         from tests.worker_process import WorkerProcess
@@ -236,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         print(f"written to {args.output}")
         return 0
-    finally:
-        servers.stop_servers()
-        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

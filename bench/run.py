@@ -36,7 +36,8 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,6 +46,23 @@ import servers  # noqa: E402
 
 API_TOKEN = "bench-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
+
+
+@contextmanager
+def bench_servers(prefix: str) -> Iterator[Path]:
+    """The bench's environment and servers: embedded ones in a temporary folder (removed after),
+    or those of ``DATABASE_URL`` / ``REDIS_URL`` when both are set; migrated."""
+    configure_environment()
+    if os.environ.get("DATABASE_URL") and (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
+        os.environ["VOICE_TOOLS_BENCH_EXTERNAL"] = "1"
+    data_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        servers.ensure_servers(data_dir)
+        servers.migrate()
+        yield data_dir
+    finally:
+        servers.stop_servers()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def configure_environment() -> None:
@@ -279,13 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(ROOT / "bench" / "RESULTS.md"))
     args = parser.parse_args(argv)
 
-    configure_environment()
-    if os.environ.get("DATABASE_URL") and (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
-        os.environ["VOICE_TOOLS_BENCH_EXTERNAL"] = "1"
-    data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-bench-"))
-    try:
-        servers.ensure_servers(data_dir)
-        servers.migrate()
+    with bench_servers("voice-tools-bench-") as data_dir:
         from app import create_app
         from tasks import app
         from tests.relay import Relay
@@ -316,9 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         print(f"written to {args.output}")
         return 0
-    finally:
-        servers.stop_servers()
-        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

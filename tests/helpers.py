@@ -52,3 +52,34 @@ def deliveries(tool_call_id: str, event: str | None = None) -> list[CallbackDeli
         stmt = stmt.where(CallbackDelivery.event == event)
     with db.session() as s:
         return list(s.scalars(stmt.order_by(CallbackDelivery.seq)))
+
+
+def progress_event(callback_url: str) -> tuple[str, str]:
+    """A send_email call EXECUTING its first step with a recorded, cancellable progress event."""
+    from tasks import callbacks
+
+    call = make_call(callback_url=callback_url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0)
+        recorded = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
+        event = callbacks.record(s, recorded, "progress", step="PREPARING", gate=1,
+                                 message="Preparing the email to john@example.com.", cancellable=True)
+    return call.tool_call_id, event.event_id
+
+
+def delivery(event_id: str) -> CallbackDelivery:
+    with db.session() as s:
+        return s.scalars(select(CallbackDelivery).where(CallbackDelivery.event_id == event_id)).one()
+
+
+def wait_delivered(event_id: str, timeout: float = 30.0) -> CallbackDelivery:
+    """Poll the delivery row until it is delivered (tests only)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = delivery(event_id)
+        if found.state == "delivered":
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{event_id} is {found.state} after {found.attempts} attempts: {found.attempt_log}")
+        time.sleep(0.05)

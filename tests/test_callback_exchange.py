@@ -7,17 +7,15 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from datetime import datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import select
 
-from models import db, lifecycle
+from models import db
 from models.calls import CallbackDelivery
 from tasks import callbacks, chains
-from tests.helpers import deliveries, make_call, row, wait_status
+from tests.helpers import deliveries, delivery, make_call, progress_event, row, wait_delivered, wait_status
 
 DRIP_BYTES, DRIP_EVERY = 100, 0.2  # 20 s in all, yet every read gets a byte well within the 1 s timeout
 
@@ -142,32 +140,10 @@ def servers():
         server.close()
 
 
-def progress_event(callback_url: str) -> tuple[str, str]:
-    """A call EXECUTING its first step with a recorded, cancellable progress event."""
-    call = make_call(callback_url=callback_url)
-    with db.session() as s:
-        lifecycle.confirm(s, call.tool_call_id)
-        lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0)
-        recorded = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
-        event = callbacks.record(s, recorded, "progress", step="PREPARING", gate=1, message="Preparing.",
-                                 cancellable=True)
-    return call.tool_call_id, event.event_id
 
 
-def delivery(event_id: str) -> CallbackDelivery:
-    with db.session() as s:
-        return s.scalars(select(CallbackDelivery).where(CallbackDelivery.event_id == event_id)).one()
 
 
-def wait_delivered(event_id: str, timeout: float = 30.0) -> CallbackDelivery:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = delivery(event_id)
-        if found.state == "delivered":
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{event_id} is {found.state} after {found.attempts} attempts: {found.attempt_log}")
-        time.sleep(0.05)
 
 
 def seconds_to_first_attempt(found: CallbackDelivery) -> float:

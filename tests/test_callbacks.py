@@ -16,10 +16,9 @@ import pytest
 from sqlalchemy import select, text
 
 from models import db, lifecycle
-from models.calls import CallbackDelivery
 from models.email import EmailOutbox
 from tasks import callbacks, chains
-from tests.helpers import deliveries, make_call, row, wait_status
+from tests.helpers import deliveries, delivery, make_call, progress_event, row, wait_delivered, wait_status
 from tests.tasklog import TaskLog
 
 SEND = "tools.send_email."
@@ -75,32 +74,10 @@ def raw():
         server.close()
 
 
-def progress_event(callback_url: str) -> tuple[str, str]:
-    """A call EXECUTING its first step with a recorded, cancellable progress event."""
-    call = make_call(callback_url=callback_url)
-    with db.session() as s:
-        lifecycle.confirm(s, call.tool_call_id)
-        lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0)
-        recorded = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
-        recorded_event = callbacks.record(s, recorded, "progress", step="PREPARING", gate=1,
-                                          message="Preparing the email to john@example.com.", cancellable=True)
-    return call.tool_call_id, recorded_event.event_id
 
 
-def delivery(event_id: str) -> CallbackDelivery:
-    with db.session() as s:
-        return s.scalars(select(CallbackDelivery).where(CallbackDelivery.event_id == event_id)).one()
 
 
-def wait_delivered(event_id: str, timeout: float = 20.0) -> CallbackDelivery:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = delivery(event_id)
-        if found.state == "delivered":
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{event_id} is {found.state} after {found.attempts} attempts: {found.attempt_log}")
-        time.sleep(0.05)
 
 
 def make_due(event_id: str) -> None:
