@@ -30,7 +30,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from celeryconfig import queue
 from models import db, lifecycle
 from models.calls import CallbackDelivery, ToolCall
-from tasks import app, callbacks, tools
+from tasks import app, backends, callbacks, tools
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,8 @@ class Link(Task):
             return self._retry_or_fail(tool_call_id, given, exc)
         except SoftTimeLimitExceeded:
             return self._retry_or_fail(tool_call_id, given, TransientError(f"step {step.name} timed out"))
-        except PermanentError as exc:
-            return self._fail(tool_call_id, given, str(exc), refused=True)
+        except (PermanentError, backends.Refused) as exc:  # the service (or the step) said no
+            return self._fail(tool_call_id, given, str(exc).rstrip("."), refused=True)
         except Exception as exc:  # classify it; an unforeseen error fails the call, never leaves it hanging
             if tools.is_transient(exc):
                 return self._retry_or_fail(tool_call_id, given, exc)

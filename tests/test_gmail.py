@@ -121,7 +121,8 @@ def test_google_answers_are_turned_into_what_they_mean(answers, raised, said):
         gmail.send("tc_0123456789ab", DRAFT, service=gmail_client(http))
     assert str(caught.value) == said
     assert len(http.request_sequence) == len(answers)
-    assert not tools.is_transient(caught.value)  # the tool maps these (PermanentError / TransientError)
+    # the engine retries what the backend says is unavailable and fails the call on a refusal
+    assert tools.is_transient(caught.value) == (raised is gmail.Unavailable)
 
 
 def test_a_5xx_goes_through_for_the_engine_to_retry():

@@ -270,7 +270,7 @@ def test_google_404_on_insert_fails_saying_it_was_not_booked(google_api, worker,
 
 def test_google_availability_from_freebusy_after_a_rate_limit(google_api, worker):
     thursday = next_week(3)
-    # Google's 403 rateLimitExceeded is worth retrying (the backend says Unavailable, the step TransientError)
+    # Google's 403 rateLimitExceeded is worth retrying (the backend says Unavailable, the engine retries)
     google_api.answer("POST", r"/freeBusy$", google_error(403, "Rate Limit Exceeded", "rateLimitExceeded"), status=403)
     google_api.answer("POST", r"/freeBusy$", {"calendars": {"primary": {"busy": [
         {"start": f"{thursday}T09:00:00Z", "end": f"{thursday}T12:30:00Z"},

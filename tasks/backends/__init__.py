@@ -1,5 +1,10 @@
 """Side effects and data sources of the tools. No Celery, no Flask: only ``models``.
 
+A backend raises :class:`Refused` for what retrying will not fix and :class:`Unavailable` for
+what it may (429, 5xx and timeouts from a client library are recognised as they are);
+the engine in ``tasks/chains.py`` turns them into a failed call or a retry, so tools need
+not translate them.
+
 A backend module that has a demo data set defines ``load_demo() -> int``: it adds
 the rows it is missing (safe to run twice) and says how many it added.
 ``voice-tools load-demo`` runs them all; ``voice-tools run`` does on a database
@@ -9,6 +14,16 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+
+
+class Refused(Exception):
+    """The backend's service refused the request (or the credentials are unusable): retrying will
+    not help, and nothing was done by it. The engine fails the call with this message."""
+
+
+class Unavailable(Exception):
+    """A failure worth retrying that the HTTP status alone does not say (a 403 rate limit, a lost
+    connection): the engine retries the step with backoff."""
 
 
 def load_demo() -> dict[str, int]:

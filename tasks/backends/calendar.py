@@ -41,6 +41,7 @@ from models import db, settings
 from models.calendar import CalendarEvent
 from tasks.backends import google
 from tasks.backends.google import HttpError
+from tasks.backends import Refused, Unavailable
 
 CALENDAR_ID_VARIABLE = "VOICE_TOOLS_GOOGLE_CALENDAR_ID"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404, 410})
@@ -49,12 +50,6 @@ RETRYABLE_FREEBUSY_REASONS = frozenset({"internalError", "backendError"})
 UTC = timezone.utc
 
 
-class Refused(Exception):
-    """The calendar refused the request (or the credentials are unusable): nothing was booked by it."""
-
-
-class Unavailable(Exception):
-    """A failure worth retrying that the HTTP status alone does not say (403 rate limit, transport)."""
 
 
 # -- ids ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, settings
 from models.contacts import Contact
 from tasks.backends import google
+from tasks.backends import Refused, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,6 @@ DEMO_CONTACTS = [
 ]
 
 
-class Refused(Exception):
-    """The contacts service refused the search; asking again will not help."""
-
-
-class Unavailable(Exception):
-    """The contacts service could not be reached (worth retrying)."""
 
 
 def search(query: str, limit: int = 5) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from google.auth.exceptions import RefreshError, TransportError
 
 from tasks.backends import google
 from tasks.backends.google import HttpError
+from tasks.backends import Refused, Unavailable
 
 USER = "me"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})
@@ -38,12 +39,6 @@ RATE_LIMIT_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
 POLICY = SMTP.clone(cte_type="7bit")  # CRLF lines; a non-ASCII body goes quoted-printable or base64
 
 
-class Refused(Exception):
-    """Gmail refused the request (or the credentials are unusable): it did not send."""
-
-
-class Unavailable(Exception):
-    """A failure worth retrying that the HTTP status alone does not say (403 rate limit, transport)."""
 
 
 def mime_message(draft: dict[str, Any]) -> EmailMessage:

@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, settings
 from models.task_list import TodoTask
 from tasks.backends import google
+from tasks.backends import Refused, Unavailable
 
 DEFAULT_TASKLIST = "@default"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})
@@ -37,12 +38,6 @@ LOOKBACK = timedelta(days=1)
 MAX_PAGES = 20  # 2,000 tasks updated in a day is more than any person's list
 
 
-class Refused(Exception):
-    """The task service refused the task; it was not added and asking again will not help."""
-
-
-class Unavailable(Exception):
-    """The task service could not be reached (worth retrying)."""
 
 
 def tasklist() -> str:

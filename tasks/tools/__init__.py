@@ -29,13 +29,15 @@ TRANSIENT_HTTP_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Is ``exc`` worth retrying? TransientError, a lost database or HTTP connection,
+    """Is ``exc`` worth retrying? TransientError, a backend's ``Unavailable``, a lost database or HTTP connection,
     a timeout, or an HTTP answer of 429 / 5xx from any client library (``requests``,
     ``googleapiclient``'s ``HttpError.resp.status``, ``openai``'s ``status_code``)."""
     import requests
     from sqlalchemy.exc import InterfaceError, OperationalError
 
-    if isinstance(exc, (TransientError, OperationalError, InterfaceError, TimeoutError, ConnectionError,
+    from tasks.backends import Unavailable
+
+    if isinstance(exc, (TransientError, Unavailable, OperationalError, InterfaceError, TimeoutError, ConnectionError,
                         requests.ConnectionError, requests.Timeout)):
         return True
     response = getattr(exc, "response", None)

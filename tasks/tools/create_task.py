@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, ValidationError, fields, validate
 
 from tasks.backends import task_list
-from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools import PermanentError, Step, StepInput, Tool
 
 PRIORITIES = ("low", "medium", "high")
 NOT_BLANK = validate.Regexp(r"\S", error="Must not be blank.")
@@ -66,12 +66,7 @@ def prepare(step: StepInput) -> dict[str, Any]:
 
 
 def create(step: StepInput) -> dict[str, Any]:
-    try:
-        return task_list.create(step.tool_call_id, step.outputs["PREPARING"])
-    except task_list.Refused as exc:
-        raise PermanentError(str(exc)) from exc
-    except task_list.Unavailable as exc:
-        raise TransientError(str(exc)) from exc
+    return task_list.create(step.tool_call_id, step.outputs["PREPARING"])
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

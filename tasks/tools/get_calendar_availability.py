@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 from marshmallow import Schema, ValidationError, fields, validate, validates_schema
 
 from tasks.backends import calendar
-from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools import PermanentError, Step, StepInput, Tool
 from tasks.tools._fields import valid_datetime, valid_timezone
 
 DEFAULT_DAYS = 7
@@ -123,12 +123,7 @@ def _planned(step: StepInput) -> tuple[datetime, datetime, Any, dict[str, Any]]:
 
 def check_calendar(step: StepInput) -> dict[str, Any]:
     start, end, tz, _ = _planned(step)
-    try:
-        periods = calendar.busy(start, end)
-    except calendar.Refused as exc:
-        raise PermanentError(str(exc).rstrip(".")) from exc
-    except calendar.Unavailable as exc:
-        raise TransientError(str(exc)) from exc
+    periods = calendar.busy(start, end)
     return {"busy": [{"start": p["start"].astimezone(tz).isoformat(), "end": p["end"].astimezone(tz).isoformat()}
                      for p in periods]}
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, ValidationError, fields, validate, validates_schema
 
 from tasks.backends import calendar
-from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools import PermanentError, Step, StepInput, Tool
 from tasks.tools._fields import valid_datetime, valid_timezone
 
 # a start this far in the past is still accepted (a caller saying "now", a slow confirmation)
@@ -62,12 +62,7 @@ def slot(parameters: Mapping[str, Any]) -> tuple[datetime, datetime, Any]:
 def check_availability(step: StepInput) -> dict[str, Any]:
     p = step.parameters
     start, end, tz = slot(p)
-    try:
-        taken = calendar.busy(start, end)
-    except calendar.Refused as exc:
-        raise PermanentError(str(exc).rstrip(".")) from exc
-    except calendar.Unavailable as exc:
-        raise TransientError(str(exc)) from exc
+    taken = calendar.busy(start, end)
     if taken:
         first = taken[0]
         if first["title"]:
@@ -92,12 +87,7 @@ def preview(step: StepInput) -> dict[str, Any]:
 
 def book(step: StepInput) -> dict[str, Any]:
     meeting = {**step.outputs["CHECKING_AVAILABILITY"], "tool_call_id": step.tool_call_id}
-    try:
-        return calendar.book(meeting)
-    except calendar.Refused as exc:
-        raise PermanentError(str(exc).rstrip(".")) from exc
-    except calendar.Unavailable as exc:
-        raise TransientError(str(exc)) from exc
+    return calendar.book(meeting)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, fields, validate
 
 from tasks.backends import contacts
-from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools import PermanentError, Step, StepInput, Tool
 
 
 NOT_BLANK = validate.Regexp(r"\S", error="Must not be blank.")
@@ -39,12 +39,7 @@ def search(step: StepInput) -> dict[str, Any]:
     query = " ".join(str(p["query"]).split())
     if not query:
         raise PermanentError("the search was empty")
-    try:
-        found = contacts.search(query, int(p.get("limit") or 5))
-    except contacts.Refused as exc:
-        raise PermanentError(str(exc)) from exc
-    except contacts.Unavailable as exc:
-        raise TransientError(str(exc)) from exc
+    found = contacts.search(query, int(p.get("limit") or 5))
     return {"contacts": found}
 
 

@@ -21,7 +21,7 @@ from marshmallow import Schema, fields, validate
 
 from models import db, lifecycle, settings
 from tasks.backends import email, gmail
-from tasks.tools import PermanentError, Step, StepInput, Tool, TransientError
+from tasks.tools import PermanentError, Step, StepInput, Tool
 
 MAX_REFERENCED = 5  # results quoted in the body
 TITLE_CHARS = 120
@@ -135,12 +135,7 @@ def send(step: StepInput) -> dict[str, Any]:
     draft = step.outputs["PREPARING"]
     if not settings.load().uses_google("gmail"):
         return email.send(step.tool_call_id, draft)
-    try:
-        return gmail.send(step.tool_call_id, draft)
-    except gmail.Refused as exc:
-        raise PermanentError(str(exc)) from exc
-    except gmail.Unavailable as exc:
-        raise TransientError(str(exc)) from exc
+    return gmail.send(step.tool_call_id, draft)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
