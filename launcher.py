@@ -1,4 +1,4 @@
-"""The ``voice-tools`` command: run the whole system, migrate, print the servers, demo.
+"""The ``voice-tools`` command: run the whole system, migrate, print the servers, demo, serve worker metrics.
 
 ``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
 then runs the Procfile with honcho (API, workers, beat, Flower) until interrupted; on
@@ -77,10 +77,18 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
     if scripts not in env.get("PATH", "").split(os.pathsep):
         env["PATH"] = os.pathsep.join(filter(None, [scripts, env.get("PATH")]))
     env.pop("FLOWER_UNAUTHENTICATED_API", None)
-    metrics_dir = Path(env.get("PROMETHEUS_MULTIPROC_DIR") or data_dir / "prometheus")
-    shutil.rmtree(metrics_dir, ignore_errors=True)  # stale files of a past run
-    metrics_dir.mkdir(parents=True, exist_ok=True)
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    env.setdefault("WORKER_METRICS_PORT", "9101")
+    # Each side's own multiprocess folder: the API's (gunicorn's workers) and the
+    # workers' (every pool child; the Procfile's worker lines pass it on). Flower keeps
+    # its series in its own process (its Procfile line unsets the variable).
+    for name, default in (("PROMETHEUS_MULTIPROC_DIR", "api"), ("VOICE_TOOLS_WORKER_METRICS_DIR", "workers")):
+        metrics_dir = Path(env.get(name) or data_dir / "prometheus" / default)
+        shutil.rmtree(metrics_dir, ignore_errors=True)  # stale files of a past run
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+        env[name] = str(metrics_dir)
+    if Path(env["PROMETHEUS_MULTIPROC_DIR"]).resolve() == Path(env["VOICE_TOOLS_WORKER_METRICS_DIR"]).resolve():
+        raise SystemExit("voice-tools: PROMETHEUS_MULTIPROC_DIR (the API's metrics) and "
+                         "VOICE_TOOLS_WORKER_METRICS_DIR (the workers') must be two folders")
     return env, filled
 
 
@@ -187,7 +195,9 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
     host = env["HOST"]
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     lines = [f"API on http://{shown}:{env['PORT']}, MCP on http://{shown}:{env['MCP_PORT']}/mcp, "
-             f"Flower on http://{shown}:{env['FLOWER_PORT']}"]
+             f"Flower on http://{shown}:{env['FLOWER_PORT']}",
+             f"worker metrics on http://{shown}:{env['WORKER_METRICS_PORT']}/metrics "
+             f"(the API's own at /metrics of the API)"]
     if host in ("127.0.0.1", "localhost", "::1"):
         lines.append(f"listening on {host} only (set HOST=0.0.0.0 to serve other machines)")
     else:
@@ -259,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
     sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
     sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001)")
+    sub.add_parser("worker-metrics", add_help=False,
+                   help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
@@ -275,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
 
         mcp_server.main(rest)
         return 0
+    if command == "worker-metrics":
+        from tasks import metrics_exporter
+
+        return metrics_exporter.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if command == "run":

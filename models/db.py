@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 _engine: Engine | None = None
 _factory: sessionmaker[Session] | None = None
+_current: ContextVar[Session | None] = ContextVar("voice_tools_session", default=None)
 
 
 def database_url() -> str:
@@ -55,4 +57,29 @@ def session() -> Iterator[Session]:
     engine()
     assert _factory is not None
     with _factory() as s, s.begin():
-        yield s
+        token = _current.set(s)
+        try:
+            yield s
+        finally:
+            _current.reset(token)
+
+
+def current() -> Session | None:
+    """The session of the innermost :func:`session` block open in this thread, if any."""
+    return _current.get()
+
+
+def after_commit(s: Session, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Call ``fn(*args, **kwargs)`` once ``s``'s transaction has committed; never if it rolls back."""
+    s.info.setdefault("after_commit", []).append((fn, args, kwargs))
+
+
+@event.listens_for(Session, "after_commit")
+def _run_after_commit(s: Session) -> None:
+    for fn, args, kwargs in s.info.pop("after_commit", ()):
+        fn(*args, **kwargs)
+
+
+@event.listens_for(Session, "after_rollback")
+def _forget_after_commit(s: Session) -> None:
+    s.info.pop("after_commit", None)

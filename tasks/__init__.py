@@ -9,9 +9,9 @@ from celery.signals import worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import tools, worker_groups
+from tasks import base, tools, worker_groups
 
-app = Celery("tasks")
+app = Celery("tasks", task_cls=base.Task)  # every task's base class (tasks/base.py)
 app.config_from_object("celeryconfig")
 app.conf.task_queues = tuple(
     [queue(tool.queue) for tool in tools.TOOLS.values()] + [queue("callbacks"), queue("maintenance")]

@@ -49,11 +49,12 @@ from sqlalchemy.orm import Session
 
 from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
-from tasks import app
+from tasks import app, worker_metrics
 
 log = logging.getLogger(__name__)
 
 EVENTS = ("progress", "checkpoint", "completed", "failed", "cancelled", "expired")
+ENDINGS = ("completed", "failed", "cancelled", "expired")  # the events of a call's final status
 
 _http: requests.Session | None = None
 _cancel_handler: Callable[[str, str], None] | None = None
@@ -388,6 +389,8 @@ def record(
         next_attempt_at=lease if inline and url else None,
     )
     s.add(delivery)
+    if event in ENDINGS:  # every ending records its event once: counted when it has committed
+        db.after_commit(s, worker_metrics.call_ended, call.function_name, call.status)
     return delivery if url else None
 
 
@@ -463,9 +466,11 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
     """Post a claimed delivery, record the attempt, act on the relay's answer."""
     cfg = settings.load()
     event_id = delivery.event_id
+    started = time.perf_counter()
     refusal, address = delivery_refusal(delivery.url)
     if refusal is not None:  # no request is made; retrying would be refused the same way
-        _record_attempt(event_id, delivery.attempts, None, refusal, cfg.callback_max_attempts, final=True)
+        state = _record_attempt(event_id, delivery.attempts, None, refusal, cfg.callback_max_attempts, final=True)
+        worker_metrics.callback_attempt(delivery.event, state, time.perf_counter() - started)
         log.warning("callback %s not sent: %s", event_id, refusal)
         return Answer(delivered=False)
     payload = dict(delivery.payload, sent_at=datetime.now(timezone.utc).isoformat())
@@ -481,6 +486,7 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
     }
     host = (urlsplit(delivery.url).hostname or "").lower()
     code, error, raw, note = _exchange(delivery.url, body, headers, timeout, (host, address) if address else None)
+    seconds = time.perf_counter() - started
     answer: Any = None
     if error is None and raw:
         try:
@@ -488,7 +494,8 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
         except ValueError:
             answer = None
     delivered = error is None
-    _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
+    state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
+    worker_metrics.callback_attempt(delivery.event, state, seconds)
     cancel = bool(isinstance(answer, dict) and answer.get("cancel") is True)
     reason = answer.get("reason") if cancel and isinstance(answer.get("reason"), str) else None
     if cancel and _is_cancellable(delivery.payload):
@@ -538,7 +545,8 @@ def _exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
 
 
 def _record_attempt(event_id: str, attempts_before: int, code: int | None, error: str | None,
-                    max_attempts: int, *, final: bool = False, note: str | None = None) -> None:
+                    max_attempts: int, *, final: bool = False, note: str | None = None) -> str:
+    """Record one attempt on its row; return the row's new state (delivered, pending or failed)."""
     delivered = error is None
     attempts = attempts_before + 1
     exhausted = not delivered and (final or attempts >= max_attempts)
@@ -558,6 +566,7 @@ def _record_attempt(event_id: str, attempts_before: int, code: int | None, error
             )
             .execution_options(synchronize_session=False)
         )
+    return state
 
 
 def _is_cancellable(payload: dict[str, Any]) -> bool:

@@ -21,16 +21,14 @@ import logging
 import time
 from typing import Any
 
-from celery import Task, chain
+from celery import chain
 from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
-from sqlalchemy.exc import InterfaceError, OperationalError
-
 from celeryconfig import queue
 from models import db, lifecycle
 from models.calls import CallbackDelivery, ToolCall
-from tasks import app, backends, callbacks, tools
+from tasks import app, backends, base, callbacks, tools, worker_metrics
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
 log = logging.getLogger(__name__)
@@ -62,24 +60,27 @@ def tool_of(call: ToolCall) -> Tool:
     return tool
 
 
-class Link(Task):
-    """Base task of every chain link; ``tool`` and ``step`` are set per task class."""
+class Link(base.Task):
+    """Base task of every chain link; ``tool`` and ``step`` are set per task class.
+
+    Retries on a lost database, metrics and after-commit enqueueing come from
+    :class:`tasks.base.Task`; a link's run is timed per tool and step.
+    """
 
     abstract = True
     ignore_result = True
     acks_late = True
     reject_on_worker_lost = True
-    # The database went away in the link's own statements (a restart, a failover):
-    # run the link again later. Every link is idempotent, so this is safe; the
-    # message is acknowledged only when the retry has been published.
-    autoretry_for = (OperationalError, InterfaceError)
-    retry_backoff = 1
-    retry_backoff_max = 30
-    retry_jitter = True
-    max_retries = 40
     tool: Tool
     step: Step
     index: int
+
+    def begun(self) -> None:
+        if self.index == 0 and not self.request.retries:  # the chain's first link, first run
+            worker_metrics.call_started(self.tool.name)
+
+    def ran(self, seconds: float) -> None:
+        worker_metrics.step_ran(self.tool.name, self.step.name, seconds)
 
     def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
@@ -140,6 +141,7 @@ class Link(Task):
         Only the call still EXECUTING at this link's step is failed, with the sentence
         that fits how far it got (never "not sent" past the point of no return).
         """
+        super().on_failure(exc, task_id, args, kwargs, einfo)
         tool_call_id = args[0] if args else None
         if not tool_call_id:
             return

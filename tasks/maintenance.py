@@ -1,15 +1,22 @@
-"""Beat sweeps on the ``maintenance`` queue (CONTRACT section 7)."""
+"""Beat sweeps on the ``maintenance`` queue (CONTRACT section 7).
+
+Each sweep is a task of the one base class (``tasks/base.py``: timed and counted), but
+is not retried when the database is away: beat runs it again on its schedule.
+"""
 from __future__ import annotations
 
+import functools
 import logging
 
 from models import db, lifecycle, settings
-from tasks import app, callbacks, chains, tools
+from tasks import app, callbacks, chains, tools, worker_metrics
 
 log = logging.getLogger(__name__)
 
+sweep = functools.partial(app.task, ignore_result=True, autoretry_for=())
 
-@app.task(name="maintenance.expire_stale", ignore_result=True)
+
+@sweep(name="maintenance.expire_stale")
 def expire_stale() -> int:
     """PENDING and PREPARED calls left unanswered past their TTL become EXPIRED, each in its own
     transaction with its ``expired`` event; a call that cannot be expired is left as it was
@@ -26,7 +33,7 @@ def expire_stale() -> int:
     return expired
 
 
-@app.task(name="maintenance.fail_stuck", ignore_result=True)
+@sweep(name="maintenance.fail_stuck")
 def fail_stuck() -> int:
     """Calls EXECUTING with no progress for longer than any link may take (their worker
     died): fail those that never reached the point of no return; run the rest of the
@@ -44,9 +51,11 @@ def fail_stuck() -> int:
         if tool is None:
             continue
         if call.committed_at is not None:
-            done = (chains.redrive(tool_call_id, cfg.stuck_executing_s, cfg.max_redrives)
-                    or chains.give_up(tool, tool_call_id, call.parameters, cfg.stuck_executing_s,
-                                   cfg.max_redrives))
+            done = chains.redrive(tool_call_id, cfg.stuck_executing_s, cfg.max_redrives)
+            if done is not None:
+                worker_metrics.redriven(tool.name)
+            done = done or chains.give_up(tool, tool_call_id, call.parameters, cfg.stuck_executing_s,
+                                          cfg.max_redrives)
         else:
             done = chains.fail_call(tool, tool_call_id, "The worker stopped before finishing.", call.parameters,
                                     uncommitted_only=True)
@@ -54,7 +63,7 @@ def fail_stuck() -> int:
     return handled
 
 
-@app.task(name="maintenance.retry_callbacks", ignore_result=True)
+@sweep(name="maintenance.retry_callbacks")
 def retry_callbacks() -> int:
     """Re-enqueue deliveries whose retry is overdue (their message was lost)."""
     with db.session() as s:
@@ -64,7 +73,7 @@ def retry_callbacks() -> int:
     return len(due)
 
 
-@app.task(name="maintenance.purge_context", ignore_result=True)
+@sweep(name="maintenance.purge_context")
 def purge_context() -> int:
     with db.session() as s:
         return lifecycle.purge_expired_context(s)

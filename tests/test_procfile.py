@@ -32,8 +32,25 @@ def option(words: list[str], name: str) -> str:
     raise AssertionError(f"{name} not in {words}")
 
 
+def command(words: list[str]) -> list[str]:
+    """The command of a line, without a leading ``env`` and its ``-u NAME`` / ``NAME=value`` words."""
+    if words[:1] != ["env"]:
+        return words
+    i = 1
+    while i < len(words) and (words[i] == "-u" or "=" in words[i]):
+        i += 2 if words[i] == "-u" else 1
+    return words[i:]
+
+
 def worker_lines() -> dict[str, list[str]]:
-    return {name: words for name, words in procfile().items() if words[3:4] == ["worker"]}
+    return {name: command(words) for name, words in procfile().items() if command(words)[3:4] == ["worker"]}
+
+
+def env_of(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """What a line's leading ``env`` sets and unsets."""
+    head = words[: len(words) - len(command(words))]
+    unset = [head[i + 1] for i, word in enumerate(head) if word == "-u"]
+    return dict(word.split("=", 1) for word in head[1:] if "=" in word and word not in unset), unset
 
 
 def consumed_by(words: list[str]) -> list[str]:
@@ -70,8 +87,8 @@ def test_web_beat_and_flower_lines():
     assert option(web, "--bind").endswith("${PORT:-8000}")
     assert lines["beat"][:4] == ["celery", "-A", "tasks", "beat"]
     flower = lines["flower"]
-    assert flower[:2] == ["env", "-u"] and flower[2] == "FLOWER_UNAUTHENTICATED_API"
-    assert flower[3:7] == ["celery", "-A", "tasks", "flower"]
+    assert env_of(flower)[1] == ["FLOWER_UNAUTHENTICATED_API", "PROMETHEUS_MULTIPROC_DIR"]
+    assert command(flower)[:4] == ["celery", "-A", "tasks", "flower"]
     assert option(flower, "--port") == "${FLOWER_PORT:-5555}"
     # every face binds HOST: 0.0.0.0 in production, 127.0.0.1 under `voice-tools run`
     assert option(flower, "--address") == "${HOST:-0.0.0.0}"
@@ -108,3 +125,18 @@ def test_flask_cli_finds_the_app_factory():
             "/voice-tools/status/<tool_call_id>", "/voice-tools/context/<session_id>", "/voice-tools/session-context",
             "/voice-tools/tools", "/execute-gmail", "/query-vector-db", "/get-session-context", "/healthz",
             "/readyz", "/metrics", "/openapi.json"} <= routes, done.stdout
+
+
+def test_metrics_folders_are_each_sides_own():
+    """The workers write into their own folder, Flower keeps its series in its process, and
+    the API's folder (PROMETHEUS_MULTIPROC_DIR as the run sets it) is the web line's alone;
+    one exporter line serves the workers' folder."""
+    lines = procfile()
+    for name, words in worker_lines().items():
+        assert env_of(lines[name])[0] == {"PROMETHEUS_MULTIPROC_DIR": "${VOICE_TOOLS_WORKER_METRICS_DIR:?set "
+                                          "VOICE_TOOLS_WORKER_METRICS_DIR to the workers own metrics folder}"}, name
+    assert "PROMETHEUS_MULTIPROC_DIR" in env_of(lines["flower"])[1]
+    exporter = lines["worker-metrics"]
+    assert exporter[:2] == ["voice-tools", "worker-metrics"]
+    assert option(exporter, "--host") == "${HOST:-0.0.0.0}"
+    assert option(exporter, "--port") == "${WORKER_METRICS_PORT:-9101}"

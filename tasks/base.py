@@ -1,0 +1,81 @@
+"""The one Task base class of every task (links, callback delivery, sweeps), in the
+style of Warehouse's ``warehouse/tasks.py``: retries, metrics and after-commit
+enqueueing in one place. The app makes it the default (``Celery(task_cls=...)``), so a
+plain ``@app.task`` gets it; :class:`tasks.chains.Link` subclasses it.
+
+- **Retries.** The database went away in a task's own statements (a restart, a
+  failover): the task runs again later with backoff (Celery's ``autoretry_for``).
+  Every task is idempotent, so this is safe. A sweep opts out (beat runs it again).
+- **Metrics.** ``__call__`` times each run and ``on_success`` / ``on_retry`` /
+  ``on_failure`` count its outcome (``tasks/worker_metrics.py``); a subclass says
+  what else a run means with :meth:`Task.begun` and :meth:`Task.ran`. Only memory-mapped
+  files are touched: no database round trip is added to any task.
+- **After-commit enqueueing.** ``apply_async`` inside an open ``db.session()`` block
+  publishes once that transaction has committed, and never if it rolls back; outside
+  one it publishes at once (and returns the ``AsyncResult``, as Celery does).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import celery
+from celery.signals import worker_init
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from models import db
+from tasks import worker_metrics
+
+
+class Task(celery.Task):
+    # The database went away in the task's own statements: run it again later. The
+    # message is acknowledged only when the retry has been published.
+    autoretry_for = (OperationalError, InterfaceError)
+    retry_backoff = 1
+    retry_backoff_max = 30
+    retry_jitter = True
+    max_retries = 40
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.begun()
+        started = time.perf_counter()
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self.ran(time.perf_counter() - started)
+
+    # -- what a run means; a subclass says more ----------------------------------------
+
+    def begun(self) -> None:
+        """Called as a run begins (in the process that runs it)."""
+
+    def ran(self, seconds: float) -> None:
+        """Called as a run ends, however it ended (not when its process was killed)."""
+        worker_metrics.task_ran(self.name, seconds)
+
+    # -- outcomes ---------------------------------------------------------------------
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        worker_metrics.task_outcome(self.name, "succeeded")
+
+    def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        worker_metrics.task_outcome(self.name, "retried")
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        """Also called in the worker's main process when a pool child was killed at the hard time limit."""
+        worker_metrics.task_outcome(self.name, "failed")
+
+    # -- enqueueing --------------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        s = db.current()
+        if s is not None:
+            db.after_commit(s, super().apply_async, args, kwargs, **options)
+            return None
+        return super().apply_async(args, kwargs, **options)
+
+
+@worker_init.connect
+def _record_worker_metrics(**_: object) -> None:
+    """A worker's main process, before its pool forks: its children record too."""
+    worker_metrics.start_recording()

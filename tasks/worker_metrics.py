@@ -1,0 +1,96 @@
+"""The workers' Prometheus series (the README lists them all).
+
+They live in a registry of their own (:data:`REGISTRY`), never in prometheus-client's
+default one, so the API's ``/metrics`` (which renders the default registry, or the
+API's multiprocess folder) never shows them. The workers run in prefork mode with
+``PROMETHEUS_MULTIPROC_DIR`` set to a folder that is theirs alone (the Procfile's
+worker lines set it from ``VOICE_TOOLS_WORKER_METRICS_DIR``); every pool child writes
+its own files there and the exporter (``tasks/metrics_exporter.py``) adds them up.
+
+Nothing is recorded outside a worker process (:func:`start_recording` is called at
+``worker_init``): the API imports the same modules, and its transitions (a caller's
+cancel) must not write worker series into the API's folder. The recording functions
+only touch memory-mapped files: no database, no broker, no network.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+CALLBACK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+CALLS_STARTED = Counter(
+    "voice_tools_calls_started_total", "Chains begun on a worker: the first link of a tool's chain ran",
+    ["tool"], registry=REGISTRY)
+CALLS_ENDED = Counter(
+    "voice_tools_calls_ended_total", "Calls a worker ended, by final status", ["tool", "status"], registry=REGISTRY)
+STEP_DURATION = Histogram(
+    "voice_tools_step_duration_seconds", "Time a link took: gate, claim, the step, its record and inline callback",
+    ["tool", "step"], buckets=STEP_BUCKETS, registry=REGISTRY)
+TASK_DURATION = Histogram(
+    "voice_tools_task_duration_seconds", "Time a task other than a link took (callback delivery, sweeps)",
+    ["task"], buckets=STEP_BUCKETS, registry=REGISTRY)
+TASKS = Counter(
+    "voice_tools_tasks_total", "Task runs by outcome (succeeded, retried, failed)", ["task", "outcome"],
+    registry=REGISTRY)
+CALLBACK_ATTEMPTS = Counter(
+    "voice_tools_callback_attempts_total", "Callback delivery attempts by event and outcome "
+    "(delivered, will_retry, gave_up)", ["event", "outcome"], registry=REGISTRY)
+CALLBACK_DURATION = Histogram(
+    "voice_tools_callback_attempt_duration_seconds", "Time one callback attempt took, by outcome",
+    ["outcome"], buckets=CALLBACK_BUCKETS, registry=REGISTRY)
+REDRIVES = Counter(
+    "voice_tools_redrives_total", "Committed calls whose stopped chain the stuck-call sweep ran again",
+    ["tool"], registry=REGISTRY)
+
+_recording = False
+
+
+def start_recording() -> None:
+    """This process is a worker: record from now on (its forked pool children inherit it)."""
+    global _recording
+    _recording = True
+
+
+def recording() -> bool:
+    return _recording
+
+
+def call_started(tool: str) -> None:
+    if _recording:
+        CALLS_STARTED.labels(tool).inc()
+
+
+def call_ended(tool: str, status: str) -> None:
+    if _recording:
+        CALLS_ENDED.labels(tool, status).inc()
+
+
+def step_ran(tool: str, step: str, seconds: float) -> None:
+    if _recording:
+        STEP_DURATION.labels(tool, step).observe(seconds)
+
+
+def task_ran(task: str, seconds: float) -> None:
+    if _recording:
+        TASK_DURATION.labels(task).observe(seconds)
+
+
+def task_outcome(task: str, outcome: str) -> None:
+    if _recording:
+        TASKS.labels(task, outcome).inc()
+
+
+def callback_attempt(event: str, state: str, seconds: float) -> None:
+    """One attempt's outcome from the row's new ``state``: delivered, pending (will_retry), failed (gave_up)."""
+    if _recording:
+        outcome = {"delivered": "delivered", "pending": "will_retry"}.get(state, "gave_up")
+        CALLBACK_ATTEMPTS.labels(event, outcome).inc()
+        CALLBACK_DURATION.labels(outcome).observe(seconds)
+
+
+def redriven(tool: str) -> None:
+    if _recording:
+        REDRIVES.labels(tool).inc()

@@ -1,0 +1,174 @@
+"""The workers' Prometheus series (issue 15 point 4), from a real prefork worker.
+
+A ``celery -A tasks worker --pool prefork`` subprocess writes into a multiprocess
+folder of its own (``PROMETHEUS_MULTIPROC_DIR``, as the Procfile's worker lines set it
+from ``VOICE_TOOLS_WORKER_METRICS_DIR``); ``voice-tools worker-metrics`` serves that
+folder, and the test scrapes it over HTTP after the worker ran two calls: one that
+completes and one that fails after a retry. The queue depths are read from the
+broker. The API's ``/metrics`` shows none of this.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import requests
+from celery.signals import before_task_publish
+from prometheus_client.parser import text_string_to_metric_families
+
+from models import db
+from tasks import app, callbacks, chains, metrics_exporter
+from tests.conftest import AUTH
+from tests.helpers import make_call, wait_status
+from tests.procs import ROOT, free_port
+from tests.worker_process import WorkerProcess, queues_taken_from_others
+
+pytestmark = pytest.mark.slow
+
+WORKER_SERIES = ("voice_tools_calls_", "voice_tools_step_", "voice_tools_task", "voice_tools_callback_",
+                 "voice_tools_redrives", "voice_tools_queue_depth")
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a Prometheus text page: (name, labels) -> value."""
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(found: dict, name: str, **labels: str) -> float | None:
+    return found.get((name, frozenset(labels.items())))
+
+
+def by(found: dict, name: str, label: str, **where: str) -> dict[str, float]:
+    """The samples of ``name`` matching ``where``, keyed by ``label``."""
+    out: dict[str, float] = defaultdict(float)
+    for (sample, labels), number in found.items():
+        labels = dict(labels)
+        if sample == name and all(labels.get(k) == v for k, v in where.items()):
+            out[labels[label]] += number
+    return dict(out)
+
+
+@pytest.fixture(scope="module")
+def metered(tmp_path_factory):
+    from tests import metered_tools
+
+    for tool in metered_tools.TOOLS:  # in this process too, to enqueue their chains
+        chains.register_tool(tool)
+    try:
+        yield metered_tools
+    finally:
+        for tool in metered_tools.TOOLS:
+            chains.unregister_tool(tool.name)
+
+
+def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, relay, tmp_path):
+    folder = tmp_path / "worker-metrics"
+    folder.mkdir()
+    queues = [tool.queue for tool in metered.TOOLS]
+    ok = make_call("metered_ok", {"what": "the invoice"}, callback_url=relay.url)
+    flaky = make_call("metered_flaky", {"what": "the weather"}, callback_url=relay.url)
+
+    with queues_taken_from_others(app, queues):
+        # no worker consumes the tools' queues yet: each chain's first link waits in the broker
+        chains.confirm(ok.tool_call_id)
+        chains.confirm(flaky.tool_call_id)
+        depths = by(samples(scrape_registry(folder)), "voice_tools_queue_depth", "queue")
+        assert depths["tools.metered_ok"] == 1 and depths["tools.metered_flaky"] == 1, depths
+        assert depths["callbacks"] == 0
+
+        with WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=tmp_path, name="metered",
+                           include=["tests.metered_tools"], env={"PROMETHEUS_MULTIPROC_DIR": str(folder)}) as worker:
+            relay.wait_for(ok.tool_call_id, "completed", timeout=60)
+            relay.wait_for(flaky.tool_call_id, "failed", timeout=60)
+            assert wait_status(ok.tool_call_id).status == "COMPLETED"
+            failed = wait_status(flaky.tool_call_id)
+            assert failed.status == "FAILED" and failed.error_message.startswith("the service is busy"), \
+                failed.error_message
+            found = samples(scrape_exporter(folder))
+            assert "raised unexpected" not in worker.log()
+
+    # per tool: calls started, and ended by final status
+    assert by(found, "voice_tools_calls_started_total", "tool") == {"metered_ok": 1, "metered_flaky": 1}
+    assert value(found, "voice_tools_calls_ended_total", tool="metered_ok", status="COMPLETED") == 1
+    assert value(found, "voice_tools_calls_ended_total", tool="metered_flaky", status="FAILED") == 1
+    assert sum(by(found, "voice_tools_calls_ended_total", "status").values()) == 2
+    # the step histogram: one run of each step of metered_ok; the flaky step ran twice (a retry), no COMPLETED
+    steps = by(found, "voice_tools_step_duration_seconds_count", "step", tool="metered_ok")
+    assert steps == {"FETCH": 1, "COMPLETED": 1}
+    assert by(found, "voice_tools_step_duration_seconds_count", "step", tool="metered_flaky") == {"TRY": 2}
+    assert value(found, "voice_tools_step_duration_seconds_bucket", tool="metered_ok", step="FETCH", le="+Inf") == 1
+    assert value(found, "voice_tools_step_duration_seconds_sum", tool="metered_ok", step="FETCH") > 0
+    # retries and outcomes of the tasks
+    assert by(found, "voice_tools_tasks_total", "outcome", task="tools.metered_flaky.TRY") == \
+        {"retried": 1, "succeeded": 1}
+    assert by(found, "voice_tools_tasks_total", "outcome", task="tools.metered_ok.FETCH") == {"succeeded": 1}
+    # callbacks: progress and completed of metered_ok, failed of metered_flaky, each delivered at once
+    assert by(found, "voice_tools_callback_attempts_total", "event", outcome="delivered") == \
+        {"progress": 1, "completed": 1, "failed": 1}
+    assert by(found, "voice_tools_callback_attempts_total", "outcome") == {"delivered": 3}
+    assert value(found, "voice_tools_callback_attempt_duration_seconds_count", outcome="delivered") == 3
+    # the exporter read every queue of its registry from the broker; the tools' queues were drained
+    assert by(found, "voice_tools_queue_depth", "queue")["tools.send_email"] == 0
+    depths = by(samples(scrape_registry(folder)), "voice_tools_queue_depth", "queue")
+    assert depths["tools.metered_ok"] == 0 and depths["tools.metered_flaky"] == 0, depths
+
+
+def scrape_registry(folder) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(metrics_exporter.registry(folder, app)).decode()
+
+
+def scrape_exporter(folder) -> str:
+    """Start ``voice-tools worker-metrics`` on ``folder``, scrape it once, stop it."""
+    port = free_port()
+    exporter = subprocess.Popen(
+        [sys.executable, str(ROOT / "launcher.py"), "worker-metrics", "--host", "127.0.0.1", "--port", str(port),
+         "--dir", str(folder)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = exporter.stdout.readline()
+        assert said.strip() == f"worker metrics of {folder} on http://127.0.0.1:{port}/metrics", said
+        answer = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        assert answer.status_code == 200
+        return answer.text
+    finally:
+        exporter.terminate()
+        assert exporter.wait(timeout=30) == 0
+
+
+def test_the_api_metrics_show_none_of_the_workers_series(client, worker, relay):
+    """The in-process worker runs a chain in this very process; the API's /metrics still shows only its own."""
+    call = make_call("search_contacts", {"query": "John"}, callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    assert wait_status(call.tool_call_id).status == "COMPLETED"
+    text = client.get("/metrics", headers=AUTH).get_data(as_text=True)
+    assert "voice_tools_http_requests_total" in text
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert not [name for name in names if name.startswith(WORKER_SERIES) or name.startswith("flower_")], names
+
+
+def test_enqueueing_inside_a_transaction_waits_for_its_commit():
+    published: list[str] = []
+
+    def seen(sender=None, headers=None, **_):
+        published.append(headers["id"])
+
+    before_task_publish.connect(seen, weak=False)
+    try:
+        with db.session():
+            callbacks.deliver.apply_async(("no-such-event",))
+            assert published == [], "published before the transaction committed"
+        assert len(published) == 1
+        with pytest.raises(RuntimeError), db.session():
+            callbacks.deliver.apply_async(("no-such-event",))
+            raise RuntimeError("rolled back")
+        time.sleep(0.1)
+        assert len(published) == 1, "a rolled-back transaction published its task"
+        assert callbacks.deliver.apply_async(("no-such-event",)).id  # outside one: at once
+        assert len(published) == 2
+    finally:
+        before_task_publish.disconnect(seen)
