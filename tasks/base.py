@@ -6,10 +6,11 @@ plain ``@app.task`` gets it; :class:`tasks.chains.Link` subclasses it.
 - **Retries.** The database went away in a task's own statements (a restart, a
   failover): the task runs again later with backoff (Celery's ``autoretry_for``).
   Every task is idempotent, so this is safe. A sweep opts out (beat runs it again).
-- **Metrics.** ``__call__`` times each run and ``on_success`` / ``on_retry`` /
-  ``on_failure`` count its outcome (``tasks/worker_metrics.py``); a subclass says
-  what else a run means with :meth:`Task.begun` and :meth:`Task.ran`. Only memory-mapped
-  files are touched: no database round trip is added to any task.
+- **Metrics.** Each run is timed (Celery's ``task_prerun`` / ``task_postrun``) and
+  ``on_success`` / ``on_retry`` / ``on_failure`` count its outcome
+  (``tasks/worker_metrics.py``); a subclass says what else a run means with
+  :meth:`Task.begun` and :meth:`Task.ran`. Only memory-mapped files are touched: no
+  database round trip is added to any task.
 - **After-commit enqueueing.** ``apply_async`` inside an open ``db.session()`` block
   publishes once that transaction has committed, and never if it rolls back; outside
   one it publishes at once (and returns the ``AsyncResult``, as Celery does).
@@ -20,7 +21,7 @@ import time
 from typing import Any
 
 import celery
-from celery.signals import worker_init
+from celery.signals import task_postrun, task_prerun, worker_init
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from models import db
@@ -36,15 +37,7 @@ class Task(celery.Task):
     retry_jitter = True
     max_retries = 40
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.begun()
-        started = time.perf_counter()
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            self.ran(time.perf_counter() - started)
-
-    # -- what a run means; a subclass says more ----------------------------------------
+    # -- what a run means; a subclass says more (called from the signals below) --------
 
     def begun(self) -> None:
         """Called as a run begins (in the process that runs it)."""
@@ -79,3 +72,21 @@ class Task(celery.Task):
 def _record_worker_metrics(**_: object) -> None:
     """A worker's main process, before its pool forks: its children record too."""
     worker_metrics.start_recording()
+
+
+# Each run is timed between Celery's own signals rather than in an overridden
+# ``__call__``: the worker then calls ``run`` directly (its fast path), and the request a
+# link changes (``request.chain = None`` ends its chain) is the one Celery reads after.
+
+@task_prerun.connect
+def _begun(sender: Any = None, **_: Any) -> None:
+    if isinstance(sender, Task):
+        sender.request.metrics_started = time.perf_counter()
+        sender.begun()
+
+
+@task_postrun.connect
+def _ran(sender: Any = None, **_: Any) -> None:
+    started = getattr(sender.request, "metrics_started", None) if isinstance(sender, Task) else None
+    if started is not None:
+        sender.ran(time.perf_counter() - started)

@@ -36,6 +36,7 @@ class System:
     def __init__(self) -> None:
         self.data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-run-", dir=tempfile.gettempdir()))
         self.port, self.flower_port, self.mcp_port = free_port(), free_port(), free_port()
+        self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flower_url = f"http://127.0.0.1:{self.flower_port}"
         self.env = bare_env(
@@ -43,6 +44,7 @@ class System:
             PORT=str(self.port),
             FLOWER_PORT=str(self.flower_port),
             MCP_PORT=str(self.mcp_port),
+            WORKER_METRICS_PORT=str(self.metrics_port),
             VOICE_TOOLS_API_TOKENS=f"runtest:{TOKEN}",
             VOICE_TOOLS_CALLBACK_SECRET=SECRET,
             VOICE_TOOLS_CALLBACK_HOSTS="127.0.0.1",
@@ -162,7 +164,8 @@ def test_the_api_mcp_and_flower_listen_on_the_loopback_only(system):
     """HOST unset: the Procfile's 0.0.0.0 is for production; a local run binds 127.0.0.1."""
     system.wait_listening(system.mcp_port)
     system.wait_listening(system.flower_port)
-    ports = {system.port, system.mcp_port, system.flower_port}
+    system.wait_listening(system.metrics_port)
+    ports = {system.port, system.mcp_port, system.flower_port, system.metrics_port}
     bound: dict[int, set[str]] = {port: set() for port in ports}
     for proc in running(system.data_dir):
         try:
@@ -182,6 +185,7 @@ def test_the_banner_names_the_secrets_file_and_flowers_user_and_prints_no_secret
     assert "Flower user: ops" in out
     assert "listening on 127.0.0.1 only" in out
     assert f"API on http://127.0.0.1:{system.port}" in out
+    assert f"worker metrics on http://127.0.0.1:{system.metrics_port}/metrics" in out
     stored = json.loads(secrets_file.read_text())
     for secret in (TOKEN, SECRET, FLOWER_AUTH[1], *stored.values()):
         assert secret not in out  # every secret was set: none is printed, not even the API token
@@ -265,6 +269,35 @@ def test_the_demo_plays_the_calendar_and_docs_scenarios_on_the_demo_data(system,
         assert final["result"]["to"] == "john.smith@example.com"
 
 
+def test_the_workers_series_are_served_apart_from_the_apis(system):
+    """After the demos ran through the real workers: the exporter shows what they did, and the
+    API's /metrics shows the API's series only (neither the workers' nor Flower's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families(text: str) -> dict[str, list]:
+        return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+    system.wait_listening(system.metrics_port)
+    workers = families(requests.get(f"http://127.0.0.1:{system.metrics_port}/metrics", timeout=30).text)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(sample.value for sample in workers.get(name, [])
+                   if all(sample.labels.get(k) == v for k, v in labels.items()))
+
+    assert total("voice_tools_calls_ended", tool="send_email", status="COMPLETED") >= 2  # two demos sent one
+    assert total("voice_tools_calls_started", tool="send_email") >= 2
+    assert total("voice_tools_step_duration_seconds", tool="send_email", step="SENDING") > 0
+    assert total("voice_tools_callback_attempts", event="checkpoint", outcome="delivered") >= 2
+    depths = {sample.labels["queue"] for sample in workers["voice_tools_queue_depth"]}
+    assert depths == {tool.queue for tool in tools.TOOLS.values()} | {"callbacks", "maintenance"}
+
+    api = system.api("GET", "/metrics")
+    assert api.status_code == 200
+    names = set(families(api.text))
+    assert "voice_tools_http_requests" in names
+    assert not [name for name in names if not name.startswith("voice_tools_http_")], names
+
+
 def test_a_second_run_on_the_same_data_dir_is_refused(system):
     second = subprocess.run(
         [str(Path(sys.executable).with_name("voice-tools")), "run"], env=dict(system.env, PORT=str(free_port())),
@@ -279,7 +312,8 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "celery -A tasks beat", "celery -A tasks flower", "honcho", "voice-tools mcp"):
+                 "celery -A tasks beat", "celery -A tasks flower", "honcho", "voice-tools mcp",
+                 "voice-tools worker-metrics"):
         assert part in commands, f"{part} not running: {describe(before)}"
 
     assert system.stop() == 128 + signal.SIGTERM
