@@ -81,14 +81,15 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
     # Each side's own multiprocess folder: the API's (gunicorn's workers) and the
     # workers' (every pool child; the Procfile's worker lines pass it on). Flower keeps
     # its series in its own process (its Procfile line unsets the variable).
-    for name, default in (("PROMETHEUS_MULTIPROC_DIR", "api"), ("VOICE_TOOLS_WORKER_METRICS_DIR", "workers")):
-        metrics_dir = Path(env.get(name) or data_dir / "prometheus" / default)
-        shutil.rmtree(metrics_dir, ignore_errors=True)  # stale files of a past run
-        metrics_dir.mkdir(parents=True, exist_ok=True)
-        env[name] = str(metrics_dir)
-    if Path(env["PROMETHEUS_MULTIPROC_DIR"]).resolve() == Path(env["VOICE_TOOLS_WORKER_METRICS_DIR"]).resolve():
+    folders = {name: Path(env.get(name) or data_dir / "prometheus" / default)
+               for name, default in (("PROMETHEUS_MULTIPROC_DIR", "api"), ("VOICE_TOOLS_WORKER_METRICS_DIR", "workers"))}
+    if len({folder.resolve() for folder in folders.values()}) < len(folders):
         raise SystemExit("voice-tools: PROMETHEUS_MULTIPROC_DIR (the API's metrics) and "
                          "VOICE_TOOLS_WORKER_METRICS_DIR (the workers') must be two folders")
+    for name, folder in folders.items():
+        shutil.rmtree(folder, ignore_errors=True)  # stale files of a past run
+        folder.mkdir(parents=True, exist_ok=True)
+        env[name] = str(folder)
     return env, filled
 
 

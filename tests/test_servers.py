@@ -163,12 +163,14 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     import launcher
 
     for name in ("VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_HOSTS",
-                 "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "PORT", "HOST"):
+                 "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "VOICE_TOOLS_WORKER_METRICS_DIR",
+                 "WORKER_METRICS_PORT", "PORT", "HOST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLOWER_UNAUTHENTICATED_API", "true")
-    stale = data_dir / "prometheus" / "counter_123.db"
-    stale.parent.mkdir(parents=True)
-    stale.write_text("old")
+    stale = [data_dir / "prometheus" / side / "counter_123.db" for side in ("api", "workers")]
+    for path in stale:
+        path.parent.mkdir(parents=True)
+        path.write_text("old")
 
     env, filled = launcher.run_environment(data_dir)
     assert set(filled) == {"VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET",
@@ -177,12 +179,16 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     assert name == "local" and len(token) >= 24
     assert env["FLOWER_BASIC_AUTH"].startswith("admin:")
     assert "FLOWER_UNAUTHENTICATED_API" not in env
-    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(data_dir / "prometheus") and not stale.exists()
+    # the API's metrics folder and the workers' own, each emptied of a past run's files
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(data_dir / "prometheus" / "api")
+    assert env["VOICE_TOOLS_WORKER_METRICS_DIR"] == str(data_dir / "prometheus" / "workers")
+    assert not any(path.exists() for path in stale) and all(path.parent.is_dir() for path in stale)
     assert env["VOICE_TOOLS_PUBLIC_URL"] == "http://127.0.0.1:8000"
     assert env["HOST"] == "127.0.0.1" and "HOST" not in filled  # a local run is local
     lines = launcher.banner(env, filled, data_dir)
     assert f"local secrets kept in {data_dir / launcher.LOCAL_SECRETS} (mode 0600)" in "\n".join(lines)
     assert "Flower user: admin" in "\n".join(lines)
+    assert "worker metrics on http://127.0.0.1:9101/metrics" in "\n".join(lines)
     assert env["FLOWER_BASIC_AUTH"].split(":", 1)[1] not in "\n".join(lines)
     assert env["VOICE_TOOLS_CALLBACK_SECRET"] not in "\n".join(lines)
     assert (data_dir / launcher.LOCAL_SECRETS).stat().st_mode & 0o777 == 0o600
@@ -198,6 +204,10 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     everywhere, filled = launcher.run_environment(data_dir)
     assert everywhere["HOST"] == "0.0.0.0"
     assert "listening on 0.0.0.0 (HOST): reachable from other machines" in launcher.banner(everywhere, filled, data_dir)
+
+    monkeypatch.setenv("VOICE_TOOLS_WORKER_METRICS_DIR", str(data_dir / "prometheus" / "api"))
+    with pytest.raises(SystemExit, match="must be two folders"):  # the API's folder is never the workers'
+        launcher.run_environment(data_dir)
 
 
 # -- commands sharing one data dir's servers -------------------------------------------------
