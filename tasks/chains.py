@@ -25,6 +25,7 @@ from celery import chain
 from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
+
 from celeryconfig import queue
 from models import db, lifecycle
 from models.calls import CallbackDelivery, ToolCall

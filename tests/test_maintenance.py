@@ -7,7 +7,7 @@ from sqlalchemy import func, select, text
 from models import db, lifecycle
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
-from tasks import callbacks, chains, maintenance
+from tasks import callbacks, chains, maintenance, worker_metrics
 from tests.helpers import deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
 
@@ -27,6 +27,11 @@ def sweep(task_log: TaskLog, task) -> int:
     [published] = [p for p in task_log.published if p.name == task.name][before:]
     assert published.queue == "maintenance"
     return ran.retval
+
+
+def counted(name: str, **labels: str) -> float:
+    """A worker series' value in this process (the in-process worker records into it)."""
+    return worker_metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def backdate(tool_call_id: str, column: str, seconds: int) -> None:
@@ -50,6 +55,7 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     backdate(fresh_pending.tool_call_id, "created_at", 50)
     backdate(stale_prepared.tool_call_id, "prepared_at", 31)
     backdate(fresh_prepared.tool_call_id, "prepared_at", 20)
+    expired_before = counted("voice_tools_calls_ended_total", tool="send_email", status="EXPIRED")
 
     assert sweep(task_log, maintenance.expire_stale) == 2
     for call in (stale_pending, stale_prepared):
@@ -68,6 +74,7 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     assert sweep(task_log, maintenance.expire_stale) == 0  # each call expires once
     with db.session() as s:
         assert s.scalar(select(func.count()).where(CallbackDelivery.event == "expired")) == 2
+    assert counted("voice_tools_calls_ended_total", tool="send_email", status="EXPIRED") == expired_before + 2
 
 
 def test_each_expiry_and_its_event_are_one_transaction_and_one_bad_call_does_not_stop_the_sweep(
@@ -147,6 +154,7 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
         lifecycle.commit_point(s, call.tool_call_id, "SENDING")
     for column in ("confirmed_at", "executed_at", "resumed_at"):
         backdate(call.tool_call_id, column, 120)
+    redrives_before = counted("voice_tools_redrives_total", tool="send_email")
 
     assert sweep(task_log, maintenance.fail_stuck) == 1
     relay.wait_for(call.tool_call_id, "completed")
@@ -157,6 +165,7 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 1
     assert done.redrives == 1
+    assert counted("voice_tools_redrives_total", tool="send_email") == redrives_before + 1
     assert [(h["status"], h["reason"]) for h in done.status_history][-2:] == [
         ("EXECUTING", lifecycle.REDRIVEN_REASON), ("COMPLETED", "Completed")]
     assert sweep(task_log, maintenance.fail_stuck) == 0
