@@ -14,7 +14,14 @@ only touch memory-mapped files: no database, no broker, no network.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from typing import Any, Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+log = logging.getLogger(__name__)
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -49,8 +56,19 @@ _recording = False
 
 
 def start_recording() -> None:
-    """This process is a worker: record from now on (its forked pool children inherit it)."""
+    """This process is a worker: record from now on (its forked pool children inherit it).
+
+    The multiprocess folder is made if it is missing; if it cannot be, nothing is recorded
+    (a warning says why): metrics never stop a worker from working.
+    """
     global _recording
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    try:
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        log.warning("worker metrics not recorded: PROMETHEUS_MULTIPROC_DIR %s: %s", folder, exc)
+        return
     _recording = True
 
 
@@ -58,39 +76,54 @@ def recording() -> bool:
     return _recording
 
 
+def _quiet(record: Callable[..., None]) -> Callable[..., None]:
+    """Record only in a worker, and never let a metric fail the task that records it."""
+
+    @functools.wraps(record)
+    def quietly(*args: Any) -> None:
+        if not _recording:
+            return
+        try:
+            record(*args)
+        except Exception:
+            log.warning("metric not recorded: %s%r", record.__name__, args, exc_info=True)
+
+    return quietly
+
+
+@_quiet
 def call_started(tool: str) -> None:
-    if _recording:
-        CALLS_STARTED.labels(tool).inc()
+    CALLS_STARTED.labels(tool).inc()
 
 
+@_quiet
 def call_ended(tool: str, status: str) -> None:
-    if _recording:
-        CALLS_ENDED.labels(tool, status).inc()
+    CALLS_ENDED.labels(tool, status).inc()
 
 
+@_quiet
 def step_ran(tool: str, step: str, seconds: float) -> None:
-    if _recording:
-        STEP_DURATION.labels(tool, step).observe(seconds)
+    STEP_DURATION.labels(tool, step).observe(seconds)
 
 
+@_quiet
 def task_ran(task: str, seconds: float) -> None:
-    if _recording:
-        TASK_DURATION.labels(task).observe(seconds)
+    TASK_DURATION.labels(task).observe(seconds)
 
 
+@_quiet
 def task_outcome(task: str, outcome: str) -> None:
-    if _recording:
-        TASKS.labels(task, outcome).inc()
+    TASKS.labels(task, outcome).inc()
 
 
+@_quiet
 def callback_attempt(event: str, state: str, seconds: float) -> None:
     """One attempt's outcome from the row's new ``state``: delivered, pending (will_retry), failed (gave_up)."""
-    if _recording:
-        outcome = {"delivered": "delivered", "pending": "will_retry"}.get(state, "gave_up")
-        CALLBACK_ATTEMPTS.labels(event, outcome).inc()
-        CALLBACK_DURATION.labels(outcome).observe(seconds)
+    outcome = {"delivered": "delivered", "pending": "will_retry"}.get(state, "gave_up")
+    CALLBACK_ATTEMPTS.labels(event, outcome).inc()
+    CALLBACK_DURATION.labels(outcome).observe(seconds)
 
 
+@_quiet
 def redriven(tool: str) -> None:
-    if _recording:
-        REDRIVES.labels(tool).inc()
+    REDRIVES.labels(tool).inc()
