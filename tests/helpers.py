@@ -8,7 +8,7 @@ from sqlalchemy import select
 
 from models import db, lifecycle
 from models.calls import TERMINAL, CallbackDelivery, ToolCall
-from tasks import tools
+from tasks import tools, worker_metrics
 
 
 def make_call(function_name: str = "send_email", parameters: dict[str, Any] | None = None,
@@ -83,3 +83,8 @@ def wait_delivered(event_id: str, timeout: float = 30.0) -> CallbackDelivery:
         if time.monotonic() > deadline:
             raise AssertionError(f"{event_id} is {found.state} after {found.attempts} attempts: {found.attempt_log}")
         time.sleep(0.05)
+
+
+def counted(name: str, **labels: str) -> float:
+    """A worker series' value in this process (the in-process worker records into it)."""
+    return worker_metrics.REGISTRY.get_sample_value(name, labels) or 0.0

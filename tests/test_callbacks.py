@@ -17,8 +17,9 @@ from sqlalchemy import select, text
 
 from models import db, lifecycle
 from models.email import EmailOutbox
-from tasks import callbacks, chains
-from tests.helpers import deliveries, delivery, make_call, progress_event, row, wait_delivered, wait_status
+from tasks import callbacks, chains, worker_metrics
+from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
+                           wait_status)
 from tests.tasklog import TaskLog
 
 SEND = "tools.send_email."
@@ -185,6 +186,9 @@ def test_a_retry_that_is_not_due_does_nothing(raw):
 
 def test_attempts_stop_at_the_maximum(raw, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "2")
+    worker_metrics.start_recording()  # as a worker does: each attempt is counted by its outcome
+    before = {outcome: counted("voice_tools_callback_attempts_total", event="progress", outcome=outcome)
+              for outcome in ("will_retry", "gave_up")}
     server = raw(503)
     _, event_id = progress_event(server.url)
     callbacks.attempt(event_id)
@@ -192,6 +196,8 @@ def test_attempts_stop_at_the_maximum(raw, monkeypatch):
     callbacks.attempt(event_id)
     failed = delivery(event_id)
     assert (failed.state, failed.attempts, failed.next_attempt_at) == ("failed", 2, None)
+    assert {outcome: counted("voice_tools_callback_attempts_total", event="progress", outcome=outcome) - number
+            for outcome, number in before.items()} == {"will_retry": 1, "gave_up": 1}
     assert [a["response_code"] for a in failed.attempt_log] == [503, 503]
     assert callbacks.attempt(event_id).attempted is False
     assert server.requests == 2
@@ -212,6 +218,7 @@ def test_a_redirect_is_a_failed_attempt_and_is_not_followed(relay, raw):
 
 def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, task_log):
     relay.answer(lambda e: {"cancel": True, "reason": "Caller said stop"} if e["step"] == "PREPARING" else None)
+    cancelled_before = counted("voice_tools_calls_ended_total", tool="send_email", status="CANCELLED")
     call = make_call(callback_url=relay.url)
     chains.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
@@ -222,6 +229,8 @@ def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, ta
     assert task_log.published_for(call.tool_call_id, SEND + "SENDING") == []
     assert [d.event for d in deliveries(call.tool_call_id)] == ["progress", "cancelled"]
     assert outbox_count() == 0
+    # the worker ended it (the relay's answer): counted there, once its transaction committed
+    assert counted("voice_tools_calls_ended_total", tool="send_email", status="CANCELLED") == cancelled_before + 1
 
 
 def test_cancel_answer_to_the_checkpoint_cancels(worker, relay):

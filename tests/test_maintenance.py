@@ -7,8 +7,8 @@ from sqlalchemy import func, select, text
 from models import db, lifecycle
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
-from tasks import callbacks, chains, maintenance, worker_metrics
-from tests.helpers import deliveries, make_call, row, wait_status
+from tasks import callbacks, chains, maintenance
+from tests.helpers import counted, deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
 
 
@@ -27,11 +27,6 @@ def sweep(task_log: TaskLog, task) -> int:
     [published] = [p for p in task_log.published if p.name == task.name][before:]
     assert published.queue == "maintenance"
     return ran.retval
-
-
-def counted(name: str, **labels: str) -> float:
-    """A worker series' value in this process (the in-process worker records into it)."""
-    return worker_metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def backdate(tool_call_id: str, column: str, seconds: int) -> None:
