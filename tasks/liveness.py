@@ -3,8 +3,10 @@
 While a call's chain lives, one of its links is a message somewhere: waiting in its
 tool's queue (a backlog may hold it there for long), delivered to a worker (running,
 prefetched, or held until the ETA of a retry), or unacknowledged by a worker that died
-(the broker gives it back). Links are acknowledged late, after the next one was
-published, so the chain never has a moment with no message. A call EXECUTING with no
+(the broker gives it back). Links are acknowledged late, after the next one (or the
+retry) was published, so a running chain never has a moment with no message; the moment
+between a confirm (or a resume, or a redrive) and its publish is far shorter than the
+time limit. A call EXECUTING with no
 link message anywhere, past its links' time limit, has lost its chain: that, and not
 a quiet period, is "stuck".
 
@@ -16,13 +18,15 @@ The facts, read cheaply (only when some call is overdue, and only its tools' que
 - the broker. On Redis, in one transaction: the queue's lists (one per priority step)
   and the ``unacked`` hash (every message delivered and not acknowledged, by any
   worker, live or dead), decoded with kombu's own message class: that sees every
-  message there is, so a queue read there is known completely. On other transports a
+  message there is, so a queue read there is known completely (up to ``SCAN_LIMIT``
+  waiting messages, read from the oldest end; past that it is not). On other transports a
   waiting message cannot be read without taking it, only counted: the queue is known
   completely when it is empty and some worker answered (delivered messages are seen
   only through the workers).
 
-A call whose queue is not known completely (the broker unreachable, a backlog on a
-broker that cannot be read, no worker answering) is judged by the generous bound
+A call seen nowhere whose queue is not known completely (the broker unreachable, a
+backlog longer than ``SCAN_LIMIT``, or, on a broker whose messages cannot be read, a
+backlog or no worker answering) is judged by the generous bound
 ``VOICE_TOOLS_STUCK_EXECUTING_AFTER`` alone. A Redis worker moves a message from the
 queue to ``unacked`` in two steps; a call seen nowhere is read a second time a moment
 later before it is judged stuck.
@@ -47,6 +51,8 @@ log = logging.getLogger(__name__)
 
 INSPECT_TIMEOUT_S = 1.0
 RECHECK_AFTER_S = 1.0
+# at most this many waiting messages of a queue are read per sweep (a huge backlog is not copied)
+SCAN_LIMIT = 10_000
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,7 @@ def read(app: Any, queues: Iterable[str]) -> Facts:
             channel = conn.default_channel
             on_redis = _is_redis(channel)
             if on_redis:
-                _read_redis(channel, queues, prepare_accept_content(app.conf.accept_content), seen)
-                complete = set(queues)
+                complete = _read_redis(channel, queues, prepare_accept_content(app.conf.accept_content), seen)
             else:
                 complete = {q for q in queues if channel.queue_declare(queue=q, passive=True).message_count == 0}
     except Exception as exc:  # the broker cannot be read: nothing is known
@@ -107,21 +112,30 @@ def _is_redis(channel: Any) -> bool:
     return hasattr(channel, "unacked_key") and hasattr(channel, "_q_for_pri")
 
 
-def _read_redis(channel: Any, queues: list[str], accept: Any, seen: dict[str, set[str]]) -> None:
-    """Every message waiting in ``queues`` and every unacknowledged one, in one transaction."""
+def _read_redis(channel: Any, queues: list[str], accept: Any, seen: dict[str, set[str]]) -> set[str]:
+    """The messages waiting in ``queues`` and every unacknowledged one, in one transaction; the
+    queues read completely. A queue longer than :data:`SCAN_LIMIT` is read from its oldest end
+    (the overdue calls wait there) only that far, and is not known completely."""
+    lists = [(queue, channel._q_for_pri(queue, priority)) for queue in queues for priority in channel.priority_steps]
     with channel.conn_or_acquire() as client:
         with client.pipeline(transaction=True) as pipe:
-            for queue in queues:
-                for priority in channel.priority_steps:
-                    pipe.lrange(channel._q_for_pri(queue, priority), 0, -1)
+            for _, key in lists:
+                pipe.llen(key).lrange(key, -SCAN_LIMIT, -1)  # consumers pop the right end: the oldest
             pipe.hvals(channel.unacked_key)
-            *waiting, unacked = pipe.execute()
-    for where, payloads in (("queued", [loads(raw) for items in waiting for raw in items]),
+            *replies, unacked = pipe.execute()
+    complete = set(queues)
+    waiting = []
+    for (queue, _), length, items in zip(lists, replies[0::2], replies[1::2]):
+        waiting += items
+        if length > len(items):
+            complete.discard(queue)
+    for where, payloads in (("queued", [loads(raw) for raw in waiting]),
                             ("unacked", [loads(raw)[0] for raw in unacked])):
         for payload in payloads:
             tool_call_id = _call_of(channel, payload, accept)
             if tool_call_id:
                 seen[tool_call_id].add(where)
+    return complete
 
 
 def _call_of(channel: Any, payload: dict[str, Any], accept: Any) -> str | None:

@@ -238,6 +238,20 @@ def test_fail_stuck_leaves_a_call_whose_link_waits_for_its_eta(worker, relay, ta
         app.control.revoke(held.id)
 
 
+def test_the_facts_read_a_long_backlog_from_its_oldest_end_only(worker, monkeypatch):
+    """Past ``SCAN_LIMIT`` waiting messages a queue is not copied whole: its oldest messages (where
+    overdue calls wait) are read, and a call not seen there is "cannot tell", not "lost"."""
+    monkeypatch.setattr(liveness, "SCAN_LIMIT", 1)
+    older, newer = make_call(), make_call()
+    with queues_taken_from_others(app, [QUEUE]):
+        for call in (older, newer):
+            chains.confirm(call.tool_call_id)
+        facts = liveness.read(app, [QUEUE])
+    assert facts.seen.get(older.tool_call_id) == {"queued"}
+    assert facts.lost(older.tool_call_id, QUEUE) is False
+    assert facts.lost(newer.tool_call_id, QUEUE) is None and QUEUE not in facts.complete
+
+
 def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatch):
     """The broker cannot be read: nothing says whether the call's link waits somewhere, so it is
     failed only once quiet past VOICE_TOOLS_STUCK_EXECUTING_AFTER."""
