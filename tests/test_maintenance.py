@@ -274,9 +274,8 @@ def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatc
     assert relay.wait_for(call.tool_call_id, "failed")["status"] == "FAILED"
 
 
-def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log, monkeypatch):
+def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log):
     """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
-    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
     call = make_call(callback_url=relay.url)
     chains.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
@@ -303,7 +302,6 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
 
 def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outcome_is_unconfirmed(
         worker, relay, task_log, monkeypatch):
-    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
     monkeypatch.setenv("VOICE_TOOLS_MAX_REDRIVES", "2")
     call = make_call(callback_url=relay.url)
     with db.session() as s:  # past its point of no return, its chain already run again twice and lost again
