@@ -174,20 +174,35 @@ def _ask_workers(app: Any, seen: dict[str, set[str]]) -> int:
 
 # -- the judgement -------------------------------------------------------------------------------
 
-def overdue(fallback_s: int) -> list[tuple[ToolCall, Tool, bool]]:
-    """Calls EXECUTING quiet for longer than their links' time limit: (call, tool, past the
-    generous bound too). Calls of a tool this process does not run are left alone."""
+@dataclass(frozen=True)
+class Overdue:
+    """A call EXECUTING quiet past its links' hard time limit (``limit_s``); ``generous_s`` is the
+    bound it is judged by when the facts cannot tell (never below ``limit_s``)."""
+
+    call: ToolCall
+    tool: Tool
+    limit_s: int
+    generous_s: int
+    past_generous: bool
+
+
+def overdue(fallback_s: int) -> list[Overdue]:
+    """Calls EXECUTING quiet for longer than their links' time limit. Calls of a tool this process
+    does not run are left alone."""
     limits = {name: time_limit_s(tool) for name, tool in tools.TOOLS.items()}
     if not limits:
         return []
+    bounds = {*limits.values(), *(max(limit, fallback_s) for limit in limits.values())}
     with db.session() as s:
-        quiet = {bound: set(lifecycle.stuck_executing(s, bound)) for bound in {*limits.values(), fallback_s}}
+        quiet = {bound: set(lifecycle.stuck_executing(s, bound)) for bound in bounds}
         found = []
         for tool_call_id in sorted(quiet[min(limits.values())]):
             call = lifecycle.get(s, tool_call_id)
             tool = tools.get(call.function_name)
-            if tool is not None and tool_call_id in quiet[limits[tool.name]]:
-                found.append((call, tool, tool_call_id in quiet[fallback_s]))
+            if tool is None or tool_call_id not in quiet[limits[tool.name]]:
+                continue
+            generous = max(limits[tool.name], fallback_s)
+            found.append(Overdue(call, tool, limits[tool.name], generous, tool_call_id in quiet[generous]))
     return found
 
 
@@ -196,16 +211,16 @@ def stuck(app: Any, fallback_s: int) -> list[Stuck]:
     candidates = overdue(fallback_s)
     if not candidates:
         return []
-    queues = {tool.queue for _, tool, _ in candidates}
+    queues = {c.tool.queue for c in candidates}
     facts = [read(app, queues)]
-    if any(facts[0].lost(call.tool_call_id, tool.queue) for call, tool, _ in candidates):
+    if any(facts[0].lost(c.call.tool_call_id, c.tool.queue) for c in candidates):
         time.sleep(RECHECK_AFTER_S)  # a message between the queue and ``unacked`` is seen the second time
         facts.append(read(app, queues))
     found = []
-    for call, tool, past_fallback in candidates:
-        verdicts = [f.lost(call.tool_call_id, tool.queue) for f in facts]
+    for c in candidates:
+        verdicts = [f.lost(c.call.tool_call_id, c.tool.queue) for f in facts]
         if all(verdicts):
-            found.append(Stuck(call, tool, time_limit_s(tool)))
-        elif False not in verdicts and past_fallback:
-            found.append(Stuck(call, tool, fallback_s))
+            found.append(Stuck(c.call, c.tool, c.limit_s))
+        elif False not in verdicts and c.past_generous:
+            found.append(Stuck(c.call, c.tool, c.generous_s))
     return found
