@@ -33,7 +33,6 @@ import pytest
 from tasks import app, chains
 from tasks.tools import Step, TransientError
 from tests.api_fixtures import BrokerDown
-from tests import outage_tools
 from tests.helpers import make_call, row, wait_status
 from tests.test_broker_restart import broker, control  # noqa: F401  (fixtures)
 from tests.test_chains import history, make_tool, register, task_log  # noqa: F401  (fixtures)
@@ -99,7 +98,11 @@ def test_a_retry_the_broker_cannot_take_keeps_the_link_and_the_call_completes(re
 
 @pytest.fixture
 def outage_tool():
-    chains.register_tool(outage_tools.OUTAGE_READ)  # in this process too, to record its calls
+    """The tool, registered in this process too (to record its calls) for this test only: imported at
+    collection it would join the registry every other test walks."""
+    from tests import outage_tools
+
+    chains.register_tool(outage_tools.OUTAGE_READ)
     try:
         yield outage_tools.OUTAGE_READ
     finally:
@@ -124,7 +127,7 @@ def test_a_retry_during_a_real_broker_outage_runs_again_once_the_broker_is_back(
     worker = WorkerProcess(control, [outage_tool.queue], pool="prefork", concurrency=1, log_dir=tmp_path,
                            name="outage", include=["tests.outage_tools"],
                            env={"CELERY_BROKER_URL": broker.url, "REDIS_URL": broker.url,
-                                "VOICE_TOOLS_VISIBILITY_TIMEOUT": "6", outage_tools.STEP_DIR: str(steps)})
+                                "VOICE_TOOLS_VISIBILITY_TIMEOUT": "6", "VOICE_TOOLS_TEST_STEP_DIR": str(steps)})
     runs = lambda: len((steps / "runs").read_text().splitlines()) if (steps / "runs").exists() else 0  # noqa: E731
     try:
         worker.start()
