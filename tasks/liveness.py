@@ -4,11 +4,12 @@ While a call's chain lives, one of its links is a message somewhere: waiting in 
 tool's queue (a backlog may hold it there for long), delivered to a worker (running,
 prefetched, or held until the ETA of a retry), or unacknowledged by a worker that died
 (the broker gives it back). Links are acknowledged late, after the next one (or the
-retry) was published, so a running chain never has a moment with no message; the moment
-between a confirm (or a resume, or a redrive) and its publish is far shorter than the
-time limit. A call EXECUTING with no
-link message anywhere, past its links' time limit, has lost its chain: that, and not
-a quiet period, is "stuck".
+retry) was published, so a running chain never has a moment with no message; the
+moment between a confirm (or a resume, or a redrive) and its publish is far shorter
+than a time limit. A call EXECUTING with no link message anywhere, quiet past its links'
+hard time limit, has lost its chain: that, and not a quiet period, is "stuck". A link
+seen running is left to its own time limits (Celery's soft and hard limits and
+``Link.on_failure``), never failed from here.
 
 The facts, read cheaply (only when some call is overdue, and only its tools' queues):
 
