@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from celery import chain
-from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.exceptions import MaxRetriesExceededError, Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
@@ -207,6 +207,27 @@ class Link(base.Task):
         fail_call(self.tool, tool_call_id, error, given.parameters, step=self.step.name, gate=self.index + 1,
                   sentence=sentence)
         return self._stop()
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry, except when the broker cannot take the retry's message.
+
+        Celery then raises ``Reject(requeue=False)``: the running message is dropped with
+        the rest of the chain, and the call would sit EXECUTING until the stuck-call sweep.
+        The message is handed back to the broker instead (``requeue=True``): delivered
+        again once the broker takes it (on Redis, if the requeue itself cannot reach the
+        broker, the message stays unacknowledged and is restored after the visibility
+        timeout; on AMQP a lost connection returns it), the link runs again (links are
+        idempotent). Both retry paths come here: :meth:`_retry_or_fail` and the autoretry
+        of database errors.
+        """
+        try:
+            return super().retry(*args, **kwargs)
+        except Reject as rejected:
+            if rejected.requeue:
+                raise
+            log.warning("%s[%s]: the retry could not be published (%s); the message goes back to the broker",
+                        self.name, self.request.id, rejected.reason)
+            raise Reject(rejected.reason, requeue=True) from rejected
 
     def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception) -> None:
         try:

@@ -9,7 +9,7 @@ import functools
 import logging
 
 from models import db, lifecycle, settings
-from tasks import app, callbacks, chains, tools, worker_metrics
+from tasks import app, callbacks, chains, liveness, worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -35,30 +35,25 @@ def expire_stale() -> int:
 
 @sweep(name="maintenance.fail_stuck")
 def fail_stuck() -> int:
-    """Calls EXECUTING with no progress for longer than any link may take (their worker
-    died): fail those that never reached the point of no return; run the rest of the
-    chain again for those that did (their side effect is idempotent), at most
-    ``VOICE_TOOLS_MAX_REDRIVES`` times, then fail them saying the outcome is
-    unconfirmed. Returns how many calls it handled."""
+    """Calls EXECUTING whose chain was lost (judged by the facts, ``tasks/liveness.py``: no link
+    of theirs waiting, delivered or running anywhere, and quiet past their links' time limit;
+    where the facts cannot tell, quiet past ``VOICE_TOOLS_STUCK_EXECUTING_AFTER``): fail those
+    that never reached the point of no return; run the rest of the chain again for those that
+    did (their side effect is idempotent), at most ``VOICE_TOOLS_MAX_REDRIVES`` times, then fail
+    them saying the outcome is unconfirmed. A call waiting in a backlog, or whose link runs,
+    is left alone. Returns how many calls it handled."""
     cfg = settings.load()
-    with db.session() as s:
-        stuck = lifecycle.stuck_executing(s, cfg.stuck_executing_s)
     handled = 0
-    for tool_call_id in stuck:
-        with db.session() as s:
-            call = lifecycle.get(s, tool_call_id)
-        tool = tools.get(call.function_name)
-        if tool is None:
-            continue
+    for found in liveness.stuck(app, cfg.stuck_executing_s):
+        call, tool, quiet_s = found.call, found.tool, found.quiet_s
         if call.committed_at is not None:
-            done = chains.redrive(tool_call_id, cfg.stuck_executing_s, cfg.max_redrives)
+            done = chains.redrive(call.tool_call_id, quiet_s, cfg.max_redrives)
             if done is not None:
                 worker_metrics.redriven(tool.name)
-            done = done or chains.give_up(tool, tool_call_id, call.parameters, cfg.stuck_executing_s,
-                                          cfg.max_redrives)
-        else:
-            done = chains.fail_call(tool, tool_call_id, "The worker stopped before finishing.", call.parameters,
-                                    uncommitted_only=True)
+            done = done or chains.give_up(tool, call.tool_call_id, call.parameters, quiet_s, cfg.max_redrives)
+        else:  # only if it is still where the facts saw it (uncommitted, at the same step)
+            done = chains.fail_call(tool, call.tool_call_id, "The worker stopped before finishing.", call.parameters,
+                                    step=call.current_step, uncommitted_only=True, only_at_step=True)
         handled += done is not None
     return handled
 

@@ -1,15 +1,21 @@
 """Beat sweeps on the maintenance queue (CONTRACT sections 3 and 7), run by the real worker."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from sqlalchemy import func, select, text
 
 from models import db, lifecycle
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
-from tasks import callbacks, chains, maintenance
+from celeryconfig import queue
+from tasks import app, callbacks, chains, liveness, maintenance, tools
+from tests.api_fixtures import CLOSED_PORT_BROKER, BrokerDown
 from tests.helpers import counted, deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
+from tests.test_worker_loss import inserts_waiting, outbox_row_held, wait_until
+from tests.worker_process import queues_taken_from_others
 
 
 @pytest.fixture
@@ -118,14 +124,14 @@ def test_each_expiry_and_its_event_are_one_transaction_and_one_bad_call_does_not
     assert deliveries(bad.tool_call_id) == []
 
 
-def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_log, monkeypatch):
-    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
+def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_log):
     stuck, busy = make_call(callback_url=relay.url), make_call(callback_url=relay.url)
     with db.session() as s:  # confirmed, but their chains never ran (the worker died)
         for call in (stuck, busy):
             lifecycle.confirm(s, call.tool_call_id)
-    backdate(stuck.tool_call_id, "confirmed_at", 61)
-    backdate(busy.tool_call_id, "confirmed_at", 30)
+    limit = liveness.time_limit_s(tools.get("send_email"))
+    backdate(stuck.tool_call_id, "confirmed_at", limit + 1)
+    backdate(busy.tool_call_id, "confirmed_at", limit - 10)  # within its links' time limit
 
     assert sweep(task_log, maintenance.fail_stuck) == 1
     failed = row(stuck.tool_call_id)
@@ -137,9 +143,141 @@ def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_
     assert sweep(task_log, maintenance.fail_stuck) == 0
 
 
-def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log, monkeypatch):
+QUEUE = "tools.send_email"
+
+
+def waiting(queue_name: str) -> int:
+    """How many messages wait in ``queue_name`` in the broker (not delivered to any worker)."""
+    with app.connection_for_read() as conn:
+        return conn.default_channel.queue_declare(queue=queue_name, passive=True).message_count
+
+
+def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_log):
+    """Issue 15 point 7: a call whose next link waits in its queue (a backlog: no worker takes
+    it yet) is not stuck however long it waits; it was failed once quiet for 15 minutes."""
+    call = make_call(callback_url=relay.url)
+    with queues_taken_from_others(app, [QUEUE]):
+        chains.confirm(call.tool_call_id)
+        assert waiting(QUEUE) == 1, "its first link waits in the broker"
+        assert liveness.read(app, [QUEUE]).seen[call.tool_call_id] == {"queued"}
+        backdate(call.tool_call_id, "confirmed_at", 1000)  # past its time limit and the old 900 s quiet period
+
+        assert sweep(task_log, maintenance.fail_stuck) == 0
+        waits = row(call.tool_call_id)
+        assert waits.status == "EXECUTING" and waits.error_message is None and waits.redrives == 0
+        assert deliveries(call.tool_call_id) == []
+        assert waiting(QUEUE) == 1
+    prepared = wait_status(call.tool_call_id, "PREPARED")  # taken from the backlog at last, it runs
+    assert prepared.current_step == "READY_TO_SEND"
+    relay.wait_for(call.tool_call_id, "checkpoint")
+
+
+def test_fail_stuck_fails_a_call_whose_chain_was_lost_past_its_time_limit(worker, relay, task_log):
+    """No message of the call anywhere (the broker lost it) and quiet past its links' time limit:
+    stuck, long before the old 15-minute quiet period. A call as lost but still within its time
+    limit is left (its first link may be on its way to the broker)."""
+    lost, young = make_call(callback_url=relay.url), make_call(callback_url=relay.url)
+    limit = liveness.time_limit_s(tools.get("send_email"))
+    with queues_taken_from_others(app, [QUEUE]):
+        for call in (lost, young):
+            chains.confirm(call.tool_call_id)
+        assert waiting(QUEUE) == 2
+        with app.connection_for_write() as conn:  # the broker loses their links
+            queue(QUEUE).bind(conn.default_channel).purge()
+        backdate(lost.tool_call_id, "confirmed_at", limit + 1)
+        backdate(young.tool_call_id, "confirmed_at", limit - 10)
+
+        assert sweep(task_log, maintenance.fail_stuck) == 1
+    failed = row(lost.tool_call_id)
+    assert failed.status == "FAILED" and failed.error_message == "The worker stopped before finishing."
+    assert failed.voice_response == "The email to john@example.com was not sent: The worker stopped before finishing."
+    assert relay.wait_for(lost.tool_call_id, "failed")["status"] == "FAILED"
+    assert row(young.tool_call_id).status == "EXECUTING"
+
+
+def test_fail_stuck_leaves_a_committed_call_whose_link_runs(worker, relay, task_log):
+    """A link running on a worker (here held inside its send, past the point of no return) keeps
+    its call alive past the old quiet period: it is not run a second time beside itself."""
+    call = make_call(callback_url=relay.url)
+    chains.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    with outbox_row_held(call.tool_call_id):
+        chains.resume(call.tool_call_id)
+        wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
+        assert row(call.tool_call_id).committed_at is not None
+        assert {"unacked", "active"} <= liveness.read(app, [QUEUE]).seen[call.tool_call_id]
+        for column in ("confirmed_at", "executed_at", "resumed_at"):
+            backdate(call.tool_call_id, column, 1000)
+
+        assert sweep(task_log, maintenance.fail_stuck) == 0
+        running = row(call.tool_call_id)
+        assert running.status == "EXECUTING" and running.redrives == 0
+    relay.wait_for(call.tool_call_id, "completed")
+    done = row(call.tool_call_id)
+    assert done.status == "COMPLETED" and done.redrives == 0
+    assert len(task_log.published_for(call.tool_call_id, "tools.send_email.SENDING")) == 1
+    with db.session() as s:
+        assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 1
+
+
+def test_fail_stuck_leaves_a_call_whose_link_waits_for_its_eta(worker, relay, task_log):
+    """A link published with a countdown (as a retry is) is held by a worker until its ETA: seen
+    by ``inspect scheduled`` and, on Redis, in ``unacked``. Its call is alive."""
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    held = chains.LINKS["send_email"][0].si(call.tool_call_id).apply_async(countdown=120)
+    try:
+        deadline = time.monotonic() + 15
+        while "scheduled" not in liveness.read(app, [QUEUE]).seen.get(call.tool_call_id, ()):
+            assert time.monotonic() < deadline, "the worker never held the link for its ETA"
+        assert "unacked" in liveness.read(app, [QUEUE]).seen[call.tool_call_id]
+        backdate(call.tool_call_id, "confirmed_at", 1000)
+
+        assert sweep(task_log, maintenance.fail_stuck) == 0
+        assert row(call.tool_call_id).status == "EXECUTING"
+    finally:
+        app.control.revoke(held.id)
+
+
+def test_the_facts_read_a_long_backlog_from_its_oldest_end_only(worker, monkeypatch):
+    """Past ``SCAN_LIMIT`` waiting messages a queue is not copied whole: its oldest messages (where
+    overdue calls wait) are read, and a call not seen there is "cannot tell", not "lost"."""
+    monkeypatch.setattr(liveness, "SCAN_LIMIT", 1)
+    older, newer = make_call(), make_call()
+    with queues_taken_from_others(app, [QUEUE]):
+        for call in (older, newer):
+            chains.confirm(call.tool_call_id)
+        facts = liveness.read(app, [QUEUE])
+    assert facts.seen.get(older.tool_call_id) == {"queued"}
+    assert facts.lost(older.tool_call_id, QUEUE) is False
+    assert facts.lost(newer.tool_call_id, QUEUE) is None and QUEUE not in facts.complete
+
+
+def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatch):
+    """The broker cannot be read: nothing says whether the call's link waits somewhere, so it is
+    failed only once quiet past VOICE_TOOLS_STUCK_EXECUTING_AFTER."""
+    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "600")
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    backdate(call.tool_call_id, "confirmed_at", liveness.time_limit_s(tools.get("send_email")) + 1)
+    monkeypatch.setenv("CELERY_BROKER_READ_URL", CLOSED_PORT_BROKER)  # BrokerDown points the writes only
+    down = BrokerDown(app)
+    try:
+        assert maintenance.fail_stuck() == 0
+        assert row(call.tool_call_id).status == "EXECUTING"
+        backdate(call.tool_call_id, "confirmed_at", 600)
+        assert maintenance.fail_stuck() == 1
+    finally:
+        down.restore()
+    failed = row(call.tool_call_id)
+    assert failed.status == "FAILED" and failed.error_message == "The worker stopped before finishing."
+    assert relay.wait_for(call.tool_call_id, "failed")["status"] == "FAILED"
+
+
+def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log):
     """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
-    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
     call = make_call(callback_url=relay.url)
     chains.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
@@ -168,7 +306,6 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
 
 def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outcome_is_unconfirmed(
         worker, relay, task_log, monkeypatch):
-    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "60")
     monkeypatch.setenv("VOICE_TOOLS_MAX_REDRIVES", "2")
     call = make_call(callback_url=relay.url)
     with db.session() as s:  # past its point of no return, its chain already run again twice and lost again

@@ -1,0 +1,227 @@
+"""Is a call's chain still alive? The facts the stuck-call sweep judges by (issue 15 point 7).
+
+While a call's chain lives, one of its links is a message somewhere: waiting in its
+tool's queue (a backlog may hold it there for long), delivered to a worker (running,
+prefetched, or held until the ETA of a retry), or unacknowledged by a worker that died
+(the broker gives it back). Links are acknowledged late, after the next one (or the
+retry) was published, so a running chain never has a moment with no message; the
+moment between a confirm (or a resume, or a redrive) and its publish is far shorter
+than a time limit. A call EXECUTING with no link message anywhere, quiet past its links'
+hard time limit, has lost its chain: that, and not a quiet period, is "stuck". A link
+seen running is left to its own time limits (Celery's soft and hard limits and
+``Link.on_failure``), never failed from here.
+
+The facts, read cheaply (only when some call is overdue, and only its tools' queues):
+
+- the workers, through Celery's remote control: ``inspect().active()``, ``reserved()``
+  and ``scheduled()`` (a retry waiting for its countdown), by each request's first
+  argument (the ``tool_call_id`` of every link);
+- the broker. On Redis, in one transaction: the queue's lists (one per priority step)
+  and the ``unacked`` hash (every message delivered and not acknowledged, by any
+  worker, live or dead), decoded with kombu's own message class: that sees every
+  message there is, so a queue read there is known completely (up to ``SCAN_LIMIT``
+  waiting messages, read from the oldest end; past that it is not). On other transports a
+  waiting message cannot be read without taking it, only counted: the queue is known
+  completely when it is empty and some worker answered (delivered messages are seen
+  only through the workers).
+
+A call seen nowhere whose queue is not known completely (the broker unreachable, a
+backlog longer than ``SCAN_LIMIT``, or, on a broker whose messages cannot be read, a
+backlog or no worker answering) is judged by the generous bound
+``VOICE_TOOLS_STUCK_EXECUTING_AFTER`` alone. A Redis worker moves a message from the
+queue to ``unacked`` in two steps; a call seen nowhere is read a second time a moment
+later before it is judged stuck.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from kombu.serialization import prepare_accept_content
+from kombu.utils.json import loads
+
+from models import db, lifecycle
+from models.calls import ToolCall
+from tasks import chains, tools
+from tasks.tools import Tool
+
+log = logging.getLogger(__name__)
+
+INSPECT_TIMEOUT_S = 1.0
+RECHECK_AFTER_S = 1.0
+# at most this many waiting messages of a queue are read per sweep (a huge backlog is not copied)
+SCAN_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Where links were seen, by ``tool_call_id``; which queues were seen completely; how many workers answered."""
+
+    seen: Mapping[str, frozenset[str]]
+    complete: frozenset[str]
+    workers: int
+
+    def lost(self, tool_call_id: str, queue: str) -> bool | None:
+        """True: no link of the call anywhere; False: a link was seen; None: cannot tell."""
+        if tool_call_id in self.seen:
+            return False
+        return True if queue in self.complete else None
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A call whose chain is judged lost, and the quiet period that judgement rests on (for the
+    compare-and-set statements that deal with it)."""
+
+    call: ToolCall
+    tool: Tool
+    quiet_s: int
+
+
+def time_limit_s(tool: Tool) -> int:
+    """The longest a link of ``tool`` may run: its hard time limit, as its tasks declare it."""
+    return max(int(link.time_limit or 0) for link in chains.LINKS[tool.name])
+
+
+def read(app: Any, queues: Iterable[str]) -> Facts:
+    """The facts about ``queues`` now (see the module's docstring)."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    queues = sorted(set(queues))
+    try:
+        with app.connection_for_read() as conn:
+            conn.ensure_connection(timeout=1, **chains.QUICK_RETRY)
+            channel = conn.default_channel
+            on_redis = _is_redis(channel)
+            if on_redis:
+                complete = _read_redis(channel, queues, prepare_accept_content(app.conf.accept_content), seen)
+            else:
+                complete = {q for q in queues if channel.queue_declare(queue=q, passive=True).message_count == 0}
+    except Exception as exc:  # the broker cannot be read: nothing is known
+        log.warning("stuck-call facts: the broker cannot be read (%s)", exc)
+        return Facts({}, frozenset(), 0)
+    workers = _ask_workers(app, seen)
+    if not workers and not on_redis:  # delivered messages are seen only through the workers
+        complete = set()
+    return Facts({k: frozenset(v) for k, v in seen.items()}, frozenset(complete), workers)
+
+
+def _is_redis(channel: Any) -> bool:
+    """kombu's Redis channel: its queues are lists and its delivered messages a hash, all readable."""
+    return hasattr(channel, "unacked_key") and hasattr(channel, "_q_for_pri")
+
+
+def _read_redis(channel: Any, queues: list[str], accept: Any, seen: dict[str, set[str]]) -> set[str]:
+    """The messages waiting in ``queues`` and every unacknowledged one, in one transaction; the
+    queues read completely. A queue longer than :data:`SCAN_LIMIT` is read from its oldest end
+    (the overdue calls wait there) only that far, and is not known completely."""
+    lists = [(queue, channel._q_for_pri(queue, priority)) for queue in queues for priority in channel.priority_steps]
+    with channel.conn_or_acquire() as client:
+        with client.pipeline(transaction=True) as pipe:
+            for _, key in lists:
+                pipe.llen(key).lrange(key, -SCAN_LIMIT, -1)  # consumers pop the right end: the oldest
+            pipe.hvals(channel.unacked_key)
+            *replies, unacked = pipe.execute()
+    complete = set(queues)
+    waiting = []
+    for (queue, _), length, items in zip(lists, replies[0::2], replies[1::2]):
+        waiting += items
+        if length > len(items):
+            complete.discard(queue)
+    for where, payloads in (("queued", [loads(raw) for raw in waiting]),
+                            ("unacked", [loads(raw)[0] for raw in unacked])):
+        for payload in payloads:
+            tool_call_id = _call_of(channel, payload, accept)
+            if tool_call_id:
+                seen[tool_call_id].add(where)
+    return complete
+
+
+def _call_of(channel: Any, payload: dict[str, Any], accept: Any) -> str | None:
+    """The ``tool_call_id`` a link message carries (its first argument); None for other messages."""
+    try:
+        message = channel.Message(payload, channel=channel, accept=accept)
+        if not str((message.headers or {}).get("task", "")).startswith("tools."):
+            return None
+        body = message.decode()
+        args = body.get("args") if isinstance(body, dict) else body[0]  # protocol 1, protocol 2
+        return str(args[0]) if args else None
+    except Exception:  # not a message of ours, or one this process cannot decode: not a link
+        return None
+
+
+def _ask_workers(app: Any, seen: dict[str, set[str]]) -> int:
+    """Add the links the workers hold (running, prefetched, waiting for an ETA); how many workers answered."""
+    inspect = app.control.inspect(timeout=INSPECT_TIMEOUT_S)
+    answered: set[str] = set()
+    for where, ask in (("active", inspect.active), ("reserved", inspect.reserved),
+                       ("scheduled", inspect.scheduled)):
+        try:
+            replies = ask() or {}
+        except Exception as exc:
+            log.warning("stuck-call facts: inspect %s failed (%s)", where, exc)
+            continue
+        for worker, requests in replies.items():
+            answered.add(worker)
+            for request in requests or ():
+                request = request.get("request", request)  # scheduled entries wrap the request
+                args = request.get("args") or ()
+                if str(request.get("name", "")).startswith("tools.") and args and isinstance(args, (list, tuple)):
+                    seen[str(args[0])].add(where)
+    return len(answered)
+
+
+# -- the judgement -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Overdue:
+    """A call EXECUTING quiet past its links' hard time limit (``limit_s``); ``generous_s`` is the
+    bound it is judged by when the facts cannot tell (never below ``limit_s``)."""
+
+    call: ToolCall
+    tool: Tool
+    limit_s: int
+    generous_s: int
+    past_generous: bool
+
+
+def overdue(fallback_s: int) -> list[Overdue]:
+    """Calls EXECUTING quiet for longer than their links' time limit. Calls of a tool this process
+    does not run are left alone."""
+    limits = {name: time_limit_s(tool) for name, tool in tools.TOOLS.items()}
+    if not limits:
+        return []
+    bounds = {*limits.values(), *(max(limit, fallback_s) for limit in limits.values())}
+    with db.session() as s:
+        quiet = {bound: set(lifecycle.stuck_executing(s, bound)) for bound in bounds}
+        found = []
+        for tool_call_id in sorted(quiet[min(limits.values())]):
+            call = lifecycle.get(s, tool_call_id)
+            tool = tools.get(call.function_name)
+            if tool is None or tool_call_id not in quiet[limits[tool.name]]:
+                continue
+            generous = max(limits[tool.name], fallback_s)
+            found.append(Overdue(call, tool, limits[tool.name], generous, tool_call_id in quiet[generous]))
+    return found
+
+
+def stuck(app: Any, fallback_s: int) -> list[Stuck]:
+    """The calls whose chain is lost, judged by the facts; by ``fallback_s`` alone where they cannot tell."""
+    candidates = overdue(fallback_s)
+    if not candidates:
+        return []
+    queues = {c.tool.queue for c in candidates}
+    facts = [read(app, queues)]
+    if any(facts[0].lost(c.call.tool_call_id, c.tool.queue) for c in candidates):
+        time.sleep(RECHECK_AFTER_S)  # a message between the queue and ``unacked`` is seen the second time
+        facts.append(read(app, queues))
+    found = []
+    for c in candidates:
+        verdicts = [f.lost(c.call.tool_call_id, c.tool.queue) for f in facts]
+        if all(verdicts):
+            found.append(Stuck(c.call, c.tool, c.limit_s))
+        elif False not in verdicts and c.past_generous:
+            found.append(Stuck(c.call, c.tool, c.generous_s))
+    return found
