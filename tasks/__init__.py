@@ -9,7 +9,7 @@ from celery.signals import worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import tools, worker_groups
+from tasks import log_context, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
 
 app = Celery("tasks")
 app.config_from_object("celeryconfig")
