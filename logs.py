@@ -132,8 +132,10 @@ class TextLines(logging.Formatter):
         return f"{line} [{context}]" if context else line
 
 
-def log_format() -> str:
-    return "text" if os.environ.get(FORMAT_VARIABLE, "json").strip().lower() == "text" else "json"
+def log_format(environ: Any = None) -> str:
+    """``json`` unless ``VOICE_TOOLS_LOG_FORMAT`` (in ``environ``, else this process's) says ``text``."""
+    chosen = (os.environ if environ is None else environ).get(FORMAT_VARIABLE, "json")
+    return "text" if chosen.strip().lower() == "text" else "json"
 
 
 def formatter() -> logging.Formatter:

@@ -309,11 +309,17 @@ def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return bounded
 
 
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")  # to the root's handler, in our format
+
+
 def serve(host: str, port: int) -> None:
     """Serve the MCP face with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_mcp_app(), host=host, port=port, log_level="info")
+    import logs
+
+    uvicorn.run(create_mcp_app(), host=host, port=port, log_level="info",
+                log_config=logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}))
 
 
 def main(argv: list[str] | None = None) -> None:
