@@ -24,6 +24,7 @@ from tasks import app as celery_app
 from tests.helpers import row, wait_status
 from tests.procs import ROOT, free_port
 from tests.relay import Relay
+from tests.test_mcp import mcp_url  # noqa: F401  (the MCP server fixture)
 from tests.worker_process import queues_taken_from_others
 
 TOKEN = "logs-test-token-5f0c1e"
@@ -232,3 +233,38 @@ def test_text_format_for_humans(monkeypatch):
     assert line.endswith("INFO x: hello there [request_id=r1 tool_call_id=tc_abc]"), line
     monkeypatch.delenv(logs.FORMAT_VARIABLE)
     assert json.loads(logs.formatter().format(record))["tool_call_id"] == "tc_abc"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_mcp_call_runs_its_links_under_the_mcp_requests_id(anyio_backend, mcp_url, worker, relay):
+    from celery import signals
+
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    from tests.test_mcp import MCP_TOKEN, answer
+
+    seen: list[dict[str, str]] = []
+
+    def _in_task(sender=None, **_):
+        seen.append({**logs.current(), "name": sender.name})
+
+    signals.task_prerun.connect(_in_task)  # after tasks.log_context's receiver: the task's context is bound
+    try:
+        headers = {"Authorization": f"Bearer {MCP_TOKEN}", "X-Request-ID": "req-over-mcp"}
+        async with httpx2.AsyncClient(headers=headers) as http:
+            async with Client(streamable_http_client(mcp_url, http_client=http)) as mcp:
+                pending = await answer(mcp, "request_tool", {
+                    "session_id": "sess_mcp_logs", "function": "send_email", "callback_url": relay.url,
+                    "parameters": {"to": "mcp@example.com", "subject": "Over MCP", "body": BODY}})
+                tc = pending["tool_call_id"]
+                await answer(mcp, "confirm_tool", {"tool_call_id": tc})
+                relay.wait_for(tc, "checkpoint")
+    finally:
+        signals.task_prerun.disconnect(_in_task)
+    links = [context for context in seen if context.get("tool_call_id") == tc]
+    assert [context["step"] for context in links] == ["PREPARING", "READY_TO_SEND"], seen
+    for context in links:
+        assert context["request_id"] == "req-over-mcp" and context["session_id"] == "sess_mcp_logs", context
