@@ -4,7 +4,7 @@ Every process of the Procfile (gunicorn, the Celery workers and beat, the MCP fa
 writes its log with :func:`formatter` and :class:`ContextFilter`: one JSON line per
 event with ``time``, ``level``, ``logger``, ``message``, ``pid`` and the context bound
 at that moment: ``request_id`` (the HTTP request, or the request whose chain a task
-runs), ``tool_call_id``, ``session_id``, and in a worker ``task_id``, ``task`` and
+runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one), ``tool_call_id``, ``session_id``, and in a worker ``task_id``, ``task`` and
 ``step``. ``grep tc_...`` over every process's log then follows one call end to end.
 ``VOICE_TOOLS_LOG_FORMAT=text`` switches to one human line per event, the context at
 its end.
@@ -32,7 +32,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 FORMAT_VARIABLE = "VOICE_TOOLS_LOG_FORMAT"  # json (the default) | text
-FIELDS = ("request_id", "tool_call_id", "session_id", "task_id", "task", "step")
+FIELDS = ("request_id", "trace_id", "tool_call_id", "session_id", "task_id", "task", "step")
 HEADER = "voice_tools_log"  # the task message header that carries the context to the worker
 
 _context: ContextVar[dict[str, str]] = ContextVar("voice_tools_log_context", default={})
@@ -74,15 +74,18 @@ _ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a valid W3C ``traceparent`` header, else None."""
+    found = _TRACEPARENT.match((traceparent or "").strip().lower())
+    return found.group(1) if found and found.group(1) != "0" * 32 else None
+
+
 def request_id(x_request_id: str | None = None, traceparent: str | None = None) -> str:
     """The request's id: a sane incoming ``X-Request-ID``, else a W3C ``traceparent``'s trace id,
     else a new one. Anything else sent is not trusted into the logs."""
     if x_request_id and _ID.match(x_request_id.strip()):
         return x_request_id.strip()
-    found = _TRACEPARENT.match((traceparent or "").strip().lower())
-    if found and found.group(1) != "0" * 32:
-        return found.group(1)
-    return uuid.uuid4().hex
+    return trace_id(traceparent) or uuid.uuid4().hex
 
 
 # -- the records -----------------------------------------------------------------------

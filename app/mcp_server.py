@@ -240,7 +240,9 @@ def _log_context(ctx: Context, arguments: Arguments) -> AbstractContextManager[N
     request = ctx.request_context.request
     headers = request.headers if isinstance(request, Request) else {}
     named = {key: arguments.get(key) for key in ("tool_call_id", "session_id") if isinstance(arguments.get(key), str)}
-    return logs.bound(request_id=logs.request_id(headers.get("x-request-id"), headers.get("traceparent")), **named)
+    traceparent = headers.get("traceparent")
+    return logs.bound(request_id=logs.request_id(headers.get("x-request-id"), traceparent),
+                      trace_id=logs.trace_id(traceparent), **named)
 
 
 def mcp_tool(face: Face) -> McpTool:

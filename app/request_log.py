@@ -34,8 +34,9 @@ def bind_ids(data: Any) -> None:
 def register(app: Flask) -> None:
     @app.before_request
     def _bind_request() -> None:
-        g.request_id = logs.request_id(request.headers.get(HEADER), request.headers.get("traceparent"))
-        g.log_token = logs.bind(request_id=g.request_id)
+        traceparent = request.headers.get("traceparent")
+        g.request_id = logs.request_id(request.headers.get(HEADER), traceparent)
+        g.log_token = logs.bind(request_id=g.request_id, trace_id=logs.trace_id(traceparent))
         bind_ids(request.view_args)
 
     @app.after_request

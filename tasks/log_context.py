@@ -28,7 +28,7 @@ import logs
 
 log = logging.getLogger(__name__)
 
-CARRIED = ("request_id", "tool_call_id", "session_id")  # what a message carries; the rest is the task's own
+CARRIED = ("request_id", "trace_id", "tool_call_id", "session_id")  # what a message carries; the rest is the task's own
 
 _tokens: dict[str, Token] = {}
 
@@ -52,6 +52,7 @@ def _bind(task_id: str | None = None, task: Any = None, args: Any = None, **_: A
     step = getattr(getattr(task, "step", None), "name", None)  # a chain link's step
     _tokens[task_id] = logs.bind(
         request_id=carried.get("request_id") or getattr(request, "root_id", None) or task_id,
+        trace_id=carried.get("trace_id"),
         tool_call_id=carried.get("tool_call_id") or (_first_arg(args) if step else None),
         session_id=carried.get("session_id"),
         task_id=task_id,

@@ -174,9 +174,10 @@ def test_one_send_email_call_is_followed_by_its_ids_through_the_api_and_worker_l
         assert line["task_id"] and line["task"].startswith("tools.send_email.") and line["step"], line
         assert line["task"].endswith("." + line["step"]), line
     # the links up to the checkpoint ran for the confirm, those after it for the resume
-    by_request = {line["step"]: line["request_id"] for line in in_tasks}
-    assert by_request == {"PREPARING": "req-logs-confirm", "READY_TO_SEND": "req-logs-confirm",
-                          "SENDING": trace, "COMPLETED": trace}, by_request
+    by_request = {line["step"]: (line["request_id"], line.get("trace_id")) for line in in_tasks}
+    assert by_request == {"PREPARING": ("req-logs-confirm", None), "READY_TO_SEND": ("req-logs-confirm", None),
+                          "SENDING": (trace, trace), "COMPLETED": (trace, trace)}, by_request
+    assert access[trace]["trace_id"] == trace and "trace_id" not in access["req-logs-confirm"]
     assert any(line["message"].startswith("worker writes@") for line in worker_lines)
 
 
