@@ -4,8 +4,9 @@ Every process of the Procfile (gunicorn, the Celery workers and beat, the MCP fa
 writes its log with :func:`formatter` and :class:`ContextFilter`: one JSON line per
 event with ``time``, ``level``, ``logger``, ``message``, ``pid`` and the context bound
 at that moment: ``request_id`` (the HTTP request, or the request whose chain a task
-runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one), ``tool_call_id``, ``session_id``, and in a worker ``task_id``, ``task`` and
-``step``. ``grep tc_...`` over every process's log then follows one call end to end.
+runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one), ``tool_call_id``,
+``session_id``, and in a worker ``task_id``, ``task`` and ``step``. ``grep tc_...``
+over every process's log then follows one call end to end.
 ``VOICE_TOOLS_LOG_FORMAT=text`` switches to one human line per event, the context at
 its end.
 
@@ -101,16 +102,15 @@ class ContextFilter(logging.Filter):
         for key, value in _context.get().items():
             if key not in record.__dict__:
                 record.__dict__[key] = value
-        data = record.__dict__.pop("data", None)
+        data = record.__dict__.pop("data", None) if record.name.startswith("celery.") else None
         if isinstance(data, dict):
             record.__dict__.setdefault("task_id", data.get("id"))
             record.__dict__.setdefault("task", data.get("name"))
         return True
 
 
-# Not fields of the line: logging's own attributes and what other libraries attach for
-# their own formatters (uvicorn's coloured copy of the message, gunicorn's atoms).
-_NOT_FIELDS = (*RESERVED_ATTRS, "color_message", "data")
+# Not fields of the line: logging's own attributes and uvicorn's coloured copy of the message.
+_NOT_FIELDS = (*RESERVED_ATTRS, "color_message")
 
 
 class JsonLines(JsonFormatter):
