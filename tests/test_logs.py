@@ -190,9 +190,7 @@ def test_the_request_id_sent_is_answered_back_or_one_is_made(client):
     assert client.get("/voice-tools/tools").headers["X-Request-ID"]  # a 401 too
 
 
-def test_a_request_logs_with_its_call_and_session(client, caplog):
-    from app.errors import log as errors_log  # noqa: F401  (a logger of the app)
-
+def test_a_request_logs_with_its_call_and_session(client):
     seen = []
 
     class Keep(logging.Handler):
