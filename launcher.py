@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import logs
 from servers import ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
 
 LOCAL_SECRETS = "local-secrets.json"
@@ -207,6 +208,10 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
     lines.append(f"local secrets kept in {data_dir / LOCAL_SECRETS} (mode 0600); "
                  f"Flower user: {', '.join(users) or 'none'} (password: FLOWER_BASIC_AUTH"
                  f"{', made for this run, in that file' if 'FLOWER_BASIC_AUTH' in filled else ', as you set it'})")
+    if logs.log_format(env) == "json":
+        lines.append(f"logs: one JSON line per event ({logs.FORMAT_VARIABLE}=text for plain lines)")
+    else:
+        lines.append(f"logs: plain lines ({logs.FORMAT_VARIABLE}=text)")
     if filled:
         lines.append(f"set for this local run (unset in the environment): {', '.join(filled)}")
     if hasattr(os, "geteuid") and os.geteuid() == 0:

@@ -16,13 +16,14 @@ N8N_PREFIX = "/webhook"
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
-    from app import api, auth, errors, events, metrics, ops
+    from app import api, auth, errors, events, metrics, ops, request_log
 
     app = Flask(__name__, static_folder=None)
     app.config.update(MAX_CONTENT_LENGTH=MAX_BODY_BYTES, JSON_SORT_KEYS=False)
     app.config.update(config or {})
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    metrics.register(app)  # first, so refused requests are counted and timed too
+    request_log.register(app)  # first: a refused request has its id and context too
+    metrics.register(app)  # then, so refused requests are counted and timed too
     auth.register(app)
     errors.register(app)
     app.register_blueprint(api.bp)

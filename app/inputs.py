@@ -11,6 +11,7 @@ from marshmallow import Schema
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
+from app import request_log
 from app.errors import ApiError
 
 
@@ -72,6 +73,7 @@ def body() -> dict[str, Any]:
         raise ApiError(400, "bad_json", "The body must be a JSON object.", {"type": type(data).__name__})
     if depth(data) > MAX_DEPTH:
         raise ApiError(400, "bad_json", f"The body nests deeper than {MAX_DEPTH} levels.", {"max_depth": MAX_DEPTH})
+    request_log.bind_ids(data)  # the call and session the body names, on the request's log lines
     return data
 
 

@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import os
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import logs
 from app import MAX_BODY_BYTES, auth, errors, inputs, operations, schemas, toolspec
 from app.errors import ApiError
 from tasks import tools
@@ -233,9 +234,21 @@ def _caller(ctx: Context) -> auth.Caller | None:
     return getattr(request.state, "caller", None) if isinstance(request, Request) else None
 
 
+def _log_context(ctx: Context, arguments: Arguments) -> AbstractContextManager[None]:
+    """The tool call's log context (see ``logs``), as the REST API's: the HTTP request's
+    ``X-Request-ID`` or ``traceparent`` (else a new id), and the ids the arguments name."""
+    request = ctx.request_context.request
+    headers = request.headers if isinstance(request, Request) else {}
+    named = {key: arguments.get(key) for key in ("tool_call_id", "session_id") if isinstance(arguments.get(key), str)}
+    traceparent = headers.get("traceparent")
+    return logs.bound(request_id=logs.request_id(headers.get("x-request-id"), traceparent),
+                      trace_id=logs.trace_id(traceparent), **named)
+
+
 def mcp_tool(face: Face) -> McpTool:
     def run(arguments: Arguments, ctx: Context) -> CallToolResult:  # the SDK runs it in a worker thread
-        return call(face, arguments, _caller(ctx))
+        with _log_context(ctx, arguments):
+            return call(face, arguments, _caller(ctx))
 
     return McpTool(
         fn=run, name=face.name, description=face.description, parameters=face.input_schema(),
@@ -309,11 +322,15 @@ def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return bounded
 
 
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")  # to the root's handler, in our format
+
+
 def serve(host: str, port: int) -> None:
     """Serve the MCP face with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_mcp_app(), host=host, port=port, log_level="info")
+    uvicorn.run(create_mcp_app(), host=host, port=port, log_level="info",
+                log_config=logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}))
 
 
 def main(argv: list[str] | None = None) -> None:

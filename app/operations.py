@@ -23,6 +23,7 @@ from typing import Any
 
 from marshmallow import ValidationError
 
+import logs
 from app import inputs, schemas
 from app.auth import Caller
 from app.errors import ApiError, validation_error
@@ -60,7 +61,13 @@ def _scope(caller: Caller | None) -> str | None:
 def _owned(tool_call_id: str, caller: Caller | None) -> None:
     """:class:`lifecycle.NotFound` unless the call exists and is the caller's (or the caller is an admin)."""
     with db.session() as s:
-        lifecycle.get(s, tool_call_id, caller=_scope(caller))
+        _logged(lifecycle.get(s, tool_call_id, caller=_scope(caller)))
+
+
+def _logged(call: ToolCall) -> ToolCall:
+    """The call, its ids now on the rest of the request's log lines (see ``logs``)."""
+    logs.add(tool_call_id=call.tool_call_id, session_id=call.session_id)
+    return call
 
 
 def _tool(call: ToolCall) -> tools.Tool:
@@ -257,7 +264,7 @@ def status(tool_call_id: Any, caller: Caller | None = None) -> Answer:
     """GET /voice-tools/status/{id}: the whole record of a call."""
     tool_call_id = _tool_call_id(tool_call_id)
     with db.session() as s:
-        call = lifecycle.get(s, tool_call_id, caller=_scope(caller))
+        call = _logged(lifecycle.get(s, tool_call_id, caller=_scope(caller)))
     return schemas.CallRecord().dump(call), 200
 
 

@@ -26,6 +26,7 @@ from celery.exceptions import MaxRetriesExceededError, Reject, SoftTimeLimitExce
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
+import logs
 from celeryconfig import queue
 from models import db, lifecycle
 from models.calls import CallbackDelivery, ToolCall
@@ -309,7 +310,8 @@ QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "int
 
 def _enqueue(tool: Tool, call: ToolCall, start: int) -> str:
     try:
-        with app.producer_or_acquire() as producer:
+        with logs.bound(tool_call_id=call.tool_call_id, session_id=call.session_id), \
+                app.producer_or_acquire() as producer:  # the links' messages carry the call (tasks/log_context.py)
             producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
             result = signature(tool, call.tool_call_id, start).apply_async(
                 producer=producer, retry=True, retry_policy=QUICK_RETRY)

@@ -85,7 +85,7 @@ def test_web_beat_and_flower_lines():
     assert web[0] == "gunicorn" and "--no-control-socket" in web and web[-1] == "app:create_app()"
     assert option(web, "--worker-class") == "gthread"
     assert option(web, "--bind").endswith("${PORT:-8000}")
-    assert lines["beat"][:4] == ["celery", "-A", "tasks", "beat"]
+    assert lines["beat"][:5] == ["celery", "-A", "tasks", "--quiet", "beat"]  # no banner: its log is JSON lines
     flower = lines["flower"]
     assert env_of(flower)[1] == ["FLOWER_UNAUTHENTICATED_API", "PROMETHEUS_MULTIPROC_DIR"]
     assert command(flower)[:4] == ["celery", "-A", "tasks", "flower"]

@@ -312,7 +312,7 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "celery -A tasks beat", "celery -A tasks flower", "honcho", "voice-tools mcp",
+                 "celery -A tasks --quiet beat", "celery -A tasks flower", "honcho", "voice-tools mcp",
                  "voice-tools worker-metrics"):
         assert part in commands, f"{part} not running: {describe(before)}"
 
@@ -323,3 +323,17 @@ def test_sigterm_stops_every_process_it_started(system):
     assert "stopped" in out.splitlines()[-1]
     assert "forcefully killing" not in out
     assert out.count("Traceback") == 0, out[-4000:]
+    assert "logs: one JSON line per event (VOICE_TOOLS_LOG_FORMAT=text for plain lines)" in out
+    for secret in (TOKEN, SECRET):
+        assert secret not in out  # after the demo's calls too
+    json_lines = set()
+    for line in out.splitlines():  # honcho's "08:15:00 web.1 | <the process's line>"
+        prefix, sep, payload = line.partition("| ")
+        name = prefix.split()[1].split(".")[0] if sep and len(prefix.split()) == 2 else None
+        if name in ("web", "mcp", "writes", "reads", "callbacks", "beat") and payload.strip():
+            try:
+                assert isinstance(json.loads(payload), dict)
+            except ValueError:
+                pytest.fail(f"not a JSON line: {line!r}")
+            json_lines.add(name)
+    assert json_lines == {"web", "mcp", "writes", "reads", "callbacks", "beat"}, json_lines
