@@ -101,6 +101,8 @@ def procfile_system(tmp_path):
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     env.pop("VOICE_TOOLS_LOG_FORMAT", None)  # the default is what is under test
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    (tmp_path / "worker-metrics").mkdir()
+    env["VOICE_TOOLS_WORKER_METRICS_DIR"] = str(tmp_path / "worker-metrics")  # the worker lines require their own folder
     url = f"http://127.0.0.1:{port}"
     with queues_taken_from_others(celery_app, ["tools.send_email"]):
         started = [ProcfileProcess("web", env, tmp_path), ProcfileProcess("writes", env, tmp_path)]
