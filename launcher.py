@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
     sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
     sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001)")
+    sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
     sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
@@ -295,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         import demo
 
         return demo.main(rest)
+    if command == "flower":
+        from tasks import monitor
+
+        return monitor.main(rest)
     if command == "footprint":
         import footprint
 

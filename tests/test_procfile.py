@@ -14,9 +14,9 @@ from tasks import tools, worker_groups
 README = (ROOT / "README.md").read_text()
 
 
-def procfile() -> dict[str, list[str]]:
+def procfile(name: str = "Procfile") -> dict[str, list[str]]:
     lines = {}
-    for line in (ROOT / "Procfile").read_text().splitlines():
+    for line in (ROOT / name).read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, command = line.split(":", 1)
             lines[name.strip()] = shlex.split(command)
@@ -32,12 +32,19 @@ def option(words: list[str], name: str) -> str:
     raise AssertionError(f"{name} not in {words}")
 
 
-def worker_lines() -> dict[str, list[str]]:
-    return {name: words for name, words in procfile().items() if words[3:4] == ["worker"]}
+def worker_lines(name: str = "Procfile") -> dict[str, list[str]]:
+    return {line: words for line, words in procfile(name).items() if words[3:4] == ["worker"]}
+
+
+def declared_queues() -> set[str]:
+    return {queue.name for queue in celery_app.conf.task_queues}
 
 
 def consumed_by(words: list[str]) -> list[str]:
-    """The queues a worker line consumes: its ``--queues`` plus its ``--group``'s tools' queues."""
+    """The queues a worker line consumes: its ``--queues`` plus its ``--group``'s tools' queues
+    (neither: every declared queue, as a plain ``celery -A tasks worker``)."""
+    if "--queues" not in words and "--group" not in words:
+        return sorted(declared_queues())
     queues = [q for q in option(words, "--queues").split(",")] if "--queues" in words else []
     if "--group" in words:
         queues += worker_groups.queues_of([option(words, "--group")])
@@ -47,7 +54,7 @@ def consumed_by(words: list[str]) -> list[str]:
 def test_every_queue_is_consumed_by_exactly_one_worker_line():
     workers = worker_lines()
     consumed = [q for words in workers.values() for q in consumed_by(words)]
-    declared = {queue.name for queue in celery_app.conf.task_queues}
+    declared = declared_queues()
     assert declared == {tool.queue for tool in tools.TOOLS.values()} | {"callbacks", "maintenance"}
     assert sorted(consumed) == sorted(declared), "give each worker group of the tools a worker line (--group)"
     assert {option(words, "--hostname").split("@")[0] for words in workers.values()} == set(workers)
@@ -71,13 +78,28 @@ def test_web_beat_and_flower_lines():
     assert lines["beat"][:4] == ["celery", "-A", "tasks", "beat"]
     flower = lines["flower"]
     assert flower[:2] == ["env", "-u"] and flower[2] == "FLOWER_UNAUTHENTICATED_API"
-    assert flower[3:7] == ["celery", "-A", "tasks", "flower"]
+    assert flower[3:5] == ["voice-tools", "flower"]  # celery -A tasks flower, ending promptly on SIGTERM
     assert option(flower, "--port") == "${FLOWER_PORT:-5555}"
     # every face binds HOST: 0.0.0.0 in production, 127.0.0.1 under `voice-tools run`
     assert option(flower, "--address") == "${HOST:-0.0.0.0}"
     assert option(web, "--bind") == "${HOST:-0.0.0.0}:${PORT:-8000}"
     assert option(lines["mcp"], "--host") == "${HOST:-0.0.0.0}"
     assert option(flower, "--basic-auth").startswith("${FLOWER_BASIC_AUTH")
+
+
+def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_inside():
+    """``voice-tools run``'s process list: what a laptop needs, the same commands as production's."""
+    local, production = procfile("Procfile.local"), procfile()
+    assert set(local) == {"web", "mcp", "worker", "flower"}
+    worker = local["worker"]
+    assert worker[:4] == ["celery", "-A", "tasks", "worker"] and "--beat" in worker
+    assert option(worker, "--schedule") == option(production["beat"], "--schedule")
+    assert sorted(consumed_by(worker)) == sorted(declared_queues())
+    assert option(local["web"], "--workers") == "${WEB_CONCURRENCY:-1}"
+    for name in ("web", "mcp", "flower"):  # the same command, one gunicorn worker and the loopback by default
+        same = [w.replace("${WEB_CONCURRENCY:-1}", "${WEB_CONCURRENCY:-2}").replace("127.0.0.1", "0.0.0.0")
+                for w in local[name]]
+        assert same == production[name], name
 
 
 def readme_command(section: str) -> str:
