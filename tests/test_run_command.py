@@ -331,7 +331,7 @@ def test_env_and_migrate_come_and_go_beside_the_run_and_a_call_still_completes(s
     assert stop_process(env) == 0
     assert servers.redis_users(redis_dir) == [system.proc.pid]
 
-    assert requests.get(f"{system.url}/readyz", timeout=10).status_code == 200
+    assert system.api("GET", "/readyz").status_code == 200, "the API still reaches the database and the broker"
     played = subprocess.run(
         [str(Path(sys.executable).with_name("voice-tools")), "demo", "--url", system.url],
         env=system.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
