@@ -11,7 +11,7 @@ from celery.signals import worker_before_create_process, worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import tools, worker_groups
+from tasks import beat_thread, tools, worker_groups
 
 app = Celery("tasks")
 app.config_from_object("celeryconfig")
@@ -20,6 +20,7 @@ app.conf.task_queues = tuple(
 )
 
 worker_groups.install(app)
+beat_thread.install(app)
 
 
 @worker_before_create_process.connect

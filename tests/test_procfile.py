@@ -92,7 +92,7 @@ def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_inside():
     local, production = procfile("Procfile.local"), procfile()
     assert set(local) == {"web", "mcp", "worker", "flower"}
     worker = local["worker"]
-    assert worker[:4] == ["celery", "-A", "tasks", "worker"] and "--beat" in worker
+    assert worker[:4] == ["celery", "-A", "tasks", "worker"] and "--beat-thread" in worker
     assert option(worker, "--schedule") == option(production["beat"], "--schedule")
     assert sorted(consumed_by(worker)) == sorted(declared_queues())
     assert option(local["web"], "--workers") == "${WEB_CONCURRENCY:-1}"

@@ -228,6 +228,7 @@ def test_beat_ticks_inside_the_worker(system):
         time.sleep(1)
     assert {"maintenance.expire_stale", "maintenance.retry_callbacks"} <= done, done
     assert "Scheduler: Sending due task" in system.output()
+    assert "INFO/MainProcess] beat: Starting" in system.output()  # a thread of the worker, not a forked process
     commands = [" ".join(proc.cmdline()) for proc in running(system.data_dir) if _alive(proc)]
     assert not any("celery -A tasks beat" in command for command in commands), commands
 
