@@ -27,7 +27,7 @@ beat_thread.install(app)
 def _freeze_before_fork(**_: object) -> None:
     """Keep the parent's objects out of the children's garbage collections (``gc.freeze``, as
     Python's docs advise before a fork): a collection writes to every object it scans,
-    which copies each page of the parent's memory into every pool child (about 30 MB each)."""
+    which copies each page of the parent's memory into every pool child (measured: 20-30 MB each)."""
     gc.freeze()
 
 
