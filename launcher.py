@@ -1,8 +1,10 @@
 """The ``voice-tools`` command: run the whole system, migrate, print the servers, demo, serve worker metrics.
 
 ``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
-then runs the Procfile with honcho (API, workers, beat, Flower) until interrupted; on
-SIGINT or SIGTERM it stops honcho's processes first and the embedded servers last.
+then runs ``Procfile.local`` with honcho (API, MCP, one worker for every queue with beat
+inside it, Flower) until interrupted; on SIGINT or SIGTERM it stops honcho's processes
+first and the embedded servers last. ``Procfile`` keeps production's process groups
+(``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logs
 from servers import ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
 
 LOCAL_SECRETS = "local-secrets.json"
+LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
 
 
 def local_defaults(data_dir: Path) -> dict[str, str]:
@@ -145,6 +148,10 @@ def _lock_data_dir(data_dir: Path) -> Any:
     except BlockingIOError:
         handle.close()
         return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")  # for ``voice-tools footprint``
+    handle.flush()
     _started["_run_lock"] = handle
     return handle
 
@@ -161,11 +168,9 @@ def run(procfile: str | None = None) -> int:
     honcho = None
     try:
         urls = ensure_servers(data_dir)
-        migrate()
-        if _never_used():
-            _say(f"demo data loaded: {_describe(load_demo())}")
+        _prepare_in_child()
         env, filled = run_environment(data_dir)
-        procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / "Procfile")
+        procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / LOCAL_PROCFILE)
         _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
         _say(f"data in {data_dir}")
         for line in banner(env, filled, data_dir):
@@ -187,6 +192,23 @@ def run(procfile: str | None = None) -> int:
             _stop_honcho(honcho)
         stop_servers()
         _say("stopped")
+
+
+def prepare() -> int:
+    """Migrate, and load the demo data set into a database that has never had a call."""
+    migrate()
+    if _never_used():
+        _say(f"demo data loaded: {_describe(load_demo())}")
+    return 0
+
+
+def _prepare_in_child() -> None:
+    """``prepare`` in a child process, so this one (which lives as long as the run) never holds
+    what migrating and loading the demo import (Alembic, the embedding model for the documents)."""
+    done = subprocess.run([sys.executable, "-c", "import launcher, sys; sys.exit(launcher.prepare())"],
+                          cwd=ROOT, env=dict(os.environ))
+    if done.returncode != 0:
+        raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
 
 
 def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
@@ -258,13 +280,15 @@ def _say(text: str) -> None:
 
 
 def _redact(url: str) -> str:
-    """Hide a password in a URL before printing it."""
-    from sqlalchemy.engine import make_url
+    """Hide a password in a URL before printing it (urllib, not SQLAlchemy: this process lives
+    as long as the run, and SQLAlchemy would cost it ~12 MB)."""
+    from urllib.parse import urlsplit, urlunsplit
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001)")
     sub.add_parser("worker-metrics", add_help=False,
                    help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
+    sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
+    sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
@@ -288,6 +314,14 @@ def main(argv: list[str] | None = None) -> int:
         import demo
 
         return demo.main(rest)
+    if command == "flower":
+        from tasks import monitor
+
+        return monitor.main(rest)
+    if command == "footprint":
+        import footprint
+
+        return footprint.main(rest)
     if command == "mcp":
         from app import mcp_server
 

@@ -4,12 +4,14 @@ Queues are declared here from the tool registry (one ``tools.<name>`` per tool, 
 ``callbacks`` and ``maintenance``) so Flower knows them with no worker online, and a
 plain ``celery -A tasks worker`` consumes them all.
 """
+import gc
+
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import worker_before_create_process, worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import base, log_context, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
+from tasks import base, beat_thread, log_context, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
 
 app = Celery("tasks", task_cls=base.Task)  # every task's base class (tasks/base.py)
 app.config_from_object("celeryconfig")
@@ -18,6 +20,15 @@ app.conf.task_queues = tuple(
 )
 
 worker_groups.install(app)
+beat_thread.install(app)
+
+
+@worker_before_create_process.connect
+def _freeze_before_fork(**_: object) -> None:
+    """Keep the parent's objects out of the children's garbage collections (``gc.freeze``, as
+    Python's docs advise before a fork): a collection writes to every object it scans,
+    which copies each page of the parent's memory into every pool child (measured: 20-30 MB each)."""
+    gc.freeze()
 
 
 @worker_process_init.connect

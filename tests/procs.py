@@ -60,6 +60,18 @@ def wait_none_running(data_dir: Path, timeout: float = 15.0) -> list[psutil.Proc
     return left
 
 
+def wait_listening(port: int, timeout: float = 180.0) -> bool:
+    """Wait until something accepts connections on 127.0.0.1:``port``; False if nothing did in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
 def describe(procs: list[psutil.Process]) -> list[str]:
     out = []
     for proc in procs:

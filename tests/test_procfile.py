@@ -14,9 +14,9 @@ from tasks import tools, worker_groups
 README = (ROOT / "README.md").read_text()
 
 
-def procfile() -> dict[str, list[str]]:
+def procfile(name: str = "Procfile") -> dict[str, list[str]]:
     lines = {}
-    for line in (ROOT / "Procfile").read_text().splitlines():
+    for line in (ROOT / name).read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, command = line.split(":", 1)
             lines[name.strip()] = shlex.split(command)
@@ -42,8 +42,8 @@ def command(words: list[str]) -> list[str]:
     return words[i:]
 
 
-def worker_lines() -> dict[str, list[str]]:
-    return {name: command(words) for name, words in procfile().items() if command(words)[3:4] == ["worker"]}
+def worker_lines(name: str = "Procfile") -> dict[str, list[str]]:
+    return {line: command(words) for line, words in procfile(name).items() if command(words)[3:4] == ["worker"]}
 
 
 def env_of(words: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -53,8 +53,15 @@ def env_of(words: list[str]) -> tuple[dict[str, str], list[str]]:
     return dict(word.split("=", 1) for word in head[1:] if "=" in word and word not in unset), unset
 
 
+def declared_queues() -> set[str]:
+    return {queue.name for queue in celery_app.conf.task_queues}
+
+
 def consumed_by(words: list[str]) -> list[str]:
-    """The queues a worker line consumes: its ``--queues`` plus its ``--group``'s tools' queues."""
+    """The queues a worker line consumes: its ``--queues`` plus its ``--group``'s tools' queues
+    (neither: every declared queue, as a plain ``celery -A tasks worker``)."""
+    if "--queues" not in words and "--group" not in words:
+        return sorted(declared_queues())
     queues = [q for q in option(words, "--queues").split(",")] if "--queues" in words else []
     if "--group" in words:
         queues += worker_groups.queues_of([option(words, "--group")])
@@ -64,7 +71,7 @@ def consumed_by(words: list[str]) -> list[str]:
 def test_every_queue_is_consumed_by_exactly_one_worker_line():
     workers = worker_lines()
     consumed = [q for words in workers.values() for q in consumed_by(words)]
-    declared = {queue.name for queue in celery_app.conf.task_queues}
+    declared = declared_queues()
     assert declared == {tool.queue for tool in tools.TOOLS.values()} | {"callbacks", "maintenance"}
     assert sorted(consumed) == sorted(declared), "give each worker group of the tools a worker line (--group)"
     assert {option(words, "--hostname").split("@")[0] for words in workers.values()} == set(workers)
@@ -88,13 +95,29 @@ def test_web_beat_and_flower_lines():
     assert lines["beat"][:5] == ["celery", "-A", "tasks", "--quiet", "beat"]  # no banner: its log is JSON lines
     flower = lines["flower"]
     assert env_of(flower)[1] == ["FLOWER_UNAUTHENTICATED_API", "PROMETHEUS_MULTIPROC_DIR"]
-    assert command(flower)[:4] == ["celery", "-A", "tasks", "flower"]
+    assert command(flower)[:2] == ["voice-tools", "flower"]  # celery -A tasks flower, ending promptly on SIGTERM
     assert option(flower, "--port") == "${FLOWER_PORT:-5555}"
     # every face binds HOST: 0.0.0.0 in production, 127.0.0.1 under `voice-tools run`
     assert option(flower, "--address") == "${HOST:-0.0.0.0}"
     assert option(web, "--bind") == "${HOST:-0.0.0.0}:${PORT:-8000}"
     assert option(lines["mcp"], "--host") == "${HOST:-0.0.0.0}"
     assert option(flower, "--basic-auth").startswith("${FLOWER_BASIC_AUTH")
+
+
+def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_inside():
+    """``voice-tools run``'s process list: what a laptop needs, the same commands as production's."""
+    local, production = procfile("Procfile.local"), procfile()
+    assert set(local) == {"web", "mcp", "worker", "worker-metrics", "flower"}
+    worker = command(local["worker"])
+    assert env_of(local["worker"])[0] == env_of(production["writes"])[0]  # the workers' own metrics folder
+    assert worker[:4] == ["celery", "-A", "tasks", "worker"] and "--beat-thread" in worker
+    assert option(worker, "--schedule") == option(production["beat"], "--schedule")
+    assert sorted(consumed_by(worker)) == sorted(declared_queues())
+    assert option(local["web"], "--workers") == "${WEB_CONCURRENCY:-1}"
+    for name in ("web", "mcp", "worker-metrics", "flower"):  # the same command, one gunicorn worker and the loopback by default
+        same = [w.replace("${WEB_CONCURRENCY:-1}", "${WEB_CONCURRENCY:-2}").replace("127.0.0.1", "0.0.0.0")
+                for w in local[name]]
+        assert same == production[name], name
 
 
 def readme_command(section: str) -> str:

@@ -1,7 +1,9 @@
-"""``voice-tools run`` as a user starts it: embedded servers, migrations, the Procfile
-under honcho (gunicorn, three workers, beat, Flower); the API answers, Flower asks for
-its password, the demo plays the seed's scenario through real workers, and SIGTERM
-leaves no process behind.
+"""``voice-tools run`` as a user starts it: embedded servers, migrations, ``Procfile.local``
+under honcho (gunicorn, MCP, one worker for every queue with beat inside it, Flower); the
+API answers, Flower asks for its password and shows the tools' tasks and queues, the demo
+plays the seed's scenarios through the real worker, ``voice-tools env`` and ``migrate``
+come and go beside it, ``voice-tools footprint`` measures it, and SIGTERM leaves no process
+behind.
 
 One system is started for the whole module (it takes a while on two cores); the tests
 run in file order and the last one stops it.
@@ -12,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,10 @@ import psutil
 import pytest
 import requests
 
+from tasks import app as celery_app
 from tasks import tools
-from tests.procs import ROOT, bare_env, describe, free_port, running, wait_none_running
+from tests.procs import (ROOT, bare_env, describe, free_port, running, stop_process, voice_tools, wait_listening,
+                         wait_none_running)
 
 TOKEN = "run-command-test-token"
 SECRET = "run-command-test-secret"
@@ -85,14 +88,8 @@ class System:
         pytest.fail(f"/healthz did not answer 200 in {START_TIMEOUT}s:\n{self.tail()}")
 
     def wait_listening(self, port: int) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=2).close()
-                return
-            except OSError:
-                time.sleep(0.5)
-        pytest.fail(f"nothing listens on port {port} after {START_TIMEOUT}s:\n{self.tail()}")
+        if not wait_listening(port, START_TIMEOUT):
+            pytest.fail(f"nothing listens on port {port} after {START_TIMEOUT}s:\n{self.tail()}")
 
     def api(self, method: str, path: str, **kw) -> requests.Response:
         headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -194,25 +191,57 @@ def test_the_banner_names_the_secrets_file_and_flowers_user_and_prints_no_secret
         assert "running as root: Celery's superuser warning is silenced for this local run" in out
 
 
-def test_flower_needs_its_password_and_sees_one_worker_per_procfile_line(system):
+def declared_queues() -> set[str]:
+    return {queue.name for queue in celery_app.conf.task_queues}
+
+
+def flower_get(system: System, path: str, **params) -> requests.Response:
+    return requests.get(f"{system.flower_url}{path}", params=params, auth=FLOWER_AUTH, timeout=30)
+
+
+def test_flower_needs_its_password_and_sees_one_worker_consuming_every_queue(system):
+    """The local run's one worker consumes every tool's queue, ``callbacks`` and ``maintenance``."""
     workers_url = f"{system.flower_url}/api/workers"
     system.wait_listening(system.flower_port)  # Flower may come up after the API
     assert requests.get(workers_url, timeout=10).status_code == 401
     assert requests.get(workers_url, auth=("ops", "wrong"), timeout=10).status_code == 401
 
-    expected = {group: set(queues) for group, queues in tools.worker_groups().items()}
-    expected["callbacks"] = {"callbacks", "maintenance"}
+    expected = {"worker": declared_queues()}
+    assert expected["worker"] >= {tool.queue for tool in tools.TOOLS.values()} | {"callbacks", "maintenance"}
     deadline = time.monotonic() + 60
     seen: dict[str, set[str]] = {}
     while time.monotonic() < deadline:
-        answer = requests.get(workers_url, params={"refresh": "1"}, auth=FLOWER_AUTH, timeout=30)
+        answer = flower_get(system, "/api/workers", refresh="1")
         assert answer.status_code == 200, answer.text
         seen = {name.split("@")[0]: {q["name"] for q in info.get("active_queues") or []}
                 for name, info in answer.json().items()}
-        if all(seen.get(worker) == queues for worker, queues in expected.items()):
+        if seen == expected:
             break
         time.sleep(1)
-    assert {worker: seen.get(worker) for worker in expected} == expected
+    assert seen == expected
+
+
+def test_beat_ticks_inside_the_worker(system):
+    """No beat process: the worker's embedded beat sends the sweeps, which the same worker runs."""
+    deadline = time.monotonic() + 90
+    done: set[str] = set()
+    while time.monotonic() < deadline and not {"maintenance.expire_stale", "maintenance.retry_callbacks"} <= done:
+        answer = flower_get(system, "/api/tasks", state="SUCCESS")
+        assert answer.status_code == 200, answer.text
+        done = {task["name"] for task in answer.json().values() if task["worker"].startswith("worker@")}
+        time.sleep(1)
+    assert {"maintenance.expire_stale", "maintenance.retry_callbacks"} <= done, done
+    assert "Scheduler: Sending due task" in system.output()
+    assert "INFO/MainProcess] beat: Starting" in system.output()  # a thread of the worker, not a forked process
+    commands = [" ".join(proc.cmdline()) for proc in running(system.data_dir) if _alive(proc)]
+    assert not any("celery -A tasks beat" in command for command in commands), commands
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def test_the_demo_plays_the_updating_email_scenario(system):
@@ -298,6 +327,72 @@ def test_the_workers_series_are_served_apart_from_the_apis(system):
     assert not [name for name in names if not name.startswith("voice_tools_http_")], names
 
 
+def test_flower_shows_each_tools_tasks_their_states_and_the_queue_lengths(system):
+    """After the demos: Flower's HTTP API names each tool's step tasks with their states, and every queue's length."""
+    answer = flower_get(system, "/api/tasks", limit="1000")
+    assert answer.status_code == 200, answer.text
+    states: dict[str, set[str]] = {}
+    for task in answer.json().values():
+        states.setdefault(task["name"], set()).add(task["state"])
+    # send_email ran twice (email and docs scenarios), query_vector_db once, schedule_meeting once
+    for tool in ("send_email", "query_vector_db", "schedule_meeting"):
+        steps = {name: seen for name, seen in states.items() if name.startswith(f"tools.{tool}.")}
+        assert steps, (tool, sorted(states))
+        assert all(seen == {"SUCCESS"} for seen in steps.values()), steps
+    assert "tools.send_email.SENDING" in states and "tools.query_vector_db.SEARCHING" in states
+
+    lengths = flower_get(system, "/api/queues/length")
+    assert lengths.status_code == 200, lengths.text
+    queues = {queue["name"]: queue["messages"] for queue in lengths.json()["active_queues"]}
+    assert set(queues) == declared_queues(), queues
+    assert all(isinstance(count, int) and count >= 0 for count in queues.values()), queues
+
+
+def test_env_and_migrate_come_and_go_beside_the_run_and_a_call_still_completes(system):
+    import servers
+
+    redis_dir = system.data_dir / "redis"
+    users = servers.redis_users(redis_dir)
+    assert users == [system.proc.pid], users  # the run started the servers
+
+    env = voice_tools(system.data_dir, "env", stdout=subprocess.PIPE)
+    exports = dict(env.stdout.readline().removeprefix("export ").strip().split("=", 1) for _ in range(2))
+    assert set(exports) == {"DATABASE_URL", "REDIS_URL"}, exports
+    assert sorted(servers.redis_users(redis_dir)) == sorted([system.proc.pid, env.pid])  # it joined
+    migrate = voice_tools(system.data_dir, "migrate", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _out, err = migrate.communicate(timeout=180)
+    assert migrate.returncode == 0, err
+    assert stop_process(env) == 0
+    assert servers.redis_users(redis_dir) == [system.proc.pid]
+
+    assert system.api("GET", "/readyz").status_code == 200, "the API still reaches the database and the broker"
+    played = subprocess.run(
+        [str(Path(sys.executable).with_name("voice-tools")), "demo", "--url", system.url],
+        env=system.env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert played.returncode == 0, played.stdout + played.stderr
+    call_id = next(line.split()[0] for line in played.stdout.splitlines() if line.startswith("    tc_"))
+    assert system.api("GET", f"/voice-tools/status/{call_id}").json()["status"] == "COMPLETED"
+
+
+def test_footprint_lists_every_process_of_the_run(system):
+    measured = subprocess.run(
+        [str(Path(sys.executable).with_name("voice-tools")), "footprint", "--width", "400"],
+        env=system.env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )
+    assert measured.returncode == 0, measured.stdout + measured.stderr
+    lines = measured.stdout.splitlines()
+    tree = [system.proc.pid] + [child.pid for child in psutil.Process(system.proc.pid).children(recursive=True)]
+    listed = {int(line.split()[0]) for line in lines if line.split() and line.split()[0].isdigit()}
+    assert set(tree) <= listed, (tree, measured.stdout)
+    for part in ("voice-tools run", "gunicorn", "celery -A tasks worker", "voice-tools mcp", "voice-tools flower",
+                 "postgres", "redis-server"):
+        assert part in measured.stdout, (part, measured.stdout)
+    total = next(line for line in lines if line.startswith("voice-tools run: "))
+    assert total.startswith(f"voice-tools run: {len(tree)} processes, ") and total.endswith(" MB PSS"), total
+    assert any(line.startswith("embedded servers (PostgreSQL, Redis): ") for line in lines), measured.stdout
+
+
 def test_a_second_run_on_the_same_data_dir_is_refused(system):
     second = subprocess.run(
         [str(Path(sys.executable).with_name("voice-tools")), "run"], env=dict(system.env, PORT=str(free_port())),
@@ -312,8 +407,7 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "celery -A tasks --quiet beat", "celery -A tasks flower", "honcho", "voice-tools mcp",
-                 "voice-tools worker-metrics"):
+                 "--beat", "voice-tools flower", "honcho", "voice-tools mcp", "voice-tools worker-metrics"):
         assert part in commands, f"{part} not running: {describe(before)}"
 
     assert system.stop() == 128 + signal.SIGTERM
@@ -322,6 +416,8 @@ def test_sigterm_stops_every_process_it_started(system):
     out = system.output()
     assert "stopped" in out.splitlines()[-1]
     assert "forcefully killing" not in out
+    assert "SIGKILL" not in out  # honcho had to kill none of them: Flower too stopped on SIGTERM
+    assert "flower.1 stopped" in out
     assert out.count("Traceback") == 0, out[-4000:]
     assert "logs: one JSON line per event (VOICE_TOOLS_LOG_FORMAT=text for plain lines)" in out
     for secret in (TOKEN, SECRET):
@@ -330,10 +426,10 @@ def test_sigterm_stops_every_process_it_started(system):
     for line in out.splitlines():  # honcho's "08:15:00 web.1 | <the process's line>"
         prefix, sep, payload = line.partition("| ")
         name = prefix.split()[1].split(".")[0] if sep and len(prefix.split()) == 2 else None
-        if name in ("web", "mcp", "writes", "reads", "callbacks", "beat") and payload.strip():
+        if name in ("web", "mcp", "worker", "worker-metrics") and payload.strip():
             try:
                 assert isinstance(json.loads(payload), dict)
             except ValueError:
                 pytest.fail(f"not a JSON line: {line!r}")
             json_lines.add(name)
-    assert json_lines == {"web", "mcp", "writes", "reads", "callbacks", "beat"}, json_lines
+    assert {"web", "mcp", "worker"} <= json_lines, json_lines  # Procfile.local's processes (beat is inside the worker)

@@ -32,8 +32,7 @@ from datetime import date, datetime, time, timedelta, timezone
 from typing import Any, Iterable
 from zoneinfo import ZoneInfo
 
-import httplib2
-from google.auth.exceptions import RefreshError, TransportError
+from google.auth.exceptions import RefreshError
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 
@@ -239,7 +238,7 @@ def _call(request: Any, translate_conflict: bool = True) -> dict[str, Any]:
         if getattr(exc, "retryable", False):
             raise Unavailable(f"Google sign-in failed for now: {exc}") from exc
         raise Refused(f"Google refused the credentials: {exc}") from exc
-    except (TransportError, httplib2.HttpLib2Error) as exc:
+    except google.transport_errors() as exc:
         raise Unavailable(f"Google Calendar could not be reached: {exc}") from exc
 
 

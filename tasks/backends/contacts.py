@@ -21,7 +21,6 @@ import logging
 import threading
 from typing import Any
 
-import httplib2
 from sqlalchemy import String, case, func, or_, select
 from sqlalchemy.dialects.postgresql import insert
 
@@ -162,7 +161,7 @@ def google_search(svc: Any, query: str, limit: int = 5) -> list[dict[str, Any]]:
         if google.status_of(exc) in REFUSED_STATUSES:
             raise Refused(f"Google Contacts refused the search ({google.reason_of(exc).rstrip('.')})") from exc
         raise
-    except (httplib2.HttpLib2Error, google.TransportError) as exc:
+    except google.transport_errors() as exc:
         raise Unavailable(f"Google Contacts could not be reached ({type(exc).__name__})") from exc
     people = [r.get("person") or {} for r in answer.get("results") or []]
     return [person_to_contact(p) for p in people[:limit]]

@@ -26,9 +26,8 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-import numpy as np
 from sqlalchemy import delete, or_, select, text, update
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.exc import DBAPIError, ProgrammingError
@@ -37,6 +36,9 @@ from sqlalchemy.orm import Session
 from models import db, settings
 from models.documents import EMBEDDING_DIM, DocumentChunk
 from tasks.backends import embeddings
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,8 @@ def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None) ->
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
                   filters: dict[str, Any] | None = None, floor: float | None = None) -> list[dict[str, Any]]:
     """The chunks nearest to ``vector`` (made by ``model``), best first, above the relevance floor."""
+    import numpy as np
+
     floor = min_score() if floor is None else floor
     vector = np.asarray(vector, dtype=np.float32)
     if vector.shape != (EMBEDDING_DIM,):

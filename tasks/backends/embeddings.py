@@ -38,9 +38,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where a vector is made: every process imports the tools, few embed
+    import numpy as np
 
 from models import settings
 
@@ -69,6 +70,8 @@ class Embedder(Protocol):
 
 
 def _normalise(vectors: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
 
@@ -120,6 +123,8 @@ class LocalEmbedder:
         return max(1, self._threads or settings.load().embedding_threads)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
+        import numpy as np
+
         if self._session is None:
             self._load()
         texts = [t if t.strip() else " " for t in texts]
@@ -132,6 +137,8 @@ class LocalEmbedder:
         return np.stack(rows) if rows else np.zeros((0, DIM), dtype=np.float32)
 
     def _run(self, text: str) -> np.ndarray:
+        import numpy as np
+
         encoding = self._tokenizer.encode(text)
         ids = np.array([encoding.ids], dtype=np.int64)
         mask = np.array([encoding.attention_mask], dtype=np.int64)
@@ -199,6 +206,7 @@ def _rewrite(model: Any) -> Any:
     4. ``LayerNormalization`` is spelled as ReduceMean/Sub/Mul/Sqrt/Div (faster here).
     A graph that does not have these shapes raises (the package is pinned).
     """
+    import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
     graph = model.graph
@@ -323,6 +331,8 @@ class OpenAIEmbedder:
         self._client = openai_client(conf)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
+        import numpy as np
+
         rows: list[list[float]] = []
         for start in range(0, len(texts), OPENAI_BATCH_SIZE):
             batch = [t if t.strip() else " " for t in texts[start:start + OPENAI_BATCH_SIZE]]
@@ -420,6 +430,8 @@ def embed(texts: Sequence[str], bulk: bool = False) -> np.ndarray:
     (``VOICE_TOOLS_EMBEDDING_THREADS``, default 1); the vectors are the same.
     """
     if not texts:
+        import numpy as np
+
         return np.zeros((0, DIM), dtype=np.float32)
     embedder = active()
     if bulk and isinstance(embedder, LocalEmbedder):

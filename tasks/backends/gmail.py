@@ -26,8 +26,7 @@ from email.message import EmailMessage
 from email.policy import SMTP
 from typing import Any
 
-import httplib2
-from google.auth.exceptions import RefreshError, TransportError
+from google.auth.exceptions import RefreshError
 
 from tasks.backends import google
 from tasks.backends.google import HttpError
@@ -92,7 +91,7 @@ def send(tool_call_id: str, draft: dict[str, Any], service: Any = None) -> dict[
         if exc.retryable:
             raise Unavailable(f"Google sign-in failed for now: {exc}") from exc
         raise Refused(f"Google refused the credentials: {exc}") from exc
-    except (TransportError, httplib2.HttpLib2Error) as exc:
+    except google.transport_errors() as exc:
         raise Unavailable(f"Gmail could not be reached: {exc}") from exc
     return {"message_id": sent["id"], "thread_id": sent.get("threadId") or "", "to": draft["to"]}
 

@@ -19,10 +19,7 @@ import json
 import threading
 from typing import Any, Sequence
 
-import httplib2
 from google.auth.exceptions import TransportError
-from google_auth_httplib2 import AuthorizedHttp
-from googleapiclient.discovery import build
 from googleapiclient.errors import HttpError
 
 from models import settings
@@ -67,6 +64,12 @@ def credentials(scopes: Sequence[str], conf: settings.Settings | None = None) ->
 
 def build_service(api: str, version: str, http: Any = None, conf: settings.Settings | None = None) -> Any:
     """A client for ``api`` ``version``; ``http`` (e.g. an ``HttpMockSequence``) replaces the authorised transport."""
+    # Imported here, not at the top: every process imports the tools, few build a client
+    # (the discovery client and httplib2 with pyparsing are ~25 MB per process).
+    import httplib2
+    from google_auth_httplib2 import AuthorizedHttp
+    from googleapiclient.discovery import build
+
     conf = conf or settings.load()
     if http is None:
         scopes = SCOPES.get(api if api != "gmail" else "gmail", ())
@@ -92,6 +95,17 @@ def reset() -> None:
     _local.services = {}
 
 
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The errors of a failed exchange with Google, for ``except google.transport_errors():``.
+
+    An ``except`` clause's expression is evaluated only when something was raised, so
+    httplib2 is imported only by a process that talked to Google.
+    """
+    import httplib2
+
+    return (TransportError, httplib2.HttpLib2Error)
+
+
 def status_of(exc: BaseException) -> int | None:
     """The HTTP status of a Google API error, or None."""
     if isinstance(exc, HttpError):
@@ -108,4 +122,4 @@ def reason_of(exc: HttpError) -> str:
 
 
 __all__ = ["SCOPES", "CredentialsError", "HttpError", "TransportError", "build_service", "credentials",
-           "reason_of", "reset", "service", "status_of"]
+           "reason_of", "reset", "service", "status_of", "transport_errors"]

@@ -22,7 +22,6 @@ import hashlib
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
-import httplib2
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 
@@ -143,6 +142,6 @@ def google_create(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_i
         if status in REFUSED_STATUSES:
             raise Refused(f"Google Tasks refused it ({google.reason_of(exc).rstrip('.')})") from exc
         raise
-    except (httplib2.HttpLib2Error, google.TransportError) as exc:
+    except google.transport_errors() as exc:
         raise Unavailable(f"Google Tasks could not be reached ({type(exc).__name__})") from exc
     return _result(created, draft)
