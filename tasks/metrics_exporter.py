@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.config
 import os
 import signal
 import sys
@@ -23,6 +24,8 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+import logs
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.dir or not Path(args.dir).is_dir():
         parser.error(f"set {DIR_VARIABLE} (or --dir) to the workers' metrics folder (an existing folder)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.config.dictConfig(logs.dict_config())  # one JSON line per event, as every process of the Procfile
     from tasks import app
 
     server, _thread = start_http_server(args.port, addr=args.host, registry=registry(args.dir, app))
-    print(f"worker metrics of {args.dir} on http://{args.host}:{args.port}/metrics", flush=True)
+    log.info("worker metrics of %s on http://%s:%s/metrics", args.dir, args.host, args.port)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         signal.pause()

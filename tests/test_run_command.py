@@ -232,7 +232,13 @@ def test_beat_ticks_inside_the_worker(system):
         time.sleep(1)
     assert {"maintenance.expire_stale", "maintenance.retry_callbacks"} <= done, done
     assert "Scheduler: Sending due task" in system.output()
-    assert "INFO/MainProcess] beat: Starting" in system.output()  # a thread of the worker, not a forked process
+    # a thread of the worker's main process, not a forked process: its JSON line carries that pid
+    starting = [json.loads(line.partition("| ")[2]) for line in system.output().splitlines() if "beat: Starting" in line]
+    assert starting, system.output()[-3000:]
+    workers = [proc for proc in running(system.data_dir) if _alive(proc) and "celery -A tasks worker" in " ".join(proc.cmdline())
+               and not proc.cmdline()[0].endswith("sh")]  # not honcho's `sh -c` around it
+    mains = {proc.pid for proc in workers if proc.ppid() not in {other.pid for other in workers}}  # not a pool child
+    assert len(mains) == 1 and {line["pid"] for line in starting} == mains, (starting, mains)
     commands = [" ".join(proc.cmdline()) for proc in running(system.data_dir) if _alive(proc)]
     assert not any("celery -A tasks beat" in command for command in commands), commands
 

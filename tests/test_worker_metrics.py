@@ -9,6 +9,7 @@ broker. The API's ``/metrics`` shows none of this.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -131,7 +132,7 @@ def scrape_exporter(folder) -> str:
          "--dir", str(folder)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         said = exporter.stdout.readline()
-        assert said.strip() == f"worker metrics of {folder} on http://127.0.0.1:{port}/metrics", said
+        assert json.loads(said)["message"] == f"worker metrics of {folder} on http://127.0.0.1:{port}/metrics", said
         answer = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
         assert answer.status_code == 200
         return answer.text
