@@ -12,11 +12,28 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from sqlalchemy import ColumnElement, Integer, and_, bindparam, cast, delete, func, literal, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Integer,
+    Row,
+    and_,
+    bindparam,
+    cast,
+    delete,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.orm import Session, object_session
+from sqlalchemy.sql.dml import Insert
 
 from models.calls import (
     CANCELLED,
@@ -113,8 +130,14 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
     return func.coalesce(ToolCall.execution_time_ms, 0) + elapsed
 
 
-def _transition(
-    s: Session,
+CALLS = ToolCall.__table__
+Executor = Session | Connection
+# Builds the INSERT of a callback event's row from the transition's returned row (a CTE
+# named ``moved`` whose ``event_seq`` is the event's number); see ``callbacks.event``.
+EventInsert = Callable[[Any], Insert]
+
+
+def _cas(
     tool_call_id: str,
     *,
     from_statuses: Iterable[str],
@@ -122,23 +145,46 @@ def _transition(
     reason: str | None = None,
     extra_where: Iterable[ColumnElement[bool]] = (),
     history: list[dict[str, Any]] | None = None,
+    target: Any = CALLS,
     **values: Any,
-) -> ToolCall | None:
-    """Apply one conditional update; return the new row or None if it did not apply."""
+) -> Any:
+    """The compare-and-set ``UPDATE`` of one transition (without its RETURNING)."""
     if history is None:
         history = [_entry(to_status, reason)] if to_status else []
     if to_status:
         values["status"] = to_status
     if history:
         values["status_history"] = _append(ToolCall.status_history, history)
-    stmt = (
-        update(ToolCall)
+    return (
+        update(target)
         .where(ToolCall.tool_call_id == tool_call_id, ToolCall.status.in_(tuple(from_statuses)), *extra_where)
         .values(**values)
-        .returning(ToolCall)
-        .execution_options(synchronize_session=False, populate_existing=True)
     )
+
+
+def _transition(s: Session, tool_call_id: str, **transition: Any) -> ToolCall | None:
+    """Apply one conditional update; return the new row (an ORM entity) or None if it did not apply."""
+    stmt = _cas(tool_call_id, target=ToolCall, **transition).returning(ToolCall).execution_options(
+        synchronize_session=False, populate_existing=True)
     return s.scalars(stmt).one_or_none()
+
+
+def _transition_row(s: Executor, tool_call_id: str, *, event: EventInsert | None = None,
+                    **transition: Any) -> Row[Any] | None:
+    """The hot paths' transition: one statement, a Core row (no ORM entity), or None if it did not apply.
+
+    With ``event``, the same statement takes the call's next event number (``event_seq``,
+    on the row it has just locked) and inserts the event's callback row from the
+    updated row (a data-modifying CTE): the returned row then also holds the columns
+    the event's INSERT returns. A transition that does not apply inserts nothing.
+    """
+    if event is None:
+        return s.execute(_cas(tool_call_id, **transition).returning(*CALLS.c)).one_or_none()
+    transition["event_seq"] = CALLS.c.event_seq + 1
+    moved = _cas(tool_call_id, **transition).returning(*CALLS.c).cte("moved")
+    added = event(moved).cte("added")
+    both = select(moved, added).select_from(moved.join(added, true()))
+    return s.execute(both).one_or_none()
 
 
 def next_event_seq(s: Session, tool_call_id: str) -> int:
@@ -358,13 +404,19 @@ def set_voice_response(s: Session, tool_call_id: str, voice_response: str) -> To
 
 # -- during execution (the chain's links) ---------------------------------------
 
-def begin_step(s: Session, tool_call_id: str, step: str, progress: float) -> ToolCall | None:
-    """Gate and claim a step: the call must still be EXECUTING. None means stop."""
-    return _transition(
+def begin_step(s: Executor, tool_call_id: str, step: str, progress: float,
+               commit: bool = False) -> Row[Any] | None:
+    """Gate and claim a step: the call must still be EXECUTING. None means stop.
+
+    ``commit``: the step has a side effect, and this same statement (the one that checks
+    the call is EXECUTING) passes the point of no return, as :func:`commit_point` does.
+    """
+    values: dict[str, Any] = {"committed_at": func.coalesce(ToolCall.committed_at, func.now())} if commit else {}
+    return _transition_row(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
         current_step=step, progress=progress,
         executed_at=func.coalesce(ToolCall.executed_at, func.now()),
-        attempts=ToolCall.attempts + 1,
+        attempts=ToolCall.attempts + 1, **values,
     )
 
 
@@ -383,22 +435,29 @@ def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
     )
 
 
-def record_step(s: Session, tool_call_id: str, step: str, output: Any, progress: float) -> ToolCall | None:
-    """Store a finished step's output (so a redelivery skips it) and its progress."""
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
-        current_step=step, progress=progress,
-        step_outputs=ToolCall.step_outputs.op("||")(
-            func.jsonb_build_object(literal(step), bindparam(None, output, type_=JSONB))
-        ),
+def _with_output(step: str, output: Any) -> ColumnElement[Any]:
+    return ToolCall.step_outputs.op("||")(func.jsonb_build_object(literal(step), bindparam(None, output, type_=JSONB)))
+
+
+def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress: float,
+                event: EventInsert | None = None) -> Row[Any] | None:
+    """Store a finished step's output (so a redelivery skips it) and its progress;
+    with ``event``, its callback event in the same statement (see :func:`_transition_row`)."""
+    return _transition_row(
+        s, tool_call_id, event=event, from_statuses=(EXECUTING,), to_status=None, history=[],
+        current_step=step, progress=progress, step_outputs=_with_output(step, output),
     )
 
 
-def checkpoint(s: Session, tool_call_id: str, step: str, progress: float) -> ToolCall | None:
-    """EXECUTING → PREPARED: the chain ends here until resumed."""
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=PREPARED, reason=f"Checkpoint {step}",
-        current_step=step, progress=progress, prepared_at=func.now(),
+def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
+               event: EventInsert | None = None) -> Row[Any] | None:
+    """EXECUTING → PREPARED: the chain ends here until resumed. ``output`` (the step's
+    preview), when given, is stored as the step's output by the same statement; with
+    ``event``, the ``checkpoint`` event is recorded by it too."""
+    values = {} if output is None else {"step_outputs": _with_output(step, output)}
+    return _transition_row(
+        s, tool_call_id, event=event, from_statuses=(EXECUTING,), to_status=PREPARED, reason=f"Checkpoint {step}",
+        current_step=step, progress=progress, prepared_at=func.now(), **values,
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )
 
@@ -425,11 +484,12 @@ def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller") -> 
     return row
 
 
-def complete(s: Session, tool_call_id: str, result: dict[str, Any], voice_response: str,
-             context_key: str | None = None) -> ToolCall | None:
+def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_response: str,
+             context_key: str | None = None, event: EventInsert | None = None) -> Row[Any] | None:
+    """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement."""
     extra = {"context_key": context_key} if context_key else {}
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
+    return _transition_row(
+        s, tool_call_id, event=event, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
         result=result, voice_response=voice_response, completed_at=func.now(), progress=1.0, **extra,
         current_step=COMPLETED,
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),

@@ -43,9 +43,10 @@ from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import ProxyManager
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
-from sqlalchemy import bindparam, func, or_, select, update
+from sqlalchemy import Row, bindparam, case, cast, func, insert, literal, null, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import Insert
 
 from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
@@ -391,6 +392,81 @@ def record(
     return delivery if url else None
 
 
+def event(
+    event: str,
+    *,
+    step: str,
+    gate: int,
+    progress: float,
+    message: str = "",
+    cancellable: bool = False,
+    requires_confirmation: bool = False,
+    preview: dict[str, Any] | None = None,
+    context_key: str | None = None,
+    inline: bool = False,
+) -> "lifecycle.EventInsert":
+    """The event :func:`record` would insert, as SQL for the transition's own statement.
+
+    A link's transitions take their event in the statement that changes the call
+    (``lifecycle.record_step(..., event=...)``): this builds the ``INSERT ... SELECT``
+    from the updated row (``moved``), with the same payload :func:`record` writes (what
+    Python knows now as constants; the row's columns, its new ``event_seq`` and the URL
+    from the row). ``progress`` is the progress the transition sets. The row it returns
+    is turned back into a delivery by :func:`delivery_of`.
+    """
+    event_id = uuid.uuid4().hex
+    cfg = settings.load()
+    constant: dict[str, Any] = {
+        "event_id": event_id, "type": "tool_status", "event": event, "step": step, "gate": gate,
+        "progress": progress, "message": message, "cancellable": cancellable,
+        "requires_confirmation": requires_confirmation, "preview": preview,
+        "context_available": context_key is not None, "context_key": context_key,
+    }
+    lease = datetime.now(timezone.utc) + timedelta(seconds=_lease_s(cfg.callback_timeout))
+    fallback_voice = message if event != "progress" else None
+
+    def build(moved: Any) -> Insert:
+        url = func.coalesce(func.nullif(moved.c.callback_urls.op("->>")(event), ""), func.nullif(moved.c.callback_url, ""))
+        resume_url = (literal(f"{cfg.public_url}/voice-tools/resume/") + moved.c.tool_call_id
+                      if requires_confirmation else null())
+        actions = case({status: cast(bindparam(None, actions_available(status), type_=JSONB), JSONB)
+                        for status in (PENDING, EXECUTING, PREPARED)},
+                       value=moved.c.status, else_=cast(literal("[]"), JSONB))
+        row = func.jsonb_build_object(
+            "tool_call_id", moved.c.tool_call_id, "intent_id", moved.c.intent_id,
+            "session_id", moved.c.session_id, "function_name", moved.c.function_name,
+            "parameters", moved.c.parameters, "status", moved.c.status, "resume_url", resume_url,
+            "actions_available", actions, "result", moved.c.result,
+            "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), cast(literal(fallback_voice), CallbackDelivery.url.type)),
+            "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
+        )
+        if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
+            row = row.op("||")(func.jsonb_build_object("checkpoint", step, "resume_webhook", resume_url))
+        payload = cast(bindparam(None, constant, type_=JSONB), JSONB).op("||")(row)
+        chosen = select(
+            literal(event_id), moved.c.tool_call_id, moved.c.session_id, literal(event), moved.c.event_seq,
+            payload, url, case((url.is_(None), "none"), else_="pending"), literal(0),
+            case((url.is_not(None), lease), else_=None) if inline else null(),
+        )
+        return insert(CallbackDelivery).from_select(
+            ["event_id", "tool_call_id", "session_id", "event", "seq", "payload", "url", "state", "attempts",
+             "next_attempt_at"], chosen,
+        ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
+                    CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
+
+    return build
+
+
+def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:
+    """The delivery to post from a transition's row that recorded its event with :func:`event`
+    (None: no URL takes the event, or the transition did not apply)."""
+    if row is None or row.delivery_url is None:
+        return None
+    return CallbackDelivery(event_id=row.delivery_event_id, tool_call_id=row.tool_call_id, session_id=row.session_id,
+                            event=row.delivery_event, seq=row.event_seq, payload=row.delivery_payload,
+                            url=row.delivery_url, state="pending", attempts=0)
+
+
 def url_for(call: ToolCall, event: str) -> str | None:
     """Where ``event`` of ``call`` goes: its own URL in ``callback_urls``, else ``callback_url``."""
     return (call.callback_urls or {}).get(event) or call.callback_url
@@ -459,8 +535,16 @@ def attempt(event_id: str, timeout: float | None = None) -> Answer:
     return _post(delivery, timeout)
 
 
-def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
-    """Post a claimed delivery, record the attempt, act on the relay's answer."""
+Later = Callable[[Callable[[], None]], None]
+
+
+def _post(delivery: CallbackDelivery, timeout: float, later: Later | None = None) -> Answer:
+    """Post a claimed delivery, record the attempt, act on the relay's answer.
+
+    ``later``: where to leave the recording of the attempt to be run once the caller's
+    work is done (a link: after its chain's next link is sent), so the caller does not
+    wait for it. An answer asking to cancel is recorded at once, before the cancel.
+    """
     cfg = settings.load()
     event_id = delivery.event_id
     refusal, address = delivery_refusal(delivery.url)
@@ -488,10 +572,18 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
         except ValueError:
             answer = None
     delivered = error is None
-    _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
     cancel = bool(isinstance(answer, dict) and answer.get("cancel") is True)
     reason = answer.get("reason") if cancel and isinstance(answer.get("reason"), str) else None
-    if cancel and _is_cancellable(delivery.payload):
+    relay_cancels = cancel and _is_cancellable(delivery.payload)
+
+    def record_it() -> None:
+        _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
+
+    if later is None or relay_cancels:
+        record_it()
+    else:
+        later(record_it)
+    if relay_cancels:
         _relay_cancel(delivery.tool_call_id, reason or "Cancelled by the relay")
     return Answer(delivered=delivered, cancel=cancel, reason=reason)
 
@@ -547,9 +639,9 @@ def _record_attempt(event_id: str, attempts_before: int, code: int | None, error
     log_entry: dict[str, Any] = {"at": datetime.now(timezone.utc).isoformat(), "response_code": code, "error": error}
     if note:
         log_entry["note"] = note
-    with db.session() as s:
+    with db.statement() as s:  # one statement, its own transaction
         s.execute(
-            update(CallbackDelivery)
+            update(CallbackDelivery.__table__)
             .where(CallbackDelivery.event_id == event_id, CallbackDelivery.state == "pending")
             .values(
                 attempts=CallbackDelivery.attempts + 1, state=state, response_code=code, last_error=error,
@@ -564,18 +656,29 @@ def _is_cancellable(payload: dict[str, Any]) -> bool:
     return bool(payload.get("cancellable")) or payload.get("event") == "checkpoint"
 
 
-def deliver_inline(delivery: CallbackDelivery | None) -> Answer | None:
+def deliver_inline(delivery: CallbackDelivery | None, later: Later | None = None) -> Answer | None:
     """Post a delivery recorded with ``inline=True`` now, with the short timeout;
-    on failure hand the retries to the callbacks queue."""
+    on failure hand the retries to the callbacks queue.
+
+    ``later`` (see :func:`_post`): the attempt's recording, and the retry after a failed
+    attempt, are left to it, in that order, instead of being done before returning.
+    """
     if delivery is None:
         return None
-    answer = _post(delivery, settings.load().callback_timeout)
+    answer = _post(delivery, settings.load().callback_timeout, later)
     if not answer.delivered:
-        try:
-            schedule_retry(delivery.event_id)
-        except (KombuOperationalError, RedisError, OSError):  # the link must not fail for it
-            log.warning("broker unavailable: retry of event %s left for the sweep", delivery.event_id)
+        def retry() -> None:
+            try:
+                schedule_retry(delivery.event_id)
+            except (KombuOperationalError, RedisError, OSError):  # the link must not fail for it
+                log.warning("broker unavailable: retry of event %s left for the sweep", delivery.event_id)
+
+        (later or _now)(retry)
     return answer
+
+
+def _now(work: Callable[[], None]) -> None:
+    work()
 
 
 def dispatch(delivery: CallbackDelivery | str | None) -> None:

@@ -6,12 +6,16 @@ written once, in :class:`Link`:
 
 1. gate and claim: one conditional UPDATE that only applies while the call is
    EXECUTING; if it does not apply (cancelled, expired, failed) the chain stops
-   quietly (the transition that ended the call already recorded its event);
+   quietly (the transition that ended the call already recorded its event); for a
+   side-effect step the same statement passes the point of no return (``committed_at``);
 2. skip a step whose output is already recorded (a redelivered link);
 3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
-4. a side-effect step first passes the point of no return (``committed_at``);
-5. run the step, then record its output and progress together with its callback row,
-   post the callback inline; the last step completes the call.
+4. run the step, then record its output and progress together with its callback row
+   (one statement), post the callback inline; the last step completes the call.
+
+A link makes one database round trip before its step and one after (each a single
+statement in its own transaction, Core rows); the posted callback's outcome is
+recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
 Transient errors retry with backoff (Celery's retry); permanent ones fail the call.
 """
@@ -84,8 +88,9 @@ class Link(Task):
     def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
         progress = self.index / len(tool.steps)
-        with db.session() as s:
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress)
+        with db.statement() as s:
+            # a side effect's point of no return is passed by the statement that checks EXECUTING
+            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=step.side_effect and not step.checkpoint)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:
@@ -97,10 +102,6 @@ class Link(Task):
 
         if step.checkpoint:
             return self._checkpoint(given, progress)
-        if step.side_effect:
-            with db.session() as s:
-                if lifecycle.commit_point(s, tool_call_id, step.name) is None:
-                    return self._stop()
 
         try:
             output = step.run(given) if step.run else None
@@ -120,16 +121,41 @@ class Link(Task):
             return self._complete(tool_call_id, given, step.name, output)
         cancellable = not (step.side_effect or any(s.side_effect for s in tool.steps[: self.index]))
         progress_done = (self.index + 1) / len(tool.steps)
-        with db.session() as s:
-            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done)
-            if call is None:
-                return self._stop()
-            delivery = callbacks.record(
-                s, call, "progress", step=step.name, gate=self.index + 1,
-                message=tool.say(step.message, call.parameters), cancellable=cancellable, inline=True,
-            )
-        callbacks.deliver_inline(delivery)
+        event = callbacks.event("progress", step=step.name, gate=self.index + 1, progress=progress_done,
+                                message=tool.say(step.message, given.parameters), cancellable=cancellable,
+                                inline=True)
+        with db.statement() as s:
+            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event)
+        if call is None:
+            return self._stop()
+        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return None
+
+    # -- the posted callbacks' outcomes, recorded once the next link is sent ------------
+
+    def _after(self, work: Any) -> None:
+        """Leave ``work`` (recording a callback attempt) for :meth:`after_return`, which Celery
+        calls after sending the chain's next link; called directly (no worker), do it now."""
+        if self.request.called_directly:
+            work()
+            return
+        pending = getattr(self.request, "voice_tools_after", None)
+        if pending is None:
+            pending = self.request.voice_tools_after = []
+        pending.append(work)
+
+    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        self._run_after()
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+
+    def _run_after(self) -> None:
+        pending = getattr(self.request, "voice_tools_after", None) or []
+        self.request.voice_tools_after = None
+        for work in pending:
+            try:
+                work()
+            except Exception:  # the row stays claimed until its lease ends: the retry sweep sends it again
+                log.exception("could not record a callback attempt of %s", self.name)
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         """The link itself ended in error: fail its call now, not after the stuck-call sweep.
@@ -167,17 +193,14 @@ class Link(Task):
     def _checkpoint(self, given: StepInput, progress: float) -> None:
         tool, step = self.tool, self.step
         preview = step.preview(given) if step.preview else None
-        with db.session() as s:
-            lifecycle.record_step(s, given.tool_call_id, step.name, preview or {}, progress)
-            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress)
-            if call is None:
-                return self._stop()
-            delivery = callbacks.record(
-                s, call, "checkpoint", step=step.name, gate=self.index + 1,
-                message=tool.say(step.message, call.parameters), cancellable=True,
-                requires_confirmation=True, preview=preview, inline=True,
-            )
-        callbacks.deliver_inline(delivery)
+        event = callbacks.event("checkpoint", step=step.name, gate=self.index + 1, progress=progress,
+                                message=tool.say(step.message, given.parameters), cancellable=True,
+                                requires_confirmation=True, preview=preview, inline=True)
+        with db.statement() as s:
+            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event)
+        if call is None:
+            return self._stop()
+        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return self._stop()
 
     def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
@@ -188,15 +211,13 @@ class Link(Task):
         result = tool.result(outputs)
         voice = tool.say(tool.voice_response, given.parameters, result=result)
         context_key = result.get("context_key") if isinstance(result, dict) else None
-        with db.session() as s:
-            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key)
-            if call is None:
-                return self._stop()
-            delivery = callbacks.record(
-                s, call, "completed", step=step_name, gate=self.index + 1, message=voice,
-                context_key=context_key, inline=True,
-            )
-        callbacks.deliver_inline(delivery)
+        event = callbacks.event("completed", step=step_name, gate=self.index + 1, progress=1.0, message=voice,
+                                context_key=context_key, inline=True)
+        with db.statement() as s:
+            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event)
+        if call is None:
+            return self._stop()
+        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return None
 
     def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False) -> None:
@@ -217,7 +238,11 @@ class Link(Task):
 
 
 def _run_link(self: Link, tool_call_id: str) -> None:
-    return self.drive(tool_call_id)
+    try:
+        return self.drive(tool_call_id)
+    except BaseException:  # a retry or an error: Celery may not call after_return; record now
+        self._run_after()
+        raise
 
 
 def _links_for(tool: Tool) -> list[Link]:
