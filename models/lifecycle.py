@@ -82,7 +82,7 @@ class Refused(Exception):
         # The caller's transaction rolls back when this propagates, and a rollback
         # expires every instance still in the session: detach the row as found so
         # ``exc.call`` stays readable after the ``with db.session()`` block.
-        found_in = object_session(call)
+        found_in = object_session(call) if isinstance(call, ToolCall) else None  # a Core row is no session's
         if found_in is not None:
             found_in.expunge(call)
         self.code = code
@@ -206,19 +206,20 @@ def _owned_by(caller: str | None) -> list[ColumnElement[bool]]:
     return [] if caller is None else [ToolCall.caller == caller]
 
 
-def get(s: Session, tool_call_id: str, caller: str | None = None) -> ToolCall:
-    """The call; :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
-    call = s.scalars(
-        select(ToolCall).where(ToolCall.tool_call_id == tool_call_id, *_owned_by(caller))
+def get(s: Executor, tool_call_id: str, caller: str | None = None) -> Row[Any]:
+    """The call (a Core row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
+    call = s.execute(
+        select(CALLS).where(ToolCall.tool_call_id == tool_call_id, *_owned_by(caller))
     ).one_or_none()
     if call is None:
         raise NotFound(tool_call_id)
     return call
 
 
-def _refuse(s: Session, tool_call_id: str, action: str) -> Refused:
-    """Build the reason a transition did not apply, from the row as it is now."""
-    call = get(s, tool_call_id)
+def _refuse(s: Executor, tool_call_id: str, action: str, caller: str | None = None) -> Refused:
+    """Build the reason a transition did not apply, from the row as it is now
+    (:class:`NotFound` if it is not ``caller``'s, when given)."""
+    call = get(s, tool_call_id, caller)
     if call.status in TERMINAL:
         return Refused("already_terminal", call, f"Cannot {action}: the call is already {call.status}.")
     if call.committed_at is not None and action == "cancel":
@@ -229,7 +230,7 @@ def _refuse(s: Session, tool_call_id: str, action: str) -> Refused:
 # -- creation -----------------------------------------------------------------
 
 def create(
-    s: Session,
+    s: Executor,
     *,
     session_id: str,
     function_name: str,
@@ -245,8 +246,8 @@ def create(
     caller: str | None = None,
     reason: str | None = "Recorded",
     request_kind: str = "pending",
-) -> tuple[ToolCall, bool]:
-    """Record a PENDING call; return ``(call, created)``.
+) -> tuple[Row[Any], bool]:
+    """Record a PENDING call (one statement); return ``(call, created)``, the call a Core row.
 
     A replay (same ``idempotency_key`` or ``tool_call_id`` of the same ``caller``: keys are
     per caller, and another caller's ``tool_call_id`` is :class:`IdTaken`; same session,
@@ -257,7 +258,7 @@ def create(
     """
     tool_call_id = tool_call_id or new_tool_call_id()
     stmt = (
-        insert(ToolCall)
+        insert(CALLS)
         .values(
             tool_call_id=tool_call_id,
             session_id=session_id,
@@ -276,16 +277,16 @@ def create(
             request_kind=request_kind,
         )
         .on_conflict_do_nothing()
-        .returning(ToolCall)
+        .returning(*CALLS.c)
     )
-    call = s.scalars(stmt).one_or_none()
+    call = s.execute(stmt).one_or_none()
     if call is not None:
         return call, True
     clauses = [ToolCall.tool_call_id == tool_call_id]
     if idempotency_key:
         clauses.append(and_(ToolCall.idempotency_key == idempotency_key,
                             func.coalesce(ToolCall.caller, "") == (caller or "")))
-    existing = s.scalars(select(ToolCall).where(or_(*clauses))
+    existing = s.execute(select(CALLS).where(or_(*clauses))
                          .order_by((ToolCall.tool_call_id == tool_call_id).desc())).first()
     if existing is None:  # the conflicting row vanished (deleted); let the caller retry
         raise RuntimeError("conflicting tool call disappeared")
@@ -348,16 +349,24 @@ def modify(
 
 
 def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
-            callback_urls: dict[str, str] | None = None) -> ToolCall:
-    """PENDING → EXECUTING; a ``callback_url`` / ``callback_urls`` given now replace the recorded ones."""
+            callback_urls: dict[str, str] | None = None, caller: str | None = None,
+            workflow_id: str | None = None) -> ToolCall:
+    """PENDING → EXECUTING; a ``callback_url`` / ``callback_urls`` given now replace the recorded ones.
+
+    ``caller``: only that caller's call (another's is :class:`NotFound`, checked by the same
+    statement); ``workflow_id``: the id the chain will be enqueued with, recorded now.
+    """
     values: dict[str, Any] = {"confirmed_at": func.now()}
     if callback_url:
         values["callback_url"] = callback_url
     if callback_urls:
         values["callback_urls"] = callback_urls
-    row = _transition(s, tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason, **values)
+    if workflow_id:
+        values["workflow_id"] = workflow_id
+    row = _transition(s, tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason,
+                      extra_where=_owned_by(caller), **values)
     if row is None:
-        raise _refuse(s, tool_call_id, "confirm")
+        raise _refuse(s, tool_call_id, "confirm", caller)
     return row
 
 
@@ -370,7 +379,7 @@ def unconfirm(s: Session, tool_call_id: str, reason: str = "Queue unavailable") 
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=PENDING, reason=reason,
         extra_where=[ToolCall.current_step.is_(None), ToolCall.committed_at.is_(None)],
-        confirmed_at=None,
+        confirmed_at=None, workflow_id=None,
     )
 
 
@@ -599,16 +608,15 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
 def session_calls(s: Session, session_id: str, limit: int,
                   caller: str | None = None) -> tuple[list[ToolCall], list[ToolCall]]:
     """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
-    only ``caller``'s calls when given."""
-    open_calls = s.scalars(
-        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN), *_owned_by(caller))
-        .order_by(ToolCall.created_at.desc()).limit(limit)
-    ).all()
-    recent = s.scalars(
-        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL), *_owned_by(caller))
-        .order_by(ToolCall.created_at.desc()).limit(limit)
-    ).all()
-    return list(open_calls), list(recent)
+    only ``caller``'s calls when given. One statement; Core rows."""
+    def newest(statuses: tuple[str, ...]) -> Any:
+        return (select(CALLS).where(ToolCall.session_id == session_id, ToolCall.status.in_(statuses),
+                                    *_owned_by(caller))
+                .order_by(ToolCall.created_at.desc()).limit(limit))
+
+    both = union_all(newest(OPEN).subquery().select(), newest(TERMINAL).subquery().select()).subquery()
+    rows = s.execute(select(both).order_by(both.c.created_at.desc())).all()
+    return [r for r in rows if r.status in OPEN], [r for r in rows if r.status in TERMINAL]
 
 
 def put_context(s: Session, session_id: str, context_key: str, value: dict[str, Any], ttl_s: int,

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from celery import Task, chain
+from celery.utils import uuid
 from celery.exceptions import MaxRetriesExceededError, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
@@ -308,33 +309,39 @@ def signature(tool: Tool, tool_call_id: str, start: int = 0):
 QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 
 
-def _enqueue(tool: Tool, call: ToolCall, start: int) -> str:
+def _enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -> str:
+    """Send the chain; its id (the last link's task id) is recorded as the call's ``workflow_id``,
+    unless it was given (``workflow_id``: recorded already, by the transition that started the call)."""
     try:
         with app.producer_or_acquire() as producer:
             producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
             result = signature(tool, call.tool_call_id, start).apply_async(
-                producer=producer, retry=True, retry_policy=QUICK_RETRY)
+                producer=producer, retry=True, retry_policy=QUICK_RETRY, task_id=workflow_id)
     except (KombuOperationalError, RedisError, OSError) as exc:
         raise BrokerUnavailable(str(exc)) from exc
-    with db.session() as s:
-        lifecycle.set_workflow_id(s, call.tool_call_id, result.id)
+    if workflow_id is None:
+        with db.session() as s:
+            lifecycle.set_workflow_id(s, call.tool_call_id, result.id)
     return result.id
 
 
 def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
-            callback_urls: dict[str, str] | None = None) -> ToolCall:
+            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> ToolCall:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
+    ``caller``: only that caller's call (another's is ``lifecycle.NotFound``). The chain's
+    id is chosen first and recorded by the transition itself (no statement after the send).
     If the broker refuses the chain, the call goes back to PENDING and
     :class:`BrokerUnavailable` is raised, unless its first link has begun: then the
     publish reached the broker after all and the call is answered as it is.
     """
+    workflow_id = uuid()
     with db.session() as s:
         call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
-                                 callback_urls=callback_urls)
+                                 callback_urls=callback_urls, caller=caller, workflow_id=workflow_id)
         tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     try:
-        call.workflow_id = _enqueue(tool, call, 0)
+        _enqueue(tool, call, 0, workflow_id)
     except BrokerUnavailable:
         with db.session() as s:
             undone = lifecycle.unconfirm(s, tool_call_id)
