@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from sqlalchemy import (
     ColumnElement,
@@ -24,7 +24,6 @@ from sqlalchemy import (
     cast,
     delete,
     func,
-    literal,
     or_,
     select,
     true,
@@ -34,6 +33,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.orm import Session, object_session
 from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.types import Float, String, Text
 
 from models.calls import (
     CANCELLED,
@@ -113,10 +114,11 @@ def _entry(status: str, reason: str | None, **extra: Any) -> dict[str, Any]:
 _NOW_ISO = func.to_char(func.timezone("UTC", func.clock_timestamp()), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
 
 
-def _stamped(entries: list[dict[str, Any]]) -> ColumnElement[Any]:
-    """``[entries...]`` as JSONB, each entry given ``at`` by the database."""
+def _stamped(entries: list[Any]) -> ColumnElement[Any]:
+    """``[entries...]`` as JSONB, each entry (a dict, or a JSONB bind parameter) given ``at`` by the database."""
     return func.jsonb_build_array(*(
-        bindparam(None, entry, type_=JSONB).op("||")(func.jsonb_build_object("at", _NOW_ISO))
+        (entry if isinstance(entry, BindParameter) else bindparam(None, entry, type_=JSONB))
+        .op("||")(func.jsonb_build_object("at", _NOW_ISO))
         for entry in entries
     ))
 
@@ -132,9 +134,18 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
 
 CALLS = ToolCall.__table__
 Executor = Session | Connection
-# Builds the INSERT of a callback event's row from the transition's returned row (a CTE
-# named ``moved`` whose ``event_seq`` is the event's number); see ``callbacks.event``.
-EventInsert = Callable[[Any], Insert]
+
+
+class EventInsert(Protocol):
+    """A callback event to insert in a transition's own statement (``callbacks.event`` makes them):
+    ``build(moved)`` is the INSERT of its row from the transition's returned row (a CTE named
+    ``moved`` whose ``event_seq`` is the event's number), the same for every event of one
+    ``shape``, with ``params`` for its bind parameters."""
+
+    shape: tuple[Any, ...]
+    params: dict[str, Any]
+
+    def build(self, moved: Any) -> Insert: ...
 
 
 def _cas(
@@ -169,22 +180,42 @@ def _transition(s: Session, tool_call_id: str, **transition: Any) -> ToolCall | 
     return s.scalars(stmt).one_or_none()
 
 
-def _transition_row(s: Executor, tool_call_id: str, *, event: EventInsert | None = None,
-                    **transition: Any) -> Row[Any] | None:
+# The hot paths' statements are built once per shape, with named bind parameters, and
+# executed with the values (building a data-modifying CTE costs as much as running it).
+P_ID = bindparam("p_id", type_=String)
+P_STEP = bindparam("p_step", type_=String)
+P_PROGRESS = bindparam("p_progress", type_=Float)
+P_OUTPUT = bindparam("p_output", type_=JSONB)
+P_HISTORY = bindparam("p_history", type_=JSONB)
+P_RESULT = bindparam("p_result", type_=JSONB)
+P_VOICE = bindparam("p_voice", type_=Text)
+P_CONTEXT_KEY = bindparam("p_context_key", type_=String)
+_BUILT: dict[tuple[Any, ...], Any] = {}
+
+
+def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], make: Callable[[], Any],
+                    event: EventInsert | None = None) -> Row[Any] | None:
     """The hot paths' transition: one statement, a Core row (no ORM entity), or None if it did not apply.
 
-    With ``event``, the same statement takes the call's next event number (``event_seq``,
-    on the row it has just locked) and inserts the event's callback row from the
-    updated row (a data-modifying CTE): the returned row then also holds the columns
-    the event's INSERT returns. A transition that does not apply inserts nothing.
+    ``make()`` builds the transition's compare-and-set (with the ``P_*`` parameters), once
+    per ``key`` and event shape; ``params`` are this run's values. With ``event``, the
+    same statement takes the call's next event number (``event_seq``, on the row it has
+    just locked) and inserts the event's callback row from the updated row (a
+    data-modifying CTE): the returned row then also holds the columns the event's INSERT
+    returns. A transition that does not apply inserts nothing.
     """
-    if event is None:
-        return s.execute(_cas(tool_call_id, **transition).returning(*CALLS.c)).one_or_none()
-    transition["event_seq"] = CALLS.c.event_seq + 1
-    moved = _cas(tool_call_id, **transition).returning(*CALLS.c).cte("moved")
-    added = event(moved).cte("added")
-    both = select(moved, added).select_from(moved.join(added, true()))
-    return s.execute(both).one_or_none()
+    shape = (key, event.shape if event is not None else None)
+    stmt = _BUILT.get(shape)
+    if stmt is None:
+        cas = make()
+        if event is None:
+            stmt = cas.returning(*CALLS.c)
+        else:
+            moved = cas.values(event_seq=CALLS.c.event_seq + 1).returning(*CALLS.c).cte("moved")
+            added = event.build(moved).cte("added")
+            stmt = select(moved, added).select_from(moved.join(added, true()))
+        _BUILT[shape] = stmt
+    return s.execute(stmt, {**params, **event.params} if event is not None else params).one_or_none()
 
 
 def next_event_seq(s: Session, tool_call_id: str) -> int:
@@ -420,13 +451,17 @@ def begin_step(s: Executor, tool_call_id: str, step: str, progress: float,
     ``commit``: the step has a side effect, and this same statement (the one that checks
     the call is EXECUTING) passes the point of no return, as :func:`commit_point` does.
     """
-    values: dict[str, Any] = {"committed_at": func.coalesce(ToolCall.committed_at, func.now())} if commit else {}
-    return _transition_row(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
-        current_step=step, progress=progress,
-        executed_at=func.coalesce(ToolCall.executed_at, func.now()),
-        attempts=ToolCall.attempts + 1, **values,
-    )
+    def make() -> Any:
+        values: dict[str, Any] = {"committed_at": func.coalesce(ToolCall.committed_at, func.now())} if commit else {}
+        return _cas(
+            P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
+            current_step=P_STEP, progress=P_PROGRESS,
+            executed_at=func.coalesce(ToolCall.executed_at, func.now()),
+            attempts=ToolCall.attempts + 1, **values,
+        )
+
+    return _transition_row(s, ("begin_step", commit),
+                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress}, make)
 
 
 def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
@@ -444,18 +479,21 @@ def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
     )
 
 
-def _with_output(step: str, output: Any) -> ColumnElement[Any]:
-    return ToolCall.step_outputs.op("||")(func.jsonb_build_object(literal(step), bindparam(None, output, type_=JSONB)))
+# the step's output added to ``step_outputs`` under its name (``P_STEP``, ``P_OUTPUT``)
+_WITH_OUTPUT = ToolCall.step_outputs.op("||")(func.jsonb_build_object(P_STEP, P_OUTPUT))
 
 
 def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress: float,
                 event: EventInsert | None = None) -> Row[Any] | None:
     """Store a finished step's output (so a redelivery skips it) and its progress;
     with ``event``, its callback event in the same statement (see :func:`_transition_row`)."""
-    return _transition_row(
-        s, tool_call_id, event=event, from_statuses=(EXECUTING,), to_status=None, history=[],
-        current_step=step, progress=progress, step_outputs=_with_output(step, output),
-    )
+    def make() -> Any:
+        return _cas(P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
+                    current_step=P_STEP, progress=P_PROGRESS, step_outputs=_WITH_OUTPUT)
+
+    return _transition_row(s, ("record_step",),
+                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output},
+                           make, event)
 
 
 def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
@@ -463,12 +501,17 @@ def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, outpu
     """EXECUTING → PREPARED: the chain ends here until resumed. ``output`` (the step's
     preview), when given, is stored as the step's output by the same statement; with
     ``event``, the ``checkpoint`` event is recorded by it too."""
-    values = {} if output is None else {"step_outputs": _with_output(step, output)}
-    return _transition_row(
-        s, tool_call_id, event=event, from_statuses=(EXECUTING,), to_status=PREPARED, reason=f"Checkpoint {step}",
-        current_step=step, progress=progress, prepared_at=func.now(), **values,
-        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
-    )
+    def make() -> Any:
+        values = {} if output is None else {"step_outputs": _WITH_OUTPUT}
+        return _cas(
+            P_ID, from_statuses=(EXECUTING,), to_status=PREPARED, history=[P_HISTORY],
+            current_step=P_STEP, progress=P_PROGRESS, prepared_at=func.now(), **values,
+            execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+        )
+
+    params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
+              "p_history": _entry(PREPARED, f"Checkpoint {step}")}
+    return _transition_row(s, ("checkpoint", output is None), params, make, event)
 
 
 def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "Queue unavailable") -> ToolCall | None:
@@ -496,13 +539,17 @@ def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller") -> 
 def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_response: str,
              context_key: str | None = None, event: EventInsert | None = None) -> Row[Any] | None:
     """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement."""
-    extra = {"context_key": context_key} if context_key else {}
-    return _transition_row(
-        s, tool_call_id, event=event, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
-        result=result, voice_response=voice_response, completed_at=func.now(), progress=1.0, **extra,
-        current_step=COMPLETED,
-        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
-    )
+    def make() -> Any:
+        extra = {"context_key": P_CONTEXT_KEY} if context_key else {}
+        return _cas(
+            P_ID, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
+            result=P_RESULT, voice_response=P_VOICE, completed_at=func.now(), progress=1.0, **extra,
+            current_step=COMPLETED,
+            execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+        )
+
+    params = {"p_id": tool_call_id, "p_result": result, "p_voice": voice_response, "p_context_key": context_key}
+    return _transition_row(s, ("complete", bool(context_key)), params, make, event)
 
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,

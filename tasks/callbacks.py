@@ -47,6 +47,7 @@ from sqlalchemy import Row, bindparam, case, cast, func, insert, literal, null, 
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Insert
+from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
 from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
@@ -392,6 +393,18 @@ def record(
     return delivery if url else None
 
 
+class Event:
+    """A callback event to record in the statement of the transition that causes it
+    (``lifecycle.record_step(..., event=...)``); made by :func:`event`."""
+
+    def __init__(self, shape: tuple[str, bool, bool], params: dict[str, Any]):
+        self.shape = shape  # (event, requires_confirmation, inline): what the INSERT looks like
+        self.params = params
+
+    def build(self, moved: Any) -> Insert:
+        return _event_insert(moved, *self.shape)
+
+
 def event(
     event: str,
     *,
@@ -404,57 +417,64 @@ def event(
     preview: dict[str, Any] | None = None,
     context_key: str | None = None,
     inline: bool = False,
-) -> "lifecycle.EventInsert":
-    """The event :func:`record` would insert, as SQL for the transition's own statement.
+) -> Event:
+    """The event :func:`record` would insert, for the transition's own statement to insert.
 
-    A link's transitions take their event in the statement that changes the call
-    (``lifecycle.record_step(..., event=...)``): this builds the ``INSERT ... SELECT``
-    from the updated row (``moved``), with the same payload :func:`record` writes (what
-    Python knows now as constants; the row's columns, its new ``event_seq`` and the URL
-    from the row). ``progress`` is the progress the transition sets. The row it returns
-    is turned back into a delivery by :func:`delivery_of`.
+    A link's transitions take their event in the statement that changes the call: the
+    ``INSERT ... SELECT`` from the updated row (``moved``) writes the same row and payload
+    :func:`record` writes (what Python knows now as parameters; the row's columns, its new
+    ``event_seq`` and its URL from the row). ``progress`` is the progress the transition
+    sets. The returned row is turned back into a delivery by :func:`delivery_of`.
     """
-    event_id = uuid.uuid4().hex
     cfg = settings.load()
+    event_id = uuid.uuid4().hex
     constant: dict[str, Any] = {
         "event_id": event_id, "type": "tool_status", "event": event, "step": step, "gate": gate,
         "progress": progress, "message": message, "cancellable": cancellable,
         "requires_confirmation": requires_confirmation, "preview": preview,
         "context_available": context_key is not None, "context_key": context_key,
     }
-    lease = datetime.now(timezone.utc) + timedelta(seconds=_lease_s(cfg.callback_timeout))
-    fallback_voice = message if event != "progress" else None
+    return Event((event, requires_confirmation, inline), {
+        "ev_id": event_id, "ev_constant": constant, "ev_step": step,
+        "ev_voice": message if event != "progress" else None,
+        "ev_resume": f"{cfg.public_url}/voice-tools/resume/",
+        "ev_lease": datetime.now(timezone.utc) + timedelta(seconds=_lease_s(cfg.callback_timeout)),
+    })
 
-    def build(moved: Any) -> Insert:
-        url = func.coalesce(func.nullif(moved.c.callback_urls.op("->>")(event), ""), func.nullif(moved.c.callback_url, ""))
-        resume_url = (literal(f"{cfg.public_url}/voice-tools/resume/") + moved.c.tool_call_id
-                      if requires_confirmation else null())
-        actions = case({status: cast(bindparam(None, actions_available(status), type_=JSONB), JSONB)
-                        for status in (PENDING, EXECUTING, PREPARED)},
-                       value=moved.c.status, else_=cast(literal("[]"), JSONB))
-        row = func.jsonb_build_object(
-            "tool_call_id", moved.c.tool_call_id, "intent_id", moved.c.intent_id,
-            "session_id", moved.c.session_id, "function_name", moved.c.function_name,
-            "parameters", moved.c.parameters, "status", moved.c.status, "resume_url", resume_url,
-            "actions_available", actions, "result", moved.c.result,
-            "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), cast(literal(fallback_voice), CallbackDelivery.url.type)),
-            "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
-        )
-        if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
-            row = row.op("||")(func.jsonb_build_object("checkpoint", step, "resume_webhook", resume_url))
-        payload = cast(bindparam(None, constant, type_=JSONB), JSONB).op("||")(row)
-        chosen = select(
-            literal(event_id), moved.c.tool_call_id, moved.c.session_id, literal(event), moved.c.event_seq,
-            payload, url, case((url.is_(None), "none"), else_="pending"), literal(0),
-            case((url.is_not(None), lease), else_=None) if inline else null(),
-        )
-        return insert(CallbackDelivery).from_select(
-            ["event_id", "tool_call_id", "session_id", "event", "seq", "payload", "url", "state", "attempts",
-             "next_attempt_at"], chosen,
-        ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
-                    CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
 
-    return build
+def _event_insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -> Insert:
+    """The INSERT of an :class:`Event`'s row (bind parameters ``ev_*``) from the transition's row ``moved``."""
+    def text_param(name: str) -> Any:
+        return bindparam(name, type_=Text)
+
+    url = func.coalesce(func.nullif(moved.c.callback_urls.op("->>")(event), ""), func.nullif(moved.c.callback_url, ""))
+    resume_url = text_param("ev_resume") + moved.c.tool_call_id if requires_confirmation else null()
+    actions = case({status: cast(bindparam(None, actions_available(status), type_=JSONB), JSONB)
+                    for status in (PENDING, EXECUTING, PREPARED)},
+                   value=moved.c.status, else_=cast(literal("[]"), JSONB))
+    row = func.jsonb_build_object(
+        "tool_call_id", moved.c.tool_call_id, "intent_id", moved.c.intent_id,
+        "session_id", moved.c.session_id, "function_name", moved.c.function_name,
+        "parameters", moved.c.parameters, "status", moved.c.status, "resume_url", resume_url,
+        "actions_available", actions, "result", moved.c.result,
+        "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), text_param("ev_voice")),
+        "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
+    )
+    if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
+        row = row.op("||")(func.jsonb_build_object("checkpoint", bindparam("ev_step", type_=String),
+                                                   "resume_webhook", resume_url))
+    payload = bindparam("ev_constant", type_=JSONB).op("||")(row)
+    lease = bindparam("ev_lease", type_=DateTime(timezone=True))
+    chosen = select(
+        bindparam("ev_id", type_=String), moved.c.tool_call_id, moved.c.session_id, literal(event),
+        moved.c.event_seq, payload, url, case((url.is_(None), "none"), else_="pending"), literal(0),
+        case((url.is_not(None), lease), else_=None) if inline else null(),
+    )
+    return insert(CallbackDelivery).from_select(
+        ["event_id", "tool_call_id", "session_id", "event", "seq", "payload", "url", "state", "attempts",
+         "next_attempt_at"], chosen,
+    ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
+                CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
 
 
 def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:
@@ -640,16 +660,23 @@ def _record_attempt(event_id: str, attempts_before: int, code: int | None, error
     if note:
         log_entry["note"] = note
     with db.statement() as s:  # one statement, its own transaction
-        s.execute(
-            update(CallbackDelivery.__table__)
-            .where(CallbackDelivery.event_id == event_id, CallbackDelivery.state == "pending")
-            .values(
-                attempts=CallbackDelivery.attempts + 1, state=state, response_code=code, last_error=error,
-                next_attempt_at=next_at, delivered_at=func.now() if delivered else None,
-                attempt_log=CallbackDelivery.attempt_log.op("||")(bindparam(None, [log_entry], type_=JSONB)),
-            )
-            .execution_options(synchronize_session=False)
-        )
+        s.execute(_RECORD_ATTEMPT, {
+            "a_id": event_id, "a_state": state, "a_code": code, "a_error": error, "a_next": next_at,
+            "a_delivered": delivered, "a_log": [log_entry]})
+
+
+# built once: the attempt's outcome on its row (only while still pending)
+_RECORD_ATTEMPT = (
+    update(CallbackDelivery.__table__)
+    .where(CallbackDelivery.event_id == bindparam("a_id", type_=String), CallbackDelivery.state == "pending")
+    .values(
+        attempts=CallbackDelivery.attempts + 1, state=bindparam("a_state", type_=String),
+        response_code=bindparam("a_code", type_=Integer), last_error=bindparam("a_error", type_=Text),
+        next_attempt_at=bindparam("a_next", type_=DateTime(timezone=True)),
+        delivered_at=case((bindparam("a_delivered", type_=Boolean), func.now()), else_=None),
+        attempt_log=CallbackDelivery.attempt_log.op("||")(bindparam("a_log", type_=JSONB)),
+    )
+)
 
 
 def _is_cancellable(payload: dict[str, Any]) -> bool:
