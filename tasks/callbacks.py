@@ -21,6 +21,7 @@ tools or chains).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import ipaddress
 import json
@@ -67,6 +68,49 @@ MAX_ANSWER_BYTES = 64 * 1024  # more than any {"cancel": true, "reason": ...}; a
 _local = threading.local()  # this thread's attempt: its watchdog and the address checked for its host
 
 
+class _Watchdog:
+    """One thread per process that ends attempts at their deadlines (a thread started per
+    attempt costs a thread start on the caller's clock). Started lazily, so a forked
+    child makes its own."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, "_Watch"]] = []
+        self._count = 0
+        self._pid = 0
+
+    def add(self, watch: "_Watch", seconds: float) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # first use in this process (or after a fork)
+                self._pid, self._due = os.getpid(), []
+                threading.Thread(target=self._run, name="callback-watchdog", daemon=True).start()
+            self._count += 1
+            heapq.heappush(self._due, (time.monotonic() + seconds, self._count, watch))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        with self._cond:
+            while self._pid == pid:
+                now = time.monotonic()
+                while self._due and (self._due[0][2].done or self._due[0][0] <= now):
+                    _, _, watch = heapq.heappop(self._due)
+                    if not watch.done:
+                        watch.fire()
+                self._cond.wait(self._due[0][0] - now if self._due else None)
+
+
+_watchdog = _Watchdog()
+
+
+def _new_watchdog() -> None:
+    global _watchdog
+    _watchdog = _Watchdog()  # a child never inherits a lock its parent's watchdog thread held
+
+
+os.register_at_fork(after_in_child=_new_watchdog)
+
+
 class _Watch:
     """Ends one attempt's exchange at its deadline: shuts the connection's socket down,
     which ends a read however slowly the relay drips (a socket timeout is per read)."""
@@ -74,10 +118,9 @@ class _Watch:
     def __init__(self, seconds: float):
         self._lock = threading.Lock()
         self._conn: HTTPConnection | None = None
-        self._done = False
+        self._seconds = seconds
+        self.done = False
         self.fired = False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
 
     def attach(self, conn: HTTPConnection) -> None:
         with self._lock:
@@ -85,9 +128,9 @@ class _Watch:
             if self.fired:
                 self._shut()
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         with self._lock:
-            if not self._done:
+            if not self.done:
                 self.fired = True
                 self._shut()
 
@@ -101,13 +144,12 @@ class _Watch:
 
     def __enter__(self) -> "_Watch":
         _local.watch = self
-        self._timer.start()
+        _watchdog.add(self, self._seconds)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with self._lock:
-            self._done = True
-        self._timer.cancel()
+            self.done = True  # the watchdog drops it when it next looks
         _local.watch = None
 
 
