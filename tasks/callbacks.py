@@ -313,7 +313,7 @@ def _own_addresses() -> set[str]:
             if a.family in (socket.AF_INET, socket.AF_INET6)}
 
 
-def delivery_refusal(url: str) -> tuple[str | None, str | None]:
+def delivery_refusal(url: str, cfg: settings.Settings | None = None) -> tuple[str | None, str | None]:
     """Checked again before every attempt: ``(why not, None)`` or ``(None, address to connect to)``.
 
     The URL must pass :func:`url_error` with the allowlist of the moment (a host
@@ -323,9 +323,9 @@ def delivery_refusal(url: str) -> tuple[str | None, str | None]:
     name does not admit an inside address, except ``localhost``, which is loopback by
     definition), and no address may be this system's own port. The attempt then
     connects to the address checked here. A name that does not resolve is left to the
-    request (an ordinary failed attempt, retried).
+    request (an ordinary failed attempt, retried). ``cfg``: the settings already read by the caller.
     """
-    cfg = settings.load()
+    cfg = cfg or settings.load()
     if not cfg.callback_secret.strip():
         return "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent", None
     reason = url_error(url, cfg.callback_hosts)
@@ -600,16 +600,18 @@ def attempt(event_id: str, timeout: float | None = None) -> Answer:
 Later = Callable[[Callable[[], None]], None]
 
 
-def _post(delivery: CallbackDelivery, timeout: float, later: Later | None = None) -> Answer:
+def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None = None) -> Answer:
     """Post a claimed delivery, record the attempt, act on the relay's answer.
 
     ``later``: where to leave the recording of the attempt to be run once the caller's
     work is done (a link: after its chain's next link is sent), so the caller does not
     wait for it. An answer asking to cancel is recorded at once, before the cancel.
+    ``timeout`` None: the inline timeout.
     """
     cfg = settings.load()
+    timeout = cfg.callback_timeout if timeout is None else timeout
     event_id = delivery.event_id
-    refusal, address = delivery_refusal(delivery.url)
+    refusal, address = delivery_refusal(delivery.url, cfg)
     if refusal is not None:  # no request is made; retrying would be refused the same way
         _record_attempt(event_id, delivery.attempts, None, refusal, cfg.callback_max_attempts, final=True)
         log.warning("callback %s not sent: %s", event_id, refusal)
@@ -734,7 +736,7 @@ def deliver_inline(delivery: CallbackDelivery | None, later: Later | None = None
     """
     if delivery is None:
         return None
-    answer = _post(delivery, settings.load().callback_timeout, later)
+    answer = _post(delivery, None, later)
     if not answer.delivered:
         def retry() -> None:
             try:
