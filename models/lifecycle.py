@@ -379,13 +379,15 @@ def modify(
     raise _refuse(s, tool_call_id, "modify")
 
 
-def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
+def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
             callback_urls: dict[str, str] | None = None, caller: str | None = None,
-            workflow_id: str | None = None) -> ToolCall:
-    """PENDING → EXECUTING; a ``callback_url`` / ``callback_urls`` given now replace the recorded ones.
+            workflow_id: str | None = None, functions: Iterable[str] | None = None) -> Row[Any]:
+    """PENDING → EXECUTING (one statement; a Core row); a ``callback_url`` / ``callback_urls``
+    given now replace the recorded ones.
 
     ``caller``: only that caller's call (another's is :class:`NotFound`, checked by the same
-    statement); ``workflow_id``: the id the chain will be enqueued with, recorded now.
+    statement); ``workflow_id``: the id the chain will be enqueued with, recorded now;
+    ``functions``: only a call of one of these tools (another stays PENDING: :class:`Refused`).
     """
     values: dict[str, Any] = {"confirmed_at": func.now()}
     if callback_url:
@@ -394,8 +396,11 @@ def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", 
         values["callback_urls"] = callback_urls
     if workflow_id:
         values["workflow_id"] = workflow_id
-    row = _transition(s, tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason,
-                      extra_where=_owned_by(caller), **values)
+    where = _owned_by(caller)
+    if functions is not None:
+        where.append(ToolCall.function_name.in_(tuple(functions)))
+    row = s.execute(_cas(tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason,
+                         extra_where=where, **values).returning(*CALLS.c)).one_or_none()
     if row is None:
         raise _refuse(s, tool_call_id, "confirm", caller)
     return row

@@ -34,7 +34,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from celeryconfig import queue
 from models import db, lifecycle
-from models.calls import CallbackDelivery, ToolCall
+from models.calls import PENDING, CallbackDelivery, ToolCall
 from tasks import app, backends, callbacks, tools
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
@@ -336,10 +336,17 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
     publish reached the broker after all and the call is answered as it is.
     """
     workflow_id = uuid()
-    with db.session() as s:
-        call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
-                                 callback_urls=callback_urls, caller=caller, workflow_id=workflow_id)
-        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
+    with db.statement() as s:  # one statement: the CAS is the whole transaction
+        try:
+            # a tool this process does not run is not confirmed (the statement checks it too)
+            call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
+                                     callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
+                                     functions=tools.TOOLS)
+        except lifecycle.Refused as exc:
+            if exc.status == PENDING:  # still PENDING: its tool is unknown here
+                tool_of(exc.call)
+            raise
+    tool = tool_of(call)
     try:
         _enqueue(tool, call, 0, workflow_id)
     except BrokerUnavailable:
