@@ -92,6 +92,17 @@ def session() -> Iterator[Session]:
 @contextmanager
 def statement() -> Iterator[Connection]:
     """A connection whose every statement is its own transaction (autocommit): for the hot
-    paths, where one statement (a compare-and-set, a data-modifying CTE) is the whole work."""
-    with engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        yield conn
+    paths, where one statement (a compare-and-set, a data-modifying CTE) is the whole work.
+
+    psycopg2's own ``autocommit`` switch, not SQLAlchemy's ``AUTOCOMMIT`` isolation level:
+    that one makes psycopg2 send a ``SET default_transaction_isolation`` each time (a round
+    trip). SQLAlchemy's begin and rollback around it are then no-ops at the driver.
+    """
+    with engine().connect() as conn:
+        raw = conn.connection.dbapi_connection
+        raw.autocommit = True
+        try:
+            yield conn
+        finally:
+            if not raw.closed:
+                raw.autocommit = False
