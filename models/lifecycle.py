@@ -5,11 +5,16 @@ that also appends to ``status_history``. ``event_seq`` counts the call's recorde
 callback events (1, 2, 3 ... with no gaps; see :func:`next_event_seq`). A transition that does not apply changes
 nothing and raises :class:`Refused` naming the status it found, so the caller can
 answer 404 or 409 without a second guess. Callers own the transaction
-(``with db.session() as s:``) so a link can record its progress and its callback row
-together, and the API can enqueue only after the commit.
+(``with db.session() as s:``, or ``db.statement()`` where one statement is the whole
+transaction) so the API can enqueue only after the commit. The hot paths (a link's
+gate, its step with its event, the API's confirm, create and reads) are one statement
+each, built once with named parameters, returning Core rows; a link's event is inserted
+by the transition's own statement (``event=``: a data-modifying CTE that also takes the
+event's number).
 """
 from __future__ import annotations
 
+import functools
 import secrets
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Protocol
@@ -237,11 +242,13 @@ def _owned_by(caller: str | None) -> list[ColumnElement[bool]]:
     return [] if caller is None else [ToolCall.caller == caller]
 
 
+_GET_ANY = select(CALLS).where(ToolCall.tool_call_id == P_ID)
+_GET_OWN = _GET_ANY.where(ToolCall.caller == bindparam("p_caller", type_=String))
+
+
 def get(s: Executor, tool_call_id: str, caller: str | None = None) -> Row[Any]:
     """The call (a Core row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
-    call = s.execute(
-        select(CALLS).where(ToolCall.tool_call_id == tool_call_id, *_owned_by(caller))
-    ).one_or_none()
+    call = s.execute(_GET_ANY if caller is None else _GET_OWN, {"p_id": tool_call_id, "p_caller": caller}).one_or_none()
     if call is None:
         raise NotFound(tool_call_id)
     return call
@@ -259,6 +266,18 @@ def _refuse(s: Executor, tool_call_id: str, action: str, caller: str | None = No
 
 
 # -- creation -----------------------------------------------------------------
+
+_CREATED_FROM = ("tool_call_id", "session_id", "connection_id", "intent_id", "idempotency_key", "function_name",
+                 "action_level", "parameters", "callback_url", "callback_urls", "context_key", "caller",
+                 "request_kind")
+# built once: each column's value a parameter of the column's own type (as ``values(col=value)`` binds it)
+_CREATE = (
+    insert(CALLS)
+    .values(status=PENDING, status_history=_stamped([P_HISTORY]),
+            **{name: bindparam(f"c_{name}", type_=CALLS.c[name].type) for name in _CREATED_FROM})
+    .on_conflict_do_nothing()
+    .returning(*CALLS.c)
+)
 
 def create(
     s: Executor,
@@ -288,29 +307,15 @@ def create(
     :class:`Refused` ``idempotency_conflict``.
     """
     tool_call_id = tool_call_id or new_tool_call_id()
-    stmt = (
-        insert(CALLS)
-        .values(
-            tool_call_id=tool_call_id,
-            session_id=session_id,
-            connection_id=connection_id,
-            intent_id=intent_id,
-            idempotency_key=idempotency_key,
-            function_name=function_name,
-            action_level=action_level,
-            parameters=parameters,
-            status=PENDING,
-            status_history=_stamped([_entry(PENDING, reason)]),
-            callback_url=callback_url,
-            callback_urls=callback_urls or None,
-            context_key=context_key,
-            caller=caller,
-            request_kind=request_kind,
-        )
-        .on_conflict_do_nothing()
-        .returning(*CALLS.c)
-    )
-    call = s.execute(stmt).one_or_none()
+    values = {
+        "tool_call_id": tool_call_id, "session_id": session_id, "connection_id": connection_id,
+        "intent_id": intent_id, "idempotency_key": idempotency_key, "function_name": function_name,
+        "action_level": action_level, "parameters": parameters, "callback_url": callback_url,
+        "callback_urls": callback_urls or None, "context_key": context_key, "caller": caller,
+        "request_kind": request_kind,
+    }
+    call = s.execute(_CREATE, {"p_history": _entry(PENDING, reason),
+                               **{f"c_{name}": value for name, value in values.items()}}).one_or_none()
     if call is not None:
         return call, True
     clauses = [ToolCall.tool_call_id == tool_call_id]
@@ -657,17 +662,24 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
 
 # -- reading --------------------------------------------------------------------
 
-def session_calls(s: Session, session_id: str, limit: int,
-                  caller: str | None = None) -> tuple[list[ToolCall], list[ToolCall]]:
-    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
-    only ``caller``'s calls when given. One statement; Core rows."""
+@functools.cache
+def _session_calls(own: bool) -> Any:
     def newest(statuses: tuple[str, ...]) -> Any:
-        return (select(CALLS).where(ToolCall.session_id == session_id, ToolCall.status.in_(statuses),
-                                    *_owned_by(caller))
-                .order_by(ToolCall.created_at.desc()).limit(limit))
+        where = [ToolCall.caller == bindparam("p_caller", type_=String)] if own else []
+        return (select(CALLS).where(ToolCall.session_id == bindparam("p_session", type_=String),
+                                    ToolCall.status.in_(statuses), *where)
+                .order_by(ToolCall.created_at.desc()).limit(bindparam("p_limit", type_=Integer)))
 
     both = union_all(newest(OPEN).subquery().select(), newest(TERMINAL).subquery().select()).subquery()
-    rows = s.execute(select(both).order_by(both.c.created_at.desc())).all()
+    return select(both).order_by(both.c.created_at.desc())
+
+
+def session_calls(s: Executor, session_id: str, limit: int,
+                  caller: str | None = None) -> tuple[list[Row[Any]], list[Row[Any]]]:
+    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
+    only ``caller``'s calls when given. One statement (built once); Core rows."""
+    rows = s.execute(_session_calls(caller is not None),
+                     {"p_session": session_id, "p_limit": limit, "p_caller": caller}).all()
     return [r for r in rows if r.status in OPEN], [r for r in rows if r.status in TERMINAL]
 
 
