@@ -268,7 +268,8 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
     limit = inputs.load(schemas.ContextQuery, query)["limit"]
     with db.statement() as s:
         open_calls, recent = lifecycle.session_calls(s, session_id, limit, caller=_scope(caller))
-    return schemas.instance(schemas.ContextAnswer).dump({"session_id": session_id, "pending": open_calls, "recent": recent}), 200
+    answer = {"session_id": session_id, "pending": open_calls, "recent": recent}
+    return schemas.instance(schemas.ContextAnswer).dump(answer), 200
 
 
 def _stored_context(query: dict[str, Any], caller: Caller | None):

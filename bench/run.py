@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{tool.name}: {args.warmup} warm-up + {args.runs} timed chains of each kind ...", flush=True)
                 bench = ChainBench(client, relay, tool)
                 chains[tool.name] = (bench.links, *bench.run(args.runs, args.warmup))
-            print(f"send_email to its checkpoint: {args.warmup} warm-up + {args.runs} timed of each kind ...", flush=True)
+            print(f"send_email to its checkpoint: {args.warmup} warm-up + {args.runs} timed of each kind ...",
+                  flush=True)
             checkpoint_bench = CheckpointBench(client, relay)
             checkpoint = (checkpoint_bench.links, *checkpoint_bench.run(args.runs, args.warmup))
             print(f"API: {args.api_runs} timed requests of each kind ...", flush=True)

@@ -91,7 +91,8 @@ class Link(Task):
         progress = self.index / len(tool.steps)
         with db.statement() as s:
             # a side effect's point of no return is passed by the statement that checks EXECUTING
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=step.side_effect and not step.checkpoint)
+            call = lifecycle.begin_step(s, tool_call_id, step.name, progress,
+                                        commit=step.side_effect and not step.checkpoint)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:
