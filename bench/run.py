@@ -312,7 +312,8 @@ def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], l
         f"- command: `cd {ROOT} && .venv/bin/python bench/run.py --runs {args.runs} --warmup {args.warmup}"
         f" --api-runs {args.api_runs}`",
         "- worker: one `celery -A tasks worker --pool prefork --concurrency 2 -Q "
-        "<the read tools' queues>,callbacks,bench.noop --include bench.noop` subprocess for both sides; "
+        "<the read tools' queues>,tools.send_email,callbacks,bench.noop --include bench.noop` subprocess for both "
+        "sides; "
         "(a) and (b) alternate call by call; warm-up runs excluded; local backends, demo data loaded",
         "",
         "## Chains: each read tool, from start to the completed signal at a local HTTP receiver (ms)",
