@@ -11,6 +11,7 @@ with a 401 that says so (never truncated, which could make two callers one).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 
@@ -47,7 +48,12 @@ class Caller:
 
 
 def entries_of(entries: list[str]) -> list[tuple[str, bytes, bool]]:
-    """``[(name, token, admin)]`` from the variable's entries."""
+    """``[(name, token, admin)]`` from the variable's entries (parsed once per value of the variable)."""
+    return _entries(tuple(entries))
+
+
+@functools.lru_cache(maxsize=8)
+def _entries(entries: tuple[str, ...]) -> list[tuple[str, bytes, bool]]:
     found = []
     for entry in entries:
         name, sep, token = entry.partition(":")
@@ -95,7 +101,7 @@ def identify(authorization: str) -> Caller:
     scheme, _, presented = authorization.partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
         raise unauthorized("Send Authorization: Bearer <token>.")
-    who = who_for(presented.strip(), settings.load().api_tokens)
+    who = who_for(presented.strip(), settings.api_tokens())
     if who is None:
         raise unauthorized("Unknown API token.")
     caller = who.name

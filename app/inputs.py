@@ -13,6 +13,7 @@ from werkzeug.wsgi import get_input_stream
 
 from app import request_log
 from app.errors import ApiError
+from app.schemas import instance
 
 
 def _finite(text: str) -> float:
@@ -84,4 +85,4 @@ def query() -> dict[str, Any]:
 
 def load(schema: type[Schema], data: dict[str, Any]) -> dict[str, Any]:
     """Load ``data`` with ``schema``; a ValidationError becomes 422 in app.errors."""
-    return schema().load(data)
+    return instance(schema).load(data)

@@ -60,7 +60,7 @@ def _scope(caller: Caller | None) -> str | None:
 
 def _owned(tool_call_id: str, caller: Caller | None) -> None:
     """:class:`lifecycle.NotFound` unless the call exists and is the caller's (or the caller is an admin)."""
-    with db.session() as s:
+    with db.statement() as s:
         _logged(lifecycle.get(s, tool_call_id, caller=_scope(caller)))
 
 
@@ -94,7 +94,7 @@ def _pending_body(data: dict[str, Any], idempotency_header: str | None) -> dict[
 
 def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: str) -> tuple[ToolCall, bool]:
     tool: tools.Tool = loaded["tool"]
-    with db.session() as s:
+    with db.statement() as s:  # the INSERT is the whole work: its own transaction, one round trip
         _check_reference_context(s, loaded["session_id"], loaded["parameters"], _name(caller))
         return lifecycle.create(
             s,
@@ -134,15 +134,15 @@ def _started(call: ToolCall, wait: float | None) -> Answer:
     if wait:
         waited, settled = until_settled(call.tool_call_id, wait)
         if settled:
-            return schemas.CallRecord().dump(waited), 200
+            return schemas.instance(schemas.CallRecord).dump(waited), 200
         call = waited
     answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
               "workflow_id": call.workflow_id, "message": message}
-    return schemas.StartAnswer().dump(answer), 202
+    return schemas.instance(schemas.StartAnswer).dump(answer), 202
 
 
 def _cancelled(call: ToolCall) -> Answer:
-    return schemas.CancelAnswer().dump(call), 200
+    return schemas.instance(schemas.CancelAnswer).dump(call), 200
 
 
 def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | None,
@@ -161,7 +161,7 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | N
             return _started(call, wait)
     if wait:  # a replay of a call already started: its record
         call, _ = until_settled(call.tool_call_id, wait)
-    return schemas.CallRecord().dump(call), 200
+    return schemas.instance(schemas.CallRecord).dump(call), 200
 
 
 def merge(parameters: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -186,7 +186,7 @@ def pending(body: dict[str, Any], caller: Caller | None, idempotency_header: str
     answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
               "parameters": call.parameters, "message": message, "confirmation_message": message,
               "actions_available": callbacks.actions_available(call.status)}
-    return schemas.PendingAnswer().dump(answer), 201 if created else 200
+    return schemas.instance(schemas.PendingAnswer).dump(answer), 201 if created else 200
 
 
 def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None) -> Answer:
@@ -202,7 +202,7 @@ def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None
             tool = _tool(call)
             old = dict(call.parameters)
             try:
-                new = tool.schema().load(merge(old, patch))
+                new = schemas.instance(tool.schema).load(merge(old, patch))
             except ValidationError as exc:
                 raise validation_error({"parameters": exc.messages}) from exc
             if "reference_context" in patch:
@@ -217,7 +217,7 @@ def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None
                     raise
         answer = {"tool_call_id": call.tool_call_id, "status": call.status, "updated_parameters": new,
                   "changes": changes, "message": tool.say(tool.modified_message, new)}
-        return schemas.ModifyAnswer().dump(answer), 200
+        return schemas.instance(schemas.ModifyAnswer).dump(answer), 200
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -226,8 +226,8 @@ def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], call
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
     loaded = inputs.load(schemas.ConfirmRequest, body)
-    _owned(tool_call_id, caller)
-    call = chains.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"))
+    call = chains.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
+                          caller=_scope(caller))  # ownership is checked by the transition's own statement
     return _started(call, wait)
 
 
@@ -263,9 +263,9 @@ def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
 def status(tool_call_id: Any, caller: Caller | None = None) -> Answer:
     """GET /voice-tools/status/{id}: the whole record of a call."""
     tool_call_id = _tool_call_id(tool_call_id)
-    with db.session() as s:
+    with db.statement() as s:
         call = _logged(lifecycle.get(s, tool_call_id, caller=_scope(caller)))
-    return schemas.CallRecord().dump(call), 200
+    return schemas.instance(schemas.CallRecord).dump(call), 200
 
 
 def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None) -> Answer:
@@ -273,9 +273,10 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
     (the caller's own only)."""
     session_id = _session_id(session_id)
     limit = inputs.load(schemas.ContextQuery, query)["limit"]
-    with db.session() as s:
+    with db.statement() as s:
         open_calls, recent = lifecycle.session_calls(s, session_id, limit, caller=_scope(caller))
-    return schemas.ContextAnswer().dump({"session_id": session_id, "pending": open_calls, "recent": recent}), 200
+    answer = {"session_id": session_id, "pending": open_calls, "recent": recent}
+    return schemas.instance(schemas.ContextAnswer).dump(answer), 200
 
 
 def _stored_context(query: dict[str, Any], caller: Caller | None):
@@ -292,19 +293,19 @@ def session_context(query: dict[str, Any], caller: Caller | None = None) -> Answ
     found = _stored_context(query, caller)
     answer = {"session_id": found.session_id, "context_key": found.context_key,
               "context": found.context_value, "expires_at": found.expires_at}
-    return schemas.SessionContextAnswer().dump(answer), 200
+    return schemas.instance(schemas.SessionContextAnswer).dump(answer), 200
 
 
 def legacy_session_context(query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """GET /get-session-context (seed 000): ``{context}``."""
     found = _stored_context(query, caller)
-    return schemas.LegacyContextAnswer().dump({"context": found.context_value}), 200
+    return schemas.instance(schemas.LegacyContextAnswer).dump({"context": found.context_value}), 200
 
 
 def tool_list(query: dict[str, Any]) -> Answer:
     """GET /voice-tools/tools[?format=]: every tool as an OpenAI function definition."""
     fmt = inputs.load(schemas.ToolsQuery, query)["format"]
-    return schemas.ToolsAnswer().dump({"format": fmt, "tools": definitions(fmt)}), 200
+    return schemas.instance(schemas.ToolsAnswer).dump({"format": fmt, "tools": definitions(fmt)}), 200
 
 
 def flat_alias(tool_name: str, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],

@@ -9,6 +9,7 @@ bad text is a 422 and never a database error. Answers are dumped from the
 from __future__ import annotations
 
 import re
+import functools
 from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate
@@ -37,6 +38,12 @@ def forbidden_text(value: Any) -> Any:
         found_items = {i: m for i, item in enumerate(value) if (m := forbidden_text(item)) is not None}
         return found_items or None
     return None
+
+
+@functools.cache
+def instance(schema: type[Schema]) -> Schema:
+    """One instance per schema class, made once (a schema instance keeps no state between loads or dumps)."""
+    return schema()
 
 
 class Strict(Schema):
@@ -135,7 +142,7 @@ class PendingRequest(Strict):
         if tool is None:
             raise ValidationError({field: [unknown_tool_message(name)]})
         try:
-            parameters = tool.schema().load(data["parameters"])
+            parameters = instance(tool.schema).load(data["parameters"])
         except ValidationError as exc:
             raise ValidationError({"parameters": exc.messages}) from exc
         data.pop("function", None)

@@ -13,8 +13,13 @@ In one run, on one broker, one database and one worker:
 (b) a bare Celery chain of as many no-op tasks (``bench/noop.py``) as the tool has steps,
     with the same task options, timed from ``apply_async`` to the last task's signed POST
     arriving at the same relay;
+(a') ``send_email`` from the API's confirm to its ``checkpoint`` callback (the time from the
+    caller's "yes" to the assistant reading the draft back), against a bare chain of 2
+    no-op tasks (its links before the checkpoint: PREPARING, READY_TO_SEND);
 (c) the median latency of ``POST /voice-tools/pending`` and ``GET /voice-tools/status``
-    through the Flask test client, against a bare Flask app answering a constant JSON.
+    through the Flask test client, against a bare Flask app answering a constant JSON,
+    and against a bare Flask app doing the one statement each needs (an ``INSERT ...
+    RETURNING`` of a ``tool_calls`` row, a ``SELECT`` of it) with SQLAlchemy Core.
 
 (a) and (b) alternate call by call so both see the same machine; both run on the same
 real worker subprocess (``celery -A tasks worker --pool prefork -c 2``, consuming the
@@ -97,6 +102,8 @@ def read_tools() -> list[Any]:
 
 
 class ChainBench:
+    until, status = "completed", "COMPLETED"  # the event timed, and the call's status in it
+
     def __init__(self, client: Any, relay: Any, tool: Any):
         from bench import noop
         from celery import chain
@@ -118,8 +125,8 @@ class ChainBench:
         def run() -> None:
             confirmed = self.client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
             assert confirmed.status_code == 202, confirmed.get_json()
-            done = self.relay.wait_for(tool_call_id, "completed", timeout=60)
-            assert done["status"] == "COMPLETED" and done["result"], done
+            done = self.relay.wait_for(tool_call_id, self.until, timeout=60)
+            assert done["status"] == self.status and (done["result"] or self.until != "completed"), done
 
         return timed(run)
 
@@ -134,13 +141,32 @@ class ChainBench:
         return timed(run)
 
     def run(self, runs: int, warmup: int) -> tuple[list[float], list[float]]:
-        engine, bare = [], []
-        for i in range(warmup + runs):
-            e, b = self.engine_once(), self.bare_once()
-            if i >= warmup:
-                engine.append(e)
-                bare.append(b)
-        return engine, bare
+        return alternate(self.engine_once, self.bare_once, runs, warmup)
+
+
+class CheckpointBench(ChainBench):
+    """send_email: confirm → ``checkpoint`` callback, against a bare chain of its links up to there."""
+
+    until, status = "checkpoint", "PREPARED"
+
+    def __init__(self, client: Any, relay: Any):
+        from tasks import tools
+
+        tool = tools.TOOLS["send_email"]
+        super().__init__(client, relay, tool)
+        self.links = [step.checkpoint for step in tool.steps].index(True) + 1
+
+
+def alternate(engine_once: Callable[[], float], bare_once: Callable[[], float], runs: int,
+              warmup: int) -> tuple[list[float], list[float]]:
+    """Time (a) and (b) call by call, so both see the same machine; warm-up runs dropped."""
+    engine, bare = [], []
+    for i in range(warmup + runs):
+        e, b = engine_once(), bare_once()
+        if i >= warmup:
+            engine.append(e)
+            bare.append(b)
+    return engine, bare
 
 
 # -- (c): the API against a bare Flask app ------------------------------------------------
@@ -162,9 +188,45 @@ def bare_flask() -> Any:
     return bare.test_client()
 
 
+def bare_flask_sql() -> Any:
+    """A bare Flask app doing the one statement each request needs, with SQLAlchemy Core on the
+    same engine: INSERT ... RETURNING a ``tool_calls`` row; SELECT it by id."""
+    import secrets
+
+    from flask import Flask, request
+    from sqlalchemy import insert, select
+
+    from models import db
+    from models.calls import ToolCall
+
+    calls = ToolCall.__table__
+    engine = db.engine()
+    bare = Flask("bare_sql")
+
+    @bare.post("/voice-tools/pending")
+    def pending() -> Any:
+        body = request.get_json()
+        with engine.begin() as conn:
+            row = conn.execute(insert(calls).values(
+                tool_call_id="tc_" + secrets.token_hex(6), session_id=body["session_id"],
+                function_name=body["function"], action_level="write", parameters=body["parameters"],
+            ).returning(calls.c.tool_call_id, calls.c.status, calls.c.parameters)).one()
+        return {"tool_call_id": row.tool_call_id, "status": row.status, "parameters": row.parameters}, 201
+
+    @bare.get("/voice-tools/status/<tool_call_id>")
+    def status(tool_call_id: str) -> Any:
+        with engine.begin() as conn:
+            row = conn.execute(select(calls).where(calls.c.tool_call_id == tool_call_id)).one()
+        return {"tool_call_id": row.tool_call_id, "status": row.status, "parameters": row.parameters}
+
+    return bare.test_client()
+
+
 def api_bench(client: Any, runs: int, warmup: int) -> dict[str, list[float]]:
     bare = bare_flask()
-    results: dict[str, list[float]] = {k: [] for k in ("pending", "bare_pending", "status", "bare_status")}
+    bare_sql = bare_flask_sql()
+    results: dict[str, list[float]] = {k: [] for k in ("pending", "bare_pending", "sql_pending", "status",
+                                                       "bare_status", "sql_status")}
     for i in range(warmup + runs):
         body = {"session_id": "bench_api", "function": "send_email",
                 "parameters": {"to": f"bench{i}@example.com", "subject": "Bench"}}
@@ -172,12 +234,16 @@ def api_bench(client: Any, runs: int, warmup: int) -> dict[str, list[float]]:
         samples = {
             "pending": timed(lambda: answers.update(p=client.post("/voice-tools/pending", headers=AUTH, json=body))),
             "bare_pending": timed(lambda: bare.post("/voice-tools/pending", headers=AUTH, json=body)),
+            "sql_pending": timed(lambda: answers.update(q=bare_sql.post("/voice-tools/pending", headers=AUTH,
+                                                                         json=body))),
         }
+        assert answers["q"].status_code == 201
         assert answers["p"].status_code == 201, answers["p"].get_json()
         tool_call_id = answers["p"].get_json()["tool_call_id"]
         samples["status"] = timed(lambda: answers.update(
             s=client.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH)))
         samples["bare_status"] = timed(lambda: bare.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH))
+        samples["sql_status"] = timed(lambda: bare_sql.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH))
         assert answers["s"].status_code == 200, answers["s"].get_json()
         if i >= warmup:
             for name, value in samples.items():
@@ -234,7 +300,7 @@ def chain_rows(chains: dict[str, tuple[int, list[float], list[float]]]) -> list[
 
 
 def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], list[float]]],
-           api: dict[str, list[float]] | None) -> str:
+           api: dict[str, list[float]] | None, checkpoint: tuple[int, list[float], list[float]] | None = None) -> str:
     info = machine()
     lines = [
         "# voice-tools benchmark",
@@ -246,7 +312,8 @@ def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], l
         f"- command: `cd {ROOT} && .venv/bin/python bench/run.py --runs {args.runs} --warmup {args.warmup}"
         f" --api-runs {args.api_runs}`",
         "- worker: one `celery -A tasks worker --pool prefork --concurrency 2 -Q "
-        "<the read tools' queues>,callbacks,bench.noop --include bench.noop` subprocess for both sides; "
+        "<the read tools' queues>,tools.send_email,callbacks,bench.noop --include bench.noop` subprocess for both "
+        "sides; "
         "(a) and (b) alternate call by call; warm-up runs excluded; local backends, demo data loaded",
         "",
         "## Chains: each read tool, from start to the completed signal at a local HTTP receiver (ms)",
@@ -260,11 +327,22 @@ def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], l
         "Overhead per link = (median a - median b) / links. "
         "What (a) does that (b) does not, per link: one conditional UPDATE to gate and claim the step, the "
         "step itself (e.g. embedding the query, a vector search, an upsert into session_context), one "
-        "transaction recording the output with the callback row, and the signed `progress` (or `completed`) "
-        "callback posted inline (each an HTTP round trip to the relay, plus an UPDATE recording the "
-        "attempt); plus the API's confirm (auth, CAS to EXECUTING, enqueue, workflow id).",
+        "statement recording the output with the callback row, and the signed `progress` (or `completed`) "
+        "callback posted inline (an HTTP round trip to the relay; the UPDATE recording the attempt comes "
+        "after the next link is sent); plus the API's confirm (auth, one CAS to EXECUTING that records the "
+        "workflow id, enqueue).",
         "",
     ]
+    if checkpoint is not None:
+        lines += [
+            "## send_email: confirm → `checkpoint` callback (ms)",
+            "",
+            "(a) voice-tools: API confirm → the `checkpoint` callback at the relay (PREPARING, then "
+            "READY_TO_SEND); (b) a bare chain of as many no-op tasks, the last one posting.",
+            "",
+            *chain_rows({"send_email to checkpoint": checkpoint}),
+            "",
+        ]
     if api is None:
         lines += ["## API", "", "TODO: app/ has no `create_app` yet; (c) not measured.", ""]
     else:
@@ -278,6 +356,12 @@ def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], l
             row("POST /voice-tools/pending (bare Flask)", s["bare_pending"]),
             row("GET /voice-tools/status/{id} (voice-tools)", s["status"]),
             row("GET /voice-tools/status/{id} (bare Flask)", s["bare_status"]),
+            row("POST /voice-tools/pending (bare Flask + one INSERT, SQLAlchemy Core)", s["sql_pending"]),
+            row("GET /voice-tools/status/{id} (bare Flask + one SELECT, SQLAlchemy Core)", s["sql_status"]),
+            "",
+            f"Against the bare Flask app doing the same statement: pending "
+            f"**{s['pending']['median'] / s['sql_pending']['median']:.2f}x**, status "
+            f"**{s['status']['median'] / s['sql_status']['median']:.2f}x** (medians).",
             "",
             f"Median overhead: pending **{s['pending']['median'] - s['bare_pending']['median']:.2f} ms** "
             f"(validation, auth, one INSERT ... ON CONFLICT ... RETURNING, serialisation); status "
@@ -307,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
 
         load_demo()
         tools_to_run = read_tools()
-        queues = [tool.queue for tool in tools_to_run] + ["callbacks", "bench.noop"]
+        from tasks import tools
+
+        queues = [tool.queue for tool in tools_to_run] + [tools.TOOLS["send_email"].queue, "callbacks", "bench.noop"]
         with app.connection_for_write() as conn:
             for name in queues:
                 conn.default_channel.queue_purge(name)
@@ -320,10 +406,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{tool.name}: {args.warmup} warm-up + {args.runs} timed chains of each kind ...", flush=True)
                 bench = ChainBench(client, relay, tool)
                 chains[tool.name] = (bench.links, *bench.run(args.runs, args.warmup))
+            print(f"send_email to its checkpoint: {args.warmup} warm-up + {args.runs} timed of each kind ...",
+                  flush=True)
+            checkpoint_bench = CheckpointBench(client, relay)
+            checkpoint = (checkpoint_bench.links, *checkpoint_bench.run(args.runs, args.warmup))
             print(f"API: {args.api_runs} timed requests of each kind ...", flush=True)
             api = api_bench(client, args.api_runs, max(args.api_runs // 10, 10))
             assert relay.bad_signatures == 0
-        text = report(args, chains, api)
+        text = report(args, chains, api, checkpoint)
         Path(args.output).write_text(text)
         print(text)
         print(f"written to {args.output}")

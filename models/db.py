@@ -2,15 +2,22 @@
 
 The engine is made lazily, so a forked Celery child or gunicorn worker makes its
 own after the fork (see ``dispose``, called from ``worker_process_init``).
+
+Round trips are what a link and a request pay for, so: :func:`statement` runs one
+statement as its own transaction (autocommit: no ``BEGIN``, no ``COMMIT``, one round
+trip); and a pooled connection is pinged before use only when it has lain idle for
+``IDLE_PING_S`` (one that served a statement a moment ago is alive; after a database
+restart the first error invalidates the whole pool, and an idle one is pinged).
 """
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
 
 _engine: Engine | None = None
@@ -35,11 +42,35 @@ def engine() -> Engine:
             database_url(),
             pool_size=int(os.environ.get("VOICE_TOOLS_DB_POOL_SIZE", "10")),
             max_overflow=20,
-            pool_pre_ping=True,
             pool_recycle=1800,
         )
+        _ping_when_idle(_engine)
         _factory = sessionmaker(_engine, expire_on_commit=False)
     return _engine
+
+
+IDLE_PING_S = 2.0
+_LAST_USED = "voice_tools_last_used"
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Pessimistic disconnect handling (SQLAlchemy's pool ``checkout`` recipe), only for a
+    connection idle for ``IDLE_PING_S`` or more: a dead one is replaced before use."""
+
+    @event.listens_for(engine.pool, "checkout")
+    def _checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        last = record.info.get(_LAST_USED)
+        if last is not None and time.monotonic() - last < IDLE_PING_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as error:
+            raise exc.DisconnectionError(str(error)) from error
+
+    @event.listens_for(engine.pool, "connect")
+    @event.listens_for(engine.pool, "checkin")
+    def _used(dbapi_connection: Any, record: Any) -> None:
+        record.info[_LAST_USED] = time.monotonic()
 
 
 def dispose() -> None:
@@ -83,3 +114,22 @@ def _run_after_commit(s: Session) -> None:
 @event.listens_for(Session, "after_rollback")
 def _forget_after_commit(s: Session) -> None:
     s.info.pop("after_commit", None)
+
+
+@contextmanager
+def statement() -> Iterator[Connection]:
+    """A connection whose every statement is its own transaction (autocommit): for the hot
+    paths, where one statement (a compare-and-set, a data-modifying CTE) is the whole work.
+
+    psycopg2's own ``autocommit`` switch, not SQLAlchemy's ``AUTOCOMMIT`` isolation level:
+    that one makes psycopg2 send a ``SET default_transaction_isolation`` each time (a round
+    trip). SQLAlchemy's begin and rollback around it are then no-ops at the driver.
+    """
+    with engine().connect() as conn:
+        raw = conn.connection.dbapi_connection
+        raw.autocommit = True
+        try:
+            yield conn
+        finally:
+            if not raw.closed:
+                raw.autocommit = False

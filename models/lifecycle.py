@@ -5,18 +5,41 @@ that also appends to ``status_history``. ``event_seq`` counts the call's recorde
 callback events (1, 2, 3 ... with no gaps; see :func:`next_event_seq`). A transition that does not apply changes
 nothing and raises :class:`Refused` naming the status it found, so the caller can
 answer 404 or 409 without a second guess. Callers own the transaction
-(``with db.session() as s:``) so a link can record its progress and its callback row
-together, and the API can enqueue only after the commit.
+(``with db.session() as s:``, or ``db.statement()`` where one statement is the whole
+transaction) so the API can enqueue only after the commit. The hot paths (a link's
+gate, its step with its event, the API's confirm, create and reads) are one statement
+each, built once with named parameters, returning Core rows; a link's event is inserted
+by the transition's own statement (``event=``: a data-modifying CTE that also takes the
+event's number).
 """
 from __future__ import annotations
 
+import functools
 import secrets
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-from sqlalchemy import ColumnElement, Integer, and_, bindparam, cast, delete, func, literal, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Integer,
+    Row,
+    and_,
+    bindparam,
+    cast,
+    delete,
+    func,
+    or_,
+    select,
+    true,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.orm import Session, object_session
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.types import Float, String, Text
 
 from models.calls import (
     CANCELLED,
@@ -65,7 +88,7 @@ class Refused(Exception):
         # The caller's transaction rolls back when this propagates, and a rollback
         # expires every instance still in the session: detach the row as found so
         # ``exc.call`` stays readable after the ``with db.session()`` block.
-        found_in = object_session(call)
+        found_in = object_session(call) if isinstance(call, ToolCall) else None  # a Core row is no session's
         if found_in is not None:
             found_in.expunge(call)
         self.code = code
@@ -96,10 +119,11 @@ def _entry(status: str, reason: str | None, **extra: Any) -> dict[str, Any]:
 _NOW_ISO = func.to_char(func.timezone("UTC", func.clock_timestamp()), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
 
 
-def _stamped(entries: list[dict[str, Any]]) -> ColumnElement[Any]:
-    """``[entries...]`` as JSONB, each entry given ``at`` by the database."""
+def _stamped(entries: list[Any]) -> ColumnElement[Any]:
+    """``[entries...]`` as JSONB, each entry (a dict, or a JSONB bind parameter) given ``at`` by the database."""
     return func.jsonb_build_array(*(
-        bindparam(None, entry, type_=JSONB).op("||")(func.jsonb_build_object("at", _NOW_ISO))
+        (entry if isinstance(entry, BindParameter) else bindparam(None, entry, type_=JSONB))
+        .op("||")(func.jsonb_build_object("at", _NOW_ISO))
         for entry in entries
     ))
 
@@ -113,8 +137,23 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
     return func.coalesce(ToolCall.execution_time_ms, 0) + elapsed
 
 
-def _transition(
-    s: Session,
+CALLS = ToolCall.__table__
+Executor = Session | Connection
+
+
+class EventInsert(Protocol):
+    """A callback event to insert in a transition's own statement (``callbacks.event`` makes them):
+    ``build(moved)`` is the INSERT of its row from the transition's returned row (a CTE named
+    ``moved`` whose ``event_seq`` is the event's number), the same for every event of one
+    ``shape``, with ``params`` for its bind parameters."""
+
+    shape: tuple[Any, ...]
+    params: dict[str, Any]
+
+    def build(self, moved: Any) -> Insert: ...
+
+
+def _cas(
     tool_call_id: str,
     *,
     from_statuses: Iterable[str],
@@ -122,23 +161,66 @@ def _transition(
     reason: str | None = None,
     extra_where: Iterable[ColumnElement[bool]] = (),
     history: list[dict[str, Any]] | None = None,
+    target: Any = CALLS,
     **values: Any,
-) -> ToolCall | None:
-    """Apply one conditional update; return the new row or None if it did not apply."""
+) -> Any:
+    """The compare-and-set ``UPDATE`` of one transition (without its RETURNING)."""
     if history is None:
         history = [_entry(to_status, reason)] if to_status else []
     if to_status:
         values["status"] = to_status
     if history:
         values["status_history"] = _append(ToolCall.status_history, history)
-    stmt = (
-        update(ToolCall)
+    return (
+        update(target)
         .where(ToolCall.tool_call_id == tool_call_id, ToolCall.status.in_(tuple(from_statuses)), *extra_where)
         .values(**values)
-        .returning(ToolCall)
-        .execution_options(synchronize_session=False, populate_existing=True)
     )
+
+
+def _transition(s: Session, tool_call_id: str, **transition: Any) -> ToolCall | None:
+    """Apply one conditional update; return the new row (an ORM entity) or None if it did not apply."""
+    stmt = _cas(tool_call_id, target=ToolCall, **transition).returning(ToolCall).execution_options(
+        synchronize_session=False, populate_existing=True)
     return s.scalars(stmt).one_or_none()
+
+
+# The hot paths' statements are built once per shape, with named bind parameters, and
+# executed with the values (building a data-modifying CTE costs as much as running it).
+P_ID = bindparam("p_id", type_=String)
+P_STEP = bindparam("p_step", type_=String)
+P_PROGRESS = bindparam("p_progress", type_=Float)
+P_OUTPUT = bindparam("p_output", type_=JSONB)
+P_HISTORY = bindparam("p_history", type_=JSONB)
+P_RESULT = bindparam("p_result", type_=JSONB)
+P_VOICE = bindparam("p_voice", type_=Text)
+P_CONTEXT_KEY = bindparam("p_context_key", type_=String)
+_BUILT: dict[tuple[Any, ...], Any] = {}
+
+
+def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], make: Callable[[], Any],
+                    event: EventInsert | None = None) -> Row[Any] | None:
+    """The hot paths' transition: one statement, a Core row (no ORM entity), or None if it did not apply.
+
+    ``make()`` builds the transition's compare-and-set (with the ``P_*`` parameters), once
+    per ``key`` and event shape; ``params`` are this run's values. With ``event``, the
+    same statement takes the call's next event number (``event_seq``, on the row it has
+    just locked) and inserts the event's callback row from the updated row (a
+    data-modifying CTE): the returned row then also holds the columns the event's INSERT
+    returns. A transition that does not apply inserts nothing.
+    """
+    shape = (key, event.shape if event is not None else None)
+    stmt = _BUILT.get(shape)
+    if stmt is None:
+        cas = make()
+        if event is None:
+            stmt = cas.returning(*CALLS.c)
+        else:
+            moved = cas.values(event_seq=CALLS.c.event_seq + 1).returning(*CALLS.c).cte("moved")
+            added = event.build(moved).cte("added")
+            stmt = select(moved, added).select_from(moved.join(added, true()))
+        _BUILT[shape] = stmt
+    return s.execute(stmt, {**params, **event.params} if event is not None else params).one_or_none()
 
 
 def next_event_seq(s: Session, tool_call_id: str) -> int:
@@ -160,19 +242,22 @@ def _owned_by(caller: str | None) -> list[ColumnElement[bool]]:
     return [] if caller is None else [ToolCall.caller == caller]
 
 
-def get(s: Session, tool_call_id: str, caller: str | None = None) -> ToolCall:
-    """The call; :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
-    call = s.scalars(
-        select(ToolCall).where(ToolCall.tool_call_id == tool_call_id, *_owned_by(caller))
-    ).one_or_none()
+_GET_ANY = select(CALLS).where(ToolCall.tool_call_id == P_ID)
+_GET_OWN = _GET_ANY.where(ToolCall.caller == bindparam("p_caller", type_=String))
+
+
+def get(s: Executor, tool_call_id: str, caller: str | None = None) -> Row[Any]:
+    """The call (a Core row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
+    call = s.execute(_GET_ANY if caller is None else _GET_OWN, {"p_id": tool_call_id, "p_caller": caller}).one_or_none()
     if call is None:
         raise NotFound(tool_call_id)
     return call
 
 
-def _refuse(s: Session, tool_call_id: str, action: str) -> Refused:
-    """Build the reason a transition did not apply, from the row as it is now."""
-    call = get(s, tool_call_id)
+def _refuse(s: Executor, tool_call_id: str, action: str, caller: str | None = None) -> Refused:
+    """Build the reason a transition did not apply, from the row as it is now
+    (:class:`NotFound` if it is not ``caller``'s, when given)."""
+    call = get(s, tool_call_id, caller)
     if call.status in TERMINAL:
         return Refused("already_terminal", call, f"Cannot {action}: the call is already {call.status}.")
     if call.committed_at is not None and action == "cancel":
@@ -182,8 +267,20 @@ def _refuse(s: Session, tool_call_id: str, action: str) -> Refused:
 
 # -- creation -----------------------------------------------------------------
 
+_CREATED_FROM = ("tool_call_id", "session_id", "connection_id", "intent_id", "idempotency_key", "function_name",
+                 "action_level", "parameters", "callback_url", "callback_urls", "context_key", "caller",
+                 "request_kind")
+# built once: each column's value a parameter of the column's own type (as ``values(col=value)`` binds it)
+_CREATE = (
+    insert(CALLS)
+    .values(status=PENDING, status_history=_stamped([P_HISTORY]),
+            **{name: bindparam(f"c_{name}", type_=CALLS.c[name].type) for name in _CREATED_FROM})
+    .on_conflict_do_nothing()
+    .returning(*CALLS.c)
+)
+
 def create(
-    s: Session,
+    s: Executor,
     *,
     session_id: str,
     function_name: str,
@@ -199,8 +296,8 @@ def create(
     caller: str | None = None,
     reason: str | None = "Recorded",
     request_kind: str = "pending",
-) -> tuple[ToolCall, bool]:
-    """Record a PENDING call; return ``(call, created)``.
+) -> tuple[Row[Any], bool]:
+    """Record a PENDING call (one statement); return ``(call, created)``, the call a Core row.
 
     A replay (same ``idempotency_key`` or ``tool_call_id`` of the same ``caller``: keys are
     per caller, and another caller's ``tool_call_id`` is :class:`IdTaken`; same session,
@@ -210,36 +307,22 @@ def create(
     :class:`Refused` ``idempotency_conflict``.
     """
     tool_call_id = tool_call_id or new_tool_call_id()
-    stmt = (
-        insert(ToolCall)
-        .values(
-            tool_call_id=tool_call_id,
-            session_id=session_id,
-            connection_id=connection_id,
-            intent_id=intent_id,
-            idempotency_key=idempotency_key,
-            function_name=function_name,
-            action_level=action_level,
-            parameters=parameters,
-            status=PENDING,
-            status_history=_stamped([_entry(PENDING, reason)]),
-            callback_url=callback_url,
-            callback_urls=callback_urls or None,
-            context_key=context_key,
-            caller=caller,
-            request_kind=request_kind,
-        )
-        .on_conflict_do_nothing()
-        .returning(ToolCall)
-    )
-    call = s.scalars(stmt).one_or_none()
+    values = {
+        "tool_call_id": tool_call_id, "session_id": session_id, "connection_id": connection_id,
+        "intent_id": intent_id, "idempotency_key": idempotency_key, "function_name": function_name,
+        "action_level": action_level, "parameters": parameters, "callback_url": callback_url,
+        "callback_urls": callback_urls or None, "context_key": context_key, "caller": caller,
+        "request_kind": request_kind,
+    }
+    call = s.execute(_CREATE, {"p_history": _entry(PENDING, reason),
+                               **{f"c_{name}": value for name, value in values.items()}}).one_or_none()
     if call is not None:
         return call, True
     clauses = [ToolCall.tool_call_id == tool_call_id]
     if idempotency_key:
         clauses.append(and_(ToolCall.idempotency_key == idempotency_key,
                             func.coalesce(ToolCall.caller, "") == (caller or "")))
-    existing = s.scalars(select(ToolCall).where(or_(*clauses))
+    existing = s.execute(select(CALLS).where(or_(*clauses))
                          .order_by((ToolCall.tool_call_id == tool_call_id).desc())).first()
     if existing is None:  # the conflicting row vanished (deleted); let the caller retry
         raise RuntimeError("conflicting tool call disappeared")
@@ -301,17 +384,30 @@ def modify(
     raise _refuse(s, tool_call_id, "modify")
 
 
-def confirm(s: Session, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
-            callback_urls: dict[str, str] | None = None) -> ToolCall:
-    """PENDING → EXECUTING; a ``callback_url`` / ``callback_urls`` given now replace the recorded ones."""
+def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
+            callback_urls: dict[str, str] | None = None, caller: str | None = None,
+            workflow_id: str | None = None, functions: Iterable[str] | None = None) -> Row[Any]:
+    """PENDING → EXECUTING (one statement; a Core row); a ``callback_url`` / ``callback_urls``
+    given now replace the recorded ones.
+
+    ``caller``: only that caller's call (another's is :class:`NotFound`, checked by the same
+    statement); ``workflow_id``: the id the chain will be enqueued with, recorded now;
+    ``functions``: only a call of one of these tools (another stays PENDING: :class:`Refused`).
+    """
     values: dict[str, Any] = {"confirmed_at": func.now()}
     if callback_url:
         values["callback_url"] = callback_url
     if callback_urls:
         values["callback_urls"] = callback_urls
-    row = _transition(s, tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason, **values)
+    if workflow_id:
+        values["workflow_id"] = workflow_id
+    where = _owned_by(caller)
+    if functions is not None:
+        where.append(ToolCall.function_name.in_(tuple(functions)))
+    row = s.execute(_cas(tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason,
+                         extra_where=where, **values).returning(*CALLS.c)).one_or_none()
     if row is None:
-        raise _refuse(s, tool_call_id, "confirm")
+        raise _refuse(s, tool_call_id, "confirm", caller)
     return row
 
 
@@ -324,7 +420,7 @@ def unconfirm(s: Session, tool_call_id: str, reason: str = "Queue unavailable") 
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=PENDING, reason=reason,
         extra_where=[ToolCall.current_step.is_(None), ToolCall.committed_at.is_(None)],
-        confirmed_at=None,
+        confirmed_at=None, workflow_id=None,
     )
 
 
@@ -358,14 +454,24 @@ def set_voice_response(s: Session, tool_call_id: str, voice_response: str) -> To
 
 # -- during execution (the chain's links) ---------------------------------------
 
-def begin_step(s: Session, tool_call_id: str, step: str, progress: float) -> ToolCall | None:
-    """Gate and claim a step: the call must still be EXECUTING. None means stop."""
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
-        current_step=step, progress=progress,
-        executed_at=func.coalesce(ToolCall.executed_at, func.now()),
-        attempts=ToolCall.attempts + 1,
-    )
+def begin_step(s: Executor, tool_call_id: str, step: str, progress: float,
+               commit: bool = False) -> Row[Any] | None:
+    """Gate and claim a step: the call must still be EXECUTING. None means stop.
+
+    ``commit``: the step has a side effect, and this same statement (the one that checks
+    the call is EXECUTING) passes the point of no return, as :func:`commit_point` does.
+    """
+    def make() -> Any:
+        values: dict[str, Any] = {"committed_at": func.coalesce(ToolCall.committed_at, func.now())} if commit else {}
+        return _cas(
+            P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
+            current_step=P_STEP, progress=P_PROGRESS,
+            executed_at=func.coalesce(ToolCall.executed_at, func.now()),
+            attempts=ToolCall.attempts + 1, **values,
+        )
+
+    return _transition_row(s, ("begin_step", commit),
+                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress}, make)
 
 
 def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
@@ -383,24 +489,39 @@ def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
     )
 
 
-def record_step(s: Session, tool_call_id: str, step: str, output: Any, progress: float) -> ToolCall | None:
-    """Store a finished step's output (so a redelivery skips it) and its progress."""
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=None, history=[],
-        current_step=step, progress=progress,
-        step_outputs=ToolCall.step_outputs.op("||")(
-            func.jsonb_build_object(literal(step), bindparam(None, output, type_=JSONB))
-        ),
-    )
+# the step's output added to ``step_outputs`` under its name (``P_STEP``, ``P_OUTPUT``)
+_WITH_OUTPUT = ToolCall.step_outputs.op("||")(func.jsonb_build_object(P_STEP, P_OUTPUT))
 
 
-def checkpoint(s: Session, tool_call_id: str, step: str, progress: float) -> ToolCall | None:
-    """EXECUTING → PREPARED: the chain ends here until resumed."""
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=PREPARED, reason=f"Checkpoint {step}",
-        current_step=step, progress=progress, prepared_at=func.now(),
-        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
-    )
+def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress: float,
+                event: EventInsert | None = None) -> Row[Any] | None:
+    """Store a finished step's output (so a redelivery skips it) and its progress;
+    with ``event``, its callback event in the same statement (see :func:`_transition_row`)."""
+    def make() -> Any:
+        return _cas(P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
+                    current_step=P_STEP, progress=P_PROGRESS, step_outputs=_WITH_OUTPUT)
+
+    return _transition_row(s, ("record_step",),
+                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output},
+                           make, event)
+
+
+def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
+               event: EventInsert | None = None) -> Row[Any] | None:
+    """EXECUTING → PREPARED: the chain ends here until resumed. ``output`` (the step's
+    preview), when given, is stored as the step's output by the same statement; with
+    ``event``, the ``checkpoint`` event is recorded by it too."""
+    def make() -> Any:
+        values = {} if output is None else {"step_outputs": _WITH_OUTPUT}
+        return _cas(
+            P_ID, from_statuses=(EXECUTING,), to_status=PREPARED, history=[P_HISTORY],
+            current_step=P_STEP, progress=P_PROGRESS, prepared_at=func.now(), **values,
+            execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+        )
+
+    params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
+              "p_history": _entry(PREPARED, f"Checkpoint {step}")}
+    return _transition_row(s, ("checkpoint", output is None), params, make, event)
 
 
 def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "Queue unavailable") -> ToolCall | None:
@@ -425,15 +546,20 @@ def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller") -> 
     return row
 
 
-def complete(s: Session, tool_call_id: str, result: dict[str, Any], voice_response: str,
-             context_key: str | None = None) -> ToolCall | None:
-    extra = {"context_key": context_key} if context_key else {}
-    return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
-        result=result, voice_response=voice_response, completed_at=func.now(), progress=1.0, **extra,
-        current_step=COMPLETED,
-        execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
-    )
+def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_response: str,
+             context_key: str | None = None, event: EventInsert | None = None) -> Row[Any] | None:
+    """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement."""
+    def make() -> Any:
+        extra = {"context_key": P_CONTEXT_KEY} if context_key else {}
+        return _cas(
+            P_ID, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
+            result=P_RESULT, voice_response=P_VOICE, completed_at=func.now(), progress=1.0, **extra,
+            current_step=COMPLETED,
+            execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+        )
+
+    params = {"p_id": tool_call_id, "p_result": result, "p_voice": voice_response, "p_context_key": context_key}
+    return _transition_row(s, ("complete", bool(context_key)), params, make, event)
 
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
@@ -536,19 +662,25 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
 
 # -- reading --------------------------------------------------------------------
 
-def session_calls(s: Session, session_id: str, limit: int,
-                  caller: str | None = None) -> tuple[list[ToolCall], list[ToolCall]]:
+@functools.cache
+def _session_calls(own: bool) -> Any:
+    def newest(statuses: tuple[str, ...]) -> Any:
+        where = [ToolCall.caller == bindparam("p_caller", type_=String)] if own else []
+        return (select(CALLS).where(ToolCall.session_id == bindparam("p_session", type_=String),
+                                    ToolCall.status.in_(statuses), *where)
+                .order_by(ToolCall.created_at.desc()).limit(bindparam("p_limit", type_=Integer)))
+
+    both = union_all(newest(OPEN).subquery().select(), newest(TERMINAL).subquery().select()).subquery()
+    return select(both).order_by(both.c.created_at.desc())
+
+
+def session_calls(s: Executor, session_id: str, limit: int,
+                  caller: str | None = None) -> tuple[list[Row[Any]], list[Row[Any]]]:
     """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
-    only ``caller``'s calls when given."""
-    open_calls = s.scalars(
-        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(OPEN), *_owned_by(caller))
-        .order_by(ToolCall.created_at.desc()).limit(limit)
-    ).all()
-    recent = s.scalars(
-        select(ToolCall).where(ToolCall.session_id == session_id, ToolCall.status.in_(TERMINAL), *_owned_by(caller))
-        .order_by(ToolCall.created_at.desc()).limit(limit)
-    ).all()
-    return list(open_calls), list(recent)
+    only ``caller``'s calls when given. One statement (built once); Core rows."""
+    rows = s.execute(_session_calls(caller is not None),
+                     {"p_session": session_id, "p_limit": limit, "p_caller": caller}).all()
+    return [r for r in rows if r.status in OPEN], [r for r in rows if r.status in TERMINAL]
 
 
 def put_context(s: Session, session_id: str, context_key: str, value: dict[str, Any], ttl_s: int,

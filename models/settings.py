@@ -64,12 +64,17 @@ class Settings:
         return bool(self.google_credentials) and service in self.google_services
 
 
+def api_tokens() -> list[str]:
+    """``VOICE_TOOLS_API_TOKENS`` alone (every request reads it: not the whole of :func:`load`)."""
+    return _list("VOICE_TOOLS_API_TOKENS")
+
+
 def load() -> Settings:
     """Read the settings now (tests change the environment between runs)."""
     return Settings(
         database_url=os.environ.get("DATABASE_URL", ""),
         broker_url=os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL", ""),
-        api_tokens=_list("VOICE_TOOLS_API_TOKENS"),
+        api_tokens=api_tokens(),
         callback_secret=os.environ.get("VOICE_TOOLS_CALLBACK_SECRET", ""),
         callback_hosts=_list("VOICE_TOOLS_CALLBACK_HOSTS"),
         callback_timeout=_float("VOICE_TOOLS_CALLBACK_TIMEOUT", 2.0),

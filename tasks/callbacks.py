@@ -21,6 +21,7 @@ tools or chains).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import ipaddress
 import json
@@ -43,9 +44,11 @@ from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import ProxyManager
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
-from sqlalchemy import bindparam, func, or_, select, update
+from sqlalchemy import Row, bindparam, case, cast, func, insert, literal, null, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
 from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
@@ -66,6 +69,49 @@ MAX_ANSWER_BYTES = 64 * 1024  # more than any {"cancel": true, "reason": ...}; a
 _local = threading.local()  # this thread's attempt: its watchdog and the address checked for its host
 
 
+class _Watchdog:
+    """One thread per process that ends attempts at their deadlines (a thread started per
+    attempt costs a thread start on the caller's clock). Started lazily, so a forked
+    child makes its own."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, "_Watch"]] = []
+        self._count = 0
+        self._pid = 0
+
+    def add(self, watch: "_Watch", seconds: float) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # first use in this process (or after a fork)
+                self._pid, self._due = os.getpid(), []
+                threading.Thread(target=self._run, name="callback-watchdog", daemon=True).start()
+            self._count += 1
+            heapq.heappush(self._due, (time.monotonic() + seconds, self._count, watch))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        with self._cond:
+            while self._pid == pid:
+                now = time.monotonic()
+                while self._due and (self._due[0][2].done or self._due[0][0] <= now):
+                    _, _, watch = heapq.heappop(self._due)
+                    if not watch.done:
+                        watch.fire()
+                self._cond.wait(self._due[0][0] - now if self._due else None)
+
+
+_watchdog = _Watchdog()
+
+
+def _new_watchdog() -> None:
+    global _watchdog
+    _watchdog = _Watchdog()  # a child never inherits a lock its parent's watchdog thread held
+
+
+os.register_at_fork(after_in_child=_new_watchdog)
+
+
 class _Watch:
     """Ends one attempt's exchange at its deadline: shuts the connection's socket down,
     which ends a read however slowly the relay drips (a socket timeout is per read)."""
@@ -73,10 +119,9 @@ class _Watch:
     def __init__(self, seconds: float):
         self._lock = threading.Lock()
         self._conn: HTTPConnection | None = None
-        self._done = False
+        self._seconds = seconds
+        self.done = False
         self.fired = False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
 
     def attach(self, conn: HTTPConnection) -> None:
         with self._lock:
@@ -84,9 +129,9 @@ class _Watch:
             if self.fired:
                 self._shut()
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         with self._lock:
-            if not self._done:
+            if not self.done:
                 self.fired = True
                 self._shut()
 
@@ -100,13 +145,12 @@ class _Watch:
 
     def __enter__(self) -> "_Watch":
         _local.watch = self
-        self._timer.start()
+        _watchdog.add(self, self._seconds)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with self._lock:
-            self._done = True
-        self._timer.cancel()
+            self.done = True  # the watchdog drops it when it next looks
         _local.watch = None
 
 
@@ -270,7 +314,7 @@ def _own_addresses() -> set[str]:
             if a.family in (socket.AF_INET, socket.AF_INET6)}
 
 
-def delivery_refusal(url: str) -> tuple[str | None, str | None]:
+def delivery_refusal(url: str, cfg: settings.Settings | None = None) -> tuple[str | None, str | None]:
     """Checked again before every attempt: ``(why not, None)`` or ``(None, address to connect to)``.
 
     The URL must pass :func:`url_error` with the allowlist of the moment (a host
@@ -280,9 +324,9 @@ def delivery_refusal(url: str) -> tuple[str | None, str | None]:
     name does not admit an inside address, except ``localhost``, which is loopback by
     definition), and no address may be this system's own port. The attempt then
     connects to the address checked here. A name that does not resolve is left to the
-    request (an ordinary failed attempt, retried).
+    request (an ordinary failed attempt, retried). ``cfg``: the settings already read by the caller.
     """
-    cfg = settings.load()
+    cfg = cfg or settings.load()
     if not cfg.callback_secret.strip():
         return "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent", None
     reason = url_error(url, cfg.callback_hosts)
@@ -394,6 +438,100 @@ def record(
     return delivery if url else None
 
 
+class Event:
+    """A callback event to record in the statement of the transition that causes it
+    (``lifecycle.record_step(..., event=...)``); made by :func:`event`."""
+
+    def __init__(self, shape: tuple[str, bool, bool], params: dict[str, Any]):
+        self.shape = shape  # (event, requires_confirmation, inline): what the INSERT looks like
+        self.params = params
+
+    def build(self, moved: Any) -> Insert:
+        return _event_insert(moved, *self.shape)
+
+
+def event(
+    event: str,
+    *,
+    step: str,
+    gate: int,
+    progress: float,
+    message: str = "",
+    cancellable: bool = False,
+    requires_confirmation: bool = False,
+    preview: dict[str, Any] | None = None,
+    context_key: str | None = None,
+    inline: bool = False,
+) -> Event:
+    """The event :func:`record` would insert, for the transition's own statement to insert.
+
+    A link's transitions take their event in the statement that changes the call: the
+    ``INSERT ... SELECT`` from the updated row (``moved``) writes the same row and payload
+    :func:`record` writes (what Python knows now as parameters; the row's columns, its new
+    ``event_seq`` and its URL from the row). ``progress`` is the progress the transition
+    sets. The returned row is turned back into a delivery by :func:`delivery_of`.
+    """
+    cfg = settings.load()
+    event_id = uuid.uuid4().hex
+    constant: dict[str, Any] = {
+        "event_id": event_id, "type": "tool_status", "event": event, "step": step, "gate": gate,
+        "progress": progress, "message": message, "cancellable": cancellable,
+        "requires_confirmation": requires_confirmation, "preview": preview,
+        "context_available": context_key is not None, "context_key": context_key,
+    }
+    return Event((event, requires_confirmation, inline), {
+        "ev_id": event_id, "ev_constant": constant, "ev_step": step,
+        "ev_voice": message if event != "progress" else None,
+        "ev_resume": f"{cfg.public_url}/voice-tools/resume/",
+        "ev_lease": datetime.now(timezone.utc) + timedelta(seconds=_lease_s(cfg.callback_timeout)),
+    })
+
+
+def _event_insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -> Insert:
+    """The INSERT of an :class:`Event`'s row (bind parameters ``ev_*``) from the transition's row ``moved``."""
+    def text_param(name: str) -> Any:
+        return bindparam(name, type_=Text)
+
+    url = func.coalesce(func.nullif(moved.c.callback_urls.op("->>")(event), ""), func.nullif(moved.c.callback_url, ""))
+    resume_url = text_param("ev_resume") + moved.c.tool_call_id if requires_confirmation else null()
+    actions = case({status: cast(bindparam(None, actions_available(status), type_=JSONB), JSONB)
+                    for status in (PENDING, EXECUTING, PREPARED)},
+                   value=moved.c.status, else_=cast(literal("[]"), JSONB))
+    row = func.jsonb_build_object(
+        "tool_call_id", moved.c.tool_call_id, "intent_id", moved.c.intent_id,
+        "session_id", moved.c.session_id, "function_name", moved.c.function_name,
+        "parameters", moved.c.parameters, "status", moved.c.status, "resume_url", resume_url,
+        "actions_available", actions, "result", moved.c.result,
+        "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), text_param("ev_voice")),
+        "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
+    )
+    if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
+        row = row.op("||")(func.jsonb_build_object("checkpoint", bindparam("ev_step", type_=String),
+                                                   "resume_webhook", resume_url))
+    payload = bindparam("ev_constant", type_=JSONB).op("||")(row)
+    lease = bindparam("ev_lease", type_=DateTime(timezone=True))
+    chosen = select(
+        bindparam("ev_id", type_=String), moved.c.tool_call_id, moved.c.session_id, literal(event),
+        moved.c.event_seq, payload, url, case((url.is_(None), "none"), else_="pending"), literal(0),
+        case((url.is_not(None), lease), else_=None) if inline else null(),
+    )
+    return insert(CallbackDelivery).from_select(
+        ["event_id", "tool_call_id", "session_id", "event", "seq", "payload", "url", "state", "attempts",
+         "next_attempt_at"], chosen,
+    ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
+                CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
+
+
+def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:
+    """The delivery to post from a transition's row that recorded its event with :func:`event`
+    (None: no URL takes the event, or the transition did not apply)."""
+    if row is None or row.delivery_url is None:
+        return None
+    return CallbackDelivery(event_id=row.delivery_event_id, tool_call_id=row.tool_call_id, session_id=row.session_id,
+                            event=row.delivery_event, seq=row.event_seq, payload=row.delivery_payload,
+                            url=row.delivery_url, state="pending", attempts=0)
+
+
 def url_for(call: ToolCall, event: str) -> str | None:
     """Where ``event`` of ``call`` goes: its own URL in ``callback_urls``, else ``callback_url``."""
     return (call.callback_urls or {}).get(event) or call.callback_url
@@ -462,12 +600,22 @@ def attempt(event_id: str, timeout: float | None = None) -> Answer:
     return _post(delivery, timeout)
 
 
-def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
-    """Post a claimed delivery, record the attempt, act on the relay's answer."""
+Later = Callable[[Callable[[], None]], None]
+
+
+def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None = None) -> Answer:
+    """Post a claimed delivery, record the attempt, act on the relay's answer.
+
+    ``later``: where to leave the recording of the attempt to be run once the caller's
+    work is done (a link: after its chain's next link is sent), so the caller does not
+    wait for it. An answer asking to cancel is recorded at once, before the cancel.
+    ``timeout`` None: the inline timeout.
+    """
     cfg = settings.load()
+    timeout = cfg.callback_timeout if timeout is None else timeout
     event_id = delivery.event_id
     started = time.perf_counter()
-    refusal, address = delivery_refusal(delivery.url)
+    refusal, address = delivery_refusal(delivery.url, cfg)
     if refusal is not None:  # no request is made; retrying would be refused the same way
         state = _record_attempt(event_id, delivery.attempts, None, refusal, cfg.callback_max_attempts, final=True)
         worker_metrics.callback_attempt(delivery.event, state, time.perf_counter() - started)
@@ -494,11 +642,19 @@ def _post(delivery: CallbackDelivery, timeout: float) -> Answer:
         except ValueError:
             answer = None
     delivered = error is None
-    state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
-    worker_metrics.callback_attempt(delivery.event, state, seconds)
     cancel = bool(isinstance(answer, dict) and answer.get("cancel") is True)
     reason = answer.get("reason") if cancel and isinstance(answer.get("reason"), str) else None
-    if cancel and _is_cancellable(delivery.payload):
+    relay_cancels = cancel and _is_cancellable(delivery.payload)
+
+    def record_it() -> None:
+        state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
+        worker_metrics.callback_attempt(delivery.event, state, seconds)
+
+    if later is None or relay_cancels:
+        record_it()
+    else:
+        later(record_it)
+    if relay_cancels:
         _relay_cancel(delivery.tool_call_id, reason or "Cancelled by the relay")
     return Answer(delivered=delivered, cancel=cancel, reason=reason)
 
@@ -555,36 +711,54 @@ def _record_attempt(event_id: str, attempts_before: int, code: int | None, error
     log_entry: dict[str, Any] = {"at": datetime.now(timezone.utc).isoformat(), "response_code": code, "error": error}
     if note:
         log_entry["note"] = note
-    with db.session() as s:
-        s.execute(
-            update(CallbackDelivery)
-            .where(CallbackDelivery.event_id == event_id, CallbackDelivery.state == "pending")
-            .values(
-                attempts=CallbackDelivery.attempts + 1, state=state, response_code=code, last_error=error,
-                next_attempt_at=next_at, delivered_at=func.now() if delivered else None,
-                attempt_log=CallbackDelivery.attempt_log.op("||")(bindparam(None, [log_entry], type_=JSONB)),
-            )
-            .execution_options(synchronize_session=False)
-        )
+    with db.statement() as s:  # one statement, its own transaction
+        s.execute(_RECORD_ATTEMPT, {
+            "a_id": event_id, "a_state": state, "a_code": code, "a_error": error, "a_next": next_at,
+            "a_delivered": delivered, "a_log": [log_entry]})
     return state
+
+
+# built once: the attempt's outcome on its row (only while still pending)
+_RECORD_ATTEMPT = (
+    update(CallbackDelivery.__table__)
+    .where(CallbackDelivery.event_id == bindparam("a_id", type_=String), CallbackDelivery.state == "pending")
+    .values(
+        attempts=CallbackDelivery.attempts + 1, state=bindparam("a_state", type_=String),
+        response_code=bindparam("a_code", type_=Integer), last_error=bindparam("a_error", type_=Text),
+        next_attempt_at=bindparam("a_next", type_=DateTime(timezone=True)),
+        delivered_at=case((bindparam("a_delivered", type_=Boolean), func.now()), else_=None),
+        attempt_log=CallbackDelivery.attempt_log.op("||")(bindparam("a_log", type_=JSONB)),
+    )
+)
 
 
 def _is_cancellable(payload: dict[str, Any]) -> bool:
     return bool(payload.get("cancellable")) or payload.get("event") == "checkpoint"
 
 
-def deliver_inline(delivery: CallbackDelivery | None) -> Answer | None:
+def deliver_inline(delivery: CallbackDelivery | None, later: Later | None = None) -> Answer | None:
     """Post a delivery recorded with ``inline=True`` now, with the short timeout;
-    on failure hand the retries to the callbacks queue."""
+    on failure hand the retries to the callbacks queue.
+
+    ``later`` (see :func:`_post`): the attempt's recording, and the retry after a failed
+    attempt, are left to it, in that order, instead of being done before returning.
+    """
     if delivery is None:
         return None
-    answer = _post(delivery, settings.load().callback_timeout)
+    answer = _post(delivery, None, later)
     if not answer.delivered:
-        try:
-            schedule_retry(delivery.event_id)
-        except (KombuOperationalError, RedisError, OSError):  # the link must not fail for it
-            log.warning("broker unavailable: retry of event %s left for the sweep", delivery.event_id)
+        def retry() -> None:
+            try:
+                schedule_retry(delivery.event_id)
+            except (KombuOperationalError, RedisError, OSError):  # the link must not fail for it
+                log.warning("broker unavailable: retry of event %s left for the sweep", delivery.event_id)
+
+        (later or _now)(retry)
     return answer
+
+
+def _now(work: Callable[[], None]) -> None:
+    work()
 
 
 def dispatch(delivery: CallbackDelivery | str | None) -> None:

@@ -6,12 +6,16 @@ written once, in :class:`Link`:
 
 1. gate and claim: one conditional UPDATE that only applies while the call is
    EXECUTING; if it does not apply (cancelled, expired, failed) the chain stops
-   quietly (the transition that ended the call already recorded its event);
+   quietly (the transition that ended the call already recorded its event); for a
+   side-effect step the same statement passes the point of no return (``committed_at``);
 2. skip a step whose output is already recorded (a redelivered link);
 3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
-4. a side-effect step first passes the point of no return (``committed_at``);
-5. run the step, then record its output and progress together with its callback row,
-   post the callback inline; the last step completes the call.
+4. run the step, then record its output and progress together with its callback row
+   (one statement), post the callback inline; the last step completes the call.
+
+A link makes one database round trip before its step and one after (each a single
+statement in its own transaction, Core rows); the posted callback's outcome is
+recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
 Transient errors retry with backoff (Celery's retry); permanent ones fail the call.
 """
@@ -23,13 +27,14 @@ from typing import Any
 
 from celery import chain
 from celery.exceptions import MaxRetriesExceededError, Reject, SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
 import logs
 from celeryconfig import queue
 from models import db, lifecycle
-from models.calls import CallbackDelivery, ToolCall
+from models.calls import PENDING, CallbackDelivery, ToolCall
 from tasks import app, backends, base, callbacks, tools, worker_metrics
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
@@ -87,8 +92,10 @@ class Link(base.Task):
     def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
         progress = self.index / len(tool.steps)
-        with db.session() as s:
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress)
+        with db.statement() as s:
+            # a side effect's point of no return is passed by the statement that checks EXECUTING
+            call = lifecycle.begin_step(s, tool_call_id, step.name, progress,
+                                        commit=step.side_effect and not step.checkpoint)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:
@@ -100,10 +107,6 @@ class Link(base.Task):
 
         if step.checkpoint:
             return self._checkpoint(given, progress)
-        if step.side_effect:
-            with db.session() as s:
-                if lifecycle.commit_point(s, tool_call_id, step.name) is None:
-                    return self._stop()
 
         try:
             output = step.run(given) if step.run else None
@@ -123,16 +126,41 @@ class Link(base.Task):
             return self._complete(tool_call_id, given, step.name, output)
         cancellable = not (step.side_effect or any(s.side_effect for s in tool.steps[: self.index]))
         progress_done = (self.index + 1) / len(tool.steps)
-        with db.session() as s:
-            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done)
-            if call is None:
-                return self._stop()
-            delivery = callbacks.record(
-                s, call, "progress", step=step.name, gate=self.index + 1,
-                message=tool.say(step.message, call.parameters), cancellable=cancellable, inline=True,
-            )
-        callbacks.deliver_inline(delivery)
+        event = callbacks.event("progress", step=step.name, gate=self.index + 1, progress=progress_done,
+                                message=tool.say(step.message, given.parameters), cancellable=cancellable,
+                                inline=True)
+        with db.statement() as s:
+            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event)
+        if call is None:
+            return self._stop()
+        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return None
+
+    # -- the posted callbacks' outcomes, recorded once the next link is sent ------------
+
+    def _after(self, work: Any) -> None:
+        """Leave ``work`` (recording a callback attempt) for :meth:`after_return`, which Celery
+        calls after sending the chain's next link; called directly (no worker), do it now."""
+        if self.request.called_directly:
+            work()
+            return
+        pending = getattr(self.request, "voice_tools_after", None)
+        if pending is None:
+            pending = self.request.voice_tools_after = []
+        pending.append(work)
+
+    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        self._run_after()
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+
+    def _run_after(self) -> None:
+        pending = getattr(self.request, "voice_tools_after", None) or []
+        self.request.voice_tools_after = None
+        for work in pending:
+            try:
+                work()
+            except Exception:  # the row stays claimed until its lease ends: the retry sweep sends it again
+                log.exception("could not record a callback attempt of %s", self.name)
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         """The link itself ended in error: fail its call now, not after the stuck-call sweep.
@@ -171,17 +199,14 @@ class Link(base.Task):
     def _checkpoint(self, given: StepInput, progress: float) -> None:
         tool, step = self.tool, self.step
         preview = step.preview(given) if step.preview else None
-        with db.session() as s:
-            lifecycle.record_step(s, given.tool_call_id, step.name, preview or {}, progress)
-            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress)
-            if call is None:
-                return self._stop()
-            delivery = callbacks.record(
-                s, call, "checkpoint", step=step.name, gate=self.index + 1,
-                message=tool.say(step.message, call.parameters), cancellable=True,
-                requires_confirmation=True, preview=preview, inline=True,
-            )
-        callbacks.deliver_inline(delivery)
+        event = callbacks.event("checkpoint", step=step.name, gate=self.index + 1, progress=progress,
+                                message=tool.say(step.message, given.parameters), cancellable=True,
+                                requires_confirmation=True, preview=preview, inline=True)
+        with db.statement() as s:
+            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event)
+        if call is None:
+            return self._stop()
+        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return self._stop()
 
     def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
@@ -192,15 +217,14 @@ class Link(base.Task):
         result = tool.result(outputs)
         voice = tool.say(tool.voice_response, given.parameters, result=result)
         context_key = result.get("context_key") if isinstance(result, dict) else None
-        with db.session() as s:
-            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key)
-            if call is None:
-                return self._stop()
-            delivery = callbacks.record(
-                s, call, "completed", step=step_name, gate=self.index + 1, message=voice,
-                context_key=context_key, inline=True,
-            )
-        callbacks.deliver_inline(delivery)
+        event = callbacks.event("completed", step=step_name, gate=self.index + 1, progress=1.0, message=voice,
+                                context_key=context_key, inline=True)
+        with db.statement() as s:
+            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event)
+        if call is None:
+            return self._stop()
+        worker_metrics.call_ended(tool.name, call.status)  # its statement has committed (autocommit)
+        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return None
 
     def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False) -> None:
@@ -242,7 +266,11 @@ class Link(base.Task):
 
 
 def _run_link(self: Link, tool_call_id: str) -> None:
-    return self.drive(tool_call_id)
+    try:
+        return self.drive(tool_call_id)
+    except BaseException:  # a retry or an error: Celery may not call after_return; record now
+        self._run_after()
+        raise
 
 
 def _links_for(tool: Tool) -> list[Link]:
@@ -308,34 +336,47 @@ def signature(tool: Tool, tool_call_id: str, start: int = 0):
 QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 
 
-def _enqueue(tool: Tool, call: ToolCall, start: int) -> str:
+def _enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -> str:
+    """Send the chain; its id (the last link's task id) is recorded as the call's ``workflow_id``,
+    unless it was given (``workflow_id``: recorded already, by the transition that started the call)."""
     try:
         with logs.bound(tool_call_id=call.tool_call_id, session_id=call.session_id), \
                 app.producer_or_acquire() as producer:  # the links' messages carry the call (tasks/log_context.py)
             producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
             result = signature(tool, call.tool_call_id, start).apply_async(
-                producer=producer, retry=True, retry_policy=QUICK_RETRY)
+                producer=producer, retry=True, retry_policy=QUICK_RETRY, task_id=workflow_id)
     except (KombuOperationalError, RedisError, OSError) as exc:
         raise BrokerUnavailable(str(exc)) from exc
-    with db.session() as s:
-        lifecycle.set_workflow_id(s, call.tool_call_id, result.id)
+    if workflow_id is None:
+        with db.session() as s:
+            lifecycle.set_workflow_id(s, call.tool_call_id, result.id)
     return result.id
 
 
 def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
-            callback_urls: dict[str, str] | None = None) -> ToolCall:
+            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> ToolCall:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
+    ``caller``: only that caller's call (another's is ``lifecycle.NotFound``). The chain's
+    id is chosen first and recorded by the transition itself (no statement after the send).
     If the broker refuses the chain, the call goes back to PENDING and
     :class:`BrokerUnavailable` is raised, unless its first link has begun: then the
     publish reached the broker after all and the call is answered as it is.
     """
-    with db.session() as s:
-        call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
-                                 callback_urls=callback_urls)
-        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
+    workflow_id = uuid()
+    with db.statement() as s:  # one statement: the CAS is the whole transaction
+        try:
+            # a tool this process does not run is not confirmed (the statement checks it too)
+            call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
+                                     callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
+                                     functions=tools.TOOLS)
+        except lifecycle.Refused as exc:
+            if exc.status == PENDING:  # still PENDING: its tool is unknown here
+                tool_of(exc.call)
+            raise
+    tool = tool_of(call)
     try:
-        call.workflow_id = _enqueue(tool, call, 0)
+        _enqueue(tool, call, 0, workflow_id)
     except BrokerUnavailable:
         with db.session() as s:
             undone = lifecycle.unconfirm(s, tool_call_id)

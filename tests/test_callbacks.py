@@ -410,3 +410,51 @@ def test_url_error_reads_the_allowed_hosts_from_the_environment(monkeypatch):
     assert callbacks.url_error("https://hooks.example.org:8443/x") is None
     assert callbacks.url_error("https://hooks.example.org/x") is not None
     assert callbacks.url_error("http://127.0.0.1/x") is not None
+
+
+# -- a link's event, recorded by its transition's own statement, is the one record() writes ----------
+
+def _twin_payloads(tool_call_id: str, transition: Any, name: str, **given: Any) -> tuple[Any, Any]:
+    """The event recorded by ``transition(s, event=callbacks.event(name, ...))`` and the one
+    ``callbacks.record`` writes for the row as that transition left it (the next seq)."""
+    progress = given.pop("progress")
+    with db.statement() as s:
+        moved = transition(s, callbacks.event(name, progress=progress, **given))
+    assert moved is not None and moved.delivery_url is not None
+    with db.session() as s:
+        callbacks.record(s, lifecycle.get(s, tool_call_id), name, **given)
+    first, second = deliveries(tool_call_id)[-2:]
+    assert first.event_id == moved.delivery_event_id and second.seq == first.seq + 1
+    return first, second
+
+
+@pytest.mark.parametrize("ending", ["progress", "checkpoint", "completed"])
+def test_the_event_a_link_records_with_its_transition_is_the_one_record_writes(relay, ending):
+    call = make_call(callback_url=relay.url, callback_urls={"completed": f"{relay.base}/done"},
+                     intent_id="intent_1")
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    with db.statement() as s:
+        assert lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0) is not None
+    id_ = call.tool_call_id
+    if ending == "progress":
+        first, second = _twin_payloads(
+            id_, lambda s, ev: lifecycle.record_step(s, id_, "PREPARING", {"draft": 1}, 0.25, event=ev), "progress",
+            step="PREPARING", gate=1, progress=0.25, message="Preparing.", cancellable=True, inline=True)
+    elif ending == "checkpoint":
+        first, second = _twin_payloads(
+            id_, lambda s, ev: lifecycle.checkpoint(s, id_, "READY_TO_SEND", 0.5, output={"to": "x"}, event=ev),
+            "checkpoint", step="READY_TO_SEND", gate=2, progress=0.5, message="Send it?", cancellable=True,
+            requires_confirmation=True, preview={"to": "x"}, inline=True)
+    else:
+        first, second = _twin_payloads(
+            id_, lambda s, ev: lifecycle.complete(s, id_, {"ok": True}, "Done.", context_key="k1", event=ev),
+            "completed", step="COMPLETED", gate=4, progress=1.0, message="Done.", context_key="k1", inline=True)
+    mine = {k: v for k, v in first.payload.items() if k not in ("event_id", "seq")}
+    theirs = {k: v for k, v in second.payload.items() if k not in ("event_id", "seq")}
+    assert mine == theirs
+    assert (first.payload["event_id"], first.payload["seq"]) == (first.event_id, first.seq)
+    assert (first.url, first.state, first.attempts, first.session_id, first.event) == \
+        (second.url, second.state, second.attempts, second.session_id, second.event)
+    assert first.next_attempt_at is not None and second.next_attempt_at is not None
+    assert row(id_).event_seq == second.seq
