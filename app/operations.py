@@ -228,7 +228,7 @@ def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], call
     loaded = inputs.load(schemas.ConfirmRequest, body)
     call = chains.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
                           caller=_scope(caller))  # ownership is checked by the transition's own statement
-    return _started(call, wait)
+    return _started(_logged(call), wait)
 
 
 def execute(body: dict[str, Any], query: dict[str, Any], caller: Caller | None,

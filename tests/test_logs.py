@@ -159,7 +159,7 @@ def test_one_send_email_call_is_followed_by_its_ids_through_the_api_and_worker_l
     assert refused_line["tool_call_id"] == tc and "session_id" not in refused_line
     for line in of_call:
         if line is not refused_line:
-            assert line["tool_call_id"] == tc and line["session_id"] == SESSION, line
+            assert line["tool_call_id"] == tc and line.get("session_id") == SESSION, line
             assert line["request_id"] in requests_sent, line
 
     access = {line["request_id"]: line for line in web_lines if line["logger"] == "gunicorn.access"}
