@@ -76,7 +76,7 @@ def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
     return fields.String(
         validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
         metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
-                  "format": "uri", "pattern": "^https?://[^/?#]+"},
+                  "format": "uri", "pattern": "^https?://[^/?#\\x00-\\x20]+[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"},
         **kwargs,
     )
 
@@ -111,8 +111,9 @@ class PendingRequest(Strict):
     """Body of POST /voice-tools/pending and /voice-tools/execute."""
 
     session_id = Identifier(required=True, metadata={"description": "The relay's session"})
-    function = ShortText(metadata={"description": "The tool's name (seed name; or function_name)"})
-    function_name = ShortText(metadata={"description": "The tool's name"})
+    function = ShortText(metadata={"description": "The tool's name (seed name; or function_name)",
+                                   "enum": tools.names()})
+    function_name = ShortText(metadata={"description": "The tool's name", "enum": tools.names()})
     parameters = fields.Dict(keys=fields.String(), load_default=dict,
                              metadata={"description": "The tool's arguments, checked against its schema"})
     tool_call_id = Identifier(metadata={"description": "The relay's id for the call (tc_ + 12 hex if omitted)"})
@@ -184,7 +185,8 @@ class CancelRequest(Strict):
 
 class WaitQuery(Strict):
     wait = fields.Float(validate=validate.Range(min=0, max=30, min_inclusive=False),
-                        metadata={"description": "Seconds (at most 30) to wait for PREPARED or a terminal status"})
+                        metadata={"description": "Seconds (more than 0, at most 30) to wait for PREPARED or a "
+                                                 "terminal status", "exclusiveMinimum": True})
 
 
 class ContextQuery(Strict):
