@@ -151,11 +151,15 @@ def test_schemathesis_finds_no_disagreement(worker, relay):
     with gunicorn_web(GUNICORN_THREADS="32") as url:
         schema = schemathesis.openapi.from_url(f"{url}/openapi.json", config=config(url), headers=AUTH)
         schema.hook("map_body")(lambda context, body: to_relay(body, relay.url))
+        documented = {f"{method.upper()} {path}" for path, item in schema.raw_schema["paths"].items()
+                      for method in item if not path.startswith("/webhook/")} - {"GET /openapi.json"}  # its source
         problems: list[str] = []
         tolerated: Counter = Counter()
+        tested: Counter = Counter()  # cases sent, by phase and operation
         finished = None
         for event in from_schema(schema).execute():
             if isinstance(event, events.ScenarioFinished):
+                tested[(event.phase, event.recorder.label)] += len(event.recorder.cases)
                 problems.extend(findings(event, tolerated))
             elif isinstance(event, (events.NonFatalError, events.FatalError)):
                 problems.append(f"error: {event!r}")
@@ -163,4 +167,6 @@ def test_schemathesis_finds_no_disagreement(worker, relay):
                 finished = event
     print("refusals stated in words:", dict(tolerated))
     assert finished is not None and finished.stop_reason == "completed", finished
+    assert {label for (phase, label), cases in tested.items() if phase == "fuzzing" and cases} == documented
+    assert sum(cases for (phase, _), cases in tested.items() if phase == "stateful") > 50
     assert not problems, f"{len(problems)} findings:\n" + "\n".join(problems)
