@@ -2,7 +2,11 @@
 
 Each view says what it takes and answers with :func:`doc`; :func:`build` walks the
 app's URL map, so every route is listed, and apispec's marshmallow plugin turns the
-schemas into components.
+schemas into components. The document then states the rules the loaders enforce that
+apispec does not carry over: PendingRequest as one variant per tool (the tool named and
+its own parameters), every request string's TEXT_PATTERN (``schemas.Strict``), a body
+with a required field required; and in words (RULES) what a schema cannot say.
+tests/test_api_schemathesis.py holds the server to it.
 """
 from __future__ import annotations
 
@@ -32,15 +36,15 @@ _ERRORS = {
 TEXT_PATTERN = "^[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"
 
 RULES = (
-    "Rules the schemas below cannot say: every string of a request (field names of free-form objects too) "
-    "holds no NUL nor other control character but tab, newline and carriage return; a callback URL's host "
-    "must be in the server's VOICE_TOOLS_CALLBACK_HOSTS (configuration: a URL the schema allows may be "
-    "refused with 422); `parameters` of /voice-tools/modify are checked against the parameters of the "
-    "call's own tool, a tool's `reference_context` must name a session context stored for the session, and "
-    "the dates, times and time zones of tool parameters must be readable (ISO 8601, IANA names); "
-    f"the request line is at most {MAX_REQUEST_LINE} bytes (414), a header at most {MAX_HEADER_BYTES} bytes "
-    f"and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB (413). Every error is JSON "
-    "{error, message, details}; OPTIONS is a 405 naming the allowed methods."
+    "What the schemas below cannot say: field names, and the strings inside free-form objects, follow the "
+    "rule every request string's pattern states (no NUL nor other control character but tab, newline and "
+    "carriage return); a callback URL's host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
+    "(configuration: a URL the schema allows may be refused with 422); `parameters` of /voice-tools/modify "
+    "are checked against the parameters of the call's own tool; a tool's `reference_context` must name a "
+    "session context stored for the session; the dates, times and time zones of tool parameters must be "
+    f"readable (ISO 8601, IANA names). The request line is at most {MAX_REQUEST_LINE} bytes (414), a header "
+    f"at most {MAX_HEADER_BYTES} bytes and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB "
+    "(413). Every error is JSON {error, message, details}; OPTIONS is a 405 naming the allowed methods."
 )
 
 
@@ -196,9 +200,8 @@ def _mark_text(schema: Any, components: dict[str, Any], seen: set[str]) -> None:
             schema["pattern"] = TEXT_PATTERN
         elif not schema["pattern"].startswith("^") and {"pattern": TEXT_PATTERN} not in schema.get("allOf", []):
             schema.setdefault("allOf", []).append({"pattern": TEXT_PATTERN})  # a pattern found anywhere (\\S)
-    for key in ("properties",):
-        for sub in schema.get(key, {}).values():
-            _mark_text(sub, components, seen)
+    for sub in schema.get("properties", {}).values():
+        _mark_text(sub, components, seen)
     for key in ("items", "additionalProperties"):
         _mark_text(schema.get(key), components, seen)
     for key in ("allOf", "anyOf", "oneOf"):

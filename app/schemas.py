@@ -111,9 +111,8 @@ class PendingRequest(Strict):
     """Body of POST /voice-tools/pending and /voice-tools/execute."""
 
     session_id = Identifier(required=True, metadata={"description": "The relay's session"})
-    function = ShortText(metadata={"description": "The tool's name (seed name; or function_name)",
-                                   "enum": tools.names()})
-    function_name = ShortText(metadata={"description": "The tool's name", "enum": tools.names()})
+    function = ShortText(metadata={"description": "The tool's name (seed name; or function_name)"})
+    function_name = ShortText(metadata={"description": "The tool's name"})
     parameters = fields.Dict(keys=fields.String(), load_default=dict,
                              metadata={"description": "The tool's arguments, checked against its schema"})
     tool_call_id = Identifier(metadata={"description": "The relay's id for the call (tc_ + 12 hex if omitted)"})
