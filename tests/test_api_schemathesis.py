@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
 from typing import Any, Callable
 
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import Status, events, from_schema
+from sqlalchemy import text
+
+from models import db
 
 from tests.conftest import AUTH
 from tests.web_server import gunicorn_web
@@ -135,6 +139,19 @@ def to_relay(body: Any, relay_url: str) -> Any:
     return body
 
 
+def settle(timeout: float = 60.0) -> None:
+    """Let the calls schemathesis started finish running and their callbacks reach the relay while it
+    still listens, so the session's worker carries none of them into the tests after this one."""
+    deadline = time.monotonic() + timeout
+    busy = text("SELECT (SELECT count(*) FROM tool_calls WHERE status = 'EXECUTING') + "
+                "(SELECT count(*) FROM callback_deliveries WHERE state = 'pending' AND url IS NOT NULL)")
+    while time.monotonic() < deadline:
+        with db.engine().connect() as conn:
+            if conn.execute(busy).scalar_one() == 0:
+                return
+        time.sleep(0.5)
+
+
 def test_aliases_are_documented_alike(client):
     """Each /webhook alias is its canonical operation in the document (so schemathesis tests one of them)."""
     paths = client.get("/openapi.json", headers=AUTH).get_json()["paths"]
@@ -166,6 +183,7 @@ def test_schemathesis_finds_no_disagreement(worker, relay):
                 problems.append(f"error: {event!r}")
             elif isinstance(event, events.EngineFinished):
                 finished = event
+        settle()
     print("refusals stated in words:", dict(tolerated))
     assert finished is not None and finished.stop_reason == "completed", finished
     assert {label for (phase, label), cases in tested.items() if phase == "fuzzing" and cases} == documented
