@@ -12,6 +12,11 @@ from typing import Any
 from flask import Flask
 
 MAX_BODY_BYTES = 256 * 1024
+# What gunicorn reads before the app (app/gunicorn_conf.py sets them; /openapi.json states them):
+# the request line (method, path, query string, version), each header line, the number of headers.
+MAX_REQUEST_LINE = 4094
+MAX_HEADER_BYTES = 8190
+MAX_HEADER_FIELDS = 100
 N8N_PREFIX = "/webhook"
 
 
@@ -19,7 +24,8 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     from app import api, auth, errors, events, metrics, ops, request_log
 
     app = Flask(__name__, static_folder=None)
-    app.config.update(MAX_CONTENT_LENGTH=MAX_BODY_BYTES, JSON_SORT_KEYS=False)
+    # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
+    app.config.update(MAX_CONTENT_LENGTH=MAX_BODY_BYTES, JSON_SORT_KEYS=False, PROVIDE_AUTOMATIC_OPTIONS=False)
     app.config.update(config or {})
     app.json.sort_keys = False  # type: ignore[attr-defined]
     request_log.register(app)  # first: a refused request has its id and context too

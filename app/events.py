@@ -208,7 +208,10 @@ def stream(session_id: str, xid: str, position: int, keepalive_s: float = KEEPAL
 
 @bp.get("/voice-tools/events/<session_id>")
 @doc("The session's events as Server-Sent Events (resumable with Last-Event-ID)", query=EventsQuery,
-     responses={200: "text/event-stream: `id: <event_id>` and `data: <the callback body>` per event"})
+     responses={200: ("text/event-stream", "`id: <event_id>` and `data: <the callback body>` per event",
+                      {"type": "object", "required": ["data"],
+                       "properties": {"id": {"type": "string"},
+                                      "data": {"type": "string", "description": "The callback body (JSON)"}}})})
 def events(session_id: str):
     session_id = inputs.load(schemas.SessionPath, {"session_id": session_id})["session_id"]
     query = inputs.load(EventsQuery, inputs.query())

@@ -2,6 +2,12 @@
 
 Only what the command line does not say:
 
+- the limits gunicorn enforces before the app (``app.MAX_REQUEST_LINE`` and the header
+  limits, stated in /openapi.json);
+- its own error answers (a request line or a header over those limits, a request it
+  cannot parse) are JSON ``{error, message, details}`` like the app's, not its HTML page:
+  gunicorn has no setting for that (benoitc/gunicorn#993), so its one writer of them,
+  ``gunicorn.util.write_error``, is replaced here (tests/test_web_errors.py holds it to it);
 - the log: gunicorn's own lines, its access lines and the app's go to stderr and stdout
   in the format of ``VOICE_TOOLS_LOG_FORMAT`` (``logs``: one JSON line per event by
   default). An access line keeps gunicorn's text as its ``message`` and adds the
@@ -13,11 +19,15 @@ Only what the command line does not say:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
 
+from gunicorn import util
+
 import logs
+from app import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 # Without the query string (%(U)s, not %(r)s): a query may carry ids but is not ours to log.
 access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(B)s %(M)sms'
@@ -57,6 +67,42 @@ def _logconfig() -> dict[str, Any]:
 
 
 logconfig_dict = _logconfig()
+
+
+limit_request_line = MAX_REQUEST_LINE
+limit_request_field_size = MAX_HEADER_BYTES
+limit_request_fields = MAX_HEADER_FIELDS
+
+# gunicorn's statuses: the code and message of the JSON error, and what details say of the limits
+_ERRORS = {
+    400: ("bad_request", "The request is not valid HTTP.", {}),
+    403: ("forbidden", "This request is forbidden.", {}),
+    414: ("uri_too_long", f"The request line is longer than {MAX_REQUEST_LINE} bytes.",
+          {"max_bytes": MAX_REQUEST_LINE}),
+    417: ("expectation_failed", "The Expect header is not supported.", {}),
+    431: ("headers_too_large",
+          f"A header is longer than {MAX_HEADER_BYTES} bytes or there are more than {MAX_HEADER_FIELDS} headers.",
+          {"max_header_bytes": MAX_HEADER_BYTES, "max_headers": MAX_HEADER_FIELDS}),
+    500: ("internal_error", "Something went wrong on our side.", {}),
+    501: ("not_implemented", "This transfer coding is not supported.", {}),
+}
+
+
+def error_answer(status: int, reason: str, mesg: str) -> bytes:
+    """The whole HTTP answer gunicorn sends for an error it meets before the app."""
+    error, message, details = _ERRORS.get(status, (reason.lower().replace(" ", "_"), f"{reason}.", {}))
+    details = {**details, "reason": mesg[:300]} if mesg else dict(details)
+    body = json.dumps({"error": error, "message": message, "details": details}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def write_json_error(sock, status_int, reason, mesg):  # gunicorn.util.write_error's signature
+    util.write_nonblock(sock, error_answer(status_int, reason, mesg))
+
+
+util.write_error = write_json_error
 
 
 def child_exit(server, worker):

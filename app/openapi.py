@@ -2,10 +2,15 @@
 
 Each view says what it takes and answers with :func:`doc`; :func:`build` walks the
 app's URL map, so every route is listed, and apispec's marshmallow plugin turns the
-schemas into components.
+schemas into components. The document then states the rules the loaders enforce that
+apispec does not carry over: PendingRequest as one variant per tool (the tool named and
+its own parameters), every request string's TEXT_PATTERN (``schemas.Strict``), a body
+with a required field required; and in words (RULES) what a schema cannot say.
+tests/test_api_schemathesis.py holds the server to it.
 """
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Callable
 
@@ -14,19 +19,39 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Flask
 from marshmallow import Schema
 
-from app import schemas
+from app import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE, schemas
+from tasks import tools
 
 _PATH_ARG = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")
 _ERRORS = {
     "400": "Bad JSON", "401": "Missing or unknown token", "404": "Unknown tool call (or another caller's)",
     "409": "Not allowed in the call's current status", "413": "Body over 256 KiB",
-    "422": "Invalid fields", "503": "Database or broker unavailable",
+    "414": f"Request line (method, path and query string) over {MAX_REQUEST_LINE} bytes",
+    "422": "Invalid fields", "431": f"A header over {MAX_HEADER_BYTES} bytes, or more than {MAX_HEADER_FIELDS} headers",
+    "503": "Database or broker unavailable",
 }
+
+# What every request string must match: no NUL nor other C0 control character but tab,
+# newline and carriage return (schemas.Strict refuses them anywhere in a request).
+TEXT_PATTERN = "^[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"
+
+RULES = (
+    "What the schemas below cannot say: field names, and the strings inside free-form objects, follow the "
+    "rule every request string's pattern states (no NUL nor other control character but tab, newline and "
+    "carriage return); a callback URL's host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
+    "(configuration: a URL the schema allows may be refused with 422); `parameters` of /voice-tools/modify "
+    "are checked against the parameters of the call's own tool; a tool's `reference_context` must name a "
+    "session context stored for the session; the dates, times and time zones of tool parameters must be "
+    f"readable (ISO 8601, IANA names). The request line is at most {MAX_REQUEST_LINE} bytes (414), a header "
+    f"at most {MAX_HEADER_BYTES} bytes and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB "
+    "(413). Every error is JSON {error, message, details}; OPTIONS is a 405 naming the allowed methods."
+)
 
 
 def doc(summary: str, *, body: type[Schema] | None = None, query: type[Schema] | None = None,
-        responses: dict[int, type[Schema] | str] | None = None, public: bool = False) -> Callable:
-    """Describe a view for the OpenAPI document (no effect on how it runs)."""
+        responses: dict[int, type[Schema] | str | tuple] | None = None, public: bool = False) -> Callable:
+    """Describe a view for the OpenAPI document (no effect on how it runs). An answer that is not
+    JSON is a description (text/plain) or ``(media type, description[, schema])``."""
     def mark(view: Callable) -> Callable:
         view.openapi = {  # type: ignore[attr-defined]
             "summary": summary, "body": body, "query": query, "responses": responses or {}, "public": public,
@@ -54,8 +79,10 @@ def _operation(meta: dict[str, Any], path_args: list[str]) -> dict[str, Any]:
         operation["requestBody"] = {"content": {"application/json": {"schema": meta["body"]}}}
     responses: dict[str, Any] = {}
     for status, answer in meta.get("responses", {}).items():
-        if isinstance(answer, str):
-            responses[str(status)] = {"description": answer, "content": {"text/plain": {"schema": {"type": "string"}}}}
+        if isinstance(answer, (str, tuple)):
+            media, description, body = (*answer, {"type": "string"})[:3] if isinstance(answer, tuple) \
+                else ("text/plain", answer, {"type": "string"})
+            responses[str(status)] = {"description": description, "content": {media: {"schema": body}}}
         else:
             responses[str(status)] = {"description": answer.__doc__ or answer.__name__,
                                       "content": {"application/json": {"schema": answer}}}
@@ -80,8 +107,10 @@ def alias_of(endpoint: str, app: Flask) -> str | None:
 def build(app: Flask) -> dict[str, Any]:
     spec = APISpec(
         title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
-        info={"description": "Runs the tool calls of a voice assistant (see README and CONTRACT)."},
+        info={"description": f"Runs the tool calls of a voice assistant (see README and CONTRACT). {RULES}"},
     )
+    for tool in tools.TOOLS.values():
+        spec.components.schema(tool.schema.__name__, schema=tool.schema)
     spec.components.security_scheme("bearer", {
         "type": "http", "scheme": "bearer",
         "description": "A token of VOICE_TOOLS_API_TOKENS (name:token[:admin]). A caller sees and acts on only "
@@ -102,4 +131,79 @@ def build(app: Flask) -> dict[str, Any]:
             paths.setdefault(path, {})[method.lower()] = operation
     for path in sorted(paths):
         spec.path(path=path, operations=paths[path])
-    return spec.to_dict()
+    document = spec.to_dict()
+    components = document["components"]["schemas"]
+    _pending_per_tool(components)
+    marked: set[str] = set()  # the components already marked
+    for path_item in document["paths"].values():
+        for operation in path_item.values():
+            _state_request_rules(operation, components, marked)
+    return document
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _pending_per_tool(components: dict[str, Any]) -> None:
+    """PendingRequest as one variant per tool: the tool named (function or function_name, or
+    both alike) and its own parameters, so a body the document allows names a tool and fits it."""
+    base = components["PendingRequest"]
+    variants = []
+    for name in tools.names():
+        tool = tools.TOOLS[name]
+        variant = copy.deepcopy(base)
+        for key in ("function", "function_name"):
+            variant["properties"][key] = {**variant["properties"][key], "enum": [name]}
+        parameters = tool.schema.__name__
+        variant["properties"]["parameters"] = {"description": base["properties"]["parameters"]["description"],
+                                               "allOf": [_ref(parameters)]}
+        if components[parameters].get("required"):
+            variant["required"] = [*variant.get("required", []), "parameters"]
+        variant["anyOf"] = [{"required": ["function"]}, {"required": ["function_name"]}]
+        variant_name = "Pending" + "".join(part.title() for part in name.split("_"))
+        components[variant_name] = variant
+        variants.append(_ref(variant_name))
+    components["PendingRequest"] = {"description": "A tool call: one variant per tool", "oneOf": variants}
+
+
+def _state_request_rules(operation: dict[str, Any], components: dict[str, Any], seen: set[str]) -> None:
+    """A request body with required fields is required; every request string states TEXT_PATTERN."""
+    body = operation.get("requestBody")
+    if body:
+        schema = body["content"]["application/json"]["schema"]
+        resolved = _resolve(schema, components)
+        if resolved.get("required") or resolved.get("oneOf"):
+            body["required"] = True
+        _mark_text(schema, components, seen)
+    for parameter in operation.get("parameters", []):
+        _mark_text(parameter.get("schema", {}), components, seen)
+
+
+def _resolve(schema: dict[str, Any], components: dict[str, Any]) -> dict[str, Any]:
+    ref = schema.get("$ref")
+    return components[ref.rsplit("/", 1)[1]] if ref else schema
+
+
+def _mark_text(schema: Any, components: dict[str, Any], seen: set[str]) -> None:
+    if not isinstance(schema, dict):
+        return
+    ref = schema.get("$ref")
+    if ref:
+        name = ref.rsplit("/", 1)[1]
+        if name not in seen:
+            seen.add(name)
+            _mark_text(components[name], components, seen)
+        return
+    if schema.get("type") == "string" and "enum" not in schema:
+        if "pattern" not in schema:
+            schema["pattern"] = TEXT_PATTERN
+        elif not schema["pattern"].startswith("^") and {"pattern": TEXT_PATTERN} not in schema.get("allOf", []):
+            schema.setdefault("allOf", []).append({"pattern": TEXT_PATTERN})  # a pattern found anywhere (\\S)
+    for sub in schema.get("properties", {}).values():
+        _mark_text(sub, components, seen)
+    for key in ("items", "additionalProperties"):
+        _mark_text(schema.get(key), components, seen)
+    for key in ("allOf", "anyOf", "oneOf"):
+        for sub in schema.get(key, []):
+            _mark_text(sub, components, seen)

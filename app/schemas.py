@@ -83,7 +83,7 @@ def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
     return fields.String(
         validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
         metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
-                  "format": "uri", "pattern": "^https?://[^/?#]+"},
+                  "format": "uri", "pattern": "^https?://[^/?#\\x00-\\x20]+[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"},
         **kwargs,
     )
 
@@ -191,7 +191,8 @@ class CancelRequest(Strict):
 
 class WaitQuery(Strict):
     wait = fields.Float(validate=validate.Range(min=0, max=30, min_inclusive=False),
-                        metadata={"description": "Seconds (at most 30) to wait for PREPARED or a terminal status"})
+                        metadata={"description": "Seconds (more than 0, at most 30) to wait for PREPARED or a "
+                                                 "terminal status", "exclusiveMinimum": True})
 
 
 class ContextQuery(Strict):

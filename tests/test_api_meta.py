@@ -1,6 +1,8 @@
 """Tools, OpenAPI, health, metrics, session context and the seed's final aliases."""
 from __future__ import annotations
 
+import re
+
 from models import db, lifecycle
 from tests.api_fixtures import SEED_EMAIL, snapshot
 from tasks import tools
@@ -72,8 +74,16 @@ def test_openapi_lists_every_path(client):
     assert any(p["name"] == "wait" and p["in"] == "query" for p in confirm["parameters"])
     schemas = spec["components"]["schemas"]
     assert {"PendingRequest", "PendingAnswer", "CallRecord", "ErrorAnswer", "ModifyAnswer"} <= set(schemas)
-    assert "session_id" in schemas["PendingRequest"]["properties"]
-    assert schemas["PendingRequest"]["additionalProperties"] is False  # unknown fields are 422
+    # one variant per tool: the tool named, its own parameters
+    variants = [ref["$ref"].rsplit("/", 1)[1] for ref in schemas["PendingRequest"]["oneOf"]]
+    assert len(variants) == len(tools.names())
+    email = schemas["PendingSendEmail"]
+    assert "session_id" in email["properties"]
+    assert email["additionalProperties"] is False  # unknown fields are 422
+    assert email["properties"]["function"]["enum"] == email["properties"]["function_name"]["enum"] == ["send_email"]
+    assert email["properties"]["parameters"]["allOf"] == [{"$ref": "#/components/schemas/SendEmailParameters"}]
+    assert sorted(email["required"]) == ["parameters", "session_id"]
+    assert email["anyOf"] == [{"required": ["function"]}, {"required": ["function_name"]}]
     assert "security" not in spec["paths"]["/healthz"]["get"]
     # path arguments say what they accept, as their loading schemas do
     [tool_call_id] = [p for p in confirm["parameters"] if p["in"] == "path"]
@@ -82,6 +92,36 @@ def test_openapi_lists_every_path(client):
         assert parameter["name"] == name and parameter["required"] is True
         assert parameter["schema"] == {"type": "string", "minLength": 1, "maxLength": 100,
                                        "pattern": "^[A-Za-z0-9_.:\\-]+$"}
+
+
+def test_openapi_states_the_rules_the_server_enforces(client):
+    from app import MAX_REQUEST_LINE
+    from app.openapi import TEXT_PATTERN
+
+    spec = client.get("/openapi.json", headers=AUTH).get_json()
+    schemas = spec["components"]["schemas"]
+    confirm = spec["paths"]["/voice-tools/confirm/{tool_call_id}"]["post"]
+    [wait] = [p for p in confirm["parameters"] if p["name"] == "wait"]
+    assert wait["schema"]["minimum"] == 0 and wait["schema"]["exclusiveMinimum"] is True  # ?wait=0 is 422
+    # every request string: no control characters (what schemas.Strict refuses)
+    text = re.compile(TEXT_PATTERN)
+    assert text.search("Hello\tthere\n") and not text.search("a\x00b") and not text.search("a\x1fb")
+    assert schemas["SendEmailParameters"]["properties"]["subject"]["pattern"] == TEXT_PATTERN
+    assert schemas["CancelRequest"]["properties"]["reason"]["pattern"] == TEXT_PATTERN
+    module = schemas["KnowledgeCheckParameters"]["properties"]["module"]
+    assert module["pattern"] == "\\S" and module["allOf"] == [{"pattern": TEXT_PATTERN}]
+    callback = re.compile(schemas["ConfirmRequest"]["properties"]["callback_url"]["pattern"])
+    assert callback.search("https://relay.example/hook?x=1") and not callback.search("https://relay.example/\x01")
+    assert "pattern" not in schemas["CallRecord"]["properties"]["voice_response"]  # answers untouched
+    # a body with a required field is required; one without is not
+    assert spec["paths"]["/voice-tools/resume/{tool_call_id}"]["post"]["requestBody"]["required"] is True
+    assert "required" not in confirm["requestBody"]
+    # gunicorn's limits, and the event stream's media type
+    assert confirm["responses"]["414"]["description"].endswith(f"{MAX_REQUEST_LINE} bytes")
+    assert "431" in confirm["responses"]
+    events = spec["paths"]["/voice-tools/events/{session_id}"]["get"]["responses"]["200"]["content"]
+    assert list(events) == ["text/event-stream"]
+    assert "VOICE_TOOLS_CALLBACK_HOSTS" in spec["info"]["description"]
 
 
 def test_healthz_and_readyz(client):

@@ -1,0 +1,76 @@
+"""Errors are JSON under gunicorn too: the answers gunicorn gives itself, before the app
+(a request line or a header over its limits, a request it cannot parse), and OPTIONS."""
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from app import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from tests.conftest import AUTH
+from tests.web_server import gunicorn_web
+
+
+@pytest.fixture(scope="module")
+def web():
+    with gunicorn_web() as url:
+        yield url
+
+
+def json_error(answer: requests.Response, status: int, error: str) -> dict:
+    assert answer.status_code == status, answer.text
+    assert answer.headers["Content-Type"].startswith("application/json"), answer.text
+    body = answer.json()
+    assert set(body) == {"error", "message", "details"}, body
+    assert body["error"] == error and body["message"], body
+    return body
+
+
+def test_a_query_string_over_the_request_line_limit_is_a_json_414(web):
+    answer = requests.get(f"{web}/voice-tools/tools?format=" + "x" * MAX_REQUEST_LINE, headers=AUTH, timeout=10)
+    body = json_error(answer, 414, "uri_too_long")
+    assert body["details"]["max_bytes"] == MAX_REQUEST_LINE
+    # just under the limit: the app answers (its own JSON 422 for the unknown format)
+    line = len("GET /voice-tools/tools?format= HTTP/1.1")
+    fits = requests.get(f"{web}/voice-tools/tools?format=" + "x" * (MAX_REQUEST_LINE - line), headers=AUTH,
+                        timeout=10)
+    json_error(fits, 422, "validation_error")
+
+
+def test_a_huge_header_is_a_json_431(web):
+    answer = requests.get(f"{web}/voice-tools/tools", headers={**AUTH, "X-Big": "x" * (MAX_HEADER_BYTES + 1)},
+                          timeout=10)
+    body = json_error(answer, 431, "headers_too_large")
+    assert body["details"] == {"max_header_bytes": MAX_HEADER_BYTES, "max_headers": MAX_HEADER_FIELDS,
+                               "reason": body["details"]["reason"]}
+
+
+def test_too_many_headers_is_a_json_431(web):
+    many = {f"X-H{i}": "1" for i in range(MAX_HEADER_FIELDS + 1)}
+    json_error(requests.get(f"{web}/voice-tools/tools", headers={**AUTH, **many}, timeout=10),
+               431, "headers_too_large")
+
+
+def test_a_request_gunicorn_cannot_parse_is_a_json_400(web):
+    parts = urlsplit(web)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz?a=1 & HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), raw
+    assert b"content-type: application/json" in head.lower(), raw
+    import json
+
+    assert json.loads(body)["error"] == "bad_request"
+
+
+def test_options_is_a_json_405_naming_the_methods(web):
+    answer = requests.options(f"{web}/voice-tools/tools", headers=AUTH, timeout=10)
+    body = json_error(answer, 405, "method_not_allowed")
+    assert body["details"]["allowed"] == ["GET", "HEAD"]
+    assert answer.headers["Allow"] == "GET, HEAD"
+    json_error(requests.options(f"{web}/voice-tools/tools", timeout=10), 401, "unauthorized")

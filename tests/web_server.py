@@ -1,0 +1,54 @@
+"""The Procfile's ``web`` line (real gunicorn) started for a test, against this run's servers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import requests
+
+from tests.procs import ROOT, free_port, stop_process
+
+
+def web_command() -> str:
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        if line.startswith("web:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("the Procfile has no web line")
+
+
+@contextmanager
+def gunicorn_web(**extra: str) -> Iterator[str]:
+    """Run the web line as honcho does (``sh -c``), this run's DATABASE_URL and REDIS_URL in its
+    environment; yield its base URL once ``/healthz`` answers."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="voice-tools-web-") as scratch:
+        metrics_dir = Path(scratch) / "prometheus"
+        metrics_dir.mkdir()
+        env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "WEB_CONCURRENCY": "1",
+               "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PYTHONPATH": str(ROOT),
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
+        log = open(Path(scratch) / "web.log", "wb")
+        proc = subprocess.Popen(["sh", "-c", f"exec {web_command()}"], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, (Path(scratch) / "web.log").read_text(errors="replace")
+                try:
+                    if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                assert time.monotonic() < deadline, (Path(scratch) / "web.log").read_text(errors="replace")
+                time.sleep(0.2)
+            yield url
+        finally:
+            stop_process(proc)
+            log.close()
