@@ -1,0 +1,228 @@
+"""What RabbitMQ does its own way, shown on RabbitMQ (README "Choosing RabbitMQ").
+
+Not collected by a plain ``pytest`` run (its name does not start with ``test_``):
+``tests/test_rabbitmq_parity.py`` runs it, with the chain, race, worker-loss and API
+tests it re-runs, in a pytest of its own whose broker is a RabbitMQ virtual host made
+for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
+
+- every queue is a durable quorum queue behind a topic exchange of its own;
+- a worker SIGKILLed as a whole: its unacknowledged link is back in its queue as soon as
+  its connection closes, with no worker consuming and no visibility timeout, and the next
+  worker runs it (on Redis it waits out ``VOICE_TOOLS_VISIBILITY_TIMEOUT``);
+- delayed retries (a link's countdown, a callback's eta) wait in the broker's delay
+  queues (Celery's native delayed delivery), not in a worker's memory;
+- the cancel/resume races of ``tests/test_race.py`` on a smaller batch.
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+from collections import Counter
+
+import pytest
+from kombu.transport.native_delayed_delivery import CELERY_DELAYED_DELIVERY_EXCHANGE
+from sqlalchemy import text
+
+import celeryconfig
+from models import db
+from tasks import app, callbacks, chains
+from tests.helpers import make_call, progress_event, row, wait_delivered, wait_status
+from tests.tasklog import TaskLog
+from tests.test_race import _commit_latency_s, _prepared_calls, _report, _run_races, _violations
+from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once,
+                                    link_held_in_side_effect, outbox_row_held, prepared_call, wait_until)
+from tests.worker_process import WorkerProcess, queues_taken_from_others
+
+pytestmark = pytest.mark.skipif(not celeryconfig.AMQP, reason="the broker is not RabbitMQ: run through "
+                                                               "tests/test_rabbitmq_parity.py")
+
+RESUME_VS_CANCEL = 60  # test_race.py races 300 and 150 on Redis
+CANCEL_VS_LINK = 40
+CALIBRATION = 6
+
+
+def vhost() -> str:
+    return app.connection_for_write().as_uri().rsplit("/", 1)[1]
+
+
+def ready_messages(queue: str) -> int:
+    """Messages waiting in ``queue`` for a consumer (those delivered and unacknowledged not counted)."""
+    with app.connection_for_write() as conn:
+        return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+
+
+def rabbitmq_queues() -> dict[str, tuple[str, str]]:
+    """name -> (type, durable) of this run's virtual host, as RabbitMQ lists them."""
+    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "-p", vhost(), "name", "type", "durable"],
+                            capture_output=True, text=True, check=True, timeout=60).stdout
+    return {name: (kind, durable) for name, kind, durable in
+            (line.split("\t") for line in listed.splitlines()[1:] if line.count("\t") == 2)}
+
+
+def test_every_queue_is_a_durable_quorum_queue_behind_a_topic_exchange(worker):
+    for queue in app.amqp.queues.values():
+        assert queue.queue_arguments == {"x-queue-type": "quorum"} and queue.durable
+        assert (queue.exchange.name, queue.exchange.type, queue.routing_key) == (queue.name, "topic", queue.name)
+    assert "visibility_timeout" not in (app.conf.broker_transport_options or {})
+    declared = rabbitmq_queues()
+    for name in ("tools.send_email", "callbacks", "maintenance"):
+        assert declared[name] == ("quorum", "true"), declared
+    # the delay queues of native delayed delivery, declared by the worker
+    assert declared["celery_delayed_0"] == ("quorum", "true") and declared["celery_delayed_27"][0] == "quorum"
+
+
+# -- a whole worker lost ---------------------------------------------------------------
+
+
+@pytest.fixture
+def own_queue():
+    with queues_taken_from_others(app, [QUEUE]):
+        yield
+
+
+def test_whole_worker_killed_mid_link_its_message_is_back_in_the_queue_at_once(own_queue, tmp_path):
+    first_worker = WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name="rabbit-first")
+    second_worker = WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name="rabbit-second")
+    try:
+        first_worker.start()
+        tool_call_id = prepared_call("rabbit_whole")
+        with outbox_row_held(tool_call_id):
+            chains.resume(tool_call_id)
+            first = link_held_in_side_effect(first_worker, tool_call_id)
+            assert ready_messages(QUEUE) == 0, "the SENDING message is out with the worker, unacknowledged"
+            first_worker.kill()
+            assert row(tool_call_id).status == "EXECUTING"
+            # No worker consumes the queue now: RabbitMQ itself put the message back when
+            # the dead worker's connection closed (Redis would hide it for the visibility timeout).
+            wait_until(lambda: ready_messages(QUEUE) == 1, "RabbitMQ to requeue the lost worker's message")
+            second_worker.start()
+            again = second_worker.wait_active(SENDING, [tool_call_id], timeout=60)
+            assert again["id"] == first["id"], "the same message, delivered again"
+        assert_sent_once(tool_call_id)
+        assert row(tool_call_id).attempts == CLAIMS_WITHOUT_LOSS + 1, "SENDING claimed twice, everything else once"
+        assert f"{SENDING}[{first['id']}] received" in second_worker.log()
+        assert ready_messages(QUEUE) == 0
+    finally:
+        first_worker.stop()
+        second_worker.stop()
+
+
+# -- delayed retries ---------------------------------------------------------------------
+
+
+def delayed(routing_key: str | None, queue: str) -> bool:
+    """Published through the delay exchanges: ``<28 bits of delay>.<queue>``."""
+    bits = (routing_key or "").split(".")[:28]
+    return routing_key is not None and routing_key.endswith(f".{queue}") and set(bits) <= {"0", "1"} \
+        and len(bits) == 28
+
+
+def test_a_failed_callback_is_retried_through_the_brokers_delay_queues(worker, relay):
+    answered: list[str] = []
+
+    def first_fails(event):
+        answered.append(event["event_id"])
+        return 500 if len(answered) == 1 else None
+
+    relay.answer(first_fails)
+    with TaskLog() as log:
+        call = make_call(callback_url=relay.url)
+        chains.confirm(call.tool_call_id)
+        wait_status(call.tool_call_id, "PREPARED")
+        event_id = answered[0]
+        done = wait_delivered(event_id)
+        log.wait_ran(event_id, "callbacks.deliver")
+    assert done.attempts == 2 and done.response_code == 200 and done.state == "delivered"
+    assert [(a["response_code"], a["error"]) for a in done.attempt_log] == [(500, "HTTP 500"), (200, None)]
+    [retry] = log.published_for(event_id, "callbacks.deliver")
+    assert retry.eta and delayed(retry.queue, "callbacks"), retry
+
+
+def test_a_callback_retry_due_in_less_than_a_second_is_published_and_attempted(worker, relay):
+    """The broker's delay queues count whole seconds, and Celery refuses to publish a delay
+    under one second there (ValueError): the retry is published rounded up to a second."""
+    due_in_s = 0.4
+    answers = iter([500])
+    relay.answer(lambda event: next(answers, None))
+    _, event_id = progress_event(relay.url)
+    assert not callbacks.attempt(event_id).delivered  # the relay answered 500: pending, retry due
+    with db.session() as s:
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + make_interval(secs => :s) "
+                       "WHERE event_id = :e"), {"s": due_in_s, "e": event_id})
+    with TaskLog() as log:
+        callbacks.schedule_retry(event_id)
+    [retry] = log.published_for(event_id, "callbacks.deliver")
+    assert delayed(retry.queue, "callbacks") and retry.queue.startswith("0." * 27 + "1."), retry  # 1 s
+    done = wait_delivered(event_id, timeout=15)
+    assert (done.attempts, done.response_code) == (2, 200)
+    assert [a["response_code"] for a in done.attempt_log] == [500, 200]
+
+
+def test_a_link_retry_waits_in_the_brokers_delay_queues_on_a_quorum_queue(tmp_path):
+    """A tool's step fails twice (transient) in a real worker whose queues include the tool's
+    (so its quorum queue is bound to the delay exchanges when it starts): each countdown
+    retry is published to the delay exchanges and comes back from the broker when due."""
+    from tests import rabbitmq_tools  # registers the tool here too, to enqueue its chain
+
+    tool = rabbitmq_tools.FLAKY
+    fetch = tool.task_name(tool.steps[0])
+    chains.register_tool(tool)
+    try:
+        with WorkerProcess(app, [tool.queue], concurrency=2, log_dir=tmp_path, name="rabbit-flaky",
+                           include=["tests.rabbitmq_tools"]) as flaky_worker:
+            call = make_call(tool.name, {"what": "lookup"})
+            chains.confirm(call.tool_call_id)
+            done = wait_status(call.tool_call_id, timeout=60)
+            log = flaky_worker.log()
+    finally:
+        chains.unregister_tool(tool.name)
+    assert (done.status, done.result) == ("COMPLETED", {"FETCH": {"tries": 3}}), (done.status, done.error_message)
+    assert done.attempts == 4  # FETCH three times, COMPLETED once
+    assert log.count("retry: Retry in") == 2 and log.count(f"{fetch}[") - log.count("retry: Retry in") >= 3, \
+        log[-3000:]
+    retries = [line.split("routing_key=")[1] for line in log.splitlines()
+               if f"published {fetch} retries=" in line and "exchange=celery_delayed_27 " in line]
+    assert len(retries) == 2 and all(delayed(key, tool.queue) for key in retries), log[-3000:]
+    assert rabbitmq_queues()[tool.queue] == ("quorum", "true")
+
+
+def test_the_delay_exchange_forwards_to_every_queue_of_the_app(worker):
+    """Each queue's exchange is bound to the delay exchange with ``#.<queue>`` (a worker started)."""
+    listed = subprocess.run(["rabbitmqctl", "-q", "list_bindings", "-p", vhost(), "source_name", "destination_name",
+                             "routing_key"], capture_output=True, text=True, check=True, timeout=60).stdout
+    bindings = {tuple(line.split("\t")) for line in listed.splitlines()[1:]}
+    for queue in app.amqp.queues.values():
+        assert (CELERY_DELAYED_DELIVERY_EXCHANGE, queue.name, f"#.{queue.name}") in bindings, queue.name
+
+
+# -- the races -------------------------------------------------------------------------
+
+
+def test_resume_races_cancel_at_the_checkpoint_on_rabbitmq(worker):
+    latency = _commit_latency_s(_prepared_calls(CALIBRATION, "calibrate"))
+    ids = _prepared_calls(RESUME_VS_CANCEL, "resume")
+    spread = max(latency, 0.001)
+    answers = _run_races(ids, lambda: (random.uniform(0, 2 * spread), random.uniform(0, 5 * spread)),
+                         resume_first=False)
+    problems, outcomes = _violations(ids, answers)
+    _report(f"RabbitMQ: resume vs cancel, {len(ids)} races, commit latency {latency * 1000:.1f} ms", outcomes,
+            problems)
+    assert problems == []
+    finals = Counter(o.split(" ")[0] for o in outcomes.elements())
+    assert finals["CANCELLED"] > 0 and finals["COMPLETED"] > 0, finals
+
+
+def test_cancel_races_the_sending_link_on_rabbitmq(worker):
+    latency = _commit_latency_s(_prepared_calls(CALIBRATION, "calibrate"))
+    ids = _prepared_calls(CANCEL_VS_LINK, "link")
+    spread = max(3 * latency, 0.003)
+    answers = _run_races(ids, lambda: (0.0, random.uniform(0, spread)), resume_first=True)
+    problems, outcomes = _violations(ids, answers)
+    _report(f"RabbitMQ: cancel vs SENDING link, {len(ids)} races, commit latency {latency * 1000:.1f} ms",
+            outcomes, problems)
+    assert problems == []
+    finals = Counter(o.split(" ")[0] for o in outcomes.elements())
+    assert finals["CANCELLED"] > 0 and finals["COMPLETED"] > 0, finals
+    assert all(answers[i][0].ok for i in ids)
+
+
