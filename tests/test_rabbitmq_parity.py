@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -149,12 +150,19 @@ def rabbitmq_run(tmp_path_factory) -> dict:
     with vhost_of_this_run() as broker_url:
         env = bare_env(CELERY_BROKER_URL=broker_url)  # no DATABASE_URL / REDIS_URL: servers of its own
         with open(log, "w") as sink:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     f"--junitxml={junit}", *PARITY], cwd=ROOT, env=env, stdout=sink,
+                                    stderr=subprocess.STDOUT)
             try:
-                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                       f"--junitxml={junit}", *PARITY], cwd=ROOT, env=env, stdout=sink,
-                                      stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S)
-                returncode = proc.returncode
+                returncode = proc.wait(CHILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                # Ctrl-C: pytest tears its fixtures down (workers, servers) and writes its report
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
                 returncode = None
     output = log.read_text(errors="replace")
     print(output[-3000:])
@@ -170,5 +178,7 @@ def test_passes_on_rabbitmq(rabbitmq_run, node):
 
 def test_the_rabbitmq_run_was_on_rabbitmq_and_ended_clean(rabbitmq_run):
     assert urlsplit(rabbitmq_run["broker_url"]).scheme == "amqp"
+    output = rabbitmq_run["output"][-3000:]
+    assert rabbitmq_run["returncode"] is not None, f"not done after {CHILD_TIMEOUT_S} s:\n{output}"
     assert rabbitmq_run["returncode"] == 0, rabbitmq_run["output"][-3000:]
     assert f"{len(PARITY)} passed" in rabbitmq_run["output"], rabbitmq_run["output"][-3000:]
