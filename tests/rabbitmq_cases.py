@@ -24,10 +24,14 @@ from kombu.transport.native_delayed_delivery import CELERY_DELAYED_DELIVERY_EXCH
 from sqlalchemy import text
 
 import celeryconfig
-from models import db
+from models import db, lifecycle
 from tasks import app, callbacks, chains
+from tests import api_fixtures
+from tests.api_fixtures import created_id
+from tests.conftest import AUTH
 from tests.helpers import make_call, progress_event, row, wait_delivered, wait_status
 from tests.tasklog import TaskLog
+from tests.test_api_errors import assert_error
 from tests.test_race import _commit_latency_s, _prepared_calls, _report, _run_races, _violations
 from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once,
                                     link_held_in_side_effect, outbox_row_held, prepared_call, wait_until)
@@ -36,8 +40,8 @@ from tests.worker_process import WorkerProcess, queues_taken_from_others
 pytestmark = pytest.mark.skipif(not celeryconfig.AMQP, reason="the broker is not RabbitMQ: run through "
                                                                "tests/test_rabbitmq_parity.py")
 
-RESUME_VS_CANCEL = 60  # test_race.py races 300 and 150 on Redis
-CANCEL_VS_LINK = 40
+RESUME_VS_CANCEL = 40  # test_race.py races 300 and 150 on Redis
+CANCEL_VS_LINK = 30
 CALIBRATION = 6
 
 
@@ -69,6 +73,33 @@ def test_every_queue_is_a_durable_quorum_queue_behind_a_topic_exchange(worker):
         assert declared[name] == ("quorum", "true"), declared
     # the delay queues of native delayed delivery, declared by the worker
     assert declared["celery_delayed_0"] == ("quorum", "true") and declared["celery_delayed_27"][0] == "quorum"
+
+
+# -- the API when RabbitMQ is down ----------------------------------------------------
+
+
+@pytest.fixture
+def rabbitmq_down(monkeypatch):
+    """The app's producers pointed at a closed port as ``amqp://``: py-amqp's errors, not redis-py's."""
+    monkeypatch.setattr(api_fixtures, "CLOSED_PORT_BROKER", "amqp://guest:guest@127.0.0.1:1//")
+    down = api_fixtures.BrokerDown(app)
+    yield down
+    down.restore()
+
+
+def test_rabbitmq_down_answers_503_on_confirm_resume_and_readyz_and_changes_no_call(client, rabbitmq_down):
+    pending_id, prepared_id = created_id(client), created_id(client)
+    with db.session() as s:
+        lifecycle.confirm(s, prepared_id)
+        lifecycle.checkpoint(s, prepared_id, "READY_TO_SEND", 0.25)
+    confirm = assert_error(client.post(f"/voice-tools/confirm/{pending_id}", headers=AUTH), 503, "unavailable")
+    resume = assert_error(client.post(f"/voice-tools/resume/{prepared_id}", headers=AUTH, json={"action": "proceed"}),
+                          503, "unavailable")
+    assert confirm["details"]["service"] == resume["details"]["service"] == "broker"
+    assert (row(pending_id).status, row(pending_id).workflow_id) == ("PENDING", None)
+    assert (row(prepared_id).status, row(prepared_id).committed_at) == ("PREPARED", None)
+    ready = assert_error(client.get("/readyz", headers=AUTH), 503, "unavailable")
+    assert ready["details"]["down"] == ["broker"]
 
 
 # -- a whole worker lost ---------------------------------------------------------------
