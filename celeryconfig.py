@@ -33,6 +33,10 @@ if AMQP:
     # default): a chain of delay queues in the broker, so the worker holds no
     # message waiting for its time (see queue()).
     worker_detect_quorum_queues = True
+    # Publisher confirms: a publish returns once RabbitMQ has taken the message, and raises
+    # when it refuses it, as a Redis LPUSH answers once Redis has it. Without them a refused
+    # or lost publish looks sent, and the API would answer 202 for a chain that is not there.
+    broker_transport_options = {"confirm_publish": True}
     broker_native_delayed_delivery_queue_type = "quorum"
     # A queue Celery makes from a bare name (a worker's -Q, add_consumer, a tool registered
     # after the app was set up) is the same as queue(name) makes.

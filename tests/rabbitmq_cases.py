@@ -102,13 +102,53 @@ def test_rabbitmq_down_answers_503_on_confirm_resume_and_readyz_and_changes_no_c
     assert ready["details"]["down"] == ["broker"]
 
 
-# -- a whole worker lost ---------------------------------------------------------------
-
-
 @pytest.fixture
 def own_queue():
     with queues_taken_from_others(app, [QUEUE]):
         yield
+
+
+@pytest.fixture
+def send_email_queue_refusing():
+    """A RabbitMQ policy that makes tools.send_email refuse every message: max length 0 with
+    reject-publish, and one message in it (a quorum queue takes a message while it is below
+    its limit, so an empty one takes the first), with no consumer to take that one away."""
+    policy = ["rabbitmqctl", "-q", "-p", vhost()]
+    subprocess.run([*policy, "set_policy", "refuse-send-email", r"^tools\.send_email$",
+                    '{"max-length": 0, "overflow": "reject-publish"}', "--apply-to", "queues", "--priority", "9"],
+                   check=True, capture_output=True, timeout=60)
+
+    def applied() -> bool:
+        listed = subprocess.run([*policy, "list_queues", "name", "policy"], check=True, capture_output=True,
+                                text=True, timeout=60).stdout
+        return "tools.send_email\trefuse-send-email" in listed
+
+    send_email = app.amqp.queues[QUEUE]
+    try:
+        wait_until(applied, "RabbitMQ to apply the policy to tools.send_email")
+        with app.producer_or_acquire() as producer:
+            producer.publish({"filler": True}, exchange=send_email.exchange, routing_key=send_email.routing_key)
+        assert ready_messages(QUEUE) == 1
+        yield
+    finally:
+        subprocess.run([*policy, "clear_policy", "refuse-send-email"], check=True, capture_output=True, timeout=60)
+        with app.connection_for_write() as conn:
+            send_email.bind(conn.default_channel).purge()
+
+
+def test_a_chain_rabbitmq_refuses_is_503_and_the_call_pending_again_never_202(client, own_queue,
+                                                                                  send_email_queue_refusing):
+    """Publisher confirms: a publish returns once RabbitMQ has the message (as a Redis LPUSH
+    answers once Redis has it), so a refused one is BrokerUnavailable, not a chain that is not there."""
+    tool_call_id = created_id(client)
+    answer = client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
+    assert assert_error(answer, 503, "unavailable")["details"]["service"] == "broker"
+    stored = row(tool_call_id)
+    assert (stored.status, stored.workflow_id) == ("PENDING", None)
+    assert [h["status"] for h in stored.status_history] == ["PENDING", "EXECUTING", "PENDING"]
+
+
+# -- a whole worker lost ---------------------------------------------------------------
 
 
 def test_whole_worker_killed_mid_link_its_message_is_back_in_the_queue_at_once(own_queue, tmp_path):
