@@ -16,7 +16,6 @@ for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
 from __future__ import annotations
 
 import random
-import subprocess
 from collections import Counter
 
 import pytest
@@ -26,7 +25,7 @@ from sqlalchemy import text
 import celeryconfig
 from models import db, lifecycle
 from tasks import app, callbacks, chains
-from tests import api_fixtures
+from tests import api_fixtures, rabbitmqctl
 from tests.api_fixtures import created_id
 from tests.conftest import AUTH
 from tests.helpers import make_call, progress_event, row, wait_delivered, wait_status
@@ -57,10 +56,8 @@ def ready_messages(queue: str) -> int:
 
 def rabbitmq_queues() -> dict[str, tuple[str, str]]:
     """name -> (type, durable) of this run's virtual host, as RabbitMQ lists them."""
-    listed = subprocess.run(["rabbitmqctl", "-q", "list_queues", "-p", vhost(), "name", "type", "durable"],
-                            capture_output=True, text=True, check=True, timeout=60).stdout
-    return {name: (kind, durable) for name, kind, durable in
-            (line.split("\t") for line in listed.splitlines()[1:] if line.count("\t") == 2)}
+    return {name: (kind, durable) for name, kind, durable in rabbitmqctl.listed("queues", vhost(), "name", "type",
+                                                                                 "durable")}
 
 
 def test_every_queue_is_a_durable_quorum_queue_behind_a_topic_exchange(worker):
@@ -113,15 +110,11 @@ def send_email_queue_refusing():
     """A RabbitMQ policy that makes tools.send_email refuse every message: max length 0 with
     reject-publish, and one message in it (a quorum queue takes a message while it is below
     its limit, so an empty one takes the first), with no consumer to take that one away."""
-    policy = ["rabbitmqctl", "-q", "-p", vhost()]
-    subprocess.run([*policy, "set_policy", "refuse-send-email", r"^tools\.send_email$",
-                    '{"max-length": 0, "overflow": "reject-publish"}', "--apply-to", "queues", "--priority", "9"],
-                   check=True, capture_output=True, timeout=60)
+    rabbitmqctl.run("set_policy", "-p", vhost(), "refuse-send-email", r"^tools\.send_email$",
+                    '{"max-length": 0, "overflow": "reject-publish"}', "--apply-to", "queues", "--priority", "9")
 
     def applied() -> bool:
-        listed = subprocess.run([*policy, "list_queues", "name", "policy"], check=True, capture_output=True,
-                                text=True, timeout=60).stdout
-        return "tools.send_email\trefuse-send-email" in listed
+        return (QUEUE, "refuse-send-email") in rabbitmqctl.listed("queues", vhost(), "name", "policy")
 
     send_email = app.amqp.queues[QUEUE]
     try:
@@ -131,7 +124,7 @@ def send_email_queue_refusing():
         assert ready_messages(QUEUE) == 1
         yield
     finally:
-        subprocess.run([*policy, "clear_policy", "refuse-send-email"], check=True, capture_output=True, timeout=60)
+        rabbitmqctl.run("clear_policy", "-p", vhost(), "refuse-send-email")
         with app.connection_for_write() as conn:
             send_email.bind(conn.default_channel).purge()
 
@@ -259,9 +252,7 @@ def test_a_link_retry_waits_in_the_brokers_delay_queues_on_a_quorum_queue(tmp_pa
 
 def test_the_delay_exchange_forwards_to_every_queue_of_the_app(worker):
     """Each queue's exchange is bound to the delay exchange with ``#.<queue>`` (a worker started)."""
-    listed = subprocess.run(["rabbitmqctl", "-q", "list_bindings", "-p", vhost(), "source_name", "destination_name",
-                             "routing_key"], capture_output=True, text=True, check=True, timeout=60).stdout
-    bindings = {tuple(line.split("\t")) for line in listed.splitlines()[1:]}
+    bindings = set(rabbitmqctl.listed("bindings", vhost(), "source_name", "destination_name", "routing_key"))
     for queue in app.amqp.queues.values():
         assert (CELERY_DELAYED_DELIVERY_EXCHANGE, queue.name, f"#.{queue.name}") in bindings, queue.name
 

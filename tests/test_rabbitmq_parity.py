@@ -9,8 +9,8 @@ delayed retries in the broker's delay queues, the races on a smaller batch):
   pytest of its own started with ``CELERY_BROKER_URL=amqp://.../<vhost>``, with its
   own embedded PostgreSQL (as any run), its own in-process and subprocess workers;
 - it gets a RabbitMQ virtual host of its own, made for the run and deleted after
-  (``rabbitmqctl``, or the management API when there is no ``rabbitmqctl``), so
-  parallel runs on one RabbitMQ never take each other's messages;
+  (``rabbitmqctl``, see ``tests/rabbitmqctl.py``), so parallel runs on one RabbitMQ never
+  take each other's messages;
 - each test of the subset is reported here as one test, passed only if it passed there.
 
 RabbitMQ: ``VOICE_TOOLS_TEST_RABBITMQ`` (default ``amqp://guest:guest@127.0.0.1:5672``,
@@ -19,7 +19,6 @@ where these machines run one). The module skips only when nothing answers there.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,15 +31,13 @@ from typing import Iterator
 from urllib.parse import quote, urlsplit
 
 import pytest
-import requests
 
+from tests import rabbitmqctl
 from tests.procs import ROOT, bare_env
 
 pytestmark = pytest.mark.slow
 
 RABBITMQ = os.environ.get("VOICE_TOOLS_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672").rstrip("/")
-MANAGEMENT_API = os.environ.get("VOICE_TOOLS_TEST_RABBITMQ_API",
-                                f"http://{urlsplit(RABBITMQ).hostname}:15672/api")
 CHILD_TIMEOUT_S = 300
 
 PARITY = (
@@ -84,51 +81,20 @@ if not _listening():
                 allow_module_level=True)
 
 
-class Vhosts:
-    """Add and delete a virtual host the guest-style user of ``RABBITMQ`` may use."""
-
-    def __init__(self) -> None:
-        self.user = urlsplit(RABBITMQ).username or "guest"
-        self.password = urlsplit(RABBITMQ).password or "guest"
-        self.ctl = shutil.which("rabbitmqctl")
-
-    def _ctl(self, *args: str) -> None:
-        subprocess.run([self.ctl, "-q", *args], check=True, capture_output=True, text=True, timeout=60)
-
-    def _api(self, method: str, path: str, **body: str) -> None:
-        answer = requests.request(method, f"{MANAGEMENT_API}/{path}", auth=(self.user, self.password),
-                                  json=body or None, timeout=10)
-        answer.raise_for_status()
-
-    def add(self, name: str) -> None:
-        if self.ctl:
-            self._ctl("add_vhost", name)
-            self._ctl("set_permissions", "-p", name, self.user, ".*", ".*", ".*")
-            return
-        try:
-            self._api("PUT", f"vhosts/{quote(name, safe='')}")
-        except requests.RequestException as exc:
-            pytest.fail(f"RabbitMQ answers at {RABBITMQ} but no virtual host can be made for this run: no "
-                        f"rabbitmqctl on PATH and the management API ({MANAGEMENT_API}) said {exc}")
-        self._api("PUT", f"permissions/{quote(name, safe='')}/{quote(self.user, safe='')}",
-                  configure=".*", write=".*", read=".*")
-
-    def delete(self, name: str) -> None:
-        if self.ctl:
-            self._ctl("delete_vhost", name)
-        else:
-            self._api("DELETE", f"vhosts/{quote(name, safe='')}")
-
-
 @contextmanager
 def vhost_of_this_run() -> Iterator[str]:
     """A broker URL on a new virtual host, deleted (with its queues and messages) afterwards."""
-    vhosts, name = Vhosts(), f"voice-tools-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    vhosts.add(name)
+    if rabbitmqctl.command() is None:
+        pytest.fail(f"RabbitMQ answers at {RABBITMQ} but there is no rabbitmqctl to make a virtual host for this "
+                    "run: put it on PATH or set VOICE_TOOLS_TEST_RABBITMQCTL (e.g. 'docker exec rabbitmq rabbitmqctl')")
+    user = urlsplit(RABBITMQ).username or "guest"
+    name = f"voice-tools-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    rabbitmqctl.run("add_vhost", name)
     try:
+        rabbitmqctl.run("set_permissions", "-p", name, user, ".*", ".*", ".*")
         yield f"{RABBITMQ}/{quote(name, safe='')}"
     finally:
-        vhosts.delete(name)
+        rabbitmqctl.run("delete_vhost", name)
 
 
 def _outcomes(junit: Path) -> dict[str, tuple[str, str]]:
