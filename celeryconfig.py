@@ -28,18 +28,18 @@ if AMQP:
     # connection of the worker that held it closes (a worker SIGKILLed as a whole):
     # no visibility timeout to set. Quorum queues need per-consumer prefetch (no
     # global QoS): Celery sees them (worker_detect_quorum_queues, on by default).
-    # A link's countdown retry and a callback's eta retry go through Celery's
-    # native delayed delivery (broker_native_delayed_delivery_queue_type, quorum by
-    # default): a chain of delay queues in the broker, so the worker holds no
-    # message waiting for its time (see queue()).
     worker_detect_quorum_queues = True
+    # A link's countdown retry and a callback's eta retry go through Celery's native
+    # delayed delivery: a chain of delay queues in the broker (quorum ones here), so no
+    # worker holds a message waiting for its time (see queue()).
+    broker_native_delayed_delivery_queue_type = "quorum"
     # Publisher confirms: a publish returns once RabbitMQ has taken the message, and raises
     # when it refuses it, as a Redis LPUSH answers once Redis has it. Without them a refused
     # or lost publish looks sent, and the API would answer 202 for a chain that is not there.
     broker_transport_options = {"confirm_publish": True}
-    broker_native_delayed_delivery_queue_type = "quorum"
-    # A queue Celery makes from a bare name (a worker's -Q, add_consumer, a tool registered
-    # after the app was set up) is the same as queue(name) makes.
+    # A queue Celery makes from a bare name (a worker's -Q naming a tool that an --include'd
+    # module registers after the app was set up) is the same as queue(name) makes.
+    # (``control add_consumer`` of a name the worker does not know still makes a classic one.)
     task_create_missing_queue_type = "quorum"
     task_create_missing_queue_exchange_type = "topic"
 else:
