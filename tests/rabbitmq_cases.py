@@ -19,6 +19,8 @@ import random
 from collections import Counter
 
 import pytest
+from amqp.exceptions import MessageNacked
+from kombu import Connection, Producer
 from kombu.transport.native_delayed_delivery import CELERY_DELAYED_DELIVERY_EXCHANGE
 from sqlalchemy import text
 
@@ -107,21 +109,27 @@ def own_queue():
 
 @pytest.fixture
 def send_email_queue_refusing():
-    """A RabbitMQ policy that makes tools.send_email refuse every message: max length 0 with
-    reject-publish, and one message in it (a quorum queue takes a message while it is below
-    its limit, so an empty one takes the first), with no consumer to take that one away."""
+    """A RabbitMQ policy that makes tools.send_email refuse every message (max length 0,
+    reject-publish), in force once a plain publish there is refused: RabbitMQ applies a
+    policy to a quorum queue a moment after it lists it, and a quorum queue takes a message
+    while it is below its limit (an empty one takes the first). No consumer must be on it."""
+    send_email = app.amqp.queues[QUEUE]
+    with app.connection_for_write() as conn:
+        send_email.bind(conn.default_channel).declare()  # as a worker does (none may have run yet)
     rabbitmqctl.run("set_policy", "-p", vhost(), "refuse-send-email", r"^tools\.send_email$",
                     '{"max-length": 0, "overflow": "reject-publish"}', "--apply-to", "queues", "--priority", "9")
 
-    def applied() -> bool:
-        return (QUEUE, "refuse-send-email") in rabbitmqctl.listed("queues", vhost(), "name", "policy")
+    def refused() -> bool:  # asked on a connection of its own, with publisher confirms whatever the app's are
+        with Connection(app.conf.broker_url, transport_options={"confirm_publish": True}) as conn:
+            try:
+                Producer(conn.default_channel).publish({"probe": True}, exchange=send_email.exchange,
+                                                       routing_key=send_email.routing_key)
+            except MessageNacked:
+                return True
+        return False
 
-    send_email = app.amqp.queues[QUEUE]
     try:
-        wait_until(applied, "RabbitMQ to apply the policy to tools.send_email")
-        with app.producer_or_acquire() as producer:
-            producer.publish({"filler": True}, exchange=send_email.exchange, routing_key=send_email.routing_key)
-        assert ready_messages(QUEUE) == 1
+        wait_until(refused, "RabbitMQ to refuse messages to tools.send_email")
         yield
     finally:
         rabbitmqctl.run("clear_policy", "-p", vhost(), "refuse-send-email")
