@@ -6,12 +6,14 @@ tests it re-runs, in a pytest of its own whose broker is a RabbitMQ virtual host
 for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
 
 - every queue is a durable quorum queue behind a topic exchange of its own;
+- the API answers 503 and leaves the call as it was when RabbitMQ is down, or refuses the
+  chain (publisher confirms: never a 202 for a chain RabbitMQ does not have);
 - a worker SIGKILLed as a whole: its unacknowledged link is back in its queue as soon as
   its connection closes, with no worker consuming and no visibility timeout, and the next
   worker runs it (on Redis it waits out ``VOICE_TOOLS_VISIBILITY_TIMEOUT``);
 - delayed retries (a link's countdown, a callback's eta) wait in the broker's delay
   queues (Celery's native delayed delivery), not in a worker's memory;
-- the cancel/resume races of ``tests/test_race.py`` on a smaller batch.
+- the cancel/resume races of ``tests/test_race.py`` in smaller batches.
 """
 from __future__ import annotations
 
