@@ -4,9 +4,13 @@ Queues: one per tool, ``tools.<name>`` (declared from the tool registry by the a
 ``tasks/__init__.py``), plus ``callbacks`` (delivery retries) and ``maintenance``
 (beat sweeps). Task names are dotted; the router sends ``tools.<name>.<step>`` to
 ``tools.<name>`` and ``callbacks.*`` / ``maintenance.*`` to their own queue.
+
+The broker is Redis unless ``CELERY_BROKER_URL`` names RabbitMQ (``amqp://``): there
+every queue is a quorum queue (replicated on a cluster), see :func:`queue`.
 """
 import os
 import warnings
+from urllib.parse import urlsplit
 
 from celery.exceptions import SecurityWarning
 from kombu import Exchange, Queue
@@ -17,17 +21,39 @@ _settings = _load_settings()
 
 broker_url = _settings.broker_url or "redis://127.0.0.1:6379/0"
 broker_connection_retry_on_startup = True
-# Redis redelivers an unacknowledged message after this many seconds (a worker that
-# was SIGKILLed as a whole). Keep it above the longest step time limit.
-_visibility_timeout = int(os.environ.get("VOICE_TOOLS_VISIBILITY_TIMEOUT", "600"))
-broker_transport_options = {
-    "visibility_timeout": _visibility_timeout,
-    # How often a worker sweeps for such messages. kombu's default sweep runs about
-    # every 100 s (interval 10 s x throttle 10), which would hold a lost link for up
-    # to 100 s past the timeout; sweep every tenth of the timeout (1..10 s) instead.
-    "unacked_restore_interval": max(1, min(10, _visibility_timeout // 10)),
-    "unacked_restore_throttle": 1,
-}
+# RabbitMQ (py-amqp, kombu's "amqp" driver): its schemes as kombu names them.
+AMQP = urlsplit(broker_url.split(";")[0]).scheme in ("amqp", "amqps", "pyamqp", "pyamqps")
+if AMQP:
+    # RabbitMQ gives an unacknowledged message back to its queue as soon as the
+    # connection of the worker that held it closes (a worker SIGKILLed as a whole):
+    # no visibility timeout to set. Quorum queues need per-consumer prefetch (no
+    # global QoS): Celery sees them (worker_detect_quorum_queues, on by default).
+    worker_detect_quorum_queues = True
+    # A link's countdown retry and a callback's eta retry go through Celery's native
+    # delayed delivery: a chain of delay queues in the broker (quorum ones here), so no
+    # worker holds a message waiting for its time (see queue()).
+    broker_native_delayed_delivery_queue_type = "quorum"
+    # Publisher confirms: a publish returns once RabbitMQ has taken the message, and raises
+    # when it refuses it, as a Redis LPUSH answers once Redis has it. Without them a refused
+    # or lost publish looks sent, and the API would answer 202 for a chain that is not there.
+    broker_transport_options = {"confirm_publish": True}
+    # A queue Celery makes from a bare name (a worker's -Q naming a tool that an --include'd
+    # module registers after the app was set up) is the same as queue(name) makes.
+    # (``control add_consumer`` of a name the worker does not know still makes a classic one.)
+    task_create_missing_queue_type = "quorum"
+    task_create_missing_queue_exchange_type = "topic"
+else:
+    # Redis redelivers an unacknowledged message after this many seconds (a worker that
+    # was SIGKILLed as a whole). Keep it above the longest step time limit.
+    _visibility_timeout = int(os.environ.get("VOICE_TOOLS_VISIBILITY_TIMEOUT", "600"))
+    broker_transport_options = {
+        "visibility_timeout": _visibility_timeout,
+        # How often a worker sweeps for such messages. kombu's default sweep runs about
+        # every 100 s (interval 10 s x throttle 10), which would hold a lost link for up
+        # to 100 s past the timeout; sweep every tenth of the timeout (1..10 s) instead.
+        "unacked_restore_interval": max(1, min(10, _visibility_timeout // 10)),
+        "unacked_restore_throttle": 1,
+    }
 # The database holds every outcome: no result backend.
 result_backend = None
 task_ignore_result = True
@@ -65,7 +91,17 @@ task_default_routing_key = "maintenance"
 def queue(name: str) -> Queue:
     """A queue with an exchange and a routing key of its own (``tools.send_email`` → exchange and key
     ``tools.send_email``), as the Celery routing docs declare them: a message routed to one queue
-    lands in that queue only, on Redis and on RabbitMQ alike."""
+    lands in that queue only, on Redis and on RabbitMQ alike.
+
+    On RabbitMQ the queue is a durable quorum queue, and its exchange a topic one: Celery's
+    native delayed delivery (the only way a quorum queue delays a message) forwards a due
+    message to the queue's exchange with the key ``<delay bits>.<name>``, which a direct
+    exchange would drop; the worker binds ``#.<name>`` for it. With no wildcard in the
+    queue's own key, the topic exchange routes ``<name>`` to that queue only, as a direct one.
+    """
+    if AMQP:
+        return Queue(name, Exchange(name, type="topic"), routing_key=name, durable=True,
+                     queue_arguments={"x-queue-type": "quorum"})
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 

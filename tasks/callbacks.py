@@ -26,6 +26,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -800,8 +801,11 @@ def schedule_retry(event_id: str) -> None:
         ).one_or_none()
     if row is None or row.state != "pending":
         return
-    eta = row.next_attempt_at or datetime.now(timezone.utc)
-    deliver.apply_async((event_id,), eta=eta)
+    # Whole seconds, rounded up: on RabbitMQ a delayed message waits in the broker's delay
+    # queues (Celery's native delayed delivery), which count whole seconds, and Celery
+    # refuses a delay under one second there (ValueError).
+    wait_s = ((row.next_attempt_at or datetime.now(timezone.utc)) - datetime.now(timezone.utc)).total_seconds()
+    deliver.apply_async((event_id,), countdown=math.ceil(wait_s) if wait_s > 0 else None)
 
 
 @app.task(name="callbacks.deliver", ignore_result=True, acks_late=True)

@@ -49,7 +49,7 @@ def _start_servers() -> None:
         os.environ["DATABASE_URL"] = servers.start_postgres(_data_dir, TEST_DATABASE)
     if not (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
         os.environ["REDIS_URL"] = servers.start_redis(_data_dir / "redis")
-    os.environ.setdefault("CELERY_BROKER_URL", os.environ["REDIS_URL"])
+    os.environ.setdefault("CELERY_BROKER_URL", os.environ.get("REDIS_URL", ""))
     servers.migrate()
 
 

@@ -1,0 +1,304 @@
+"""What RabbitMQ does its own way, shown on RabbitMQ (README "Choosing RabbitMQ").
+
+Not collected by a plain ``pytest`` run (its name does not start with ``test_``):
+``tests/test_rabbitmq_parity.py`` runs it, with the chain, race, worker-loss and API
+tests it re-runs, in a pytest of its own whose broker is a RabbitMQ virtual host made
+for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
+
+- every queue is a durable quorum queue behind a topic exchange of its own;
+- the API answers 503 and leaves the call as it was when RabbitMQ is down, or refuses the
+  chain (publisher confirms: never a 202 for a chain RabbitMQ does not have);
+- a worker SIGKILLed as a whole: its unacknowledged link is back in its queue as soon as
+  its connection closes, with no worker consuming and no visibility timeout, and the next
+  worker runs it (on Redis it waits out ``VOICE_TOOLS_VISIBILITY_TIMEOUT``);
+- delayed retries (a link's countdown, a callback's eta) wait in the broker's delay
+  queues (Celery's native delayed delivery), not in a worker's memory;
+- the cancel/resume races of ``tests/test_race.py`` in smaller batches.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from amqp.exceptions import MessageNacked
+from kombu import Connection, Producer
+from kombu.transport.native_delayed_delivery import CELERY_DELAYED_DELIVERY_EXCHANGE
+from sqlalchemy import text
+
+import celeryconfig
+from models import db, lifecycle
+from tasks import app, callbacks, chains
+from tests import api_fixtures, rabbitmqctl
+from tests.api_fixtures import created_id
+from tests.conftest import AUTH
+from tests.helpers import make_call, progress_event, row, wait_delivered, wait_status
+from tests.tasklog import TaskLog
+from tests.test_api_errors import assert_error
+from tests.test_race import _commit_latency_s, _prepared_calls, _report, _run_races, _violations
+from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once,
+                                    link_held_in_side_effect, outbox_row_held, prepared_call, wait_until)
+from tests.worker_process import WorkerProcess, queues_taken_from_others
+
+pytestmark = pytest.mark.skipif(not celeryconfig.AMQP, reason="the broker is not RabbitMQ: run through "
+                                                               "tests/test_rabbitmq_parity.py")
+
+# calls per batch (tests/test_race.py races 300 and 150 on Redis); more batches while one outcome is missing
+RESUME_VS_CANCEL = 40
+CANCEL_VS_LINK = 30
+CALIBRATION = 6
+
+
+def vhost() -> str:
+    return app.connection_for_write().as_uri().rsplit("/", 1)[1]
+
+
+def ready_messages(queue: str) -> int:
+    """Messages waiting in ``queue`` for a consumer (those delivered and unacknowledged not counted)."""
+    with app.connection_for_write() as conn:
+        return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+
+
+def rabbitmq_queues() -> dict[str, tuple[str, str]]:
+    """name -> (type, durable) of this run's virtual host, as RabbitMQ lists them."""
+    return {name: (kind, durable) for name, kind, durable in rabbitmqctl.listed("queues", vhost(), "name", "type",
+                                                                                 "durable")}
+
+
+def test_every_queue_is_a_durable_quorum_queue_behind_a_topic_exchange(worker):
+    for queue in app.amqp.queues.values():
+        assert queue.queue_arguments == {"x-queue-type": "quorum"} and queue.durable
+        assert (queue.exchange.name, queue.exchange.type, queue.routing_key) == (queue.name, "topic", queue.name)
+    assert "visibility_timeout" not in (app.conf.broker_transport_options or {})
+    declared = rabbitmq_queues()
+    for name in ("tools.send_email", "callbacks", "maintenance"):
+        assert declared[name] == ("quorum", "true"), declared
+    # the delay queues of native delayed delivery, declared by the worker
+    assert declared["celery_delayed_0"] == ("quorum", "true") and declared["celery_delayed_27"][0] == "quorum"
+
+
+# -- the API when RabbitMQ is down ----------------------------------------------------
+
+
+@pytest.fixture
+def rabbitmq_down(monkeypatch):
+    """The app's producers pointed at a closed port as ``amqp://``: py-amqp's errors, not redis-py's."""
+    monkeypatch.setattr(api_fixtures, "CLOSED_PORT_BROKER", "amqp://guest:guest@127.0.0.1:1//")
+    down = api_fixtures.BrokerDown(app)
+    yield down
+    down.restore()
+
+
+def test_rabbitmq_down_answers_503_on_confirm_resume_and_readyz_and_changes_no_call(client, rabbitmq_down):
+    pending_id, prepared_id = created_id(client), created_id(client)
+    with db.session() as s:
+        lifecycle.confirm(s, prepared_id)
+        lifecycle.checkpoint(s, prepared_id, "READY_TO_SEND", 0.25)
+    confirm = assert_error(client.post(f"/voice-tools/confirm/{pending_id}", headers=AUTH), 503, "unavailable")
+    resume = assert_error(client.post(f"/voice-tools/resume/{prepared_id}", headers=AUTH, json={"action": "proceed"}),
+                          503, "unavailable")
+    assert confirm["details"]["service"] == resume["details"]["service"] == "broker"
+    assert (row(pending_id).status, row(pending_id).workflow_id) == ("PENDING", None)
+    assert (row(prepared_id).status, row(prepared_id).committed_at) == ("PREPARED", None)
+    ready = assert_error(client.get("/readyz", headers=AUTH), 503, "unavailable")
+    assert ready["details"]["down"] == ["broker"]
+
+
+@pytest.fixture
+def own_queue():
+    with queues_taken_from_others(app, [QUEUE]):
+        yield
+
+
+@pytest.fixture
+def send_email_queue_refusing():
+    """A RabbitMQ policy that makes tools.send_email refuse every message (max length 0,
+    reject-publish), in force once a plain publish there is refused: RabbitMQ applies a
+    policy to a quorum queue a moment after it lists it, and a quorum queue takes a message
+    while it is below its limit (an empty one takes the first). No consumer must be on it."""
+    send_email = app.amqp.queues[QUEUE]
+    with app.connection_for_write() as conn:
+        send_email.bind(conn.default_channel).declare()  # as a worker does (none may have run yet)
+    rabbitmqctl.run("set_policy", "-p", vhost(), "refuse-send-email", r"^tools\.send_email$",
+                    '{"max-length": 0, "overflow": "reject-publish"}', "--apply-to", "queues", "--priority", "9")
+
+    def refused() -> bool:  # asked on a connection of its own, with publisher confirms whatever the app's are
+        with Connection(app.conf.broker_url, transport_options={"confirm_publish": True}) as conn:
+            try:
+                Producer(conn.default_channel).publish({"probe": True}, exchange=send_email.exchange,
+                                                       routing_key=send_email.routing_key)
+            except MessageNacked:
+                return True
+        return False
+
+    try:
+        wait_until(refused, "RabbitMQ to refuse messages to tools.send_email")
+        yield
+    finally:
+        rabbitmqctl.run("clear_policy", "-p", vhost(), "refuse-send-email")
+        with app.connection_for_write() as conn:
+            send_email.bind(conn.default_channel).purge()
+
+
+def test_a_chain_rabbitmq_refuses_is_503_and_the_call_pending_again_never_202(client, own_queue,
+                                                                                  send_email_queue_refusing):
+    """Publisher confirms: a publish returns once RabbitMQ has the message (as a Redis LPUSH
+    answers once Redis has it), so a refused one is BrokerUnavailable, not a chain that is not there."""
+    tool_call_id = created_id(client)
+    answer = client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
+    assert assert_error(answer, 503, "unavailable")["details"]["service"] == "broker"
+    stored = row(tool_call_id)
+    assert (stored.status, stored.workflow_id) == ("PENDING", None)
+    assert [h["status"] for h in stored.status_history] == ["PENDING", "EXECUTING", "PENDING"]
+
+
+# -- a whole worker lost ---------------------------------------------------------------
+
+
+def test_whole_worker_killed_mid_link_its_message_is_back_in_the_queue_at_once(own_queue, tmp_path):
+    first_worker = WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name="rabbit-first")
+    second_worker = WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name="rabbit-second")
+    try:
+        first_worker.start()
+        tool_call_id = prepared_call("rabbit_whole")
+        with outbox_row_held(tool_call_id):
+            chains.resume(tool_call_id)
+            first = link_held_in_side_effect(first_worker, tool_call_id)
+            assert ready_messages(QUEUE) == 0, "the SENDING message is out with the worker, unacknowledged"
+            first_worker.kill()
+            assert row(tool_call_id).status == "EXECUTING"
+            # No worker consumes the queue now: RabbitMQ itself put the message back when
+            # the dead worker's connection closed (Redis would hide it for the visibility timeout).
+            wait_until(lambda: ready_messages(QUEUE) == 1, "RabbitMQ to requeue the lost worker's message")
+            second_worker.start()
+            again = second_worker.wait_active(SENDING, [tool_call_id], timeout=60)
+            assert again["id"] == first["id"], "the same message, delivered again"
+        assert_sent_once(tool_call_id)
+        assert row(tool_call_id).attempts == CLAIMS_WITHOUT_LOSS + 1, "SENDING claimed twice, everything else once"
+        assert f"{SENDING}[{first['id']}] received" in second_worker.log()
+        assert ready_messages(QUEUE) == 0
+    finally:
+        first_worker.stop()
+        second_worker.stop()
+
+
+# -- delayed retries ---------------------------------------------------------------------
+
+
+def delayed(routing_key: str | None, queue: str) -> bool:
+    """Published through the delay exchanges: ``<28 bits of delay>.<queue>``."""
+    bits = (routing_key or "").split(".")[:28]
+    return routing_key is not None and routing_key.endswith(f".{queue}") and set(bits) <= {"0", "1"} \
+        and len(bits) == 28
+
+
+def test_a_failed_callback_is_retried_through_the_brokers_delay_queues(worker, relay):
+    answered: list[str] = []
+
+    def first_fails(event):
+        answered.append(event["event_id"])
+        return 500 if len(answered) == 1 else None
+
+    relay.answer(first_fails)
+    with TaskLog() as log:
+        call = make_call(callback_url=relay.url)
+        chains.confirm(call.tool_call_id)
+        wait_status(call.tool_call_id, "PREPARED")
+        event_id = answered[0]
+        done = wait_delivered(event_id)
+        log.wait_ran(event_id, "callbacks.deliver")
+    assert done.attempts == 2 and done.response_code == 200 and done.state == "delivered"
+    assert [(a["response_code"], a["error"]) for a in done.attempt_log] == [(500, "HTTP 500"), (200, None)]
+    [retry] = log.published_for(event_id, "callbacks.deliver")
+    assert retry.eta and delayed(retry.queue, "callbacks"), retry
+
+
+def test_a_callback_retry_due_in_less_than_a_second_is_published_and_attempted(worker, relay):
+    """The broker's delay queues count whole seconds, and Celery refuses to publish a delay
+    under one second there (ValueError): the retry is published rounded up to a second."""
+    due_in_s = 0.4
+    answers = iter([500])
+    relay.answer(lambda event: next(answers, None))
+    _, event_id = progress_event(relay.url)
+    assert not callbacks.attempt(event_id).delivered  # the relay answered 500: pending, retry due
+    with db.session() as s:
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + make_interval(secs => :s) "
+                       "WHERE event_id = :e"), {"s": due_in_s, "e": event_id})
+    with TaskLog() as log:
+        callbacks.schedule_retry(event_id)
+    [retry] = log.published_for(event_id, "callbacks.deliver")
+    assert delayed(retry.queue, "callbacks") and retry.queue.startswith("0." * 27 + "1."), retry  # 1 s
+    done = wait_delivered(event_id, timeout=15)
+    assert (done.attempts, done.response_code) == (2, 200)
+    assert [a["response_code"] for a in done.attempt_log] == [500, 200]
+
+
+def test_a_link_retry_waits_in_the_brokers_delay_queues_on_a_quorum_queue(tmp_path):
+    """A tool's step fails twice (transient) in a real worker whose queues include the tool's
+    (so its quorum queue is bound to the delay exchanges when it starts): each countdown
+    retry is published to the delay exchanges and comes back from the broker when due."""
+    from tests import rabbitmq_tools  # registers the tool here too, to enqueue its chain
+
+    tool = rabbitmq_tools.FLAKY
+    fetch = tool.task_name(tool.steps[0])
+    chains.register_tool(tool)
+    try:
+        with WorkerProcess(app, [tool.queue], concurrency=2, log_dir=tmp_path, name="rabbit-flaky",
+                           include=["tests.rabbitmq_tools"]) as flaky_worker:
+            call = make_call(tool.name, {"what": "lookup"})
+            chains.confirm(call.tool_call_id)
+            done = wait_status(call.tool_call_id, timeout=60)
+            log = flaky_worker.log()
+    finally:
+        chains.unregister_tool(tool.name)
+    assert (done.status, done.result) == ("COMPLETED", {"FETCH": {"tries": 3}}), (done.status, done.error_message)
+    assert done.attempts == 4  # FETCH three times, COMPLETED once
+    assert log.count("retry: Retry in") == 2 and log.count(f"{fetch}[") - log.count("retry: Retry in") >= 3, \
+        log[-3000:]
+    retries = [line.split("routing_key=")[1] for line in log.splitlines()
+               if f"published {fetch} retries=" in line and "exchange=celery_delayed_27 " in line]
+    assert len(retries) == 2 and all(delayed(key, tool.queue) for key in retries), log[-3000:]
+    assert rabbitmq_queues()[tool.queue] == ("quorum", "true")
+
+
+def test_the_delay_exchange_forwards_to_every_queue_of_the_app(worker):
+    """Each queue's exchange is bound to the delay exchange with ``#.<queue>`` (a worker started)."""
+    bindings = set(rabbitmqctl.listed("bindings", vhost(), "source_name", "destination_name", "routing_key"))
+    for queue in app.amqp.queues.values():
+        assert (CELERY_DELAYED_DELIVERY_EXCHANGE, queue.name, f"#.{queue.name}") in bindings, queue.name
+
+
+# -- the races -------------------------------------------------------------------------
+
+
+def race_batches(tag: str, delays, resume_first: bool, batch: int, at_most: int) -> dict:
+    """``tests/test_race.py``'s races in batches of ``batch`` calls until both outcomes have
+    occurred (at most ``at_most`` calls): zero violations in every batch."""
+    answers: dict = {}
+    outcomes: Counter = Counter()
+    while len(answers) < at_most:
+        ids = _prepared_calls(batch, f"{tag}{len(answers)}")
+        answered = _run_races(ids, delays, resume_first=resume_first)
+        problems, found = _violations(ids, answered)
+        assert problems == [], problems
+        answers.update(answered)
+        outcomes += found
+        if {o.split(" ")[0] for o in outcomes} == {"CANCELLED", "COMPLETED"}:
+            break
+    _report(f"RabbitMQ: {tag}, {len(answers)} races", outcomes, [])
+    finals = Counter(o.split(" ")[0] for o in outcomes.elements())
+    assert finals["CANCELLED"] > 0 and finals["COMPLETED"] > 0, finals
+    return answers
+
+
+def test_resume_races_cancel_at_the_checkpoint_on_rabbitmq(worker):
+    spread = max(_commit_latency_s(_prepared_calls(CALIBRATION, "calibrate")), 0.001)
+    race_batches("resume vs cancel", lambda: (random.uniform(0, 2 * spread), random.uniform(0, 5 * spread)),
+                 resume_first=False, batch=RESUME_VS_CANCEL, at_most=3 * RESUME_VS_CANCEL)
+
+
+def test_cancel_races_the_sending_link_on_rabbitmq(worker):
+    spread = max(3 * _commit_latency_s(_prepared_calls(CALIBRATION, "calibrate")), 0.003)
+    answers = race_batches("cancel vs SENDING link", lambda: (0.0, random.uniform(0, spread)),
+                           resume_first=True, batch=CANCEL_VS_LINK, at_most=3 * CANCEL_VS_LINK)
+    assert all(resumed.ok for resumed, _ in answers.values()), "every resume came first and must have applied"
