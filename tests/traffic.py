@@ -36,7 +36,12 @@ class Answer:
     operation: str
     status: int | None  # None: no answer (the request failed)
     started: float  # time.monotonic()
+    ended: float
     error: str = ""
+
+    def during(self, window: tuple[float, float]) -> bool:
+        """Whether the request was under way at some time inside ``window``."""
+        return self.started <= window[1] and self.ended >= window[0]
 
 
 class Traffic:
@@ -83,9 +88,9 @@ class Traffic:
         try:
             response = http.request(method, f"{self.base}{path}", headers=self.auth, timeout=self.timeout, **kw)
         except requests.RequestException as exc:
-            self._record(Answer(operation, None, started, f"{type(exc).__name__}: {exc}"[:300]))
+            self._record(Answer(operation, None, started, time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
             return None
-        self._record(Answer(operation, response.status_code, started,
+        self._record(Answer(operation, response.status_code, started, time.monotonic(),
                             "" if response.status_code in EXPECTED else response.text[:300]))
         if response.status_code >= 300:
             return None
@@ -193,12 +198,12 @@ class Traffic:
             return Counter(a.status for a in self.answers)
 
     def problems(self, windows: list[tuple[float, float]] = ()) -> list[str]:
-        """Answers outside :data:`EXPECTED`, but a 503 that started inside one of ``windows``."""
+        """Answers outside :data:`EXPECTED`, but a 503 to a request under way during one of ``windows``."""
         with self._lock:
             answers = list(self.answers)
         return [f"{a.operation}: {a.status} {a.error}" for a in answers
                 if a.status not in EXPECTED
-                and not (a.status == 503 and any(start <= a.started <= end for start, end in windows))]
+                and not (a.status == 503 and any(a.during(window) for window in windows))]
 
     def server_errors(self) -> int:
         with self._lock:
