@@ -184,6 +184,8 @@ class System:
         self.redis.crash()
         time.sleep(down_s)
         self.redis.start()
+        self.control.close()  # its pooled connections died with the server
+        self.control = ControlApp(self.redis.url)
 
 
 def _family(pid: int) -> list[psutil.Process]:

@@ -52,7 +52,7 @@ from redis.retry import Retry
 from tests.helpers import make_call, row, wait_status
 from tests.procs import free_port
 from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once, inserts_waiting,
-                                    outbox_row_held, wait_until)
+                                    outbox_row_held, outbox_rows, wait_until)
 from tests.worker_process import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -277,3 +277,31 @@ def test_link_queued_while_the_broker_restarts_is_run_afterwards(broker, worker,
     checkpoint = relay.wait_for(tool_call_id, "checkpoint", timeout=30)
     assert checkpoint["requires_confirmation"] is True
     assert f"{PREPARING}[" in worker.log()
+
+
+# -- (3) the broker is down when a link ends its side effect ----------------------------------
+
+
+@pytest.mark.slow
+def test_broker_down_when_the_side_effect_ends_the_call_still_completes(broker, worker, relay):
+    """Found by tests/test_faults.py::test_redis_restarted_mid_run: the SENDING link sent the
+    email while Redis was down, Celery's publish of the next link gave up after its default
+    retries (under a second), and the call was FAILED with its email sent."""
+    worker.start()
+    tool_call_id = new_call(relay, "publish")
+    operation(broker.url, "confirm", tool_call_id)
+    wait_status(tool_call_id, "PREPARED", timeout=60)
+
+    with outbox_row_held(tool_call_id):
+        operation(broker.url, "resume", tool_call_id)
+        worker.wait_active(SENDING, [tool_call_id])
+        wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
+        broker.crash()
+    # the held row is gone: the link sends now and publishes the COMPLETED link into no broker
+    wait_until(lambda: outbox_rows(tool_call_id) == 1, "the email to be sent")
+    time.sleep(3)  # the outage goes on a few seconds
+    broker.start()
+
+    assert_sent_once(tool_call_id)
+    assert statuses(tool_call_id)[-1] == "COMPLETED"
+    assert "Retrying refused callback publish for 'tools.send_email.COMPLETED'" in worker.log()

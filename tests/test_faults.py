@@ -60,9 +60,10 @@ def wait_for_chains(seconds: float = AROUND_S) -> None:
 
 
 def assert_invariants(traffic: Traffic, relay, title: str, *, windows=(), once_at_relay: bool = False):
+    settled = time.monotonic()
     settle(timeout=SETTLE_S)
     verdict = check(relay, once_at_relay=once_at_relay, answered_cancelled=traffic.cancelled)
-    print(f"\n{title}: {traffic.summary()}; {verdict.summary()}")
+    print(f"\n{title}: {traffic.summary()}; {verdict.summary()}; settled in {time.monotonic() - settled:.0f} s")
     assert verdict.problems == [], verdict.problems[:20]
     assert traffic.problems(list(windows)) == [], traffic.problems(list(windows))[:20]
     assert verdict.statuses["COMPLETED"] > 0, verdict.statuses

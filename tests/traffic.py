@@ -71,10 +71,13 @@ class Traffic:
 
     # -- one session -----------------------------------------------------------------------
 
-    def session(self, number: int) -> None:
+    def session(self, number: int, stop: threading.Event | None = None) -> None:
+        """One session's operations (fewer if ``stop`` is set meanwhile)."""
         rng = random.Random(self.rng.random() + number)
         call: dict[str, Any] = {}
         for _ in range(self.ops):
+            if stop is not None and stop.is_set():
+                break
             operation = rng.choice(OPERATIONS)
             call = getattr(self, f"_{operation}")(number, call, rng)
         with self._lock:
@@ -164,7 +167,8 @@ class Traffic:
 
     @contextmanager
     def streaming(self, concurrency: int) -> Iterator["Traffic"]:
-        """Sessions one after another on ``concurrency`` threads until the block ends (then the last ones finish)."""
+        """Sessions one after another on ``concurrency`` threads until the block ends (then the last
+        ones stop after their current operation)."""
         stop = threading.Event()
         counter = iter(range(10**9))
         counter_lock = threading.Lock()
@@ -175,7 +179,7 @@ class Traffic:
                 while not stop.is_set():
                     with counter_lock:
                         number = next(counter)
-                    self.session(number)
+                    self.session(number, stop)
             except BaseException as exc:  # noqa: BLE001 - surfaced below
                 errors.append(exc)
 
