@@ -79,13 +79,14 @@ class Verdict:
     relay_received: int = 0
     relay_duplicates: int = 0
     out_of_seq_arrivals: int = 0  # calls whose events did not arrive in seq order (allowed: seq orders them)
+    failures: Counter = field(default_factory=Counter)  # FAILED calls by error_message
     problems: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"{self.calls} calls {dict(sorted(self.statuses.items()))}, {self.side_effects} emails, "
                 f"{self.events} events, relay received {self.relay_received} "
                 f"({self.relay_duplicates} duplicates, {self.out_of_seq_arrivals} calls out of seq order), "
-                f"{len(self.problems)} problems")
+                f"{len(self.problems)} problems" + (f"; failed: {dict(self.failures)}" if self.failures else ""))
 
 
 def _open_work() -> tuple[int, int]:
@@ -119,6 +120,8 @@ def check(relay: Any = None, *, once_at_relay: bool = False,
     by_id = {call.tool_call_id: call for call in calls}
     for call in calls:
         verdict.statuses[call.status] += 1
+        if call.status == "FAILED":
+            verdict.failures[call.error_message] += 1
         where = f"{call.tool_call_id} ({call.function_name}, {call.status}, step {call.current_step})"
         if call.status not in TERMINAL and call.status not in WAITING:
             problems.append(f"neither terminal nor waiting: {where}")

@@ -7,7 +7,8 @@ cancelling send_email calls through the API while each test injects its fault:
 
 - SIGKILL of pool children of the writes worker, then of the whole writes and
   callbacks workers (started again at once, as a supervisor would; their unacknowledged
-  links come back after the visibility timeout);
+  links come back after the visibility timeout; a link lost in flight is the stuck-call
+  sweep's, see ``STUCK_AFTER_S``);
 - Redis SIGKILLed and started again (its append-only file keeps the messages);
 - PostgreSQL stopped and started again: meanwhile the API answers 503, then recovers;
 - the relay's callback endpoint down (connection refused) for ``RELAY_DOWN_S``: every
@@ -20,8 +21,10 @@ COMPLETED send_email call and none otherwise, nothing CANCELLED with ``committed
 every event at the relay with its seq; and no answer but the expected ones (a 503 only
 while the database or the broker was down).
 
-The CI run is bounded: the relay is down 20 s; ``VOICE_TOOLS_FULL_FAULTS=1`` runs
-the issue's 2 minutes and a longer stream around every fault.
+The CI run is bounded: the worker kills are one run and the two server restarts
+another (one stream and one check each), the relay is down 20 s.
+``VOICE_TOOLS_FULL_FAULTS=1`` runs every fault on its own, the relay down for the
+issue's 2 minutes, and a longer stream around every fault.
 """
 from __future__ import annotations
 
@@ -40,13 +43,19 @@ pytestmark = [pytest.mark.fault, pytest.mark.slow]
 FULL = os.environ.get("VOICE_TOOLS_FULL_FAULTS") == "1"
 RELAY_DOWN_S = 120 if FULL else 20
 STREAM = 8  # sessions at once
-AROUND_S = 15 if FULL else 4  # the stream runs this long before and after each fault
-SETTLE_S = 300 if FULL else 120
+AROUND_S = 15 if FULL else 3  # the stream runs this long before and after each fault
+SETTLE_S = 300 if FULL else 150
+# A whole worker SIGKILLed just after Redis handed it a message (BRPOP) and before the
+# message was recorded as unacknowledged loses that message (kombu's Redis transport):
+# its call stays EXECUTING until the stuck-call sweep, which beat runs every minute, fails
+# it (never committed) or runs it again (committed). Its threshold (15 minutes by
+# default) is 30 s here so that the sweep acts within the test.
+STUCK_AFTER_S = 30
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    yield from running_system(tmp_path_factory.mktemp("faults"))
+    yield from running_system(tmp_path_factory.mktemp("faults"), VOICE_TOOLS_STUCK_EXECUTING_AFTER=str(STUCK_AFTER_S))
 
 
 @pytest.fixture
@@ -70,53 +79,67 @@ def assert_invariants(traffic: Traffic, relay, title: str, *, windows=(), once_a
     return verdict
 
 
-def test_pool_children_killed_during_load(system, traffic, relay):
+# -- processes and servers -------------------------------------------------------------------
+#
+# Each fault returns the window in which the API may answer 503 (its server was down).
+
+def kill_children(system, rng: random.Random):
+    """SIGKILL pool children of the writes worker (busy ones when it can tell)."""
+    for _ in range(CHILD_KILLS):
+        system.kill_child("writes", rng)
+        wait_for_chains(2)
+    return None
+
+
+def kill_whole(name: str):
+    def fault(system, rng: random.Random):
+        system.kill_worker(name)  # its Procfile line is started again at once
+        wait_for_chains(VISIBILITY_TIMEOUT)  # its unacknowledged links come back meanwhile
+        return None
+    fault.__name__ = f"kill_whole_{name}"
+    return fault
+
+
+def restart_redis(system, rng: random.Random):
+    down_at = time.monotonic()
+    system.restart_redis(down_s=3)
+    return down_at, system.wait_api_ready()
+
+
+def restart_database(system, rng: random.Random):
+    down_at = time.monotonic()
+    restart_postgres(down_s=5)
+    return down_at, system.wait_api_ready()
+
+
+FAULTS = {"children": kill_children, "writes": kill_whole("writes"), "callbacks": kill_whole("callbacks"),
+          "redis": restart_redis, "postgres": restart_database}
+CHILD_KILLS = 3 if FULL else 2
+# In full, one run (stream, settle, check) per fault; by default (CI's time) the worker
+# kills are one run and the two server restarts another, the faults one after the other.
+RUNS = [(name,) for name in FAULTS] if FULL else [("children", "writes", "callbacks"), ("redis", "postgres")]
+
+
+@pytest.mark.parametrize("faults", RUNS, ids="+".join)
+def test_faults_during_load(system, traffic, relay, faults):
     rng = random.Random()
-    killed = []
+    windows = []
     with traffic.streaming(STREAM):
         wait_for_chains()
-        for _ in range(3):
-            killed.append(system.kill_child("writes", rng))
-            wait_for_chains(2)
-        wait_for_chains()
-    assert_invariants(traffic, relay, f"{len(killed)} pool children killed")
-    assert traffic.server_errors() == 0
-    assert system.log("writes").count("signal 9 (SIGKILL)") >= len(killed), system.log("writes")[-3000:]
-
-
-@pytest.mark.parametrize("worker", ["writes", "callbacks"])
-def test_a_whole_worker_killed_during_load(system, traffic, relay, worker):
-    with traffic.streaming(STREAM):
-        wait_for_chains()
-        system.kill_worker(worker)
-        wait_for_chains(VISIBILITY_TIMEOUT + AROUND_S)
-    assert_invariants(traffic, relay, f"whole {worker} worker killed")
-    assert traffic.server_errors() == 0
-
-
-def test_redis_restarted_mid_run(system, traffic, relay):
-    with traffic.streaming(STREAM):
-        wait_for_chains()
-        down_at = time.monotonic()
-        system.restart_redis(down_s=3)
-        ready_at = system.wait_api_ready()
-        wait_for_chains()
-    assert_invariants(traffic, relay, "Redis restarted", windows=[(down_at, ready_at)])
-    system.wait_ready()  # every worker is back on the broker
-
-
-def test_postgres_restarted_mid_run(system, traffic, relay):
-    with traffic.streaming(STREAM):
-        wait_for_chains()
-        down_at = time.monotonic()
-        restart_postgres(down_s=5)
-        ready_at = system.wait_api_ready()
-        wait_for_chains()
-    assert_invariants(traffic, relay, "PostgreSQL restarted", windows=[(down_at, ready_at)])
-    refused = [a for a in traffic.answers if a.status == 503]
-    assert refused, "the API answered 503 while the database was down"
-    assert all("database" in a.error for a in refused), {a.error for a in refused}
-    assert not [a for a in traffic.answers if a.started > ready_at and a.status not in (200, 201, 202, 409)]
+        for name in faults:
+            window = FAULTS[name](system, rng)
+            if window:
+                windows.append(window)
+            wait_for_chains()
+    assert_invariants(traffic, relay, f"faults {', '.join(faults)}", windows=windows)
+    system.wait_ready()  # every worker is (back) on the broker
+    if "children" in faults:
+        assert system.log("writes").count("signal 9 (SIGKILL)") >= CHILD_KILLS, system.log("writes")[-3000:]
+    if "postgres" in faults:  # the API said the database was down, and nothing else went wrong
+        refused = [a.error for a in traffic.answers if a.status == 503]
+        assert any('"service":"database"' in error for error in refused), refused[:5]
+    if not windows:
+        assert traffic.server_errors() == 0
 
 
 def test_relay_down_then_every_event_delivered_once(system, traffic, relay):
@@ -138,7 +161,7 @@ def test_slow_relay_fails_nothing(system, traffic, relay):
     with traffic.streaming(STREAM):
         wait_for_chains()
         relay.delay = timeout + 1  # every inline attempt times out; a retry waits long enough
-        wait_for_chains(2 * AROUND_S)
+        wait_for_chains(2 * AROUND_S + 2)
         relay.delay = 0
         wait_for_chains()
     verdict = assert_invariants(traffic, relay, f"relay slower than {timeout:g} s")
