@@ -35,7 +35,7 @@ import requests
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
-from tests.procs import ROOT, free_port
+from tests.procs import ROOT, free_port, kill_group, process_family
 from tests.test_broker_restart import ControlApp, RedisServer
 
 PROCESSES = ("web", "writes", "reads", "callbacks", "beat")
@@ -146,14 +146,14 @@ class System:
         proc = self.procs.pop(name, None)
         if proc is None:
             return
-        family = _family(proc.pid)
+        family = process_family(proc.pid)
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        _kill_group(proc, family)
+        kill_group(proc, family, timeout=15)
 
     def log(self, name: str) -> str:
         try:
@@ -164,7 +164,7 @@ class System:
     # -- faults ------------------------------------------------------------------------
 
     def children(self, name: str) -> list[int]:
-        return [child.pid for child in _family(self.procs[name].pid)]
+        return [child.pid for child in process_family(self.procs[name].pid)]
 
     def kill_child(self, name: str, rng: random.Random) -> int:
         """SIGKILL one pool child of worker ``name`` (one that is running a task if any); return its pid."""
@@ -178,8 +178,8 @@ class System:
     def kill_worker(self, name: str) -> None:
         """SIGKILL worker ``name`` whole (its process group), then start its Procfile line again."""
         proc = self.procs.pop(name)
-        family = _family(proc.pid)
-        _kill_group(proc, family)
+        family = process_family(proc.pid)
+        kill_group(proc, family, timeout=15)
         self.start_process(name)
         self.wait_ready((name,))
 
@@ -188,27 +188,6 @@ class System:
         self.redis.crash()
         time.sleep(down_s)
         self.redis.start()
-
-
-def _family(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _kill_group(proc: subprocess.Popen, family: list[psutil.Process]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
-    _gone, left = psutil.wait_procs(family, timeout=15)
-    for child in left:  # a child that left the group: still ours
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
 
 
 def _busy(pid: int) -> bool:

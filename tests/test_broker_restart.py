@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -206,17 +207,24 @@ def statuses(tool_call_id: str) -> list[str]:
 # -- (1) restart while a link runs ------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_broker_restarted_while_a_link_runs_the_call_completes(broker, worker, relay):
+@contextmanager
+def sending_link_held(broker: RedisServer, worker: WorkerProcess, relay, tag: str) -> Iterator[tuple[str, dict]]:
+    """A call resumed through ``broker`` whose SENDING link runs on ``worker`` and waits inside its
+    side effect on a row the test holds (as in ``test_worker_loss``) until the block ends."""
     worker.start()
-    tool_call_id = new_call(relay, "midlink")
+    tool_call_id = new_call(relay, tag)
     operation(broker.url, "confirm", tool_call_id)
     wait_status(tool_call_id, "PREPARED", timeout=60)
-
     with outbox_row_held(tool_call_id):
         operation(broker.url, "resume", tool_call_id)
         running = worker.wait_active(SENDING, [tool_call_id])
         wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
+        yield tool_call_id, running
+
+
+@pytest.mark.slow
+def test_broker_restarted_while_a_link_runs_the_call_completes(broker, worker, relay):
+    with sending_link_held(broker, worker, relay, "midlink") as (tool_call_id, running):
         held = row(tool_call_id)
         assert held.status == "EXECUTING" and held.current_step == "SENDING"
         assert held.committed_at is not None, "the link is past the point of no return"
@@ -287,15 +295,7 @@ def test_broker_down_when_the_side_effect_ends_the_call_still_completes(broker, 
     """Found by tests/test_faults.py::test_redis_restarted_mid_run: the SENDING link sent the
     email while Redis was down, Celery's publish of the next link gave up after its default
     retries (under a second), and the call was FAILED with its email sent."""
-    worker.start()
-    tool_call_id = new_call(relay, "publish")
-    operation(broker.url, "confirm", tool_call_id)
-    wait_status(tool_call_id, "PREPARED", timeout=60)
-
-    with outbox_row_held(tool_call_id):
-        operation(broker.url, "resume", tool_call_id)
-        worker.wait_active(SENDING, [tool_call_id])
-        wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
+    with sending_link_held(broker, worker, relay, "publish") as (tool_call_id, _running):
         broker.crash()
     # the held row is gone: the link sends now and publishes the COMPLETED link into no broker
     wait_until(lambda: outbox_rows(tool_call_id) == 1, "the email to be sent")
