@@ -23,7 +23,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -214,7 +213,7 @@ def restart_postgres(down_s: float) -> None:
 
 
 def running_system(tmp_dir: Path, **env: str) -> Iterator[System]:
-    """For a fixture: a started :class:`System`, always stopped, its logs printed if a test failed."""
+    """For a fixture: a started :class:`System`, always stopped; every process's log stays in ``tmp_dir``."""
     system = System(tmp_dir, **env)
     try:
         system.start()
