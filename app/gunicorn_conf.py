@@ -68,7 +68,6 @@ def _logconfig() -> dict[str, Any]:
 
 logconfig_dict = _logconfig()
 
-
 limit_request_line = MAX_REQUEST_LINE
 limit_request_field_size = MAX_HEADER_BYTES
 limit_request_fields = MAX_HEADER_FIELDS

@@ -4,12 +4,16 @@ A trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every st
 change (migration 0001). We borrow a pooled connection, LISTEN, read the status once
 (a change made before the LISTEN would otherwise be missed), then sleep in
 ``select()`` on the connection's socket until a notification for this call arrives or
-the deadline passes; the connection goes back to the pool after ``UNLISTEN *``.
+the deadline passes; the connection goes back to the pool after ``UNLISTEN *``. An
+error of that raw connection is wrapped as SQLAlchemy wraps any other (a lost server is
+an ``OperationalError``, answered 503 like every database outage).
 """
 from __future__ import annotations
 
 import select
 import time
+
+from sqlalchemy.exc import DBAPIError
 
 from models import db, lifecycle
 from models.calls import PREPARED, TERMINAL, ToolCall
@@ -49,8 +53,11 @@ def until_settled(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
             cur.execute("UNLISTEN *")
         conn.notifies.clear()
         conn.autocommit = False
-    except Exception:
+    except Exception as exc:
         proxy.invalidate()  # never hand a half-listening connection to someone else
+        dbapi = db.engine().dialect.loaded_dbapi
+        if isinstance(exc, dbapi.Error):
+            raise DBAPIError.instance(None, None, exc, dbapi.Error, connection_invalidated=True) from exc
         raise
     finally:
         proxy.close()

@@ -324,9 +324,16 @@ LINKS = _register_links()
 
 # -- operations the faces call ------------------------------------------------------
 
+# Celery publishes a link's next link in the worker once the link has run (its side
+# effect may be done): that publish must outlast a broker restart, not fail a call whose
+# work is done, and Celery's default policy gives up within a second. About a minute
+# here; the first link's publish keeps the policy its apply_async is given (QUICK_RETRY).
+NEXT_LINK_RETRY = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5, "interval_max": 2}
+
+
 def signature(tool: Tool, tool_call_id: str, start: int = 0):
     """The chain of the tool's links from step ``start``, as immutable signatures."""
-    return chain(*(link.si(tool_call_id) for link in LINKS[tool.name][start:]))
+    return chain(*(link.si(tool_call_id).set(retry_policy=NEXT_LINK_RETRY) for link in LINKS[tool.name][start:]))
 
 
 # The faces enqueue while a caller waits on the line: one quick reconnect, then the

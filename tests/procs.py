@@ -126,6 +126,32 @@ def server_answers(urls: dict) -> dict:
         client.close()
 
 
+def process_family(pid: int) -> list[psutil.Process]:
+    """Every descendant of ``pid`` now (none if it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def kill_group(proc: subprocess.Popen, family: list[psutil.Process], timeout: float = 10.0) -> None:
+    """SIGKILL the process group led by ``proc`` (started with ``start_new_session``), reap it, and
+    kill any of ``family`` (its descendants, taken before) still alive: one that left the group is
+    still ours."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait(30)
+    _gone, left = psutil.wait_procs(family, timeout=timeout)
+    for child in left:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
 def stop_process(proc: subprocess.Popen) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

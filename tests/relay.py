@@ -3,7 +3,8 @@
 It checks every request's HMAC signature (a bad one is answered 401 and counted in
 ``bad_signatures``), records the events in order, and answers as programmed:
 ``relay.answer(lambda event: {...})`` returns the JSON to send back (or an int status,
-or ``None`` for ``{"received": true}``); ``relay.delay`` makes it slow.
+or ``None`` for ``{"received": true}``); ``relay.delay`` makes it slow; ``relay.down()``
+closes its port (a connection is refused) and ``relay.up()`` listens on it again.
 """
 from __future__ import annotations
 
@@ -59,15 +60,22 @@ class Relay:
 
             def _reply(self, status: int, payload: Any) -> None:
                 data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the sender gave up waiting (a slow relay): it was received all the same
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self._handler = Handler
+        self._listen(0)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/tool-progress"
+
+    def _listen(self, port: int) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> "Relay":
@@ -75,8 +83,19 @@ class Relay:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.server is not None:
+            self.down()
+
+    def down(self) -> None:
+        """Stop listening: every delivery is refused until :meth:`up`."""
         self.server.shutdown()
         self.server.server_close()
+        self.server = None
+
+    def up(self) -> None:
+        """Listen again on the same port."""
+        self._listen(int(self.url.split(":")[2].split("/")[0]))
+        self._thread.start()
 
     def answer(self, fn: Callable[[dict[str, Any]], Any]) -> None:
         self._answer = fn

@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -52,7 +53,7 @@ from redis.retry import Retry
 from tests.helpers import make_call, row, wait_status
 from tests.procs import free_port
 from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once, inserts_waiting,
-                                    outbox_row_held, wait_until)
+                                    outbox_row_held, outbox_rows, wait_until)
 from tests.worker_process import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -206,17 +207,24 @@ def statuses(tool_call_id: str) -> list[str]:
 # -- (1) restart while a link runs ------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_broker_restarted_while_a_link_runs_the_call_completes(broker, worker, relay):
+@contextmanager
+def sending_link_held(broker: RedisServer, worker: WorkerProcess, relay, tag: str) -> Iterator[tuple[str, dict]]:
+    """A call resumed through ``broker`` whose SENDING link runs on ``worker`` and waits inside its
+    side effect on a row the test holds (as in ``test_worker_loss``) until the block ends."""
     worker.start()
-    tool_call_id = new_call(relay, "midlink")
+    tool_call_id = new_call(relay, tag)
     operation(broker.url, "confirm", tool_call_id)
     wait_status(tool_call_id, "PREPARED", timeout=60)
-
     with outbox_row_held(tool_call_id):
         operation(broker.url, "resume", tool_call_id)
         running = worker.wait_active(SENDING, [tool_call_id])
         wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
+        yield tool_call_id, running
+
+
+@pytest.mark.slow
+def test_broker_restarted_while_a_link_runs_the_call_completes(broker, worker, relay):
+    with sending_link_held(broker, worker, relay, "midlink") as (tool_call_id, running):
         held = row(tool_call_id)
         assert held.status == "EXECUTING" and held.current_step == "SENDING"
         assert held.committed_at is not None, "the link is past the point of no return"
@@ -277,3 +285,23 @@ def test_link_queued_while_the_broker_restarts_is_run_afterwards(broker, worker,
     checkpoint = relay.wait_for(tool_call_id, "checkpoint", timeout=30)
     assert checkpoint["requires_confirmation"] is True
     assert f"{PREPARING}[" in worker.log()
+
+
+# -- (3) the broker is down when a link ends its side effect ----------------------------------
+
+
+@pytest.mark.slow
+def test_broker_down_when_the_side_effect_ends_the_call_still_completes(broker, worker, relay):
+    """Found by tests/test_faults.py::test_redis_restarted_mid_run: the SENDING link sent the
+    email while Redis was down, Celery's publish of the next link gave up after its default
+    retries (under a second), and the call was FAILED with its email sent."""
+    with sending_link_held(broker, worker, relay, "publish") as (tool_call_id, _running):
+        broker.crash()
+    # the held row is gone: the link sends now and publishes the COMPLETED link into no broker
+    wait_until(lambda: outbox_rows(tool_call_id) == 1, "the email to be sent")
+    time.sleep(3)  # the outage goes on a few seconds
+    broker.start()
+
+    assert_sent_once(tool_call_id)
+    assert statuses(tool_call_id)[-1] == "COMPLETED"
+    assert "Retrying refused callback publish for 'tools.send_email.COMPLETED'" in worker.log()

@@ -25,6 +25,8 @@ from typing import Any, Iterator
 
 import psutil
 
+from tests.procs import kill_group, process_family
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -109,24 +111,10 @@ class WorkerProcess:
                 self.proc.wait(timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(30)
-        _gone, left = psutil.wait_procs(family, timeout=10)
-        for proc in left:  # a child that left the group: still ours
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
+        kill_group(self.proc, family)
 
     def _family(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.pid).children(recursive=True)
-        except psutil.Error:
-            return []
+        return process_family(self.pid)
 
     # -- what it is doing ----------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""The invariant checker of the fault and load runs finds what it is there to find.
+
+Each test makes the state a defect would leave (through the lifecycle where it can,
+by a direct UPDATE where no code path may lead) and shows that
+``tests.invariants.check`` names it; a sound state gives no problem.
+"""
+from __future__ import annotations
+
+from sqlalchemy import update
+from sqlalchemy.dialects.postgresql import insert
+
+from models import db, lifecycle
+from models.calls import ToolCall
+from models.email import EmailOutbox
+from tasks import callbacks
+from tests.helpers import make_call
+from tests.invariants import check
+
+
+def sent(tool_call_id: str) -> None:
+    with db.session() as s:
+        s.execute(insert(EmailOutbox).values(tool_call_id=tool_call_id, message_id=f"<{tool_call_id}>",
+                                             thread_id="t", headers={}, body=""))
+
+
+def completed(callback_url: str | None = None) -> str:
+    """A send_email call COMPLETED through the lifecycle, its email in the outbox."""
+    call = make_call(callback_url=callback_url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        lifecycle.commit_point(s, call.tool_call_id, "SENDING")
+        lifecycle.complete(s, call.tool_call_id, {"message_id": "m"}, "Email sent.")
+    sent(call.tool_call_id)
+    return call.tool_call_id
+
+
+def forge(tool_call_id: str, **values) -> None:
+    with db.session() as s:
+        s.execute(update(ToolCall).where(ToolCall.tool_call_id == tool_call_id).values(**values))
+
+
+def test_a_sound_state_has_no_problem():
+    make_call()  # PENDING: waiting for its caller
+    completed()
+    verdict = check()
+    assert verdict.problems == []
+    assert verdict.calls == 2 and verdict.side_effects == 1
+
+
+def test_a_call_left_executing_is_named():
+    call = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    assert check().problems == [f"neither terminal nor waiting: {call.tool_call_id} (send_email, EXECUTING, step None)"]
+
+
+def test_cancelled_after_the_commit_is_named():
+    call = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        lifecycle.commit_point(s, call.tool_call_id, "SENDING")
+    forge(call.tool_call_id, status="CANCELLED",
+          status_history=ToolCall.status_history.op("||")(
+              '[{"status": "CANCELLED", "reason": "forged", "at": "2999-01-01T00:00:00+00:00"}]'))
+    assert any(p.startswith("CANCELLED with committed_at") for p in check().problems)
+
+
+def test_an_email_of_a_call_that_did_not_complete_and_a_completed_call_without_one_are_named():
+    failed = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, failed.tool_call_id)
+        lifecycle.fail(s, failed.tool_call_id, "boom", "It failed.")
+    sent(failed.tool_call_id)
+    silent = completed()
+    with db.session() as s:
+        s.execute(EmailOutbox.__table__.delete().where(EmailOutbox.tool_call_id == silent))
+    problems = check().problems
+    assert any(p.startswith("1 emails but not COMPLETED") and failed.tool_call_id in p for p in problems), problems
+    assert any(p.startswith("COMPLETED with 0 emails") and silent in p for p in problems), problems
+
+
+def test_a_history_the_state_machine_does_not_allow_is_named():
+    call = make_call()
+    forge(call.tool_call_id, status="COMPLETED", status_history=ToolCall.status_history.op("||")(
+        '[{"status": "COMPLETED", "reason": "forged", "at": "2999-01-01T00:00:00+00:00"}]'))
+    problems = check().problems
+    assert any(p.startswith("PENDING -> COMPLETED not allowed") for p in problems), problems
+
+
+def test_a_cancel_answered_200_on_a_call_that_is_not_cancelled_is_named():
+    tool_call_id = completed()
+    assert check(answered_cancelled=[tool_call_id]).problems == [
+        f"cancel answered 200 but the call is COMPLETED: {tool_call_id}"]
+
+
+def test_events_missing_repeated_or_undelivered_at_the_relay_are_named(relay):
+    tool_call_id = completed(callback_url=relay.url)
+    with db.session() as s:
+        call = lifecycle.get(s, tool_call_id)
+        first = callbacks.record(s, call, "progress", step="PREPARING", message="one")
+        second = callbacks.record(s, call, "completed", message="two")
+    assert callbacks.attempt(first.event_id).delivered
+    problems = check(relay).problems
+    assert any(p.startswith("not delivered") and "seq 2" in p for p in problems), problems
+    assert any(p.startswith("never received") and "seq 2" in p for p in problems), problems
+    assert any(p.startswith("seqs received [1], rows 2") for p in problems), problems
+
+    assert callbacks.attempt(second.event_id).delivered
+    assert check(relay, once_at_relay=True).problems == []
+    relay.events.append(dict(relay.events[0]))  # the same event_id again: at least once allows it
+    assert check(relay).problems == [] and check(relay).relay_duplicates == 1
+    assert check(relay, once_at_relay=True).problems == [f"1 events received more than once, e.g. {[first.event_id]}"]
