@@ -24,6 +24,7 @@ every ``KEEPALIVE_S`` seconds. Each open stream holds one gunicorn thread (READM
 from __future__ import annotations
 
 import logging
+import re
 import select
 import threading
 import time
@@ -156,14 +157,19 @@ class Listener:
 
 LISTENER = Listener()
 
+# every event id is 32 lowercase hex digits (tasks/callbacks.py: uuid4().hex)
+EVENT_ID = re.compile(r"[0-9a-f]{32}")
+
 
 def _cursor_after(session_id: str, last_event_id: str | None, caller: str | None = None) -> tuple[str, int]:
     """Where to start: after ``last_event_id`` (which must be one of the session's events, of the
     caller's calls when ``caller`` is given), or the beginning."""
     if not last_event_id:
         return "0", 0
-    with db.engine().connect() as conn:
-        found = conn.execute(_CURSOR, {"event_id": last_event_id, "caller": caller}).one_or_none()
+    found = None
+    if EVENT_ID.fullmatch(last_event_id):  # anything else names no event (and a NUL must not reach the driver)
+        with db.engine().connect() as conn:
+            found = conn.execute(_CURSOR, {"event_id": last_event_id, "caller": caller}).one_or_none()
     if found is None or found.session_id != session_id:
         raise validation_error({"last_event_id": [f"No event {last_event_id!r} in session {session_id}."]})
     return found.xid, found.position

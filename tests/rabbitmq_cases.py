@@ -17,6 +17,7 @@ for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
 """
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -255,8 +256,9 @@ def test_a_link_retry_waits_in_the_brokers_delay_queues_on_a_quorum_queue(tmp_pa
     assert done.attempts == 4  # FETCH three times, COMPLETED once
     assert log.count("retry: Retry in") == 2 and log.count(f"{fetch}[") - log.count("retry: Retry in") >= 3, \
         log[-3000:]
-    retries = [line.split("routing_key=")[1] for line in log.splitlines()
-               if f"published {fetch} retries=" in line and "exchange=celery_delayed_27 " in line]
+    messages = [json.loads(line)["message"] if line.startswith("{") else line for line in log.splitlines()]  # JSON logs
+    retries = [message.split("routing_key=")[1] for message in messages
+               if f"published {fetch} retries=" in message and "exchange=celery_delayed_27 " in message]
     assert len(retries) == 2 and all(delayed(key, tool.queue) for key in retries), log[-3000:]
     assert rabbitmq_queues()[tool.queue] == ("quorum", "true")
 

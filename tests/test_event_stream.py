@@ -80,6 +80,15 @@ def test_unknown_last_event_id_is_422_and_the_token_is_needed(api_url):
     assert requests.get(f"{api_url}/voice-tools/events/bad%20id", headers=AUTH, timeout=10).status_code == 422
 
 
+def test_a_last_event_id_no_event_could_have_is_422_not_500(api_url):
+    """Found by schemathesis: a NUL in ``last_event_id`` reached the database driver (500)."""
+    for weird in ("\u36e6\u00d6\u00e3\u00f2\u00008", "x" * 500, "A" * 32):
+        answer = requests.get(f"{api_url}/voice-tools/events/sess_x", params={"last_event_id": weird}, headers=AUTH,
+                              timeout=10)
+        assert answer.status_code == 422, (weird, answer.status_code, answer.text)
+        assert answer.json()["details"]["fields"]["last_event_id"][0].startswith("No event "), answer.text
+
+
 def test_an_idle_stream_sends_keep_alive_comments_and_holds_no_connection(api_url, monkeypatch):
     from app import events
     from models import db
