@@ -13,7 +13,7 @@ It measures:
 (1) ``pending``, ``confirm`` (of a send_email call), ``status`` and ``context``: p50 and
     p99, one client after another and 16 clients at once, against the floor;
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
-    and confirm → ``completed`` of a 4-step read tool (with ``--full-chains`` every read
+    and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, the callbacks arriving at a local relay
     (``tests/relay.py``, checking signatures); the two sides alternate call by call;
 (3) calls/s of that read tool (pending + confirm by 16 clients, until every ``completed``
@@ -267,8 +267,8 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples: under two minutes")
-    parser.add_argument("--full-chains", action="store_true", help="every read tool against its bare chain")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer samples, and of the read tools only the 4-step one: under two minutes")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results"), help="folder of <date>.json")
     args = parser.parse_args(argv)
     size = SIZES["quick" if args.quick else "full"]
@@ -287,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                 conn.default_channel.queue_purge(name)
         print("starting the Procfile's web, writes, reads and callbacks, and their bare twins ...", flush=True)
         with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay, Stack(data_dir) as stack:
-            results = measure(stack, relay, size, args.full_chains)
+            results = measure(stack, relay, size, full_chains=not args.quick)
             assert relay.bad_signatures == 0
         info = machine()
         now = datetime.now(timezone.utc)
-        command = "python -m bench" + (" --quick" if args.quick else "") + (" --full-chains" if args.full_chains else "")
+        command = "python -m bench" + (" --quick" if args.quick else "")
         header = [
             "# voice-tools benchmark", "",
             f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; command: `.venv/bin/{command}` "
