@@ -3,6 +3,7 @@
 Call ``i`` (1..calls) is ``tc_s`` + 9 hex digits of ``i``, in session ``seed_<i % sessions>``,
 of the bench's caller; one in 20 is still open (PENDING), the others COMPLETED with a
 result, a sentence and a created time spread over the last ``calls`` seconds; then ANALYZE.
+Seeding a database seeded before (``DATABASE_URL`` given) adds nothing.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ SELECT 'tc_s' || lpad(to_hex(i), 9, '0'), 'seed_' || (i % :sessions), 'search_co
        CASE WHEN i % 20 = 0 THEN NULL ELSE jsonb_build_object('contacts', jsonb_build_array()) END,
        CASE WHEN i % 20 = 0 THEN NULL ELSE 'No contact found.' END
 FROM generate_series(1, :calls) AS i
+ON CONFLICT (tool_call_id) DO NOTHING
 """)
 
 
