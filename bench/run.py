@@ -1,53 +1,53 @@
-"""How fast a call goes through voice-tools, against bare Celery and bare Flask.
+"""How fast a call goes through voice-tools, against bare Flask and bare Celery, in one run.
 
-    .venv/bin/python bench/run.py [--runs 100] [--warmup 10] [--api-runs 300]
+    .venv/bin/python -m bench [--quick]        (or .venv/bin/python bench/run.py [--quick])
 
-In one run, on one broker, one database and one worker:
+It starts the API under gunicorn from the Procfile's ``web`` line and the ``writes``,
+``reads`` and ``callbacks`` workers from theirs (``bench/stack.py``), beside their floors:
+the same ``web`` line serving a bare Flask app doing the one statement each endpoint
+needs (``bench/bare.py``), and the ``reads`` line consuming bare chains of no-op tasks
+(``bench/noop.py``). Requests go over real HTTP (``requests``, one keep-alive session
+per client; ``bench/load.py``), the API and its floor asked alternately by each client.
+It measures:
 
-(a) every read tool of the registry (no checkpoint; e.g. query_vector_db: QUERYING,
-    SEARCHING, STORE_CONTEXT, COMPLETED) with its declared ``example`` parameters on the
-    local backends and the demo data, timed from the API's ``POST /voice-tools/confirm/<id>``
-    (Flask test client) to the ``completed`` callback arriving at a local relay (a real
-    HTTP server checking signatures, ``tests/relay.py``); the call is recorded beforehand
-    with ``POST /voice-tools/pending`` (not timed);
-(b) a bare Celery chain of as many no-op tasks (``bench/noop.py``) as the tool has steps,
-    with the same task options, timed from ``apply_async`` to the last task's signed POST
-    arriving at the same relay;
-(a') ``send_email`` from the API's confirm to its ``checkpoint`` callback (the time from the
-    caller's "yes" to the assistant reading the draft back), against a bare chain of 2
-    no-op tasks (its links before the checkpoint: PREPARING, READY_TO_SEND);
-(c) the median latency of ``POST /voice-tools/pending`` and ``GET /voice-tools/status``
-    through the Flask test client, against a bare Flask app answering a constant JSON,
-    and against a bare Flask app doing the one statement each needs (an ``INSERT ...
-    RETURNING`` of a ``tool_calls`` row, a ``SELECT`` of it) with SQLAlchemy Core.
+(1) ``pending``, ``confirm`` (of a send_email call), ``status`` and ``context``: p50 and
+    p99, one client after another and 16 clients at once, against the floor;
+(2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
+    and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
+    tool) against a bare chain of as many links, the callbacks arriving at a local relay
+    (``tests/relay.py``, checking signatures); the two sides alternate call by call;
+(3) calls/s of that read tool (pending + confirm by 16 clients, until every ``completed``
+    callback) against bare chains/s of as many links;
+(4) ``context`` and ``status`` p50 with 100,000 calls over 10,000 sessions in the table
+    (``bench/scale.py``: one INSERT ... SELECT generate_series), against the floor.
 
-(a) and (b) alternate call by call so both see the same machine; both run on the same
-real worker subprocess (``celery -A tasks worker --pool prefork -c 2``, consuming the
-read tools' queues, callbacks and bench.noop). Warm-up runs are excluded.
-``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into that
-database); otherwise embedded servers are started under a temporary folder and
-removed afterwards. Results are printed and written to ``bench/RESULTS.md``.
+``--quick`` does the same with fewer samples, in under two minutes; it never asserts a
+time. ``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into
+that database); otherwise embedded servers are started under a temporary folder and
+removed afterwards. The table is printed and written with the machine and versions to
+``bench/results/<date>.json`` (and, without ``--quick``, to ``bench/RESULTS.md``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import servers  # noqa: E402
+from bench import load  # noqa: E402
 
 API_TOKEN = "bench-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
@@ -78,13 +78,6 @@ def configure_environment() -> None:
 
 # -- statistics ----------------------------------------------------------------------
 
-def summary(samples_s: list[float]) -> dict[str, float]:
-    ms = [s * 1000 for s in samples_s]
-    return {"n": len(ms), "median": statistics.median(ms),
-            "p95": statistics.quantiles(ms, n=100, method="inclusive")[94],
-            "min": min(ms), "max": max(ms)}
-
-
 def timed(operation: Callable[[], Any]) -> float:
     started = time.perf_counter()
     operation()
@@ -104,11 +97,11 @@ def read_tools() -> list[Any]:
 class ChainBench:
     until, status = "completed", "COMPLETED"  # the event timed, and the call's status in it
 
-    def __init__(self, client: Any, relay: Any, tool: Any):
+    def __init__(self, api: str, relay: Any, tool: Any):
         from bench import noop
         from celery import chain
 
-        self.client = client
+        self.api = api  # the API's base URL
         self.relay = relay
         self.tool = tool
         self.links = len(tool.steps)
@@ -116,29 +109,41 @@ class ChainBench:
         self._noop = noop.noop
 
     def engine_once(self) -> float:
-        created = self.client.post("/voice-tools/pending", headers=AUTH, json={
-            "session_id": "bench", "function": self.tool.name, "parameters": dict(self.tool.example),
-            "callback_url": self.relay.url})
-        assert created.status_code == 201, created.get_json()
-        tool_call_id = created.get_json()["tool_call_id"]
+        tool_call_id = self.record()
 
         def run() -> None:
-            confirmed = self.client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
-            assert confirmed.status_code == 202, confirmed.get_json()
+            load.call("POST", f"{self.api}/voice-tools/confirm/{tool_call_id}", 202, headers=AUTH)
             done = self.relay.wait_for(tool_call_id, self.until, timeout=60)
             assert done["status"] == self.status and (done["result"] or self.until != "completed"), done
 
         return timed(run)
 
-    def bare_once(self) -> float:
+    def record(self, _i: int = 0) -> str:
+        """POST pending of the tool's example, the relay as its callback URL; its id."""
+        _s, created = load.call("POST", f"{self.api}/voice-tools/pending", 201, headers=AUTH, json={
+            "session_id": "bench", "function": self.tool.name, "parameters": dict(self.tool.example),
+            "callback_url": self.relay.url})
+        return created["tool_call_id"]
+
+    def start(self, i: int = 0) -> str:
+        """Record and confirm a call (untimed): its id."""
+        tool_call_id = self.record()
+        load.call("POST", f"{self.api}/voice-tools/confirm/{tool_call_id}", 202, headers=AUTH)
+        return tool_call_id
+
+    def start_bare(self, _i: int = 0) -> str:
+        """Send a bare chain of as many links, the last one posting ``completed`` to the relay: its key."""
         key = "bare_" + uuid.uuid4().hex[:12]
         links = [self._noop.si(key) for _ in range(self.links - 1)] + [self._noop.si(key, self.relay.url)]
+        self._chain(*links).apply_async()
+        return key
 
-        def run() -> None:
-            self._chain(*links).apply_async()
-            self.relay.wait_for(key, "completed", timeout=60)
+    def bare_once(self) -> float:
+        return timed(lambda: self.relay.wait_for(self.start_bare(), "completed", timeout=60))
 
-        return timed(run)
+    def wait_all(self, keys: list[str]) -> None:
+        for key in keys:
+            self.relay.wait_for(key, "completed", timeout=300)
 
     def run(self, runs: int, warmup: int) -> tuple[list[float], list[float]]:
         return alternate(self.engine_once, self.bare_once, runs, warmup)
@@ -149,11 +154,11 @@ class CheckpointBench(ChainBench):
 
     until, status = "checkpoint", "PREPARED"
 
-    def __init__(self, client: Any, relay: Any):
+    def __init__(self, api: str, relay: Any):
         from tasks import tools
 
         tool = tools.TOOLS["send_email"]
-        super().__init__(client, relay, tool)
+        super().__init__(api, relay, tool)
         self.links = [step.checkpoint for step in tool.steps].index(True) + 1
 
 
@@ -167,88 +172,6 @@ def alternate(engine_once: Callable[[], float], bare_once: Callable[[], float], 
             engine.append(e)
             bare.append(b)
     return engine, bare
-
-
-# -- (c): the API against a bare Flask app ------------------------------------------------
-
-def bare_flask() -> Any:
-    from flask import Flask
-
-    bare = Flask("bare")
-    constant = {"tool_call_id": "tc_000000000000", "status": "PENDING", "message": "Constant."}
-
-    @bare.post("/voice-tools/pending")
-    def pending() -> Any:
-        return constant, 201
-
-    @bare.get("/voice-tools/status/<tool_call_id>")
-    def status(tool_call_id: str) -> Any:
-        return constant
-
-    return bare.test_client()
-
-
-def bare_flask_sql() -> Any:
-    """A bare Flask app doing the one statement each request needs, with SQLAlchemy Core on the
-    same engine: INSERT ... RETURNING a ``tool_calls`` row; SELECT it by id."""
-    import secrets
-
-    from flask import Flask, request
-    from sqlalchemy import insert, select
-
-    from models import db
-    from models.calls import ToolCall
-
-    calls = ToolCall.__table__
-    engine = db.engine()
-    bare = Flask("bare_sql")
-
-    @bare.post("/voice-tools/pending")
-    def pending() -> Any:
-        body = request.get_json()
-        with engine.begin() as conn:
-            row = conn.execute(insert(calls).values(
-                tool_call_id="tc_" + secrets.token_hex(6), session_id=body["session_id"],
-                function_name=body["function"], action_level="write", parameters=body["parameters"],
-            ).returning(calls.c.tool_call_id, calls.c.status, calls.c.parameters)).one()
-        return {"tool_call_id": row.tool_call_id, "status": row.status, "parameters": row.parameters}, 201
-
-    @bare.get("/voice-tools/status/<tool_call_id>")
-    def status(tool_call_id: str) -> Any:
-        with engine.begin() as conn:
-            row = conn.execute(select(calls).where(calls.c.tool_call_id == tool_call_id)).one()
-        return {"tool_call_id": row.tool_call_id, "status": row.status, "parameters": row.parameters}
-
-    return bare.test_client()
-
-
-def api_bench(client: Any, runs: int, warmup: int) -> dict[str, list[float]]:
-    bare = bare_flask()
-    bare_sql = bare_flask_sql()
-    results: dict[str, list[float]] = {k: [] for k in ("pending", "bare_pending", "sql_pending", "status",
-                                                       "bare_status", "sql_status")}
-    for i in range(warmup + runs):
-        body = {"session_id": "bench_api", "function": "send_email",
-                "parameters": {"to": f"bench{i}@example.com", "subject": "Bench"}}
-        answers: dict[str, Any] = {}
-        samples = {
-            "pending": timed(lambda: answers.update(p=client.post("/voice-tools/pending", headers=AUTH, json=body))),
-            "bare_pending": timed(lambda: bare.post("/voice-tools/pending", headers=AUTH, json=body)),
-            "sql_pending": timed(lambda: answers.update(q=bare_sql.post("/voice-tools/pending", headers=AUTH,
-                                                                         json=body))),
-        }
-        assert answers["q"].status_code == 201
-        assert answers["p"].status_code == 201, answers["p"].get_json()
-        tool_call_id = answers["p"].get_json()["tool_call_id"]
-        samples["status"] = timed(lambda: answers.update(
-            s=client.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH)))
-        samples["bare_status"] = timed(lambda: bare.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH))
-        samples["sql_status"] = timed(lambda: bare_sql.get(f"/voice-tools/status/{tool_call_id}", headers=AUTH))
-        assert answers["s"].status_code == 200, answers["s"].get_json()
-        if i >= warmup:
-            for name, value in samples.items():
-                results[name].append(value)
-    return results
 
 
 # -- the report -------------------------------------------------------------------------
@@ -275,7 +198,8 @@ def machine() -> dict[str, str]:
         "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
         "os": platform.platform(),
         "python": platform.python_version(),
-        "versions": f"celery {version('celery')}, flask {version('flask')}, sqlalchemy {version('sqlalchemy')}, "
+        "versions": f"celery {version('celery')}, flask {version('flask')}, gunicorn {version('gunicorn')}, "
+                    f"sqlalchemy {version('sqlalchemy')}, requests {version('requests')}, "
                     f"PostgreSQL {pg}, Redis {redis_version}",
         "load": "load average %.2f %.2f %.2f (1/5/15 min) at the end; the machine is shared" % os.getloadavg(),
         "servers": "given by DATABASE_URL/REDIS_URL" if os.environ.get("VOICE_TOOLS_BENCH_EXTERNAL")
@@ -283,140 +207,111 @@ def machine() -> dict[str, str]:
     }
 
 
-def row(name: str, s: dict[str, float]) -> str:
-    return f"| {name} | {s['n']} | {s['median']:.2f} | {s['p95']:.2f} | {s['min']:.2f} | {s['max']:.2f} |"
-
-
-def chain_rows(chains: dict[str, tuple[int, list[float], list[float]]]) -> list[str]:
-    lines = [
-        "| tool (links) | (a) voice-tools median | (a) p95 | (b) bare chain median | (b) p95 | (a)/(b) | overhead per link |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, (links, engine, bare) in chains.items():
-        e, b = summary(engine), summary(bare)
-        lines.append(f"| {name} ({links}) | {e['median']:.2f} | {e['p95']:.2f} | {b['median']:.2f} | {b['p95']:.2f} "
-                     f"| **{e['median'] / b['median']:.2f}x** | {(e['median'] - b['median']) / links:.2f} |")
-    return lines
-
-
-def report(args: argparse.Namespace, chains: dict[str, tuple[int, list[float], list[float]]],
-           api: dict[str, list[float]] | None, checkpoint: tuple[int, list[float], list[float]] | None = None) -> str:
-    info = machine()
-    lines = [
-        "# voice-tools benchmark",
-        "",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
-        f"- {info['versions']}; servers {info['servers']}",
-        f"- {info['load']}",
-        f"- command: `cd {ROOT} && .venv/bin/python bench/run.py --runs {args.runs} --warmup {args.warmup}"
-        f" --api-runs {args.api_runs}`",
-        "- worker: one `celery -A tasks worker --pool prefork --concurrency 2 -Q "
-        "<the read tools' queues>,tools.send_email,callbacks,bench.noop --include bench.noop` subprocess for both "
-        "sides; "
-        "(a) and (b) alternate call by call; warm-up runs excluded; local backends, demo data loaded",
-        "",
-        "## Chains: each read tool, from start to the completed signal at a local HTTP receiver (ms)",
-        "",
-        "(a) voice-tools: API confirm of the tool's `example` → `completed` callback; (b) a bare Celery chain "
-        "of as many no-op tasks: apply_async → last task's POST. "
-        f"{args.runs} timed runs of each, after {args.warmup} warm-up runs.",
-        "",
-        *chain_rows(chains),
-        "",
-        "Overhead per link = (median a - median b) / links. "
-        "What (a) does that (b) does not, per link: one conditional UPDATE to gate and claim the step, the "
-        "step itself (e.g. embedding the query, a vector search, an upsert into session_context), one "
-        "statement recording the output with the callback row, and the signed `progress` (or `completed`) "
-        "callback posted inline (an HTTP round trip to the relay; the UPDATE recording the attempt comes "
-        "after the next link is sent); plus the API's confirm (auth, one CAS to EXECUTING that records the "
-        "workflow id, enqueue).",
-        "",
-    ]
-    if checkpoint is not None:
-        lines += [
-            "## send_email: confirm → `checkpoint` callback (ms)",
-            "",
-            "(a) voice-tools: API confirm → the `checkpoint` callback at the relay (PREPARING, then "
-            "READY_TO_SEND); (b) a bare chain of as many no-op tasks, the last one posting.",
-            "",
-            *chain_rows({"send_email to checkpoint": checkpoint}),
-            "",
-        ]
-    if api is None:
-        lines += ["## API", "", "TODO: app/ has no `create_app` yet; (c) not measured.", ""]
-    else:
-        s = {k: summary(v) for k, v in api.items()}
-        lines += [
-            "## API through the Flask test client, against a bare Flask app answering a constant JSON (ms)",
-            "",
-            "| request | n | median | p95 | min | max |",
-            "|---|---|---|---|---|---|",
-            row("POST /voice-tools/pending (voice-tools)", s["pending"]),
-            row("POST /voice-tools/pending (bare Flask)", s["bare_pending"]),
-            row("GET /voice-tools/status/{id} (voice-tools)", s["status"]),
-            row("GET /voice-tools/status/{id} (bare Flask)", s["bare_status"]),
-            row("POST /voice-tools/pending (bare Flask + one INSERT, SQLAlchemy Core)", s["sql_pending"]),
-            row("GET /voice-tools/status/{id} (bare Flask + one SELECT, SQLAlchemy Core)", s["sql_status"]),
-            "",
-            f"Against the bare Flask app doing the same statement: pending "
-            f"**{s['pending']['median'] / s['sql_pending']['median']:.2f}x**, status "
-            f"**{s['status']['median'] / s['sql_status']['median']:.2f}x** (medians).",
-            "",
-            f"Median overhead: pending **{s['pending']['median'] - s['bare_pending']['median']:.2f} ms** "
-            f"(validation, auth, one INSERT ... ON CONFLICT ... RETURNING, serialisation); status "
-            f"**{s['status']['median'] - s['bare_status']['median']:.2f} ms** (one SELECT, serialisation).",
-            "",
-        ]
-    return "\n".join(lines)
-
 
 # -- main ---------------------------------------------------------------------------------
 
+SIZES = {  # samples of each kind: quick (under two minutes) and full
+    "quick": {"api_runs": 60, "client_runs": 6, "chain_runs": 15, "warmup": 3, "calls": 48, "scale_runs": 60},
+    "full": {"api_runs": 400, "client_runs": 40, "chain_runs": 50, "warmup": 10, "calls": 300, "scale_runs": 400},
+}
+CLIENTS = 16
+SCALE_CALLS, SCALE_SESSIONS = 100_000, 10_000
+
+
+def four_step_read_tool() -> Any:
+    return min((tool for tool in read_tools() if len(tool.steps) == 4), key=lambda tool: tool.name)
+
+
+def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> dict[str, Any]:
+    from bench import api, report, scale
+
+    web, bare = stack.urls["web"], stack.urls["bare_web"]
+    results: dict[str, Any] = {"api": {}, "chains": {}}
+    pairs = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
+    for clients, runs in (("1", size["api_runs"]), ("16", size["client_runs"])):
+        print(f"API: {runs} requests of each kind per client, {clients} client(s) ...", flush=True)
+        results["api"][clients] = {name: report.summarize(load.run_pairs(pair, runs, int(clients), warmup=3))
+                                   for name, pair in pairs.items()}
+
+    read4 = ChainBench(web, relay, four_step_read_tool())
+    tools_to_run = read_tools() if full_chains else [read4.tool]
+    for bench in [CheckpointBench(web, relay)] + [ChainBench(web, relay, tool) for tool in tools_to_run]:
+        name = f"{bench.tool.name} → {bench.until} ({bench.links} links)"
+        print(f"{name}: {size['warmup']} warm-up + {size['chain_runs']} timed of each kind ...", flush=True)
+        engine, bare_chain = bench.run(size["chain_runs"], size["warmup"])
+        results["chains"][name] = report.summarize({"api": engine, "bare": bare_chain})
+        if isinstance(bench, CheckpointBench):
+            results["checkpoint"] = results["chains"][name]
+        elif bench.tool is read4.tool:
+            results["read4"] = results["chains"][name]
+
+    print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients ...",
+          flush=True)
+    results["throughput"] = {
+        "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare "
+                f"{read4.links}-link chains",
+        "api": load.throughput(read4.start, read4.wait_all, size["calls"], CLIENTS),
+        "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS)}
+
+    print(f"seeding {SCALE_CALLS:,} calls over {SCALE_SESSIONS:,} sessions ...", flush=True)
+    seconds = scale.seed(SCALE_CALLS, SCALE_SESSIONS)
+    results["scale"] = {"seeded": {"calls": SCALE_CALLS, "sessions": SCALE_SESSIONS, "seconds": round(seconds, 2)}}
+    spread = 7919  # a prime: request i reads call/session i * spread, all over the table
+    results["scale"]["context"] = report.summarize(load.run_pairs(api.context(
+        web, bare, lambda i: scale.session_id(i * spread, SCALE_SESSIONS)), size["scale_runs"], warmup=3))
+    results["scale"]["status"] = report.summarize(load.run_pairs(api.status(
+        web, bare, lambda i: scale.call_id(1 + (i * spread) % SCALE_CALLS)), size["scale_runs"], warmup=3))
+    results["goals"] = report.goals(results)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=50, help="timed chains of each kind, per tool (default 50)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed chains of each kind first (default 10)")
-    parser.add_argument("--api-runs", type=int, default=300, help="timed API requests of each kind (default 300)")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "RESULTS.md"))
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer samples, and of the read tools only the 4-step one: under two minutes")
+    parser.add_argument("--results", default=str(ROOT / "bench" / "results"), help="folder of <date>.json")
     args = parser.parse_args(argv)
+    size = SIZES["quick" if args.quick else "full"]
+    started = time.monotonic()
 
     with bench_servers("voice-tools-bench-") as data_dir:
-        from app import create_app
-        from tasks import app
-        from tests.relay import Relay
-        from tests.worker_process import WorkerProcess
-
+        from bench import report
+        from bench.stack import Stack
+        from tasks import app, tools
         from tasks.backends import load_demo
+        from tests.relay import Relay
 
         load_demo()
-        tools_to_run = read_tools()
-        from tasks import tools
-
-        queues = [tool.queue for tool in tools_to_run] + [tools.TOOLS["send_email"].queue, "callbacks", "bench.noop"]
-        with app.connection_for_write() as conn:
-            for name in queues:
+        with app.connection_for_write() as conn:  # nothing left over from an earlier run on these servers
+            for name in [tool.queue for tool in tools.TOOLS.values()] + ["callbacks", "bench.noop"]:
                 conn.default_channel.queue_purge(name)
-        client = create_app().test_client()
-        with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay, \
-                WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=data_dir, name="bench",
-                              include=["bench.noop"]):
-            chains = {}
-            for tool in tools_to_run:
-                print(f"{tool.name}: {args.warmup} warm-up + {args.runs} timed chains of each kind ...", flush=True)
-                bench = ChainBench(client, relay, tool)
-                chains[tool.name] = (bench.links, *bench.run(args.runs, args.warmup))
-            print(f"send_email to its checkpoint: {args.warmup} warm-up + {args.runs} timed of each kind ...",
-                  flush=True)
-            checkpoint_bench = CheckpointBench(client, relay)
-            checkpoint = (checkpoint_bench.links, *checkpoint_bench.run(args.runs, args.warmup))
-            print(f"API: {args.api_runs} timed requests of each kind ...", flush=True)
-            api = api_bench(client, args.api_runs, max(args.api_runs // 10, 10))
+        print("starting the Procfile's web, writes, reads and callbacks, and their bare twins ...", flush=True)
+        with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay, Stack(data_dir) as stack:
+            results = measure(stack, relay, size, full_chains=not args.quick)
             assert relay.bad_signatures == 0
-        text = report(args, chains, api, checkpoint)
-        Path(args.output).write_text(text)
+        info = machine()
+        now = datetime.now(timezone.utc)
+        command = "python -m bench" + (" --quick" if args.quick else "")
+        header = [
+            "# voice-tools benchmark", "",
+            f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; command: `.venv/bin/{command}` "
+            f"({time.monotonic() - started:.0f} s)",
+            f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
+            f"- {info['versions']}; servers {info['servers']}",
+            f"- {info['load']}",
+            "- the Procfile's web line (gunicorn) and worker lines, each with its floor started the same way; "
+            "p50/p99 of each side in ms; only the ratios of one run mean anything on a shared machine",
+        ]
+        text = report.table(results, header)
+        out = Path(args.results) / f"{now.strftime('%Y-%m-%d')}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"date": now.isoformat(timespec="seconds"), "command": command,
+                                   "machine": info, "sizes": size, "results": results, "table": text},
+                                  indent=1, ensure_ascii=False) + "\n")
+        if not args.quick:
+            (ROOT / "bench" / "RESULTS.md").write_text(text)
         print(text)
-        print(f"written to {args.output}")
+        print(f"written to {out}")
         return 0
 
 

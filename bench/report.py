@@ -1,0 +1,65 @@
+"""The benchmark's table and goals, from one run's samples (seconds) and rates (per second)."""
+from __future__ import annotations
+
+from typing import Any
+
+from bench.load import summary
+
+# (goal, how it is computed from the results, target, "max" or "min")
+GOALS = (
+    ("pending p50 vs floor (1 client)", lambda r: _ratio(r["api"]["1"]["pending"]), 1.5, "max"),
+    ("confirm → checkpoint p50 vs bare 2-link chain", lambda r: _ratio(r["checkpoint"]), 1.3, "max"),
+    ("confirm → completed p50 (4-step read) vs bare 4-link chain", lambda r: _ratio(r["read4"]), 1.3, "max"),
+    ("calls/s vs bare chains/s", lambda r: r["throughput"]["api"] / r["throughput"]["bare"], 0.8, "min"),
+    ("context p50 at 100k calls vs floor", lambda r: _ratio(r["scale"]["context"]), 2.0, "max"),
+    ("worst p99 / p50 at 16 clients (API)", lambda r: max(
+        s["api"]["p99"] / s["api"]["p50"] for s in r["api"]["16"].values()), 5.0, "max"),
+)
+
+
+def _ratio(pair: dict[str, dict[str, float]]) -> float:
+    return pair["api"]["p50"] / pair["bare"]["p50"]
+
+
+def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {side: summary(values) for side, values in samples.items()}
+
+
+def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for name, compute, target, kind in GOALS:
+        value = compute(results)
+        out.append({"goal": name, "value": round(value, 3), "target": target, "kind": kind,
+                    "met": value <= target if kind == "max" else value >= target})
+    return out
+
+
+def _pair_row(name: str, pair: dict[str, dict[str, float]]) -> str:
+    a, b = pair["api"], pair["bare"]
+    return (f"| {name} | {a['n']} | {a['p50']:.2f} | {a['p99']:.2f} | {b['p50']:.2f} | {b['p99']:.2f} "
+            f"| **{a['p50'] / b['p50']:.2f}x** |")
+
+
+def table(results: dict[str, Any], header: list[str]) -> str:
+    head = "| what | n | voice-tools p50 | p99 | floor p50 | p99 | p50 ratio |\n|---|---|---|---|---|---|---|"
+    lines = [*header, "", "## API over HTTP (gunicorn, the Procfile's web line) against a bare Flask app doing "
+             "the same statement (ms)", "", head]
+    for clients in ("1", "16"):
+        for endpoint, pair in results["api"][clients].items():
+            lines.append(_pair_row(f"{endpoint}, {clients} client{'s' if clients != '1' else ''}", pair))
+    seeded = results["scale"]["seeded"]
+    for endpoint in ("context", "status"):
+        lines.append(_pair_row(f"{endpoint}, {seeded['calls']:,} calls over {seeded['sessions']:,} sessions",
+                               results["scale"][endpoint]))
+    lines += ["", "## Chains: confirm → callback at a local relay, against a bare Celery chain of as many "
+              "no-op links (ms)", "", head]
+    for name, pair in results["chains"].items():
+        lines.append(_pair_row(name, pair))
+    t = results["throughput"]
+    lines += ["", "## Throughput", "", "| what | voice-tools | bare | ratio |", "|---|---|---|---|",
+              f"| {t['what']} | {t['api']:.1f}/s | {t['bare']:.1f}/s | **{t['api'] / t['bare']:.2f}x** |",
+              "", "## Goals (ratios of this run)", "", "| goal | measured | target | met |", "|---|---|---|---|"]
+    for g in results["goals"]:
+        sign = "≤" if g["kind"] == "max" else "≥"
+        lines.append(f"| {g['goal']} | {g['value']:.2f} | {sign} {g['target']} | {'yes' if g['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,108 @@
+"""The Procfile's processes for the benchmark, and their bare twins.
+
+Each process is its Procfile line run by ``bash -c`` as honcho runs it, in the
+environment ``voice-tools run`` gives them (``launcher.run_environment``), in its own
+process group, its output in a file of the data folder:
+
+- ``web``: the API under gunicorn, as in production (its workers and threads);
+- ``bare_web``: the same line serving ``bench.bare:create_app()`` (the floor);
+- ``writes``, ``reads``, ``callbacks``: the worker lines, as written;
+- ``bare``: the ``reads`` line consuming ``bench.noop`` instead of the reads' queues
+  (same pool, same concurrency), for the bare chains.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from tests.procs import ROOT, free_port, kill_group, process_family
+from tests.system import procfile_lines
+
+WORKERS = ("writes", "reads", "callbacks", "bare")
+
+
+def commands() -> dict[str, str]:
+    lines = procfile_lines()
+    web, reads = lines["web"], lines["reads"]
+    bare_web = web.replace("'app:create_app()'", "'bench.bare:create_app()'")
+    bare = reads.replace("--hostname reads@%h", "--hostname bare@%h").replace(
+        "--group reads", "--queues bench.noop --include bench.noop")
+    assert bare_web != web and bare.count("bench.noop") == 2, "the Procfile's web or reads line changed"
+    return {"web": web, "bare_web": bare_web, "writes": lines["writes"], "reads": reads,
+            "callbacks": lines["callbacks"], "bare": bare}
+
+
+class Stack:
+    """Start with :meth:`start` (waits until every web answers and every worker pings), stop with :meth:`stop`."""
+
+    def __init__(self, data_dir: Path):
+        from launcher import run_environment
+
+        self.dir = data_dir
+        self.env, _filled = run_environment(data_dir / "data")
+        self.env["PYTHONPATH"] = str(ROOT)  # this checkout's code (and bench/) in every process
+        self.ports = {"web": free_port(), "bare_web": free_port()}
+        self.urls = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
+        self.commands = commands()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, timeout: float = 120.0) -> "Stack":
+        for name, command in self.commands.items():
+            env = dict(self.env, PORT=str(self.ports.get(name, 0)))
+            with open(self.dir / f"{name}.log", "ab") as log:
+                self.procs[name] = subprocess.Popen(
+                    ["bash", "-c", f"exec {command}"], cwd=ROOT, env=env, start_new_session=True,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Each web answers ``/healthz``, then every worker answers a ping."""
+        from tasks import app
+
+        deadline = time.monotonic() + timeout
+        for name in ("web", "bare_web"):
+            self._until(lambda: self._answers(self.urls[name]), name, deadline)
+        silent = set(WORKERS)
+
+        def pinged() -> bool:
+            silent.difference_update(host.split("@")[0] for reply in app.control.ping(timeout=1.0) or []
+                                     for host in reply)
+            return not silent
+
+        self._until(pinged, "the workers", deadline)
+
+    def _until(self, check: Any, what: str, deadline: float) -> None:
+        while not check():
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not ready in time\n" + "\n".join(
+                    f"--- {name}\n{self.log(name)[-1500:]}" for name in self.procs))
+            time.sleep(0.3)
+
+    @staticmethod
+    def _answers(url: str) -> bool:
+        try:
+            return requests.get(f"{url}/healthz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log(self, name: str) -> str:
+        return (self.dir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            kill_group(proc, process_family(proc.pid))
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
