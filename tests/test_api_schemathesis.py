@@ -134,8 +134,8 @@ def to_relay(body: Any, relay_url: str) -> Any:
         for key in ("callback_url", "callback_urls"):
             if isinstance(body.get(key), str):
                 body[key] = relay_url
-            elif isinstance(body.get(key), dict):
-                body[key] = {event: relay_url for event in body[key]}
+            elif isinstance(body.get(key), dict):  # only the URLs: a value of another type stays (a negative case)
+                body[key] = {event: relay_url if isinstance(url, str) else url for event, url in body[key].items()}
     return body
 
 
