@@ -17,7 +17,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from werkzeug.exceptions import HTTPException
 
 from app import schemas
-from models import lifecycle
+from models import lifecycle, queries
 from tasks import chains, tools
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def api_error(exc: Exception) -> ApiError | None:
         return exc
     if isinstance(exc, ValidationError):
         return validation_error(exc.messages, _known_tools(exc.messages))
-    if isinstance(exc, lifecycle.NotFound):
+    if isinstance(exc, queries.NotFound):
         return not_found(exc.tool_call_id)
     if isinstance(exc, lifecycle.Refused):
         return refused(exc)
@@ -132,7 +132,7 @@ def response(err: ApiError):
     return jsonify(payload(err)), err.status, err.headers
 
 
-KNOWN = (ApiError, ValidationError, lifecycle.NotFound, lifecycle.Refused, lifecycle.IdTaken,
+KNOWN = (ApiError, ValidationError, queries.NotFound, lifecycle.Refused, lifecycle.IdTaken,
          chains.BrokerUnavailable, chains.UnknownTool, OperationalError, InterfaceError)
 
 

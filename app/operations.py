@@ -13,7 +13,7 @@ on either face.
 Callers are fenced from each other (CONTRACT section 5): every operation takes the
 :class:`app.auth.Caller` asking (None: unscoped, as the operator CLI is) and sees only
 that caller's calls, session context and events, unless it is an admin. Another
-caller's call is :class:`lifecycle.NotFound`, the same 404 as an unknown id, and nothing
+caller's call is :class:`queries.NotFound`, the same 404 as an unknown id, and nothing
 of it changes: an action checks ownership first, which cannot go stale because a call's
 ``caller`` is written once, when it is recorded.
 """
@@ -29,8 +29,9 @@ from app.auth import Caller
 from app.errors import ApiError, validation_error
 from app.toolspec import definitions
 from app.wait import until_settled
-from models import db, lifecycle
+from models import db, lifecycle, queries
 from models.calls import PENDING, ToolCall
+from models.session_context import get_context
 from tasks import callbacks, chains, tools
 
 Answer = tuple[dict[str, Any], int]
@@ -59,9 +60,9 @@ def _scope(caller: Caller | None) -> str | None:
 
 
 def _owned(tool_call_id: str, caller: Caller | None) -> None:
-    """:class:`lifecycle.NotFound` unless the call exists and is the caller's (or the caller is an admin)."""
+    """:class:`queries.NotFound` unless the call exists and is the caller's (or the caller is an admin)."""
     with db.statement() as s:
-        _logged(lifecycle.get(s, tool_call_id, caller=_scope(caller)))
+        _logged(queries.get(s, tool_call_id, caller=_scope(caller)))
 
 
 def _logged(call: ToolCall) -> ToolCall:
@@ -78,7 +79,7 @@ def _check_reference_context(s, session_id: str, parameters: dict[str, Any], own
     """``reference_context`` must name an unexpired session_context row of the session, of the
     call's own caller (``owner``), the one the email's link will read."""
     key = parameters.get("reference_context")
-    if key and lifecycle.get_context(s, session_id, key, caller=owner or "") is None:
+    if key and get_context(s, session_id, key, caller=owner or "") is None:
         raise validation_error({"parameters": {"reference_context": [
             f"No context {key!r} for session {session_id} (missing or expired)."]}})
 
@@ -195,7 +196,7 @@ def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None
     patch = inputs.load(schemas.ModifyRequest, body)["parameters"]
     for attempt in range(MODIFY_ATTEMPTS):
         with db.session() as s:
-            call = lifecycle.get(s, tool_call_id, caller=_scope(caller))
+            call = queries.get(s, tool_call_id, caller=_scope(caller))
             if call.status != PENDING:
                 raise ApiError(409, "invalid_status", f"Cannot modify a call that is {call.status}.",
                                {"status": call.status, "tool_call_id": tool_call_id})
@@ -264,7 +265,7 @@ def status(tool_call_id: Any, caller: Caller | None = None) -> Answer:
     """GET /voice-tools/status/{id}: the whole record of a call."""
     tool_call_id = _tool_call_id(tool_call_id)
     with db.statement() as s:
-        call = _logged(lifecycle.get(s, tool_call_id, caller=_scope(caller)))
+        call = _logged(queries.get(s, tool_call_id, caller=_scope(caller)))
     return schemas.instance(schemas.CallRecord).dump(call), 200
 
 
@@ -274,7 +275,7 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
     session_id = _session_id(session_id)
     limit = inputs.load(schemas.ContextQuery, query)["limit"]
     with db.statement() as s:
-        open_calls, recent = lifecycle.session_calls(s, session_id, limit, caller=_scope(caller))
+        open_calls, recent = queries.session_calls(s, session_id, limit, caller=_scope(caller))
     answer = {"session_id": session_id, "pending": open_calls, "recent": recent}
     return schemas.instance(schemas.ContextAnswer).dump(answer), 200
 
@@ -282,7 +283,7 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
 def _stored_context(query: dict[str, Any], caller: Caller | None):
     loaded = inputs.load(schemas.SessionContextQuery, query)
     with db.session() as s:
-        found = lifecycle.get_context(s, loaded["session_id"], loaded["context_key"], caller=_scope(caller))
+        found = get_context(s, loaded["session_id"], loaded["context_key"], caller=_scope(caller))
     if found is None:
         raise ApiError(404, "not_found", "Not found or expired", dict(loaded))
     return found

@@ -15,7 +15,7 @@ import time
 
 from sqlalchemy.exc import DBAPIError
 
-from models import db, lifecycle
+from models import db, queries
 from models.calls import PREPARED, TERMINAL, ToolCall
 
 SETTLED = (PREPARED, *TERMINAL)
@@ -62,5 +62,5 @@ def until_settled(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
     finally:
         proxy.close()
     with db.session() as s:
-        call = lifecycle.get(s, tool_call_id)
+        call = queries.get(s, tool_call_id)
     return call, call.status in SETTLED

@@ -10,7 +10,7 @@ schema, no log context:
   the compare-and-set PENDING → EXECUTING) and one message published (a no-op link);
 - ``GET /voice-tools/status/<id>``: a ``SELECT`` of the row;
 - ``GET /voice-tools/context/<session>``: the context's own statement
-  (``lifecycle.session_calls``), its rows as JSON.
+  (``queries.session_calls``), its rows as JSON.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 def create_app() -> Flask:
     from bench import noop
-    from models import db, lifecycle
+    from models import db, lifecycle, queries
     from models.calls import ToolCall
 
     calls = ToolCall.__table__
@@ -65,7 +65,7 @@ def create_app() -> Flask:
     @bare.get("/voice-tools/context/<session_id>")
     def context(session_id: str) -> Any:
         with engine.begin() as conn:
-            open_calls, recent = lifecycle.session_calls(conn, session_id, CONTEXT_LIMIT, caller=CALLER)
+            open_calls, recent = queries.session_calls(conn, session_id, CONTEXT_LIMIT, caller=CALLER)
         return _json({"session_id": session_id, "pending": [dict(r._mapping) for r in open_calls],
                       "recent": [dict(r._mapping) for r in recent]})
 

@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 from sqlalchemy import Connection, Engine, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
 
+Executor = Session | Connection  # what a statement runs on: a session, or db.statement()'s connection
+
 _engine: Engine | None = None
 _factory: sessionmaker[Session] | None = None
 _current: ContextVar[Session | None] = ContextVar("voice_tools_session", default=None)

@@ -14,25 +14,21 @@ event's number).
 """
 from __future__ import annotations
 
-import functools
 import secrets
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Protocol
 
 from sqlalchemy import (
     ColumnElement,
-    Connection,
     Integer,
     Row,
     and_,
     bindparam,
     cast,
-    delete,
     func,
     or_,
     select,
     true,
-    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import JSONB, insert
@@ -48,23 +44,17 @@ from models.calls import (
     EXPIRED,
     FAILED,
     MODIFIED,
-    OPEN,
     PENDING,
     PREPARED,
     TERMINAL,
-    SessionContext,
     ToolCall,
 )
+from models.db import Executor
+from models.queries import get, quiet_for, stale_where
 
 CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)
 DEFAULT_CANCEL_REASON = "Cancelled by user"
 EXPIRED_REASON = "Expired unanswered"
-
-
-class NotFound(LookupError):
-    def __init__(self, tool_call_id: str):
-        super().__init__(f"No tool call {tool_call_id!r}")
-        self.tool_call_id = tool_call_id
 
 
 class IdTaken(Exception):
@@ -138,7 +128,6 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
 
 
 CALLS = ToolCall.__table__
-Executor = Session | Connection
 
 
 class EventInsert(Protocol):
@@ -242,21 +231,9 @@ def _owned_by(caller: str | None) -> list[ColumnElement[bool]]:
     return [] if caller is None else [ToolCall.caller == caller]
 
 
-_GET_ANY = select(CALLS).where(ToolCall.tool_call_id == P_ID)
-_GET_OWN = _GET_ANY.where(ToolCall.caller == bindparam("p_caller", type_=String))
-
-
-def get(s: Executor, tool_call_id: str, caller: str | None = None) -> Row[Any]:
-    """The call (a Core row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
-    call = s.execute(_GET_ANY if caller is None else _GET_OWN, {"p_id": tool_call_id, "p_caller": caller}).one_or_none()
-    if call is None:
-        raise NotFound(tool_call_id)
-    return call
-
-
 def _refuse(s: Executor, tool_call_id: str, action: str, caller: str | None = None) -> Refused:
     """Build the reason a transition did not apply, from the row as it is now
-    (:class:`NotFound` if it is not ``caller``'s, when given)."""
+    (:class:`models.queries.NotFound` if it is not ``caller``'s, when given)."""
     call = get(s, tool_call_id, caller)
     if call.status in TERMINAL:
         return Refused("already_terminal", call, f"Cannot {action}: the call is already {call.status}.")
@@ -390,7 +367,7 @@ def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller",
     """PENDING → EXECUTING (one statement; a Core row); a ``callback_url`` / ``callback_urls``
     given now replace the recorded ones.
 
-    ``caller``: only that caller's call (another's is :class:`NotFound`, checked by the same
+    ``caller``: only that caller's call (another's is :class:`models.queries.NotFound`, checked by the same
     statement); ``workflow_id``: the id the chain will be enqueued with, recorded now;
     ``functions``: only a call of one of these tools (another stays PENDING: :class:`Refused`).
     """
@@ -580,47 +557,13 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
 
 # -- sweeps (beat) --------------------------------------------------------------
 
-def _stale(pending_ttl_s: int, prepared_ttl_s: int) -> ColumnElement[bool]:
-    """PENDING past its TTL (from creation), PREPARED past its TTL (from the checkpoint); never a
-    call past its point of no return (its effect may have happened: it is not "unanswered")."""
-    def older(column: Any, ttl: int) -> ColumnElement[bool]:
-        return column < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ttl)
-
-    return and_(
-        or_(and_(ToolCall.status == PENDING, older(ToolCall.created_at, pending_ttl_s)),
-            and_(ToolCall.status == PREPARED, older(ToolCall.prepared_at, prepared_ttl_s))),
-        ToolCall.committed_at.is_(None),
-    )
-
-
-def stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[str]:
-    """The calls :func:`expire` would expire now, oldest first (the sweep expires each in its own
-    transaction, together with its ``expired`` event)."""
-    return list(s.scalars(
-        select(ToolCall.tool_call_id).where(_stale(pending_ttl_s, prepared_ttl_s)).order_by(ToolCall.created_at)
-    ))
-
-
 def expire(s: Session, tool_call_id: str, *, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:
-    """PENDING/PREPARED → EXPIRED if still stale (:func:`stale`'s condition, checked by the statement)."""
+    """PENDING/PREPARED → EXPIRED if still stale (``queries.stale``'s condition, checked by the statement)."""
     return _transition(
         s, tool_call_id, from_statuses=(PENDING, PREPARED), to_status=EXPIRED, reason=EXPIRED_REASON,
-        extra_where=[_stale(pending_ttl_s, prepared_ttl_s)],
+        extra_where=[stale_where(pending_ttl_s, prepared_ttl_s)],
         completed_at=func.now(), error_message=EXPIRED_REASON,
     )
-
-
-def _quiet_for(older_than_s: int) -> ColumnElement[bool]:
-    # the latest sign of life (GREATEST skips NULLs): a call resumed after a long
-    # checkpoint wait is not stuck because its first step ran long ago
-    return (func.greatest(ToolCall.executed_at, ToolCall.resumed_at, ToolCall.confirmed_at)
-            < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s))
-
-
-def stuck_executing(s: Session, older_than_s: int) -> list[str]:
-    """Calls EXECUTING with no progress for ``older_than_s`` (their worker died)."""
-    stmt = select(ToolCall.tool_call_id).where(ToolCall.status == EXECUTING, _quiet_for(older_than_s))
-    return list(s.scalars(stmt).all())
 
 
 REDRIVEN_REASON = "Run again: its worker stopped after the point of no return"
@@ -638,7 +581,7 @@ def redrive(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int)
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=None,
         history=[_entry(EXECUTING, REDRIVEN_REASON)],
-        extra_where=[ToolCall.committed_at.is_not(None), _quiet_for(older_than_s),
+        extra_where=[ToolCall.committed_at.is_not(None), quiet_for(older_than_s),
                      ToolCall.redrives < max_redrives],
         resumed_at=func.now(), redrives=ToolCall.redrives + 1,
     )
@@ -653,66 +596,8 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
     """
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=FAILED, reason=error_message[:200],
-        extra_where=[ToolCall.committed_at.is_not(None), _quiet_for(older_than_s),
+        extra_where=[ToolCall.committed_at.is_not(None), quiet_for(older_than_s),
                      ToolCall.redrives >= max_redrives],
         error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )
-
-
-# -- reading --------------------------------------------------------------------
-
-@functools.cache
-def _session_calls(own: bool) -> Any:
-    def newest(statuses: tuple[str, ...]) -> Any:
-        where = [ToolCall.caller == bindparam("p_caller", type_=String)] if own else []
-        return (select(CALLS).where(ToolCall.session_id == bindparam("p_session", type_=String),
-                                    ToolCall.status.in_(statuses), *where)
-                .order_by(ToolCall.created_at.desc()).limit(bindparam("p_limit", type_=Integer)))
-
-    both = union_all(newest(OPEN).subquery().select(), newest(TERMINAL).subquery().select()).subquery()
-    return select(both).order_by(both.c.created_at.desc())
-
-
-def session_calls(s: Executor, session_id: str, limit: int,
-                  caller: str | None = None) -> tuple[list[Row[Any]], list[Row[Any]]]:
-    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
-    only ``caller``'s calls when given. One statement (built once); Core rows."""
-    rows = s.execute(_session_calls(caller is not None),
-                     {"p_session": session_id, "p_limit": limit, "p_caller": caller}).all()
-    return [r for r in rows if r.status in OPEN], [r for r in rows if r.status in TERMINAL]
-
-
-def put_context(s: Session, session_id: str, context_key: str, value: dict[str, Any], ttl_s: int,
-                caller: str | None = None) -> datetime:
-    """Store ``caller``'s value (the caller of the call storing it; '' for none)."""
-    stmt = (
-        insert(SessionContext)
-        .values(caller=caller or "", session_id=session_id, context_key=context_key, context_value=value,
-                expires_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, ttl_s))
-    )
-    stmt = stmt.on_conflict_do_update(
-        constraint="uq_session_context_key",
-        set_={"context_value": stmt.excluded.context_value, "expires_at": stmt.excluded.expires_at,
-              "created_at": func.now()},
-    ).returning(SessionContext.expires_at)
-    return s.scalars(stmt).one()
-
-
-def get_context(s: Session, session_id: str, context_key: str, caller: str | None = None) -> SessionContext | None:
-    """``caller``'s unexpired value ('' for a call with no caller); with ``caller`` None (an
-    operator), the newest of any caller's."""
-    owned = [] if caller is None else [SessionContext.caller == caller]
-    return s.scalars(
-        select(SessionContext).where(
-            SessionContext.session_id == session_id,
-            SessionContext.context_key == context_key,
-            (SessionContext.expires_at.is_(None)) | (SessionContext.expires_at > func.now()),
-            *owned,
-        ).order_by(SessionContext.created_at.desc()).limit(1)
-    ).one_or_none()
-
-
-def purge_expired_context(s: Session) -> int:
-    result = s.execute(delete(SessionContext).where(SessionContext.expires_at <= func.now()))
-    return result.rowcount or 0

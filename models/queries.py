@@ -1,17 +1,104 @@
-"""Read-only questions operators ask of the calls (``celery -A tasks calls ...``).
+"""Read-only questions of the calls: one call, a session's calls, the sweeps' selections,
+and what operators ask (``celery -A tasks calls ...``).
 
-Nothing here writes: cancelling goes through the state machine (``models/lifecycle.py``
-via ``tasks.chains.cancel``) and redelivering through ``tasks/callbacks.py``.
+Nothing here writes: every status change is a transition in ``models/lifecycle.py``
+(which re-checks a sweep's condition from here in its own statement), and redelivering
+goes through ``tasks/delivery.py``.
 """
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 from typing import Any, Iterable
 
-from sqlalchemy import Integer, and_, cast, func, select
+from sqlalchemy import ColumnElement, Integer, Row, and_, bindparam, cast, func, or_, select, union_all
 from sqlalchemy.orm import Session
+from sqlalchemy.types import String
 
-from models.calls import COMPLETED, FAILED, OPEN, STATUSES, CallbackDelivery, ToolCall
+from models.calls import (
+    COMPLETED, EXECUTING, FAILED, OPEN, PENDING, PREPARED, STATUSES, TERMINAL, CallbackDelivery, ToolCall,
+)
+from models.db import Executor
+
+CALLS = ToolCall.__table__
+
+
+class NotFound(LookupError):
+    def __init__(self, tool_call_id: str):
+        super().__init__(f"No tool call {tool_call_id!r}")
+        self.tool_call_id = tool_call_id
+
+
+# -- one call, a session's calls ------------------------------------------------
+
+_GET_ANY = select(CALLS).where(ToolCall.tool_call_id == bindparam("p_id", type_=String))
+_GET_OWN = _GET_ANY.where(ToolCall.caller == bindparam("p_caller", type_=String))
+
+
+def get(s: Executor, tool_call_id: str, caller: str | None = None) -> Row[Any]:
+    """The call (a Core row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
+    call = s.execute(_GET_ANY if caller is None else _GET_OWN, {"p_id": tool_call_id, "p_caller": caller}).one_or_none()
+    if call is None:
+        raise NotFound(tool_call_id)
+    return call
+
+
+@functools.cache
+def _session_calls(own: bool) -> Any:
+    def newest(statuses: tuple[str, ...]) -> Any:
+        where = [ToolCall.caller == bindparam("p_caller", type_=String)] if own else []
+        return (select(CALLS).where(ToolCall.session_id == bindparam("p_session", type_=String),
+                                    ToolCall.status.in_(statuses), *where)
+                .order_by(ToolCall.created_at.desc()).limit(bindparam("p_limit", type_=Integer)))
+
+    both = union_all(newest(OPEN).subquery().select(), newest(TERMINAL).subquery().select()).subquery()
+    return select(both).order_by(both.c.created_at.desc())
+
+
+def session_calls(s: Executor, session_id: str, limit: int,
+                  caller: str | None = None) -> tuple[list[Row[Any]], list[Row[Any]]]:
+    """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
+    only ``caller``'s calls when given. One statement (built once); Core rows."""
+    rows = s.execute(_session_calls(caller is not None),
+                     {"p_session": session_id, "p_limit": limit, "p_caller": caller}).all()
+    return [r for r in rows if r.status in OPEN], [r for r in rows if r.status in TERMINAL]
+
+
+# -- what the sweeps (beat) select ------------------------------------------------
+
+def stale_where(pending_ttl_s: int, prepared_ttl_s: int) -> ColumnElement[bool]:
+    """PENDING past its TTL (from creation), PREPARED past its TTL (from the checkpoint); never a
+    call past its point of no return (its effect may have happened: it is not "unanswered")."""
+    def older(column: Any, ttl: int) -> ColumnElement[bool]:
+        return column < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, ttl)
+
+    return and_(
+        or_(and_(ToolCall.status == PENDING, older(ToolCall.created_at, pending_ttl_s)),
+            and_(ToolCall.status == PREPARED, older(ToolCall.prepared_at, prepared_ttl_s))),
+        ToolCall.committed_at.is_(None),
+    )
+
+
+def stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[str]:
+    """The calls :func:`models.lifecycle.expire` would expire now, oldest first (the sweep expires each in its own
+    transaction, together with its ``expired`` event)."""
+    return list(s.scalars(
+        select(ToolCall.tool_call_id).where(stale_where(pending_ttl_s, prepared_ttl_s)).order_by(ToolCall.created_at)
+    ))
+
+
+def quiet_for(older_than_s: int) -> ColumnElement[bool]:
+    # the latest sign of life (GREATEST skips NULLs): a call resumed after a long
+    # checkpoint wait is not stuck because its first step ran long ago
+    return (func.greatest(ToolCall.executed_at, ToolCall.resumed_at, ToolCall.confirmed_at)
+            < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s))
+
+
+def stuck_executing(s: Session, older_than_s: int) -> list[str]:
+    """Calls EXECUTING with no progress for ``older_than_s`` (their worker died)."""
+    stmt = select(ToolCall.tool_call_id).where(ToolCall.status == EXECUTING, quiet_for(older_than_s))
+    return list(s.scalars(stmt).all())
+
 
 # Which deliveries an operator may send again: those with a URL that did not get through.
 REDELIVERABLE = ("failed", "pending")

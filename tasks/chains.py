@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 import logs
 from celeryconfig import queue
-from models import db, lifecycle
+from models import db, lifecycle, queries
 from models.calls import PENDING, CallbackDelivery, ToolCall
 from tasks import app, backends, base, callbacks, tools, worker_metrics
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
@@ -181,7 +181,7 @@ class Link(base.Task):
             error = f"Unexpected error in {self.step.name}: {type(exc).__name__}"
         try:
             with db.session() as s:
-                call = lifecycle.get(s, tool_call_id)  # what it had done, for the sentence
+                call = queries.get(s, tool_call_id)  # what it had done, for the sentence
             sentence = self.tool.failure_sentence(self.step, call.step_outputs, refused=False)
             fail_call(self.tool, tool_call_id, error, call.parameters, step=self.step.name, gate=self.index + 1,
                       sentence=sentence, only_at_step=True)  # the statement checks EXECUTING at this step
@@ -364,7 +364,7 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
             callback_urls: dict[str, str] | None = None, caller: str | None = None) -> ToolCall:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
-    ``caller``: only that caller's call (another's is ``lifecycle.NotFound``). The chain's
+    ``caller``: only that caller's call (another's is ``queries.NotFound``). The chain's
     id is chosen first and recorded by the transition itself (no statement after the send).
     If the broker refuses the chain, the call goes back to PENDING and
     :class:`BrokerUnavailable` is raised, unless its first link has begun: then the
@@ -415,7 +415,7 @@ def _published_after_all(tool_call_id: str) -> ToolCall:
     lost (a connection dropped after the write). Nothing to undo; the call as it is now."""
     log.warning("the publish for %s raised, but its chain is running: its answer was lost", tool_call_id)
     with db.session() as s:
-        return lifecycle.get(s, tool_call_id)
+        return queries.get(s, tool_call_id)
 
 
 def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False) -> ToolCall:
@@ -507,7 +507,7 @@ def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
 def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
     try:
         cancel(tool_call_id, reason)
-    except (lifecycle.Refused, lifecycle.NotFound) as exc:
+    except (lifecycle.Refused, queries.NotFound) as exc:
         log.info("relay asked to cancel %s: %s", tool_call_id, exc)
 
 

@@ -178,14 +178,14 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
 def show(ctx: click.Context, tool_call_id: str, as_json: bool) -> None:
     """One call: both histories, step outputs, result, and every callback attempt."""
     from app import schemas
-    from models import db, lifecycle, queries
+    from models import db, queries
 
     tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     _connect(ctx)
     with db.session() as s:
         try:
-            call = lifecycle.get(s, tool_call_id)
-        except lifecycle.NotFound:
+            call = queries.get(s, tool_call_id)
+        except queries.NotFound:
             _not_found(tool_call_id, as_json)
         sent = queries.deliveries(s, tool_call_id)
     if as_json:
@@ -246,9 +246,9 @@ def _error_body(exc: Exception) -> dict[str, Any]:
 
 
 def _not_found(tool_call_id: str, as_json: bool) -> None:
-    from models import lifecycle
+    from models import queries
 
-    body = _error_body(lifecycle.NotFound(tool_call_id))
+    body = _error_body(queries.NotFound(tool_call_id))
     if as_json:
         _json(body)
     else:
@@ -264,7 +264,7 @@ def _not_found(tool_call_id: str, as_json: bool) -> None:
 def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: bool) -> None:
     """Cancel a call before its point of no return, as DELETE /voice-tools/cancel/ID does."""
     from app import schemas
-    from models import lifecycle
+    from models import lifecycle, queries
     from tasks import chains
 
     tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
@@ -272,7 +272,7 @@ def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: b
     _connect(ctx, broker=True)  # the ``cancelled`` event goes out from the callbacks queue
     try:
         call = chains.cancel(tool_call_id, reason)
-    except lifecycle.NotFound:
+    except queries.NotFound:
         _not_found(tool_call_id, as_json)
     except lifecycle.Refused as refused:
         if as_json:
@@ -339,7 +339,7 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
     (both: that call's failed ones). A failed delivery gets one more attempt.
     """
     from app import schemas
-    from models import db, lifecycle, queries
+    from models import db, queries
     from tasks import callbacks as delivery
 
     if not failed_only and tool_call_id is None:
@@ -350,8 +350,8 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
     with db.session() as s:
         if tool_call_id is not None:
             try:
-                lifecycle.get(s, tool_call_id)
-            except lifecycle.NotFound:
+                queries.get(s, tool_call_id)
+            except queries.NotFound:
                 _not_found(tool_call_id, as_json)
         chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
     queued = set(delivery.redeliver([d.event_id for d in chosen]))

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping
 from kombu.serialization import prepare_accept_content
 from kombu.utils.json import loads
 
-from models import db, lifecycle
+from models import db, queries
 from models.calls import ToolCall
 from tasks import chains, tools
 from tasks.tools import Tool
@@ -195,10 +195,10 @@ def overdue(fallback_s: int) -> list[Overdue]:
         return []
     bounds = {*limits.values(), *(max(limit, fallback_s) for limit in limits.values())}
     with db.session() as s:
-        quiet = {bound: set(lifecycle.stuck_executing(s, bound)) for bound in bounds}
+        quiet = {bound: set(queries.stuck_executing(s, bound)) for bound in bounds}
         found = []
         for tool_call_id in sorted(quiet[min(limits.values())]):
-            call = lifecycle.get(s, tool_call_id)
+            call = queries.get(s, tool_call_id)
             tool = tools.get(call.function_name)
             if tool is None or tool_call_id not in quiet[limits[tool.name]]:
                 continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from models import db, lifecycle, settings
+from models import db, queries, session_context, settings
 from tasks import app, callbacks, chains, liveness, worker_metrics
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def expire_stale() -> int:
     (logged; the next sweep tries again) and the rest of the batch goes on. Returns how many."""
     cfg = settings.load()
     with db.session() as s:
-        stale = lifecycle.stale(s, pending_ttl_s=cfg.pending_ttl_s, prepared_ttl_s=cfg.prepared_ttl_s)
+        stale = queries.stale(s, pending_ttl_s=cfg.pending_ttl_s, prepared_ttl_s=cfg.prepared_ttl_s)
     expired = 0
     for tool_call_id in stale:
         try:
@@ -71,4 +71,4 @@ def retry_callbacks() -> int:
 @sweep(name="maintenance.purge_context")
 def purge_context() -> int:
     with db.session() as s:
-        return lifecycle.purge_expired_context(s)
+        return session_context.purge_expired_context(s)

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from models import db, lifecycle
+from models import db, lifecycle, queries
 from models.calls import TERMINAL, CallbackDelivery, ToolCall
 from tasks import tools, worker_metrics
 
@@ -28,7 +28,7 @@ def make_call(function_name: str = "send_email", parameters: dict[str, Any] | No
 
 def row(tool_call_id: str) -> ToolCall:
     with db.session() as s:
-        return lifecycle.get(s, tool_call_id)
+        return queries.get(s, tool_call_id)
 
 
 def wait_status(tool_call_id: str, statuses: tuple[str, ...] | str = TERMINAL, timeout: float = 15.0) -> ToolCall:

@@ -241,10 +241,10 @@ def test_context_unknown_session_is_empty(client):
 
 
 def test_pending_with_reference_context(client):
-    from models import db, lifecycle
+    from models import db, session_context
 
     with db.session() as s:
-        lifecycle.put_context(s, "test_123", "last_query_results", {"summary": "Q3"}, 3600, caller="tests")
+        session_context.put_context(s, "test_123", "last_query_results", {"summary": "Q3"}, 3600, caller="tests")
     params = {**SEED_EMAIL, "reference_context": "last_query_results"}
     answer = pending(client, {"session_id": "test_123", "function": "send_email", "parameters": params})
     assert answer.status_code == 201, answer.get_json()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from models import db, lifecycle
+from models import db, session_context
 from tests.api_fixtures import SEED_EMAIL, snapshot
 from tasks import tools
 from tests.conftest import AUTH
@@ -144,8 +144,8 @@ def test_metrics_count_requests_by_endpoint_and_status(client):
 
 def test_session_context_found_and_expired(client):
     with db.session() as s:
-        lifecycle.put_context(s, "sess", "last_query_results", {"summary": "Q3: 4.2M"}, 3600, caller="tests")
-        lifecycle.put_context(s, "sess", "old", {"x": 1}, 0, caller="tests")
+        session_context.put_context(s, "sess", "last_query_results", {"summary": "Q3: 4.2M"}, 3600, caller="tests")
+        session_context.put_context(s, "sess", "old", {"x": 1}, 0, caller="tests")
     answer = client.get("/voice-tools/session-context?session_id=sess&context_key=last_query_results", headers=AUTH)
     assert answer.status_code == 200
     body = answer.get_json()
@@ -157,7 +157,7 @@ def test_session_context_found_and_expired(client):
 
 def test_get_session_context_alias(client):
     with db.session() as s:
-        lifecycle.put_context(s, "sess", "last_query_results", {"summary": "Q3"}, 3600, caller="tests")
+        session_context.put_context(s, "sess", "last_query_results", {"summary": "Q3"}, 3600, caller="tests")
     answer = client.get("/get-session-context?session_id=sess&context_key=last_query_results", headers=AUTH)
     assert answer.status_code == 200 and answer.get_json() == {"context": {"summary": "Q3"}}
     missing = client.get("/get-session-context?session_id=sess&context_key=nope", headers=AUTH)

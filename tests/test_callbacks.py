@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from models import db, lifecycle
+from models import db, lifecycle, queries
 from models.email import EmailOutbox
 from tasks import callbacks, chains, worker_metrics
 from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
@@ -422,7 +422,7 @@ def _twin_payloads(tool_call_id: str, transition: Any, name: str, **given: Any) 
         moved = transition(s, callbacks.event(name, progress=progress, **given))
     assert moved is not None and moved.delivery_url is not None
     with db.session() as s:
-        callbacks.record(s, lifecycle.get(s, tool_call_id), name, **given)
+        callbacks.record(s, queries.get(s, tool_call_id), name, **given)
     first, second = deliveries(tool_call_id)[-2:]
     assert first.event_id == moved.delivery_event_id and second.seq == first.seq + 1
     return first, second

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from models import db, lifecycle
+from models import db, session_context
 from tasks.tools import StepInput
 from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
 from tests.conftest import API_TOKEN, AUTH
@@ -106,8 +106,8 @@ def test_session_context_is_the_callers_own_on_every_path(client):
     query_vector_db.store_context(StepInput("tc_bobquery001", "sess_shared", {"user_query": "Q3"},
                                             {"SEARCHING": searched}, "bob"))
     with db.session() as s:
-        lifecycle.put_context(s, "sess_shared", "notes", {"who": "tests"}, 3600, caller="tests")
-        lifecycle.put_context(s, "sess_shared", "notes", {"who": "bob"}, 3600, caller="bob")
+        session_context.put_context(s, "sess_shared", "notes", {"who": "tests"}, 3600, caller="tests")
+        session_context.put_context(s, "sess_shared", "notes", {"who": "bob"}, 3600, caller="bob")
     query = "?session_id=sess_shared&context_key=last_query_results"
     for path in ("/voice-tools/session-context", "/get-session-context", "/webhook/get-session-context",
                  "/webhook/voice-tools/session-context"):

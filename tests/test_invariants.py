@@ -9,7 +9,7 @@ from __future__ import annotations
 from sqlalchemy import update
 from sqlalchemy.dialects.postgresql import insert
 
-from models import db, lifecycle
+from models import db, lifecycle, queries
 from models.calls import ToolCall
 from models.email import EmailOutbox
 from tasks import callbacks
@@ -96,7 +96,7 @@ def test_a_cancel_answered_200_on_a_call_that_is_not_cancelled_is_named():
 def test_events_missing_repeated_or_undelivered_at_the_relay_are_named(relay):
     tool_call_id = completed(callback_url=relay.url)
     with db.session() as s:
-        call = lifecycle.get(s, tool_call_id)
+        call = queries.get(s, tool_call_id)
         first = callbacks.record(s, call, "progress", step="PREPARING", message="one")
         second = callbacks.record(s, call, "completed", message="two")
     assert callbacks.attempt(first.event_id).delivered

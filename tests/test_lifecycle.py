@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 
-from models import db, lifecycle
+from models import db, lifecycle, queries
 from models.calls import ToolCall
 from tasks import chains
 from tests.helpers import make_call, row, wait_status
@@ -101,9 +101,9 @@ def test_idempotency_keys_are_per_caller_and_a_tool_call_id_is_not():
     assert info.value.tool_call_id == first.tool_call_id and not hasattr(info.value, "call")
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(ToolCall)) == 3
-        assert lifecycle.get(s, first.tool_call_id, caller="tests").tool_call_id == first.tool_call_id
-    with pytest.raises(lifecycle.NotFound), db.session() as s:
-        lifecycle.get(s, first.tool_call_id, caller="bob")
+        assert queries.get(s, first.tool_call_id, caller="tests").tool_call_id == first.tool_call_id
+    with pytest.raises(queries.NotFound), db.session() as s:
+        queries.get(s, first.tool_call_id, caller="bob")
 
 
 @pytest.mark.parametrize("change", [
@@ -141,7 +141,7 @@ def test_status_check_constraint_rejects_an_unknown_status():
 
 def test_unknown_call_is_not_found():
     for fn in (lifecycle.confirm, lifecycle.cancel, lifecycle.resume):
-        with pytest.raises(lifecycle.NotFound):
+        with pytest.raises(queries.NotFound):
             apply(fn, "tc_nope")
 
 
@@ -342,7 +342,7 @@ def test_expiry_never_touches_a_committed_call():
     apply(lifecycle.checkpoint, call.tool_call_id, "CONFIRM_SENT", 0.75)
     backdate(call.tool_call_id, "prepared_at", 10_000)
     backdate(call.tool_call_id, "created_at", 10_000)
-    assert apply(lifecycle.stale, pending_ttl_s=1, prepared_ttl_s=1) == []
+    assert apply(queries.stale, pending_ttl_s=1, prepared_ttl_s=1) == []
     assert apply(lifecycle.expire, call.tool_call_id, pending_ttl_s=1, prepared_ttl_s=1) is None
     stored = row(call.tool_call_id)
     assert stored.status == "PREPARED" and stored.committed_at is not None
@@ -424,7 +424,7 @@ def test_expire_stale_uses_each_statuses_ttl():
         backdate(c.tool_call_id, "created_at", 10_000)
     backdate(executing.tool_call_id, "confirmed_at", 10_000)
 
-    stale = apply(lifecycle.stale, pending_ttl_s=600, prepared_ttl_s=300)
+    stale = apply(queries.stale, pending_ttl_s=600, prepared_ttl_s=300)
     assert sorted(stale) == sorted([old_pending.tool_call_id, old_prepared.tool_call_id])
     expired = [apply(lifecycle.expire, tool_call_id, pending_ttl_s=600, prepared_ttl_s=300) for tool_call_id in stale]
     for c in expired:
@@ -434,7 +434,7 @@ def test_expire_stale_uses_each_statuses_ttl():
     assert row(new_pending.tool_call_id).status == "PENDING"
     assert row(new_prepared.tool_call_id).status == "PREPARED"
     assert row(executing.tool_call_id).status == "EXECUTING"
-    assert apply(lifecycle.stale, pending_ttl_s=600, prepared_ttl_s=300) == []
+    assert apply(queries.stale, pending_ttl_s=600, prepared_ttl_s=300) == []
     # the statement checks the TTL itself: a call not (or no longer) stale is left alone
     for c in (old_pending, new_pending, new_prepared, executing):
         assert apply(lifecycle.expire, c.tool_call_id, pending_ttl_s=600, prepared_ttl_s=300) is None
@@ -451,7 +451,7 @@ def test_stuck_executing_counts_from_the_latest_activity():
     # Waited long at its checkpoint, resumed just now: it is not stuck.
     backdate(resumed.tool_call_id, "executed_at", 1000)
     backdate(resumed.tool_call_id, "confirmed_at", 1000)
-    assert apply(lifecycle.stuck_executing, 900) == [stuck.tool_call_id]
+    assert apply(queries.stuck_executing, 900) == [stuck.tool_call_id]
 
 
 # -- under concurrency ----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import time
 import pytest
 from sqlalchemy import func, select, text
 
-from models import db, lifecycle
+from models import db, lifecycle, session_context
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
 from celeryconfig import queue
@@ -358,14 +358,14 @@ def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log
 
 def test_purge_context_deletes_only_expired_entries(worker, task_log):
     with db.session() as s:
-        lifecycle.put_context(s, "sess_a", "last_query_results", {"n": 1}, 3600)
-        lifecycle.put_context(s, "sess_b", "last_query_results", {"n": 2}, 3600)
+        session_context.put_context(s, "sess_a", "last_query_results", {"n": 1}, 3600)
+        session_context.put_context(s, "sess_b", "last_query_results", {"n": 2}, 3600)
         s.execute(text("UPDATE session_context SET expires_at = now() - interval '1 second' "
                        "WHERE session_id = 'sess_a'"))
     with db.session() as s:
-        assert lifecycle.get_context(s, "sess_a", "last_query_results") is None  # expired reads as gone
+        assert session_context.get_context(s, "sess_a", "last_query_results") is None  # expired reads as gone
     assert sweep(task_log, maintenance.purge_context) == 1
     with db.session() as s:
         assert s.scalars(select(SessionContext.session_id)).all() == ["sess_b"]
-        assert lifecycle.get_context(s, "sess_b", "last_query_results").context_value == {"n": 2}
+        assert session_context.get_context(s, "sess_b", "last_query_results").context_value == {"n": 2}
     assert sweep(task_log, maintenance.purge_context) == 0

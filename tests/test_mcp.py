@@ -230,13 +230,13 @@ async def test_over_mcp_another_callers_call_and_context_are_unknown_and_an_admi
                                                                                               monkeypatch):
     """Issue 14 item 12 on the MCP face: the tests' token's call is not_found to mcp-client, as an
     unknown id, and nothing of it changes; an ``:admin`` token over MCP sees and cancels it."""
-    from models import db, lifecycle
+    from models import db, session_context
 
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},ops:ops-mcp:admin")
     theirs = client.post("/voice-tools/pending", headers=AUTH, json={
         "session_id": "sess_fenced", "function": "send_email", "parameters": SEED_EMAIL}).get_json()["tool_call_id"]
     with db.session() as s:
-        lifecycle.put_context(s, "sess_fenced", "last_query_results", {"summary": "theirs"}, 3600, caller="tests")
+        session_context.put_context(s, "sess_fenced", "last_query_results", {"summary": "theirs"}, 3600, caller="tests")
     before = snapshot()
     by_id = [("get_status", {}), ("modify_tool", {"parameters": {"to": "a@example.com"}}), ("confirm_tool", {}),
              ("resume_tool", {"action": "cancel"}), ("cancel_tool", {})]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sqlalchemy import select, text
 
-from models import db, lifecycle
+from models import db, session_context
 from models.email import EmailOutbox
 from tasks import chains
 from tasks.backends import documents
@@ -74,7 +74,7 @@ def test_the_email_carries_the_last_query_results_in_its_preview_and_its_body(wo
 
 def test_an_expired_context_fails_the_call_before_anything_is_sent(worker, relay):
     with db.session() as s:
-        lifecycle.put_context(s, SESSION, KEY, {"query": "Q3 sales northwest", "documents": []}, 3600, caller="tests")
+        session_context.put_context(s, SESSION, KEY, {"query": "Q3 sales northwest", "documents": []}, 3600, caller="tests")
     call = make_call(session_id=SESSION, callback_url=relay.url, parameters={
         "to": "john@example.com", "subject": "Q3 sales", "reference_context": KEY})
     # It expires between the pending call and its execution.
@@ -94,7 +94,7 @@ def test_an_expired_context_fails_the_call_before_anything_is_sent(worker, relay
 
 def test_a_search_that_found_nothing_says_so_in_the_email(worker):
     with db.session() as s:
-        lifecycle.put_context(s, SESSION, KEY, {"query": "zebra migration", "documents": []}, 3600, caller="tests")
+        session_context.put_context(s, SESSION, KEY, {"query": "zebra migration", "documents": []}, 3600, caller="tests")
     call = make_call(session_id=SESSION, parameters={
         "to": "john@example.com", "subject": "Zebras", "reference_context": KEY})
     chains.confirm(call.tool_call_id)

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Mapping
 
 from marshmallow import Schema, fields, validate
 
-from models import db, lifecycle, settings
+from models import db, session_context, settings
 from tasks.backends import documents, embeddings
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
@@ -90,7 +90,7 @@ def store_context(step: StepInput) -> dict[str, Any]:
     value = {"query": step.parameters["user_query"], "summary": searched["summary"],
              "documents": searched["documents"], "tool_call_id": step.tool_call_id}
     with db.session() as s:
-        expires_at = lifecycle.put_context(s, step.session_id, CONTEXT_KEY, value, settings.load().session_context_ttl_s,
+        expires_at = session_context.put_context(s, step.session_id, CONTEXT_KEY, value, settings.load().session_context_ttl_s,
                                            caller=step.caller)
     return {"context_key": CONTEXT_KEY, "expires_at": expires_at.isoformat()}
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from marshmallow import Schema, fields, validate
 
-from models import db, lifecycle, settings
+from models import db, session_context, settings
 from tasks.backends import email, gmail
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
@@ -96,7 +96,7 @@ def summarise_context(key: str, value: Any) -> str:
 def referenced(session_id: str, key: str, caller: str = "") -> tuple[str, dict[str, Any]]:
     """The context ``key`` of the caller's session, summarised; PermanentError when it has expired."""
     with db.session() as s:
-        found = lifecycle.get_context(s, session_id, key, caller=caller)
+        found = session_context.get_context(s, session_id, key, caller=caller)
         value = found.context_value if found is not None else None
     if found is None:
         raise PermanentError(f"the referenced results ({key}) have expired")
