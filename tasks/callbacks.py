@@ -53,7 +53,8 @@ from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
 from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
-from tasks import app, worker_metrics
+from tasks import worker_metrics
+from tasks.celery_app import app
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ import logs
 from celeryconfig import queue
 from models import db, lifecycle, queries
 from models.calls import PENDING, CallbackDelivery, ToolCall
-from tasks import app, backends, base, callbacks, tools, worker_metrics
+from tasks import backends, base, callbacks, tools, worker_metrics
+from tasks.celery_app import app
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
 log = logging.getLogger(__name__)

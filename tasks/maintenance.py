@@ -9,7 +9,8 @@ import functools
 import logging
 
 from models import db, queries, session_context, settings
-from tasks import app, callbacks, chains, liveness, worker_metrics
+from tasks import callbacks, chains, liveness, worker_metrics
+from tasks.celery_app import app
 
 log = logging.getLogger(__name__)
 
