@@ -1,7 +1,7 @@
 """Celery settings (CONTRACT section 7).
 
 Queues: one per tool, ``tools.<name>`` (declared from the tool registry by the app in
-``tasks/__init__.py``), plus ``callbacks`` (delivery retries) and ``maintenance``
+``tasks/celery_app.py``), plus ``callbacks`` (delivery retries) and ``maintenance``
 (beat sweeps). Task names are dotted; the router sends ``tools.<name>.<step>`` to
 ``tools.<name>`` and ``callbacks.*`` / ``maintenance.*`` to their own queue.
 

@@ -32,7 +32,7 @@ from app.wait import until_settled
 from models import db, lifecycle, queries
 from models.calls import PENDING, ToolCall
 from models.session_context import get_context
-from tasks import callbacks, chains, tools
+from tasks import call_actions, callbacks, chains, tools
 
 Answer = tuple[dict[str, Any], int]
 
@@ -153,7 +153,7 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | N
     call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)", kind="execute")
     if created or call.status == PENDING:  # new, or left PENDING by a broker outage: start it
         try:
-            call = chains.confirm(call.tool_call_id, reason="Confirmed by the relay")
+            call = call_actions.confirm(call.tool_call_id, reason="Confirmed by the relay")
         except lifecycle.Refused as exc:
             # a concurrent request with this key started it first (or it ended meanwhile):
             # this one is a replay of a call already started
@@ -227,7 +227,7 @@ def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], call
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
     loaded = inputs.load(schemas.ConfirmRequest, body)
-    call = chains.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
+    call = call_actions.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
                           caller=_scope(caller))  # ownership is checked by the transition's own statement
     return _started(_logged(call), wait)
 
@@ -246,8 +246,8 @@ def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     loaded = inputs.load(schemas.ResumeRequest, body)
     _owned(tool_call_id, caller)
     if loaded["action"] == "cancel":
-        return _cancelled(chains.cancel(tool_call_id, loaded.get("reason")))
-    return _started(chains.resume(tool_call_id), wait)
+        return _cancelled(call_actions.cancel(tool_call_id, loaded.get("reason")))
+    return _started(call_actions.resume(tool_call_id), wait)
 
 
 def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
@@ -256,7 +256,7 @@ def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     reason = {**inputs.load(schemas.CancelRequest, query),
               **inputs.load(schemas.CancelRequest, body)}.get("reason")
     _owned(tool_call_id, caller)
-    return _cancelled(chains.cancel(tool_call_id, reason))
+    return _cancelled(call_actions.cancel(tool_call_id, reason))
 
 
 # -- reading ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The engine: a tool's chain of ``Link`` tasks, and the operations faces call.
+"""The engine: a tool's chain of ``Link`` tasks, how a chain is sent, and how a link fails its call.
 
 Every step of every tool is a task named ``tools.<name>.<step>`` on queue
 ``tools.<name>``, built here from the tool's declaration. What each link does is
@@ -27,14 +27,13 @@ from typing import Any
 
 from celery import chain
 from celery.exceptions import MaxRetriesExceededError, Reject, SoftTimeLimitExceeded, TimeLimitExceeded
-from celery.utils import uuid
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
 import logs
 from celeryconfig import queue
 from models import db, lifecycle, queries
-from models.calls import PENDING, CallbackDelivery, ToolCall
+from models.calls import ToolCall
 from tasks import backends, base, callbacks, tools, worker_metrics
 from tasks.celery_app import app
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
@@ -323,7 +322,7 @@ def unregister_tool(name: str) -> None:
 LINKS = _register_links()
 
 
-# -- operations the faces call ------------------------------------------------------
+# -- starting a chain -------------------------------------------------------------
 
 # Celery publishes a link's next link in the worker once the link has run (its side
 # effect may be done): that publish must outlast a broker restart, not fail a call whose
@@ -344,7 +343,7 @@ def signature(tool: Tool, tool_call_id: str, start: int = 0):
 QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 
 
-def _enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -> str:
+def enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -> str:
     """Send the chain; its id (the last link's task id) is recorded as the call's ``workflow_id``,
     unless it was given (``workflow_id``: recorded already, by the transition that started the call)."""
     try:
@@ -361,90 +360,7 @@ def _enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) 
     return result.id
 
 
-def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
-            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> ToolCall:
-    """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
-
-    ``caller``: only that caller's call (another's is ``queries.NotFound``). The chain's
-    id is chosen first and recorded by the transition itself (no statement after the send).
-    If the broker refuses the chain, the call goes back to PENDING and
-    :class:`BrokerUnavailable` is raised, unless its first link has begun: then the
-    publish reached the broker after all and the call is answered as it is.
-    """
-    workflow_id = uuid()
-    with db.statement() as s:  # one statement: the CAS is the whole transaction
-        try:
-            # a tool this process does not run is not confirmed (the statement checks it too)
-            call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
-                                     callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
-                                     functions=tools.TOOLS)
-        except lifecycle.Refused as exc:
-            if exc.status == PENDING:  # still PENDING: its tool is unknown here
-                tool_of(exc.call)
-            raise
-    tool = tool_of(call)
-    try:
-        _enqueue(tool, call, 0, workflow_id)
-    except BrokerUnavailable:
-        with db.session() as s:
-            undone = lifecycle.unconfirm(s, tool_call_id)
-        if undone is None:
-            return _published_after_all(tool_call_id)
-        raise
-    return call
-
-
-def resume(tool_call_id: str) -> ToolCall:
-    """PREPARED → EXECUTING and enqueue the links after the checkpoint."""
-    with db.session() as s:
-        call = lifecycle.resume(s, tool_call_id)
-        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
-    start = tool.step_index(call.current_step) + 1 if call.current_step else 0
-    try:
-        call.workflow_id = _enqueue(tool, call, start)
-    except BrokerUnavailable:
-        with db.session() as s:  # never a committed call, nor one whose next link began
-            undone = lifecycle.undo_resume(s, tool_call_id, call.current_step)
-        if undone is None:
-            return _published_after_all(tool_call_id)
-        raise
-    return call
-
-
-def _published_after_all(tool_call_id: str) -> ToolCall:
-    """The publish "failed" but the chain runs: it reached the broker and only the answer was
-    lost (a connection dropped after the write). Nothing to undo; the call as it is now."""
-    log.warning("the publish for %s raised, but its chain is running: its answer was lost", tool_call_id)
-    with db.session() as s:
-        return queries.get(s, tool_call_id)
-
-
-def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False) -> ToolCall:
-    """Cancel (CONTRACT section 4) and announce it once with a ``cancelled`` event."""
-    with db.session() as s:
-        call = lifecycle.cancel(s, tool_call_id, reason)
-        tool = tools.TOOLS.get(call.function_name)
-        voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
-        call = lifecycle.set_voice_response(s, tool_call_id, voice)
-        delivery = callbacks.record(s, call, "cancelled", message=voice, inline=deliver_now)
-    if deliver_now:
-        callbacks.deliver_inline(delivery)
-    else:
-        _dispatch_quietly(delivery)
-    return call
-
-
-def redrive(tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
-    """Run again, from its current step, a committed call whose worker died (see lifecycle.redrive)."""
-    with db.session() as s:
-        call = lifecycle.redrive(s, tool_call_id, older_than_s, max_redrives)
-    if call is None:
-        return None
-    tool = tools.TOOLS[call.function_name]
-    start = tool.step_index(call.current_step) if call.current_step in {st.name for st in tool.steps} else 0
-    call.workflow_id = _enqueue(tool, call, start)
-    return call
-
+# -- failing a call (a link's step, its hard time limit, the stuck-call sweep) -----------
 
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
@@ -460,56 +376,6 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
         delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
     callbacks.deliver_inline(delivery)
     return call
-
-
-def give_up(tool: Tool, tool_call_id: str, parameters: Any, older_than_s: int, max_redrives: int) -> ToolCall | None:
-    """FAIL a committed call still stuck after ``max_redrives`` runs, saying its effect is unconfirmed."""
-    voice = tool.say(tool.unconfirmed_response, parameters, tool=tool.spoken_name)
-    with db.session() as s:
-        error = (f"Gave up: its chain stopped {max_redrives + 1} times past the point of no return; "
-                 "whether the side effect happened is unconfirmed.")
-        call = lifecycle.give_up(s, tool_call_id, older_than_s, max_redrives, error, voice)
-        if call is None:
-            return None
-        delivery = callbacks.record(s, call, "failed", step=call.current_step, message=voice, inline=True)
-    callbacks.deliver_inline(delivery)
-    return call
-
-
-def expired_sentence(call: ToolCall) -> str:
-    tool = tools.TOOLS.get(call.function_name)
-    if tool is None:
-        return f"The {call.function_name.replace('_', ' ')} request expired unanswered."
-    return tool.say(tool.cancelled_response, call.parameters).replace("Cancelled.", "Expired.")
-
-
-def expire(tool_call_id: str, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:
-    """Expire a stale call and record its ``expired`` event in the same transaction (as every
-    other event: a crash cannot leave it EXPIRED unannounced), then send the event."""
-    with db.session() as s:
-        call = lifecycle.expire(s, tool_call_id, pending_ttl_s=pending_ttl_s, prepared_ttl_s=prepared_ttl_s)
-        if call is None:
-            return None
-        voice = expired_sentence(call)
-        call = lifecycle.set_voice_response(s, tool_call_id, voice)
-        delivery = callbacks.record(s, call, "expired", message=voice)
-    _dispatch_quietly(delivery)
-    return call
-
-
-def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
-    try:
-        callbacks.dispatch(delivery)
-    except (KombuOperationalError, RedisError, OSError):
-        log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
-
-
-@callbacks.on_relay_cancel
-def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
-    try:
-        cancel(tool_call_id, reason)
-    except (lifecycle.Refused, queries.NotFound) as exc:
-        log.info("relay asked to cancel %s: %s", tool_call_id, exc)
 
 
 def elapsed_ms(started: float) -> int:

@@ -7,7 +7,7 @@
     celery -A tasks callbacks redeliver [--failed] [--call ID] [--json]
 
 A face like the API: inputs are checked with the API's schemas, reads go through
-``models/queries.py``, a cancel through ``tasks.chains.cancel`` (the state machine's
+``models/queries.py``, a cancel through ``tasks.call_actions.cancel`` (the state machine's
 rules, the ``cancelled`` event) and a redelivery through ``tasks.callbacks.redeliver``.
 With no ``DATABASE_URL`` / ``REDIS_URL`` set they join the data dir's embedded servers
 as ``voice-tools run`` finds them (``servers.ensure_servers``), so they work from a
@@ -265,13 +265,13 @@ def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: b
     """Cancel a call before its point of no return, as DELETE /voice-tools/cancel/ID does."""
     from app import schemas
     from models import lifecycle, queries
-    from tasks import chains
+    from tasks import call_actions
 
     tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     reason = _check(schemas.CancelRequest, {"reason": reason}).get("reason")
     _connect(ctx, broker=True)  # the ``cancelled`` event goes out from the callbacks queue
     try:
-        call = chains.cancel(tool_call_id, reason)
+        call = call_actions.cancel(tool_call_id, reason)
     except queries.NotFound:
         _not_found(tool_call_id, as_json)
     except lifecycle.Refused as refused:

@@ -9,7 +9,7 @@ import functools
 import logging
 
 from models import db, queries, session_context, settings
-from tasks import callbacks, chains, liveness, worker_metrics
+from tasks import call_actions, callbacks, chains, liveness, worker_metrics
 from tasks.celery_app import app
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def expire_stale() -> int:
     expired = 0
     for tool_call_id in stale:
         try:
-            expired += chains.expire(tool_call_id, cfg.pending_ttl_s, cfg.prepared_ttl_s) is not None
+            expired += call_actions.expire(tool_call_id, cfg.pending_ttl_s, cfg.prepared_ttl_s) is not None
         except Exception:
             log.exception("could not expire %s; left as it was for the next sweep", tool_call_id)
     return expired
@@ -48,10 +48,10 @@ def fail_stuck() -> int:
     for found in liveness.stuck(app, cfg.stuck_executing_s):
         call, tool, quiet_s = found.call, found.tool, found.quiet_s
         if call.committed_at is not None:
-            done = chains.redrive(call.tool_call_id, quiet_s, cfg.max_redrives)
+            done = call_actions.redrive(call.tool_call_id, quiet_s, cfg.max_redrives)
             if done is not None:
                 worker_metrics.redriven(tool.name)
-            done = done or chains.give_up(tool, call.tool_call_id, call.parameters, quiet_s, cfg.max_redrives)
+            done = done or call_actions.give_up(tool, call.tool_call_id, call.parameters, quiet_s, cfg.max_redrives)
         else:  # only if it is still where the facts saw it (uncommitted, at the same step)
             done = chains.fail_call(tool, call.tool_call_id, "The worker stopped before finishing.", call.parameters,
                                     step=call.current_step, uncommitted_only=True, only_at_step=True)

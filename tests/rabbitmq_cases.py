@@ -29,7 +29,7 @@ from sqlalchemy import text
 
 import celeryconfig
 from models import db, lifecycle
-from tasks import app, callbacks, chains
+from tasks import app, call_actions, callbacks, chains
 from tests import api_fixtures, rabbitmqctl
 from tests.api_fixtures import created_id
 from tests.conftest import AUTH
@@ -163,7 +163,7 @@ def test_whole_worker_killed_mid_link_its_message_is_back_in_the_queue_at_once(o
         first_worker.start()
         tool_call_id = prepared_call("rabbit_whole")
         with outbox_row_held(tool_call_id):
-            chains.resume(tool_call_id)
+            call_actions.resume(tool_call_id)
             first = link_held_in_side_effect(first_worker, tool_call_id)
             assert ready_messages(QUEUE) == 0, "the SENDING message is out with the worker, unacknowledged"
             first_worker.kill()
@@ -203,7 +203,7 @@ def test_a_failed_callback_is_retried_through_the_brokers_delay_queues(worker, r
     relay.answer(first_fails)
     with TaskLog() as log:
         call = make_call(callback_url=relay.url)
-        chains.confirm(call.tool_call_id)
+        call_actions.confirm(call.tool_call_id)
         wait_status(call.tool_call_id, "PREPARED")
         event_id = answered[0]
         done = wait_delivered(event_id)
@@ -247,7 +247,7 @@ def test_a_link_retry_waits_in_the_brokers_delay_queues_on_a_quorum_queue(tmp_pa
         with WorkerProcess(app, [tool.queue], concurrency=2, log_dir=tmp_path, name="rabbit-flaky",
                            include=["tests.rabbitmq_tools"]) as flaky_worker:
             call = make_call(tool.name, {"what": "lookup"})
-            chains.confirm(call.tool_call_id)
+            call_actions.confirm(call.tool_call_id)
             done = wait_status(call.tool_call_id, timeout=60)
             log = flaky_worker.log()
     finally:

@@ -8,7 +8,7 @@ it can be stopped and started again on the same port and the same data. A real
 ``tests/worker_process.py``) consumes from it, with the session's ``DATABASE_URL`` and
 ``VOICE_TOOLS_*``.
 
-How the chain gets onto that broker: ``chains.confirm`` / ``chains.resume`` publish
+How the chain gets onto that broker: ``call_actions.confirm`` / ``call_actions.resume`` publish
 through ``tasks.app``, whose broker is read from the environment when ``tasks`` is
 imported (``celeryconfig``), and in this process that is the session's broker. So the
 test runs the operation itself in a child process whose ``CELERY_BROKER_URL`` /
@@ -135,12 +135,12 @@ def restart(server: RedisServer, stop) -> None:
 
 
 def operation(broker_url: str, name: str, tool_call_id: str) -> None:
-    """Run ``chains.<name>(tool_call_id)`` in a child process whose broker is ``broker_url``."""
+    """Run ``call_actions.<name>(tool_call_id)`` in a child process whose broker is ``broker_url``."""
     env = dict(os.environ, CELERY_BROKER_URL=broker_url, REDIS_URL=broker_url)
-    code = "import sys\nfrom tasks import chains\ngetattr(chains, sys.argv[1])(sys.argv[2])\n"
+    code = "import sys\nfrom tasks import call_actions\ngetattr(call_actions, sys.argv[1])(sys.argv[2])\n"
     done = subprocess.run([sys.executable, "-c", code, name, tool_call_id], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"chains.{name} failed:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"call_actions.{name} failed:\n{done.stderr[-3000:]}"
 
 
 # -- fixtures -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from models import db
 from models.calls import CallbackDelivery
-from tasks import callbacks, chains
+from tasks import call_actions, callbacks
 from tests.helpers import deliveries, delivery, make_call, progress_event, row, wait_delivered, wait_status
 
 DRIP_BYTES, DRIP_EVERY = 100, 0.2  # 20 s in all, yet every read gets a byte well within the 1 s timeout
@@ -182,10 +182,10 @@ def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, s
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_RETRY_TIMEOUT", "5")
     drip = servers(DripServer, "body")
     call = make_call(callback_url=drip.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     # The first event drips for 20 s; the chain went on (a held link would hit its time limit).
     wait_status(call.tool_call_id, "PREPARED", timeout=30)
-    chains.resume(call.tool_call_id)
+    call_actions.resume(call.tool_call_id)
     done_call = wait_status(call.tool_call_id, "COMPLETED", timeout=30)
     assert done_call.error_message is None
     first = deliveries(call.tool_call_id)[0]

@@ -17,7 +17,7 @@ from sqlalchemy import select, text
 
 from models import db, lifecycle, queries
 from models.email import EmailOutbox
-from tasks import callbacks, chains, worker_metrics
+from tasks import call_actions, callbacks, worker_metrics
 from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
                            wait_status)
 from tests.tasklog import TaskLog
@@ -112,9 +112,9 @@ CONTRACT_FIELDS = {
 def test_every_event_is_signed_ordered_and_identified(worker, relay):
     relay.answer(lambda event: {"continue": True})
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    chains.resume(call.tool_call_id)
+    call_actions.resume(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "completed")
     assert row(call.tool_call_id).status == "COMPLETED"
 
@@ -157,7 +157,7 @@ def test_a_failed_delivery_is_retried_on_the_callbacks_queue(worker, relay, task
 
     relay.answer(first_fails)
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")  # the chain did not wait for the failed event
     event_id = answered[0]
     done = wait_delivered(event_id)
@@ -220,7 +220,7 @@ def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, ta
     relay.answer(lambda e: {"cancel": True, "reason": "Caller said stop"} if e["step"] == "PREPARING" else None)
     cancelled_before = counted("voice_tools_calls_ended_total", tool="send_email", status="CANCELLED")
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
     task_log.wait_ran(call.tool_call_id, SEND + "READY_TO_SEND")
     done = row(call.tool_call_id)
@@ -236,7 +236,7 @@ def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, ta
 def test_cancel_answer_to_the_checkpoint_cancels(worker, relay):
     relay.answer(lambda e: {"cancel": True} if e["event"] == "checkpoint" else None)
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Cancelled by the relay"
@@ -254,7 +254,7 @@ def test_cancel_answer_to_a_retried_delivery_cancels_while_still_cancellable(wor
 
     relay.answer(answer)
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Too slow" and outbox_count() == 0
@@ -263,9 +263,9 @@ def test_cancel_answer_to_a_retried_delivery_cancels_while_still_cancellable(wor
 def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
     relay.answer(lambda e: {"cancel": True} if e["step"] == "SENDING" else None)
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    chains.resume(call.tool_call_id)
+    call_actions.resume(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "completed")
     sending = [e for e in relay.events_for(call.tool_call_id) if e["step"] == "SENDING"]
     assert [e["cancellable"] for e in sending] == [False]
@@ -301,14 +301,14 @@ def test_the_same_server_answering_cancel_does_cancel(raw):
 
 def test_the_cancelled_event_is_sent_once_however_many_cancel(worker, relay):
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     barrier, results = threading.Barrier(20), []
 
     def cancel():
         barrier.wait()
         try:
-            chains.cancel(call.tool_call_id)
+            call_actions.cancel(call.tool_call_id)
             results.append("ok")
         except lifecycle.Refused as exc:
             results.append(exc.code)
@@ -341,11 +341,11 @@ def test_a_slow_relay_does_not_hold_the_chain(worker, relay, monkeypatch):
     relay.answer(hold_the_first)
     call = make_call(callback_url=relay.url)
     try:
-        chains.confirm(call.tool_call_id)
+        call_actions.confirm(call.tool_call_id)
         # The relay is still sitting on the first event, and the chain went on.
         wait_status(call.tool_call_id, "PREPARED")
         assert not release.is_set()
-        chains.resume(call.tool_call_id)
+        call_actions.resume(call.tool_call_id)
         wait_status(call.tool_call_id, "COMPLETED")
     finally:
         release.set()
@@ -358,9 +358,9 @@ def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(wo
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.2")
     relay.delay = 0.6
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    chains.resume(call.tool_call_id)
+    call_actions.resume(call.tool_call_id)
     wait_status(call.tool_call_id, "COMPLETED")
     rows = deliveries(call.tool_call_id)
     assert [d.event for d in rows] == ["progress", "checkpoint", "progress", "completed"]

@@ -20,7 +20,7 @@ from sqlalchemy import update
 
 from models import db, lifecycle
 from models.calls import ToolCall
-from tasks import callbacks, chains
+from tasks import call_actions, callbacks
 from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_delivered
 from tests.procs import ROOT, bare_env, hold_servers, server_answers, stop_process, voice_tools, wait_none_running
@@ -108,7 +108,7 @@ def test_the_real_cli_in_its_own_process_lists_and_counts():
 def test_list_filters_by_status_session_tool_since_and_limit():
     first = make_call(session_id="sess_a")
     cancelled = make_call(session_id="sess_a", parameters={"to": "ann@example.com", "subject": "Lunch"})
-    chains.cancel(cancelled.tool_call_id, "Changed my mind")
+    call_actions.cancel(cancelled.tool_call_id, "Changed my mind")
     other = make_call("create_task", {"title": "Call the bank"}, session_id="sess_b")
 
     assert _ids(cli_json("calls", "list")) == [other.tool_call_id, cancelled.tool_call_id, first.tool_call_id]
@@ -248,7 +248,7 @@ def test_stats_per_tool_counts_rates_percentiles_and_callback_failures(relay, mo
     for ms in (100, 200, 300, 400):
         _finish(make_call().tool_call_id, ms)
     _finish(make_call().tool_call_id, 5000, ok=False)  # failed: counts against the rate, not in the percentiles
-    chains.cancel(make_call().tool_call_id)
+    call_actions.cancel(make_call().tool_call_id)
     make_call()  # still PENDING: open
     _finish(make_call("create_task", {"title": "Call the bank"}).tool_call_id, 50)
 
@@ -287,11 +287,11 @@ def test_redeliver_sends_a_failed_delivery_again_to_the_relay(worker, relay, mon
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "1")
     relay.answer(lambda event: 503)  # the relay is down
     call = make_call(callback_url=relay.url)
-    chains.cancel(call.tool_call_id, deliver_now=True)
+    call_actions.cancel(call.tool_call_id, deliver_now=True)
     failed = deliveries(call.tool_call_id)[0]
     assert (failed.event, failed.state, failed.attempts) == ("cancelled", "failed", 1)
     other = make_call(parameters={"to": "ann@example.com", "subject": "Other"}, callback_url=relay.url)
-    chains.cancel(other.tool_call_id, deliver_now=True)
+    call_actions.cancel(other.tool_call_id, deliver_now=True)
     assert deliveries(other.tool_call_id)[0].state == "failed"
 
     relay.answer(lambda event: None)  # back up

@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from models import db, lifecycle, queries
 from models.calls import ToolCall
-from tasks import chains
+from tasks import call_actions
 from tests.helpers import make_call, row, wait_status
 from tests.invariants import history_problems
 from tests.tasklog import TaskLog
@@ -481,7 +481,7 @@ def run_together(actions):
 def test_fifty_confirms_give_one_transition_and_one_enqueue(worker):
     call = make_call()
     with TaskLog() as log:
-        outcomes = run_together([lambda: chains.confirm(call.tool_call_id)] * 50)
+        outcomes = run_together([lambda: call_actions.confirm(call.tool_call_id)] * 50)
         assert not [o for o in outcomes if o[0] == "error"], outcomes
         assert sum(o[0] == "ok" for o in outcomes) == 1
         assert Counter(o[1:] for o in outcomes if o[0] == "refused") == {("invalid_status", "EXECUTING"): 49}
@@ -495,7 +495,7 @@ def test_fifty_confirms_give_one_transition_and_one_enqueue(worker):
 def test_fifty_threads_mixing_confirm_and_cancel_agree(worker):
     for _ in range(4):
         call = make_call()
-        actions = [lambda: chains.confirm(call.tool_call_id), lambda: chains.cancel(call.tool_call_id)] * 25
+        actions = [lambda: call_actions.confirm(call.tool_call_id), lambda: call_actions.cancel(call.tool_call_id)] * 25
         with TaskLog() as log:
             outcomes = run_together(actions)
             assert not [o for o in outcomes if o[0] == "error"], outcomes

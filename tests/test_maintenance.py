@@ -10,7 +10,7 @@ from models import db, lifecycle, session_context
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
 from celeryconfig import queue
-from tasks import app, callbacks, chains, liveness, maintenance, tools
+from tasks import app, call_actions, callbacks, chains, liveness, maintenance, tools
 from tests.api_fixtures import CLOSED_PORT_BROKER, BrokerDown
 from tests.helpers import counted, deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
@@ -49,7 +49,7 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     stale_prepared = make_call(callback_url=relay.url)
     fresh_prepared = make_call(callback_url=relay.url)
     for call in (stale_prepared, fresh_prepared):
-        chains.confirm(call.tool_call_id)
+        call_actions.confirm(call.tool_call_id)
         wait_status(call.tool_call_id, "PREPARED")
         relay.wait_for(call.tool_call_id, "checkpoint")
     backdate(stale_pending.tool_call_id, "created_at", 61)
@@ -70,7 +70,7 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     assert row(fresh_pending.tool_call_id).status == "PENDING"
     assert row(fresh_prepared.tool_call_id).status == "PREPARED"
     with pytest.raises(lifecycle.Refused) as info:
-        chains.resume(stale_prepared.tool_call_id)
+        call_actions.resume(stale_prepared.tool_call_id)
     assert (info.value.code, info.value.status) == ("already_terminal", "EXPIRED")
     assert sweep(task_log, maintenance.expire_stale) == 0  # each call expires once
     with db.session() as s:
@@ -157,7 +157,7 @@ def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_l
     it yet) is not stuck however long it waits; it was failed once quiet for 15 minutes."""
     call = make_call(callback_url=relay.url)
     with queues_taken_from_others(app, [QUEUE]):
-        chains.confirm(call.tool_call_id)
+        call_actions.confirm(call.tool_call_id)
         assert waiting(QUEUE) == 1, "its first link waits in the broker"
         assert liveness.read(app, [QUEUE]).seen[call.tool_call_id] == {"queued"}
         backdate(call.tool_call_id, "confirmed_at", 1000)  # past its time limit and the old 900 s quiet period
@@ -180,7 +180,7 @@ def test_fail_stuck_fails_a_call_whose_chain_was_lost_past_its_time_limit(worker
     limit = liveness.time_limit_s(tools.get("send_email"))
     with queues_taken_from_others(app, [QUEUE]):
         for call in (lost, young):
-            chains.confirm(call.tool_call_id)
+            call_actions.confirm(call.tool_call_id)
         assert waiting(QUEUE) == 2
         with app.connection_for_write() as conn:  # the broker loses their links
             queue(QUEUE).bind(conn.default_channel).purge()
@@ -199,10 +199,10 @@ def test_fail_stuck_leaves_a_committed_call_whose_link_runs(worker, relay, task_
     """A link running on a worker (here held inside its send, past the point of no return) keeps
     its call alive past the old quiet period: it is not run a second time beside itself."""
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     with outbox_row_held(call.tool_call_id):
-        chains.resume(call.tool_call_id)
+        call_actions.resume(call.tool_call_id)
         wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
         assert row(call.tool_call_id).committed_at is not None
         assert {"unacked", "active"} <= liveness.read(app, [QUEUE]).seen[call.tool_call_id]
@@ -247,7 +247,7 @@ def test_the_facts_read_a_long_backlog_from_its_oldest_end_only(worker, monkeypa
     older, newer = make_call(), make_call()
     with queues_taken_from_others(app, [QUEUE]):
         for call in (older, newer):
-            chains.confirm(call.tool_call_id)
+            call_actions.confirm(call.tool_call_id)
         facts = liveness.read(app, [QUEUE])
     assert facts.seen.get(older.tool_call_id) == {"queued"}
     assert facts.lost(older.tool_call_id, QUEUE) is False
@@ -279,7 +279,7 @@ def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatc
 def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log):
     """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
     call = make_call(callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     with db.session() as s:  # resumed, SENDING passed the commit point, then its worker died
         lifecycle.resume(s, call.tool_call_id)

@@ -36,7 +36,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from models import db
 from models.email import EmailOutbox
-from tasks import app, chains
+from tasks import app, call_actions
 from tests.helpers import make_call, row, wait_status
 from tests.worker_process import WorkerProcess, queues_taken_from_others
 
@@ -87,7 +87,7 @@ def outbox_rows(tool_call_id: str) -> int:
 def prepared_call(tag: str) -> str:
     call = make_call(parameters={"to": f"{tag}@example.com", "subject": f"Worker loss {tag}"},
                      session_id=f"sess_{tag}")
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED", timeout=60)
     return call.tool_call_id
 
@@ -125,7 +125,7 @@ def test_prefork_child_killed_mid_link_is_redelivered_to_another_child(own_queue
     with WorkerProcess(app, [QUEUE], pool="prefork", concurrency=2, log_dir=tmp_path, name="loss-child") as worker:
         tool_call_id = prepared_call("child")
         with outbox_row_held(tool_call_id):
-            chains.resume(tool_call_id)
+            call_actions.resume(tool_call_id)
             first = link_held_in_side_effect(worker, tool_call_id)
             worker.kill_child(first["worker_pid"])
             # requeued at once (reject on worker lost), not after the visibility timeout
@@ -149,7 +149,7 @@ def test_whole_worker_killed_mid_link_is_redelivered_after_visibility_timeout(ow
         tool_call_id = prepared_call("whole")
         with outbox_row_held(tool_call_id):
             before_resume = time.time()
-            chains.resume(tool_call_id)
+            call_actions.resume(tool_call_id)
             first = link_held_in_side_effect(first_worker, tool_call_id)
             family = [first_worker.pid, *first_worker.children()]
             first_worker.kill()

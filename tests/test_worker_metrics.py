@@ -21,7 +21,7 @@ from celery.signals import before_task_publish
 from prometheus_client.parser import text_string_to_metric_families
 
 from models import db
-from tasks import app, callbacks, chains, metrics_exporter
+from tasks import app, call_actions, callbacks, chains, metrics_exporter
 from tests.conftest import AUTH
 from tests.helpers import make_call, wait_status
 from tests.procs import ROOT, free_port
@@ -75,8 +75,8 @@ def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, r
 
     with queues_taken_from_others(app, queues):
         # no worker consumes the tools' queues yet: each chain's first link waits in the broker
-        chains.confirm(ok.tool_call_id)
-        chains.confirm(flaky.tool_call_id)
+        call_actions.confirm(ok.tool_call_id)
+        call_actions.confirm(flaky.tool_call_id)
         depths = by(samples(scrape_registry(folder)), "voice_tools_queue_depth", "queue")
         assert depths["tools.metered_ok"] == 1 and depths["tools.metered_flaky"] == 1, depths
         assert depths["callbacks"] == 0
@@ -144,7 +144,7 @@ def scrape_exporter(folder) -> str:
 def test_the_api_metrics_show_none_of_the_workers_series(client, worker, relay):
     """The in-process worker runs a chain in this very process; the API's /metrics still shows only its own."""
     call = make_call("search_contacts", {"query": "John"}, callback_url=relay.url)
-    chains.confirm(call.tool_call_id)
+    call_actions.confirm(call.tool_call_id)
     assert wait_status(call.tool_call_id).status == "COMPLETED"
     text = client.get("/metrics", headers=AUTH).get_data(as_text=True)
     assert "voice_tools_http_requests_total" in text
