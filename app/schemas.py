@@ -14,7 +14,7 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate
 
-from tasks import callbacks, tools
+from tasks import callback_urls, callbacks, tools
 
 MAX_TEXT = 1000  # message and voice_response (CONTRACT section 5)
 
@@ -74,7 +74,7 @@ def ShortText(max_length: int = 100, **kwargs: Any) -> fields.String:  # noqa: N
 
 
 def _allowed_callback_url(url: str) -> None:
-    reason = callbacks.url_error(url)
+    reason = callback_urls.url_error(url)
     if reason is not None:
         raise ValidationError(f"callback_url {reason}.")
 

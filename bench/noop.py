@@ -12,7 +12,7 @@ import json
 import time
 
 from models import settings
-from tasks import app, callbacks
+from tasks import app, callback_http
 
 QUEUE = "bench.noop"
 
@@ -23,8 +23,8 @@ def noop(key: str, receiver_url: str | None = None) -> None:
         return
     body = json.dumps({"tool_call_id": key, "event": "completed"}).encode()
     timestamp = str(int(time.time()))
-    callbacks.http().post(receiver_url, data=body, timeout=5, headers={
+    callback_http.http().post(receiver_url, data=body, timeout=5, headers={
         "Content-Type": "application/json",
         "X-Voice-Tools-Timestamp": timestamp,
-        "X-Voice-Tools-Signature": callbacks.sign(settings.load().callback_secret, timestamp, body),
+        "X-Voice-Tools-Signature": callback_http.sign(settings.load().callback_secret, timestamp, body),
     }).raise_for_status()

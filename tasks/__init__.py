@@ -5,6 +5,6 @@ their tasks. A module of this package imports ``tasks.celery_app`` for the app, 
 this package's ``app``.
 """
 from tasks.celery_app import app
-from tasks import call_actions, callbacks, chains, maintenance  # noqa: F401  (register the tasks)
+from tasks import call_actions, callback_delivery, chains, maintenance  # noqa: F401  (register the tasks)
 
 __all__ = ["app"]

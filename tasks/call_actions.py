@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from models import db, lifecycle, queries
 from models.calls import PENDING, CallbackDelivery, ToolCall
-from tasks import callbacks, chains, tools
+from tasks import callback_delivery, callbacks, chains, tools
 from tasks.tools import Tool
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = Fal
         call = lifecycle.set_voice_response(s, tool_call_id, voice)
         delivery = callbacks.record(s, call, "cancelled", message=voice, inline=deliver_now)
     if deliver_now:
-        callbacks.deliver_inline(delivery)
+        callback_delivery.deliver_inline(delivery)
     else:
         _dispatch_quietly(delivery)
     return call
@@ -118,7 +118,7 @@ def give_up(tool: Tool, tool_call_id: str, parameters: Any, older_than_s: int, m
         if call is None:
             return None
         delivery = callbacks.record(s, call, "failed", step=call.current_step, message=voice, inline=True)
-    callbacks.deliver_inline(delivery)
+    callback_delivery.deliver_inline(delivery)
     return call
 
 
@@ -145,12 +145,12 @@ def expire(tool_call_id: str, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCa
 
 def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
     try:
-        callbacks.dispatch(delivery)
+        callback_delivery.dispatch(delivery)
     except (KombuOperationalError, RedisError, OSError):
         log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
 
 
-@callbacks.on_relay_cancel
+@callback_delivery.on_relay_cancel
 def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
     try:
         cancel(tool_call_id, reason)

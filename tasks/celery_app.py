@@ -12,7 +12,7 @@ from celery.signals import worker_before_create_process, worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import base, beat_thread, log_context, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
+from tasks import base, beat_thread, callback_http, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
 
 app = Celery("tasks", task_cls=base.Task)  # every task's base class (tasks/base.py)
 app.config_from_object("celeryconfig")
@@ -36,7 +36,5 @@ def _freeze_before_fork(**_: object) -> None:
 def _fresh_connections_after_fork(**_: object) -> None:
     """A forked child must not share the parent's database or HTTP connections."""
     db.dispose()
-    from tasks import callbacks
-
-    callbacks.reset_http_session()
+    callback_http.reset_http_session()
 

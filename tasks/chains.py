@@ -34,7 +34,7 @@ import logs
 from celeryconfig import queue
 from models import db, lifecycle, queries
 from models.calls import ToolCall
-from tasks import backends, base, callbacks, tools, worker_metrics
+from tasks import backends, base, callback_delivery, callbacks, tools, worker_metrics
 from tasks.celery_app import app
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
@@ -133,7 +133,7 @@ class Link(base.Task):
             call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event)
         if call is None:
             return self._stop()
-        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
+        callback_delivery.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return None
 
     # -- the posted callbacks' outcomes, recorded once the next link is sent ------------
@@ -206,7 +206,7 @@ class Link(base.Task):
             call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event)
         if call is None:
             return self._stop()
-        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
+        callback_delivery.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return self._stop()
 
     def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
@@ -224,7 +224,7 @@ class Link(base.Task):
         if call is None:
             return self._stop()
         worker_metrics.call_ended(tool.name, call.status)  # its statement has committed (autocommit)
-        callbacks.deliver_inline(callbacks.delivery_of(call), later=self._after)
+        callback_delivery.deliver_inline(callbacks.delivery_of(call), later=self._after)
         return None
 
     def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False) -> None:
@@ -374,7 +374,7 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
         if call is None:
             return None
         delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
-    callbacks.deliver_inline(delivery)
+    callback_delivery.deliver_inline(delivery)
     return call
 
 

@@ -8,7 +8,7 @@
 
 A face like the API: inputs are checked with the API's schemas, reads go through
 ``models/queries.py``, a cancel through ``tasks.call_actions.cancel`` (the state machine's
-rules, the ``cancelled`` event) and a redelivery through ``tasks.callbacks.redeliver``.
+rules, the ``cancelled`` event) and a redelivery through ``tasks.callback_delivery.redeliver``.
 With no ``DATABASE_URL`` / ``REDIS_URL`` set they join the data dir's embedded servers
 as ``voice-tools run`` finds them (``servers.ensure_servers``), so they work from a
 second terminal with no exports, and leave those servers running when they end.
@@ -340,7 +340,7 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
     """
     from app import schemas
     from models import db, queries
-    from tasks import callbacks as delivery
+    from tasks import callback_delivery
 
     if not failed_only and tool_call_id is None:
         raise click.UsageError("say which: --failed (every failed delivery), --call ID, or both")
@@ -354,7 +354,7 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
             except queries.NotFound:
                 _not_found(tool_call_id, as_json)
         chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
-    queued = set(delivery.redeliver([d.event_id for d in chosen]))
+    queued = set(callback_delivery.redeliver([d.event_id for d in chosen]))
     sent = [d for d in chosen if d.event_id in queued]
     if as_json:
         _json([{"event_id": d.event_id, "tool_call_id": d.tool_call_id, "seq": d.seq, "event": d.event,

@@ -9,7 +9,7 @@ import functools
 import logging
 
 from models import db, queries, session_context, settings
-from tasks import call_actions, callbacks, chains, liveness, worker_metrics
+from tasks import call_actions, callback_delivery, chains, liveness, worker_metrics
 from tasks.celery_app import app
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,9 @@ def fail_stuck() -> int:
 def retry_callbacks() -> int:
     """Re-enqueue deliveries whose retry is overdue (their message was lost)."""
     with db.session() as s:
-        due = callbacks.due_event_ids(s)
+        due = callback_delivery.due_event_ids(s)
     for event_id in due:
-        callbacks.dispatch(event_id)
+        callback_delivery.dispatch(event_id)
     return len(due)
 
 

@@ -29,7 +29,7 @@ from sqlalchemy import text
 
 import celeryconfig
 from models import db, lifecycle
-from tasks import app, call_actions, callbacks, chains
+from tasks import app, call_actions, callback_delivery, chains
 from tests import api_fixtures, rabbitmqctl
 from tests.api_fixtures import created_id
 from tests.conftest import AUTH
@@ -221,12 +221,12 @@ def test_a_callback_retry_due_in_less_than_a_second_is_published_and_attempted(w
     answers = iter([500])
     relay.answer(lambda event: next(answers, None))
     _, event_id = progress_event(relay.url)
-    assert not callbacks.attempt(event_id).delivered  # the relay answered 500: pending, retry due
+    assert not callback_delivery.attempt(event_id).delivered  # the relay answered 500: pending, retry due
     with db.session() as s:
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + make_interval(secs => :s) "
                        "WHERE event_id = :e"), {"s": due_in_s, "e": event_id})
     with TaskLog() as log:
-        callbacks.schedule_retry(event_id)
+        callback_delivery.schedule_retry(event_id)
     [retry] = log.published_for(event_id, "callbacks.deliver")
     assert delayed(retry.queue, "callbacks") and retry.queue.startswith("0." * 27 + "1."), retry  # 1 s
     done = wait_delivered(event_id, timeout=15)

@@ -17,7 +17,7 @@ from sqlalchemy import select, text
 
 from models import db, lifecycle, queries
 from models.email import EmailOutbox
-from tasks import call_actions, callbacks, worker_metrics
+from tasks import call_actions, callback_delivery, callback_http, callback_urls, callbacks, worker_metrics
 from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
                            wait_status)
 from tests.tasklog import TaskLog
@@ -97,7 +97,7 @@ def outbox_count() -> int:
 def test_sign_is_hmac_sha256_over_timestamp_dot_body():
     body = b'{"event":"progress"}'
     expected = hmac.new(b"k", b"1700000000." + body, hashlib.sha256).hexdigest()
-    assert callbacks.sign("k", "1700000000", body) == f"sha256={expected}"
+    assert callback_http.sign("k", "1700000000", body) == f"sha256={expected}"
 
 
 # CONTRACT section 8: every callback body carries these (null where they do not apply)
@@ -140,7 +140,7 @@ def test_every_event_is_signed_ordered_and_identified(worker, relay):
 def test_the_relay_catches_a_wrong_signature(relay, monkeypatch):
     _, event_id = progress_event(relay.url)
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRET", "not-the-relays-secret")
-    answer = callbacks.attempt(event_id)
+    answer = callback_delivery.attempt(event_id)
     assert not answer.delivered and relay.bad_signatures == 1
     found = delivery(event_id)
     assert (found.state, found.attempts, found.response_code, found.last_error) == ("pending", 1, 401, "HTTP 401")
@@ -173,13 +173,13 @@ def test_a_failed_delivery_is_retried_on_the_callbacks_queue(worker, relay, task
 def test_a_retry_that_is_not_due_does_nothing(raw):
     server = raw(500)
     _, event_id = progress_event(server.url)
-    assert callbacks.attempt(event_id).attempted
+    assert callback_delivery.attempt(event_id).attempted
     first = delivery(event_id)
     assert first.state == "pending" and first.next_attempt_at is not None
     with db.session() as s:  # a long backoff, so the check below cannot race the clock
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + interval '1 minute'"))
     # A duplicate retry message (redelivered, or re-sent by the sweep) before the row is due:
-    again = callbacks.attempt(event_id)
+    again = callback_delivery.attempt(event_id)
     assert (again.attempted, again.delivered) == (False, False)
     assert server.requests == 1 and delivery(event_id).attempts == 1
 
@@ -191,22 +191,22 @@ def test_attempts_stop_at_the_maximum(raw, monkeypatch):
               for outcome in ("will_retry", "gave_up")}
     server = raw(503)
     _, event_id = progress_event(server.url)
-    callbacks.attempt(event_id)
+    callback_delivery.attempt(event_id)
     make_due(event_id)
-    callbacks.attempt(event_id)
+    callback_delivery.attempt(event_id)
     failed = delivery(event_id)
     assert (failed.state, failed.attempts, failed.next_attempt_at) == ("failed", 2, None)
     assert {outcome: counted("voice_tools_callback_attempts_total", event="progress", outcome=outcome) - number
             for outcome, number in before.items()} == {"will_retry": 1, "gave_up": 1}
     assert [a["response_code"] for a in failed.attempt_log] == [503, 503]
-    assert callbacks.attempt(event_id).attempted is False
+    assert callback_delivery.attempt(event_id).attempted is False
     assert server.requests == 2
 
 
 def test_a_redirect_is_a_failed_attempt_and_is_not_followed(relay, raw):
     server = raw(307, b"", {"Location": relay.url})
     tool_call_id, event_id = progress_event(server.url)
-    answer = callbacks.attempt(event_id)
+    answer = callback_delivery.attempt(event_id)
     assert not answer.delivered
     found = delivery(event_id)
     assert (found.state, found.response_code, found.last_error) == ("pending", 307, "HTTP 307")
@@ -286,7 +286,7 @@ def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
 ])
 def test_any_other_answer_lets_the_call_go_on(raw, status, body):
     tool_call_id, event_id = progress_event(raw(status, body).url)
-    answer = callbacks.attempt(event_id)
+    answer = callback_delivery.attempt(event_id)
     assert answer.cancel is False
     assert answer.delivered is (status < 300)
     assert row(tool_call_id).status == "EXECUTING"
@@ -295,7 +295,7 @@ def test_any_other_answer_lets_the_call_go_on(raw, status, body):
 def test_the_same_server_answering_cancel_does_cancel(raw):
     """The control for the test above: the only difference is the answer."""
     tool_call_id, event_id = progress_event(raw(200, json.dumps({"cancel": True}).encode()).url)
-    assert callbacks.attempt(event_id).cancel is True
+    assert callback_delivery.attempt(event_id).cancel is True
     assert row(tool_call_id).status == "CANCELLED"
 
 
@@ -398,7 +398,7 @@ def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(wo
     ("https://relay.example.com:99999/cb", ["relay.example.com"], "not a valid URL"),
 ])
 def test_url_error(url, allowed, error):
-    found = callbacks.url_error(url, allowed)
+    found = callback_urls.url_error(url, allowed)
     if error is None:
         assert found is None
     else:
@@ -407,9 +407,9 @@ def test_url_error(url, allowed, error):
 
 def test_url_error_reads_the_allowed_hosts_from_the_environment(monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "relay.example.com, hooks.example.org:8443")
-    assert callbacks.url_error("https://hooks.example.org:8443/x") is None
-    assert callbacks.url_error("https://hooks.example.org/x") is not None
-    assert callbacks.url_error("http://127.0.0.1/x") is not None
+    assert callback_urls.url_error("https://hooks.example.org:8443/x") is None
+    assert callback_urls.url_error("https://hooks.example.org/x") is not None
+    assert callback_urls.url_error("http://127.0.0.1/x") is not None
 
 
 # -- a link's event, recorded by its transition's own statement, is the one record() writes ----------

@@ -20,7 +20,7 @@ from sqlalchemy import update
 
 from models import db, lifecycle
 from models.calls import ToolCall
-from tasks import call_actions, callbacks
+from tasks import call_actions, callback_delivery, callbacks
 from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_delivered
 from tests.procs import ROOT, bare_env, hold_servers, server_answers, stop_process, voice_tools, wait_none_running
@@ -258,7 +258,7 @@ def test_stats_per_tool_counts_rates_percentiles_and_callback_failures(relay, mo
     refused = make_call(callback_url=relay.url)
     with db.session() as s:
         delivery = callbacks.record(s, row(refused.tool_call_id), "progress", message="Working", inline=True)
-    assert callbacks.deliver_inline(delivery).delivered is False
+    assert callback_delivery.deliver_inline(delivery).delivered is False
     assert deliveries(refused.tool_call_id)[0].state == "failed"
 
     rows = {r["tool"]: r for r in cli_json("calls", "stats")}

@@ -21,7 +21,7 @@ from celery.signals import before_task_publish
 from prometheus_client.parser import text_string_to_metric_families
 
 from models import db
-from tasks import app, call_actions, callbacks, chains, metrics_exporter
+from tasks import app, call_actions, callback_delivery, chains, metrics_exporter
 from tests.conftest import AUTH
 from tests.helpers import make_call, wait_status
 from tests.procs import ROOT, free_port
@@ -161,15 +161,15 @@ def test_enqueueing_inside_a_transaction_waits_for_its_commit():
     before_task_publish.connect(seen, weak=False)
     try:
         with db.session():
-            callbacks.deliver.apply_async(("no-such-event",))
+            callback_delivery.deliver.apply_async(("no-such-event",))
             assert published == [], "published before the transaction committed"
         assert len(published) == 1
         with pytest.raises(RuntimeError), db.session():
-            callbacks.deliver.apply_async(("no-such-event",))
+            callback_delivery.deliver.apply_async(("no-such-event",))
             raise RuntimeError("rolled back")
         time.sleep(0.1)
         assert len(published) == 1, "a rolled-back transaction published its task"
-        assert callbacks.deliver.apply_async(("no-such-event",)).id  # outside one: at once
+        assert callback_delivery.deliver.apply_async(("no-such-event",)).id  # outside one: at once
         assert len(published) == 2
     finally:
         before_task_publish.disconnect(seen)
