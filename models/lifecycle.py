@@ -226,6 +226,16 @@ def next_event_seq(s: Session, tool_call_id: str) -> int:
     ).scalar_one()
 
 
+
+def record_event(s: Executor, tool_call_id: str, event: EventInsert) -> Row[Any]:
+    """Insert ``event`` for the call as it is now, in the caller's transaction (after a transition
+    that did not insert it itself): one statement takes the call's next event number and
+    inserts the event's row from the call's row (see :func:`_transition_row`)."""
+    def make() -> Any:
+        return update(CALLS).where(ToolCall.tool_call_id == P_ID)
+
+    return _transition_row(s, ("record_event",), {"p_id": tool_call_id}, make, event)
+
 def _owned_by(caller: str | None) -> list[ColumnElement[bool]]:
     """The rows a caller may see: its own; every row when ``caller`` is None (an operator)."""
     return [] if caller is None else [ToolCall.caller == caller]

@@ -34,7 +34,7 @@ def actions_available(status: str) -> list[str]:
 def record(
     s: Session,
     call: ToolCall,
-    event: str,
+    kind: str,
     *,
     step: str | None = None,
     gate: int | None = None,
@@ -45,61 +45,22 @@ def record(
     context_key: str | None = None,
     inline: bool = False,
 ) -> CallbackDelivery | None:
-    """Insert the event's row; return it to be delivered (None: no URL takes this event).
+    """Insert the ``kind`` event's row for a transition that did not insert it itself (a cancel,
+    an expiry, a failure); return it to be delivered (None: no URL takes this event).
 
-    Every event is recorded, with or without a URL: the session's event stream
-    (``GET /voice-tools/events/<session_id>``) reads the same rows.
-
-    The URL is the call's ``callback_urls[event]`` if it names one, else its
-    ``callback_url``.
-
-    ``call`` is the row a transition just returned; ``seq`` is the call's next event number.
-    ``inline``: the caller will post it at once with :func:`deliver_inline`, so the row
-    is inserted already claimed for that attempt (no second statement to claim it).
+    ``call`` is the row a transition just returned in this transaction. The row is the one
+    :func:`event` describes, for the call as it is now (its ``current_step`` when no
+    ``step`` is given, its ``progress``), inserted by one statement that also takes the
+    call's next event number (``lifecycle.record_event``): one builder of the payload,
+    whichever statement inserts it.
     """
-    url = url_for(call, event)
-    event_id = uuid.uuid4().hex
-    seq = lifecycle.next_event_seq(s, call.tool_call_id)
-    public = settings.load().public_url
-    resume_url = f"{public}/voice-tools/resume/{call.tool_call_id}" if requires_confirmation else None
-    payload = {
-        "event_id": event_id,
-        "type": "tool_status",
-        "event": event,
-        "tool_call_id": call.tool_call_id,
-        "intent_id": call.intent_id,
-        "session_id": call.session_id,
-        "function_name": call.function_name,
-        "parameters": call.parameters,
-        "status": call.status,
-        "step": step or call.current_step,
-        "gate": gate,
-        "progress": call.progress,
-        "message": message,
-        "cancellable": cancellable,
-        "requires_confirmation": requires_confirmation,
-        "preview": preview,
-        "resume_url": resume_url,
-        "actions_available": actions_available(call.status),
-        "result": call.result,
-        "voice_response": call.voice_response or (message if event != "progress" else None),
-        "execution_time_ms": call.execution_time_ms,
-        "context_available": context_key is not None,
-        "context_key": context_key,
-        "seq": seq,
-    }
-    if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
-        payload.update(checkpoint=step or call.current_step, resume_webhook=resume_url)
-    lease = datetime.now(timezone.utc) + timedelta(seconds=lease_s(settings.load().callback_timeout))
-    delivery = CallbackDelivery(
-        event_id=event_id, tool_call_id=call.tool_call_id, session_id=call.session_id, event=event, seq=seq,
-        payload=payload, url=url, state="pending" if url else "none", attempts=0,
-        next_attempt_at=lease if inline and url else None,
-    )
-    s.add(delivery)
-    if event in ENDINGS:  # every ending records its event once: counted when it has committed
+    described = event(kind, step=step or call.current_step, gate=gate, progress=call.progress, message=message,
+                      cancellable=cancellable, requires_confirmation=requires_confirmation, preview=preview,
+                      context_key=context_key, inline=inline)
+    row = lifecycle.record_event(s, call.tool_call_id, described)
+    if kind in ENDINGS:  # every ending records its event once: counted when it has committed
         db.after_commit(s, worker_metrics.call_ended, call.function_name, call.status)
-    return delivery if url else None
+    return delivery_of(row)
 
 
 class Event:
@@ -117,9 +78,9 @@ class Event:
 def event(
     event: str,
     *,
-    step: str,
-    gate: int,
-    progress: float,
+    step: str | None,
+    gate: int | None,
+    progress: float | None,
     message: str = "",
     cancellable: bool = False,
     requires_confirmation: bool = False,
@@ -127,13 +88,19 @@ def event(
     context_key: str | None = None,
     inline: bool = False,
 ) -> Event:
-    """The event :func:`record` would insert, for the transition's own statement to insert.
+    """The one description of an event's row and payload, for the statement that inserts it: the
+    transition that causes it (a link's: ``lifecycle.record_step(..., event=...)``), or
+    :func:`record`'s.
 
-    A link's transitions take their event in the statement that changes the call: the
-    ``INSERT ... SELECT`` from the updated row (``moved``) writes the same row and payload
-    :func:`record` writes (what Python knows now as parameters; the row's columns, its new
-    ``event_seq`` and its URL from the row). ``progress`` is the progress the transition
-    sets. The returned row is turned back into a delivery by :func:`delivery_of`.
+    The ``INSERT ... SELECT`` takes what Python knows now as parameters and the rest from
+    the call's row as that statement left it (``moved``): its columns, its new
+    ``event_seq`` (the event's ``seq``), its actions and its URL (the call's
+    ``callback_urls[event]`` if it names one, else its ``callback_url``). Every event is
+    recorded, with or without a URL: the session's event stream
+    (``GET /voice-tools/events/<session_id>``) reads the same rows. ``progress`` is the
+    progress the transition sets. ``inline``: the caller posts it at once
+    (``callback_delivery.deliver_inline``), so the row is inserted already claimed for that
+    attempt. The returned row is turned back into a delivery by :func:`delivery_of`.
     """
     cfg = settings.load()
     event_id = uuid.uuid4().hex
@@ -194,11 +161,6 @@ def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:
     return CallbackDelivery(event_id=row.delivery_event_id, tool_call_id=row.tool_call_id, session_id=row.session_id,
                             event=row.delivery_event, seq=row.event_seq, payload=row.delivery_payload,
                             url=row.delivery_url, state="pending", attempts=0)
-
-
-def url_for(call: ToolCall, event: str) -> str | None:
-    """Where ``event`` of ``call`` goes: its own URL in ``callback_urls``, else ``callback_url``."""
-    return (call.callback_urls or {}).get(event) or call.callback_url
 
 
 def lease_s(timeout: float) -> float:
