@@ -91,7 +91,7 @@ def read_tools() -> list[Any]:
     from tasks import tools
 
     return [tools.TOOLS[name] for name in tools.names()
-            if tools.TOOLS[name].action_level == "read" and not tools.TOOLS[name].has_checkpoint]
+            if tools.TOOLS[name].action_level == "read" and not any(step.checkpoint for step in tools.TOOLS[name].steps)]
 
 
 class ChainBench:

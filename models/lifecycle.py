@@ -15,7 +15,6 @@ event's number).
 from __future__ import annotations
 
 import secrets
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Protocol
 
 from sqlalchemy import (
@@ -84,10 +83,6 @@ class Refused(Exception):
         self.code = code
         self.call = call
         self.status = call.status
-
-
-def now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 def new_tool_call_id() -> str:

@@ -20,7 +20,6 @@ from models import db, lifecycle, settings
 from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery, ToolCall
 from tasks import worker_metrics
 
-EVENTS = ("progress", "checkpoint", "completed", "failed", "cancelled", "expired")
 ENDINGS = ("completed", "failed", "cancelled", "expired")  # the events of a call's final status
 
 def actions_available(status: str) -> list[str]:

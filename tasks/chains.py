@@ -22,7 +22,6 @@ Transient errors retry with backoff (Celery's retry); permanent ones fail the ca
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from celery import chain
@@ -376,7 +375,3 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
         delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
     callback_delivery.deliver_inline(delivery)
     return call
-
-
-def elapsed_ms(started: float) -> int:
-    return int((time.perf_counter() - started) * 1000)

@@ -62,7 +62,7 @@ def test_each_tool_runs_its_example_end_to_end(tool, client, worker, relay, demo
     answer = client.post(f"/voice-tools/confirm/{tool_call_id}?wait=30", headers=AUTH)
     assert answer.status_code == 200, answer.get_json()
     body = answer.get_json()
-    if tool.has_checkpoint:
+    if any(step.checkpoint for step in tool.steps):
         assert body["status"] == "PREPARED", body
         checkpoint = relay.wait_for(tool_call_id, "checkpoint")
         assert checkpoint["requires_confirmation"] is True and checkpoint["preview"], checkpoint

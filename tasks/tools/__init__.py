@@ -100,7 +100,6 @@ class Tool:
     after_effect_failure_response: Message = "The {tool} request went through, but a later step failed: {error}."
     time_limit: int = 60
     max_retries: int = 5
-    aliases: tuple[str, ...] = field(default_factory=tuple)
     # the Procfile worker line that consumes this tool's queue (``--group``); by
     # default ``writes`` for tools with a side effect, ``reads`` for the others
     group: str = ""
@@ -122,10 +121,6 @@ class Tool:
     def spoken_name(self) -> str:
         """``send_email`` → ``send email`` (for the generic sentences)."""
         return self.name.replace("_", " ")
-
-    @property
-    def has_checkpoint(self) -> bool:
-        return any(step.checkpoint for step in self.steps)
 
     def task_name(self, step: Step) -> str:
         return f"tools.{self.name}.{step.name}"
