@@ -8,7 +8,7 @@ goes through ``tasks/callback_delivery.py``.
 from __future__ import annotations
 
 import functools
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Iterable
 
 from sqlalchemy import ColumnElement, Integer, Row, and_, bindparam, cast, func, or_, select, union_all
@@ -100,6 +100,8 @@ def stuck_executing(s: Session, older_than_s: int) -> list[str]:
     return list(s.scalars(stmt).all())
 
 
+# -- what operators ask, and the deliveries ---------------------------------------
+
 # Which deliveries an operator may send again: those with a URL that did not get through.
 REDELIVERABLE = ("failed", "pending")
 
@@ -141,6 +143,17 @@ def redeliverable(s: Session, *, failed_only: bool = False, tool_call_id: str | 
     if tool_call_id:
         stmt = stmt.where(CallbackDelivery.tool_call_id == tool_call_id)
     return list(s.scalars(stmt.order_by(CallbackDelivery.created_at, CallbackDelivery.seq)))
+
+
+def due_event_ids(s: Session, grace_s: int = 30, limit: int = 500) -> list[str]:
+    """Pending deliveries overdue by ``grace_s`` (their retry message was lost)."""
+    return list(s.scalars(
+        select(CallbackDelivery.event_id).where(
+            CallbackDelivery.state == "pending",
+            func.coalesce(CallbackDelivery.next_attempt_at, CallbackDelivery.created_at)
+            < func.now() - timedelta(seconds=grace_s),
+        ).limit(limit)
+    ).all())
 
 
 def stats(s: Session, *, since: datetime | None = None, tool: str | None = None) -> list[dict[str, Any]]:

@@ -26,7 +26,6 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Session
 from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
 from models import db, settings
@@ -271,17 +270,6 @@ def deliver(event_id: str) -> str:
         return "skipped"
     schedule_retry(event_id)
     return "retry"
-
-
-def due_event_ids(s: Session, grace_s: int = 30, limit: int = 500) -> list[str]:
-    """Pending deliveries overdue by ``grace_s`` (their retry message was lost)."""
-    return list(s.scalars(
-        select(CallbackDelivery.event_id).where(
-            CallbackDelivery.state == "pending",
-            func.coalesce(CallbackDelivery.next_attempt_at, CallbackDelivery.created_at)
-            < func.now() - timedelta(seconds=grace_s),
-        ).limit(limit)
-    ).all())
 
 
 # -- the relay asked to cancel ------------------------------------------------------

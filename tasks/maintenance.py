@@ -63,7 +63,7 @@ def fail_stuck() -> int:
 def retry_callbacks() -> int:
     """Re-enqueue deliveries whose retry is overdue (their message was lost)."""
     with db.session() as s:
-        due = callback_delivery.due_event_ids(s)
+        due = queries.due_event_ids(s)
     for event_id in due:
         callback_delivery.dispatch(event_id)
     return len(due)
