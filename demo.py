@@ -268,8 +268,7 @@ def play(base_url: str, token: str, secret: str | None, scenario: str = "email")
 
 def _local_secrets() -> dict[str, str]:
     """The values ``voice-tools run`` made for this data dir, when the variables are unset."""
-    from launcher import LOCAL_SECRETS
-    from servers import default_data_dir
+    from servers import LOCAL_SECRETS, default_data_dir
 
     try:
         return json.loads((default_data_dir() / LOCAL_SECRETS).read_text())

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import logs
-from servers import ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
+from servers import LOCAL_SECRETS, ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
 
-LOCAL_SECRETS = "local-secrets.json"
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
 
 

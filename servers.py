@@ -39,6 +39,9 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ROOT / ".voice-tools").resolve()
 
 
+LOCAL_SECRETS = "local-secrets.json"  # in the data dir: the secrets ``voice-tools run`` made (mode 0600)
+
+
 # --- embedded PostgreSQL ---------------------------------------------------------------
 
 def start_postgres(data_dir: Path, database: str = DATABASE_NAME) -> str:

@@ -11,12 +11,8 @@ from typing import Any
 
 from flask import Flask
 
-MAX_BODY_BYTES = 256 * 1024
-# What gunicorn reads before the app (app/gunicorn_conf.py sets them; /openapi.json states them):
-# the request line (method, path, query string, version), each header line, the number of headers.
-MAX_REQUEST_LINE = 4094
-MAX_HEADER_BYTES = 8190
-MAX_HEADER_FIELDS = 100
+from app.limits import MAX_BODY_BYTES
+
 N8N_PREFIX = "/webhook"
 
 

@@ -2,7 +2,7 @@
 
 Only what the command line does not say:
 
-- the limits gunicorn enforces before the app (``app.MAX_REQUEST_LINE`` and the header
+- the limits gunicorn enforces before the app (``app.limits.MAX_REQUEST_LINE`` and the header
   limits, stated in /openapi.json);
 - its own error answers (a request line or a header over those limits, a request it
   cannot parse) are JSON ``{error, message, details}`` like the app's, not its HTML page:
@@ -27,7 +27,7 @@ from typing import Any
 from gunicorn import util
 
 import logs
-from app import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 # Without the query string (%(U)s, not %(r)s): a query may carry ids but is not ours to log.
 access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(B)s %(M)sms'

@@ -51,7 +51,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import logs
-from app import MAX_BODY_BYTES, auth, errors, inputs, operations, schemas, toolspec
+from app import auth, errors, inputs, operations, schemas, toolspec
+from app.limits import MAX_BODY_BYTES
 from app.errors import ApiError
 from tasks import tools
 

@@ -95,7 +95,7 @@ def test_openapi_lists_every_path(client):
 
 
 def test_openapi_states_the_rules_the_server_enforces(client):
-    from app import MAX_REQUEST_LINE
+    from app.limits import MAX_REQUEST_LINE
     from app.openapi import TEXT_PATTERN
 
     spec = client.get("/openapi.json", headers=AUTH).get_json()

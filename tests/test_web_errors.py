@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from app import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 from tests.conftest import AUTH
 from tests.web_server import gunicorn_web
 
