@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dir or not Path(args.dir).is_dir():
         parser.error(f"set {DIR_VARIABLE} (or --dir) to the workers' metrics folder (an existing folder)")
     logging.config.dictConfig(logs.dict_config())  # one JSON line per event, as every process of the Procfile
-    from tasks import app
+    from tasks.celery_app import app
 
     server, _thread = start_http_server(args.port, addr=args.host, registry=registry(args.dir, app))
     log.info("worker metrics of %s on http://%s:%s/metrics", args.dir, args.host, args.port)
