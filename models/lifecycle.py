@@ -2,15 +2,19 @@
 
 Every transition is one conditional ``UPDATE ... WHERE status IN (...) RETURNING``
 that also appends to ``status_history``. ``event_seq`` counts the call's recorded
-callback events (1, 2, 3 ... with no gaps; see :func:`next_event_seq`). A transition that does not apply changes
+callback events (1, 2, 3 ... with no gaps), taken by the statement that inserts the event
+(a transition's ``event=``, or :func:`record_event` after one). A transition that does not apply changes
 nothing and raises :class:`Refused` naming the status it found, so the caller can
 answer 404 or 409 without a second guess. Callers own the transaction
 (``with db.session() as s:``, or ``db.statement()`` where one statement is the whole
 transaction) so the API can enqueue only after the commit. The hot paths (a link's
-gate, its step with its event, the API's confirm, create and reads) are one statement
+gate, its step with its event, the API's confirm and create) are one statement
 each, built once with named parameters, returning Core rows; a link's event is inserted
 by the transition's own statement (``event=``: a data-modifying CTE that also takes the
 event's number).
+
+Reading a call, and what the sweeps select, is ``models/queries.py``'s; the session
+context is ``models/session_context.py``'s.
 """
 from __future__ import annotations
 

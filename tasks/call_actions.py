@@ -1,6 +1,6 @@
 """What the faces (API, MCP, CLI) and beat do to a call: each a lifecycle transition, then
 the chain sent (``tasks/chains.py``) or the call's event recorded and sent (``tasks/callbacks.py``,
-``tasks/delivery.py``).
+``tasks/callback_delivery.py``).
 
 confirm and resume start the chain after the commit, and undo the transition if the broker
 refuses it; cancel and expire announce the call's end; redrive runs a committed call's chain
