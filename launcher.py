@@ -1,9 +1,10 @@
 """The ``voice-tools`` command: run the whole system, migrate, print the servers, demo, serve worker metrics.
 
 ``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
-then runs ``Procfile.local`` with honcho (API, MCP, one worker for every queue with beat
-inside it, Flower) until interrupted; on SIGINT or SIGTERM it stops honcho's processes
-first and the embedded servers last. ``Procfile`` keeps production's process groups
+then runs ``Procfile.local`` with honcho (API, MCP loaded at its first connection, one
+worker for every queue with beat and the workers' metrics inside it, Flower) until
+interrupted; on SIGINT or SIGTERM it stops honcho's processes first and the embedded
+servers last. ``Procfile`` keeps production's process groups
 (``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
 """
 from __future__ import annotations
