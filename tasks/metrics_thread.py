@@ -6,7 +6,8 @@ production runs once beside its several worker lines. A system with one worker
 worker's main process instead (prometheus-client's HTTP server over the same registry:
 every pool child's numbers from the multiprocess folder, the queue depths from the
 broker), which saves the exporter's process (~60 MB PSS). The server starts after the
-pool, so the pool's first children are forked without its listening socket.
+pool, so the pool's first children are forked without its listening socket; a child
+forked later (replacing a lost one) closes its copy at once.
 """
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from typing import Any
 
 import click
 from celery import bootsteps
+from celery.signals import worker_process_init
 
 log = logging.getLogger(__name__)
+
+_serving: list[Any] = []  # the server of this process (the worker's main process), once started
 
 
 class MetricsThread(bootsteps.StartStopStep):
@@ -44,15 +48,25 @@ class MetricsThread(bootsteps.StartStopStep):
             raise RuntimeError("--worker-metrics-port serves the workers' multiprocess folder: set PROMETHEUS_MULTIPROC_DIR")
         host, port = self.address
         self.server, _thread = start_http_server(port, addr=host, registry=metrics_exporter.registry(folder, worker.app))
+        _serving.append(self.server)
         log.info("worker metrics of %s on http://%s:%s/metrics", folder, host, port)
 
     def stop(self, worker: Any) -> None:
         if self.server is not None:
+            _serving.remove(self.server)
             self.server.shutdown()
             self.server.server_close()
             self.server = None
 
     shutdown = stop
+
+
+@worker_process_init.connect
+def _close_inherited_socket(**_: Any) -> None:
+    """A pool child forked after the server started holds a copy of its listening socket: close it
+    (the child has no thread serving it; the port is the main process's alone)."""
+    while _serving:
+        _serving.pop().socket.close()
 
 
 def install(app: Any) -> None:
