@@ -1,9 +1,10 @@
 """The ``voice-tools`` command: run the whole system, migrate, print the servers, demo, serve worker metrics.
 
 ``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
-then runs ``Procfile.local`` with honcho (API, MCP, one worker for every queue with beat
-inside it, Flower) until interrupted; on SIGINT or SIGTERM it stops honcho's processes
-first and the embedded servers last. ``Procfile`` keeps production's process groups
+then runs ``Procfile.local`` with honcho (API, MCP loaded at its first connection, one
+worker for every queue with beat and the workers' metrics inside it, Flower) until
+interrupted; on SIGINT or SIGTERM it stops honcho's processes first and the embedded
+servers last. ``Procfile`` keeps production's process groups
 (``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
 """
 from __future__ import annotations
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
     sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
-    sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001)")
+    sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001; --lazy)")
     sub.add_parser("worker-metrics", add_help=False,
                    help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
     sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
@@ -322,10 +323,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return footprint.main(rest)
     if command == "mcp":
-        from app import mcp_server
+        import mcp_command
 
-        mcp_server.main(rest)
-        return 0
+        return mcp_command.main(rest)
     if command == "worker-metrics":
         from tasks import metrics_exporter
 

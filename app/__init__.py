@@ -7,9 +7,10 @@ URL and adds its token.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flask import Flask
+if TYPE_CHECKING:  # Flask is imported by create_app: gunicorn's master reads app.gunicorn_conf only (~8 MB less)
+    from flask import Flask
 
 from app.limits import MAX_BODY_BYTES
 
@@ -17,6 +18,8 @@ N8N_PREFIX = "/webhook"
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
+    from flask import Flask
+
     from app import api, auth, errors, events, metrics, ops, request_log
 
     app = Flask(__name__, static_folder=None)

@@ -26,11 +26,11 @@ Run it with ``python -m app.mcp_server`` (``--host``/``--port``, defaults ``HOST
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
+import socket
 from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,7 +59,6 @@ from tasks import tools
 log = logging.getLogger(__name__)
 
 MCP_PATH = "/mcp"
-DEFAULT_PORT = 8001
 SERVER_NAME = "voice-tools"
 INSTRUCTIONS = (
     "Runs a voice assistant's tool calls. Call list_tools for the tools and their parameters. "
@@ -326,20 +325,19 @@ def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")  # to the root's handler, in our format
 
 
-def serve(host: str, port: int) -> None:
-    """Serve the MCP face with uvicorn until interrupted."""
+def serve(host: str, port: int, sockets: list[socket.socket] | None = None) -> None:
+    """Serve the MCP face with uvicorn until interrupted (on ``sockets`` if given: already listening)."""
     import uvicorn
 
-    uvicorn.run(create_mcp_app(), host=host, port=port, log_level="info",
-                log_config=logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}))
+    config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info",
+                            log_config=logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}))
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="voice-tools mcp", description="Serve the MCP face at /mcp.")
-    parser.add_argument("--host", default=os.environ.get("HOST") or "127.0.0.1")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("MCP_PORT") or DEFAULT_PORT))
-    args = parser.parse_args(argv)
-    serve(args.host, args.port)
+    import mcp_command  # the command's options (``--host``, ``--port``, ``--lazy``) live there
+
+    mcp_command.main(argv)
 
 
 if __name__ == "__main__":

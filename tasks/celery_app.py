@@ -12,7 +12,7 @@ from celery.signals import worker_before_create_process, worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import base, beat_thread, callback_http, log_context, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
+from tasks import base, beat_thread, callback_http, log_context, metrics_thread, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
 
 app = Celery("tasks", task_cls=base.Task)  # every task's base class (tasks/base.py)
 app.config_from_object("celeryconfig")
@@ -22,6 +22,7 @@ app.conf.task_queues = tuple(
 
 worker_groups.install(app)
 beat_thread.install(app)
+metrics_thread.install(app)
 
 
 @worker_before_create_process.connect

@@ -8,7 +8,8 @@ which the Procfile's worker lines pass to prometheus-client as
 the broker (``voice_tools_queue_depth``): nothing is measured per task for it.
 
 It is a separate process from the API (whose ``/metrics`` shows the API's series
-only) and from Flower (which serves its own ``/metrics``).
+only) and from Flower (which serves its own ``/metrics``). A system with one worker
+serves the same registry from that worker instead (``tasks/metrics_thread.py``).
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -372,3 +374,40 @@ async def test_an_mcp_client_searches_then_emails_the_results(mcp_url, worker):
     with db.session() as s:
         body = s.scalars(select(EmailOutbox.body).where(EmailOutbox.tool_call_id == pending["tool_call_id"])).one()
     assert top in body
+
+
+def test_the_lazy_command_listens_at_once_and_loads_the_face_at_its_first_connection():
+    """``voice-tools mcp --lazy`` (``Procfile.local``): the port listens before any of the face's
+    libraries is loaded (pydantic's compiled core is not mapped into the process), and the first
+    connection, kept in the listen backlog while they load, is answered by the face."""
+    import psutil
+    import requests
+
+    from tests.procs import ROOT, free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), "mcp", "--lazy", "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def loaded() -> bool:
+        return any("pydantic_core" in mapped.path for mapped in psutil.Process(proc.pid).memory_maps())
+
+    try:
+        said = json.loads(proc.stdout.readline())
+        assert said["message"] == f"MCP face on http://127.0.0.1:{port}/mcp, loaded at its first connection", said
+        listening = {conn.laddr.port for conn in psutil.Process(proc.pid).net_connections(kind="inet")
+                     if conn.status == psutil.CONN_LISTEN}
+        assert listening == {port}
+        assert not loaded()
+        assert requests.get(f"http://127.0.0.1:{port}/healthz", timeout=60).json() == {"status": "ok"}
+        assert loaded()
+        hello = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+        refused = requests.post(f"http://127.0.0.1:{port}/mcp", json=hello, timeout=10,
+                                headers={"Accept": "application/json, text/event-stream"})
+        assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+    finally:
+        proc.terminate()  # uvicorn stops gracefully, then ends by the signal it caught
+        proc.wait(timeout=30)
+        rest = proc.stdout.read()
+        assert "Application shutdown complete." in rest and "Traceback" not in rest, rest

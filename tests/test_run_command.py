@@ -1,6 +1,6 @@
 """``voice-tools run`` as a user starts it: embedded servers, migrations, ``Procfile.local``
-under honcho (gunicorn, MCP, one worker for every queue with beat inside it, Flower); the
-API answers, Flower asks for its password and shows the tools' tasks and queues, the demo
+under honcho (gunicorn, MCP loaded at its first connection, one worker for every queue with
+beat and the workers' /metrics inside it, Flower); the API answers, Flower asks for its password and shows the tools' tasks and queues, the demo
 plays the seed's scenarios through the real worker, ``voice-tools env`` and ``migrate``
 come and go beside it, ``voice-tools footprint`` measures it, and SIGTERM leaves no process
 behind.
@@ -148,7 +148,13 @@ def test_the_api_runs_under_gunicorn_on_port(system):
 
 
 def test_the_mcp_face_runs_as_its_own_process_behind_the_token(system):
-    system.wait_listening(system.mcp_port)
+    """Listening from the start, it loads the face (the MCP SDK, pydantic ...) at its first connection."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (face := [proc for proc in running(system.data_dir) if _alive(proc) and _listens(proc, system.mcp_port)]):
+        assert time.monotonic() < deadline, f"nothing listens on port {system.mcp_port}:\n{system.tail()}"
+        time.sleep(0.5)
+    assert [" ".join(proc.cmdline()[-6:]) for proc in face] == [f"mcp --lazy --host 127.0.0.1 --port {system.mcp_port}"]
+    assert not any("pydantic_core" in mapped.path for mapped in face[0].memory_maps()), "loaded before it was used"
     mcp = f"http://127.0.0.1:{system.mcp_port}"
     assert requests.get(f"{mcp}/healthz", timeout=10).status_code == 200
     hello = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
@@ -173,6 +179,23 @@ def test_the_api_mcp_and_flower_listen_on_the_loopback_only(system):
             if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
                 bound[conn.laddr.port].add(conn.laddr.ip)
     assert bound == {port: {"127.0.0.1"} for port in ports}, describe(running(system.data_dir))
+    # the workers' /metrics is a thread of the worker's main process: no exporter process
+    assert {proc.pid for proc in running(system.data_dir) if _listens(proc, system.metrics_port)} == worker_mains(system)
+
+
+def _listens(proc: psutil.Process, port: int) -> bool:
+    try:
+        return any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+                   for conn in proc.net_connections(kind="inet"))
+    except psutil.Error:
+        return False
+
+
+def worker_mains(system: System) -> set[int]:
+    """The pid of the worker's main process (not a pool child, nor honcho's `sh -c` around it)."""
+    workers = [proc for proc in running(system.data_dir) if _alive(proc) and "celery -A tasks worker" in " ".join(proc.cmdline())
+               and not proc.cmdline()[0].endswith("sh")]
+    return {proc.pid for proc in workers if proc.ppid() not in {other.pid for other in workers}}
 
 
 def test_the_banner_names_the_secrets_file_and_flowers_user_and_prints_no_secret(system):
@@ -235,9 +258,7 @@ def test_beat_ticks_inside_the_worker(system):
     # a thread of the worker's main process, not a forked process: its JSON line carries that pid
     starting = [json.loads(line.partition("| ")[2]) for line in system.output().splitlines() if "beat: Starting" in line]
     assert starting, system.output()[-3000:]
-    workers = [proc for proc in running(system.data_dir) if _alive(proc) and "celery -A tasks worker" in " ".join(proc.cmdline())
-               and not proc.cmdline()[0].endswith("sh")]  # not honcho's `sh -c` around it
-    mains = {proc.pid for proc in workers if proc.ppid() not in {other.pid for other in workers}}  # not a pool child
+    mains = worker_mains(system)
     assert len(mains) == 1 and {line["pid"] for line in starting} == mains, (starting, mains)
     commands = [" ".join(proc.cmdline()) for proc in running(system.data_dir) if _alive(proc)]
     assert not any("celery -A tasks beat" in command for command in commands), commands
@@ -305,7 +326,7 @@ def test_the_demo_plays_the_calendar_and_docs_scenarios_on_the_demo_data(system,
 
 
 def test_the_workers_series_are_served_apart_from_the_apis(system):
-    """After the demos ran through the real workers: the exporter shows what they did, and the
+    """After the demos ran through the real workers: the worker's /metrics shows what they did, and the
     API's /metrics shows the API's series only (neither the workers' nor Flower's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -413,7 +434,7 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "--beat", "voice-tools flower", "honcho", "voice-tools mcp", "voice-tools worker-metrics"):
+                 "--beat", "--worker-metrics-port", "voice-tools flower", "honcho", "voice-tools mcp"):
         assert part in commands, f"{part} not running: {describe(before)}"
 
     assert system.stop() == 128 + signal.SIGTERM
@@ -432,10 +453,10 @@ def test_sigterm_stops_every_process_it_started(system):
     for line in out.splitlines():  # honcho's "08:15:00 web.1 | <the process's line>"
         prefix, sep, payload = line.partition("| ")
         name = prefix.split()[1].split(".")[0] if sep and len(prefix.split()) == 2 else None
-        if name in ("web", "mcp", "worker", "worker-metrics") and payload.strip():
+        if name in ("web", "mcp", "worker") and payload.strip():
             try:
                 assert isinstance(json.loads(payload), dict)
             except ValueError:
                 pytest.fail(f"not a JSON line: {line!r}")
             json_lines.add(name)
-    assert {"web", "mcp", "worker"} <= json_lines, json_lines  # Procfile.local's processes (beat is inside the worker)
+    assert json_lines == {"web", "mcp", "worker"}, json_lines  # Procfile.local's processes but Flower (beat and metrics are inside the worker)

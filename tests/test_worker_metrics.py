@@ -67,7 +67,10 @@ def metered(tmp_path_factory):
 
 
 def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, relay, tmp_path):
+    """The exporter process serves the folder; the worker's own thread (``--worker-metrics-port``,
+    as under ``voice-tools run``) serves the same page."""
     folder = tmp_path / "worker-metrics"
+    own_port = free_port()
     folder.mkdir()
     queues = [tool.queue for tool in metered.TOOLS]
     ok = make_call("metered_ok", {"what": "the invoice"}, callback_url=relay.url)
@@ -82,7 +85,8 @@ def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, r
         assert depths["callbacks"] == 0
 
         with WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=tmp_path, name="metered",
-                           include=["tests.metered_tools"], env={"PROMETHEUS_MULTIPROC_DIR": str(folder)}) as worker:
+                           include=["tests.metered_tools"], env={"PROMETHEUS_MULTIPROC_DIR": str(folder)},
+                           options=["--worker-metrics-host", "127.0.0.1", "--worker-metrics-port", str(own_port)]) as worker:
             relay.wait_for(ok.tool_call_id, "completed", timeout=60)
             relay.wait_for(flaky.tool_call_id, "failed", timeout=60)
             assert wait_status(ok.tool_call_id).status == "COMPLETED"
@@ -90,7 +94,24 @@ def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, r
             assert failed.status == "FAILED" and failed.error_message.startswith("the service is busy"), \
                 failed.error_message
             found = samples(scrape_exporter(folder))
+            own = requests.get(f"http://127.0.0.1:{own_port}/metrics", timeout=30)
+            assert own.status_code == 200
+            # nothing ran between the two scrapes; the worker's app also declares the metered tools' queues
+            own_depths = {("voice_tools_queue_depth", frozenset({("queue", tool.queue)})): 0.0 for tool in metered.TOOLS}
+            assert samples(own.text) == found | own_depths
+            assert f"worker metrics of {folder} on http://127.0.0.1:{own_port}/metrics" in worker.log()
             assert "raised unexpected" not in worker.log()
+            # the port is the main process's alone, also for a pool child forked after the server started
+            assert listening_on(own_port, [worker.pid, *worker.children()]) == [worker.pid]
+            lost = worker.children()[0]
+            worker.kill_child(lost)
+            deadline = time.monotonic() + 30
+            while len(set(worker.children()) - {lost}) < 2:
+                assert time.monotonic() < deadline, "the lost pool child was not replaced"
+                time.sleep(0.2)
+            time.sleep(1)  # the new child's worker_process_init has run
+            assert listening_on(own_port, [worker.pid, *worker.children()]) == [worker.pid]
+            assert requests.get(f"http://127.0.0.1:{own_port}/metrics", timeout=30).status_code == 200
 
     # per tool: calls started, and ended by final status
     assert by(found, "voice_tools_calls_started_total", "tool") == {"metered_ok": 1, "metered_flaky": 1}
@@ -116,6 +137,20 @@ def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, r
     assert by(found, "voice_tools_queue_depth", "queue")["tools.send_email"] == 0
     depths = by(samples(scrape_registry(folder)), "voice_tools_queue_depth", "queue")
     assert depths["tools.metered_ok"] == 0 and depths["tools.metered_flaky"] == 0, depths
+
+
+def listening_on(port: int, pids: list[int]) -> list[int]:
+    """Which of ``pids`` hold a socket listening on ``port``."""
+    import psutil
+
+    def listens(pid: int) -> bool:
+        try:
+            return any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+                       for conn in psutil.Process(pid).net_connections(kind="inet"))
+        except psutil.Error:
+            return False
+
+    return [pid for pid in pids if listens(pid)]
 
 
 def scrape_registry(folder) -> str:

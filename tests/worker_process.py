@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class WorkerProcess:
     def __init__(self, app: Any, queues: list[str], *, pool: str = "prefork", concurrency: int = 2,
                  log_dir: Path, name: str | None = None, env: dict[str, str] | None = None,
-                 include: list[str] | None = None, loglevel: str = "INFO"):
+                 include: list[str] | None = None, loglevel: str = "INFO", options: list[str] | None = None):
         self.app = app
         self.name = f"{name or 'w'}-{uuid.uuid4().hex[:6]}@{os.uname().nodename}"
         self.log_path = Path(log_dir) / f"{self.name.split('@')[0]}.log"
@@ -46,6 +46,7 @@ class WorkerProcess:
         ]
         for module in include or ():
             self.argv += ["--include", module]
+        self.argv += options or []  # more of the worker command's options
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
 
