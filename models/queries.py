@@ -156,6 +156,13 @@ def due_event_ids(s: Session, grace_s: int = 30, limit: int = 500) -> list[str]:
     ).all())
 
 
+def count_by_tool_and_status(s: Executor, *where: ColumnElement[bool]) -> dict[tuple[str, str], int]:
+    """How many calls of each tool are in each status (of those ``where`` selects)."""
+    return {(name, status): count for name, status, count in s.execute(
+        select(ToolCall.function_name, ToolCall.status, func.count()).where(*where)
+        .group_by(ToolCall.function_name, ToolCall.status))}
+
+
 def stats(s: Session, *, since: datetime | None = None, tool: str | None = None) -> list[dict[str, Any]]:
     """Per tool: calls by status, success rate, p50/p95 ``execution_time_ms``, callback failures.
 
@@ -181,10 +188,7 @@ def stats(s: Session, *, since: datetime | None = None, tool: str | None = None)
             "callbacks_failed": 0, "callback_failed_attempts": 0,
         })
 
-    for name, status, count in s.execute(
-        select(ToolCall.function_name, ToolCall.status, func.count()).where(scope)
-        .group_by(ToolCall.function_name, ToolCall.status)
-    ):
+    for (name, status), count in count_by_tool_and_status(s, scope).items():
         item = entry(name)
         item["by_status"][status] = count
         item["total"] += count

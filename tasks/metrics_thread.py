@@ -41,13 +41,13 @@ class MetricsThread(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         from prometheus_client import start_http_server
 
-        from tasks import metrics_exporter
+        from tasks import metrics_page
 
         folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not folder:
             raise RuntimeError("--worker-metrics-port serves the workers' multiprocess folder: set PROMETHEUS_MULTIPROC_DIR")
         host, port = self.address
-        self.server, _thread = start_http_server(port, addr=host, registry=metrics_exporter.registry(folder, worker.app))
+        self.server, _thread = start_http_server(port, addr=host, registry=metrics_page.registry(folder, worker.app))
         _serving.append(self.server)
         log.info("worker metrics of %s on http://%s:%s/metrics", folder, host, port)
 

@@ -21,7 +21,7 @@ from celery.signals import before_task_publish
 from prometheus_client.parser import text_string_to_metric_families
 
 from models import db
-from tasks import app, call_actions, callback_delivery, chains, metrics_exporter
+from tasks import app, call_actions, callback_delivery, chains, metrics_page
 from tests.conftest import AUTH
 from tests.helpers import make_call, wait_status
 from tests.procs import ROOT, free_port
@@ -156,7 +156,7 @@ def listening_on(port: int, pids: list[int]) -> list[int]:
 def scrape_registry(folder) -> str:
     from prometheus_client import generate_latest
 
-    return generate_latest(metrics_exporter.registry(folder, app)).decode()
+    return generate_latest(metrics_page.registry(folder, app)).decode()
 
 
 def scrape_exporter(folder) -> str:
@@ -185,6 +185,23 @@ def test_the_api_metrics_show_none_of_the_workers_series(client, worker, relay):
     assert "voice_tools_http_requests_total" in text
     names = {family.name for family in text_string_to_metric_families(text)}
     assert not [name for name in names if name.startswith(WORKER_SERIES) or name.startswith("flower_")], names
+
+
+def test_calls_by_status_count_the_cancels_no_worker_made(client, worker, relay, tmp_path):
+    """A cancel through the API or the operator CLI ends a call in no worker (so in no
+    ``voice_tools_calls_ended_total``): the workers' page reads every call's status from the database."""
+    from tests.test_cli import cli
+
+    by_api, by_cli, _waiting = (make_call(callback_url=relay.url) for _ in range(3))
+    done = make_call("search_contacts", {"query": "John"}, callback_url=relay.url)
+    assert client.delete(f"/voice-tools/cancel/{by_api.tool_call_id}", headers=AUTH).status_code == 200
+    assert "CANCELLED" in cli("calls", "cancel", by_cli.tool_call_id).output
+    call_actions.confirm(done.tool_call_id)
+    assert wait_status(done.tool_call_id).status == "COMPLETED"
+
+    found = samples(scrape_registry(tmp_path))
+    assert by(found, "voice_tools_calls", "status", tool="send_email") == {"CANCELLED": 2, "PENDING": 1}
+    assert by(found, "voice_tools_calls", "status", tool="search_contacts") == {"COMPLETED": 1}
 
 
 def test_enqueueing_inside_a_transaction_waits_for_its_commit():
