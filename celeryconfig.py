@@ -117,9 +117,5 @@ def route_by_name(name, args, kwargs, options, task=None, **kw):
 
 task_routes = (route_by_name,)
 
-beat_schedule = {
-    "expire-stale-calls": {"task": "maintenance.expire_stale", "schedule": 30.0},
-    "fail-stuck-calls": {"task": "maintenance.fail_stuck", "schedule": 60.0},
-    "retry-due-callbacks": {"task": "maintenance.retry_callbacks", "schedule": 15.0},
-    "purge-expired-context": {"task": "maintenance.purge_context", "schedule": 300.0},
-}
+# beat's sweeps, each every so many seconds (models.settings.SWEEPS: VOICE_TOOLS_*_EVERY, README "Configuration")
+beat_schedule = {task: {"task": task, "schedule": every} for task, every in _settings.sweep_every_s.items()}

@@ -58,10 +58,20 @@ class Settings:
     embedding_threads: int
     ingest_threads: int
     search_min_score: float | None
+    # how often beat sends each sweep task, in seconds (celeryconfig.beat_schedule)
+    sweep_every_s: dict[str, float]
 
     def uses_google(self, service: str) -> bool:
         """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
         return bool(self.google_credentials) and service in self.google_services
+
+
+SWEEPS = {  # beat's sweeps (tasks/maintenance.py): task -> (the variable that sets its period, its default in seconds)
+    "maintenance.expire_stale": ("VOICE_TOOLS_EXPIRE_EVERY", 30.0),
+    "maintenance.fail_stuck": ("VOICE_TOOLS_STUCK_SWEEP_EVERY", 60.0),
+    "maintenance.retry_callbacks": ("VOICE_TOOLS_CALLBACK_SWEEP_EVERY", 15.0),
+    "maintenance.purge_context": ("VOICE_TOOLS_CONTEXT_PURGE_EVERY", 300.0),
+}
 
 
 def api_tokens() -> list[str]:
@@ -104,4 +114,5 @@ def load() -> Settings:
         ingest_threads=_int("VOICE_TOOLS_INGEST_THREADS", 0) or os.cpu_count() or 1,
         search_min_score=_float("VOICE_TOOLS_SEARCH_MIN_SCORE", -1.0) if os.environ.get(
             "VOICE_TOOLS_SEARCH_MIN_SCORE", "").strip() else None,
+        sweep_every_s={sweep: max(_float(name, default), 1.0) for sweep, (name, default) in SWEEPS.items()},
     )

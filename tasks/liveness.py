@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -153,13 +154,19 @@ def _call_of(channel: Any, payload: dict[str, Any], accept: Any) -> str | None:
 
 
 def _ask_workers(app: Any, seen: dict[str, set[str]]) -> int:
-    """Add the links the workers hold (running, prefetched, waiting for an ETA); how many workers answered."""
+    """Add the links the workers hold (running, prefetched, waiting for an ETA); how many workers answered.
+
+    An inspect waits its whole timeout for replies (it cannot know how many workers there are), so
+    the three are asked at once, each from a thread of its own (kombu gives each thread its own
+    reply queue): one timeout per sweep, not three."""
     inspect = app.control.inspect(timeout=INSPECT_TIMEOUT_S)
+    asks = {"active": inspect.active, "reserved": inspect.reserved, "scheduled": inspect.scheduled}
+    with ThreadPoolExecutor(max_workers=len(asks), thread_name_prefix="inspect") as pool:
+        pending = {where: pool.submit(ask) for where, ask in asks.items()}
     answered: set[str] = set()
-    for where, ask in (("active", inspect.active), ("reserved", inspect.reserved),
-                       ("scheduled", inspect.scheduled)):
+    for where, future in pending.items():
         try:
-            replies = ask() or {}
+            replies = future.result() or {}
         except Exception as exc:
             log.warning("stuck-call facts: inspect %s failed (%s)", where, exc)
             continue

@@ -22,7 +22,7 @@ every event at the relay with its seq; and no answer but the expected ones (a 50
 while the database or the broker was down).
 
 The CI run is bounded: the worker kills are one run and the two server restarts
-another (one stream and one check each), the relay is down 20 s.
+another (one stream and one check each), the relay is down 10 s.
 ``VOICE_TOOLS_FULL_FAULTS=1`` runs every fault on its own, the relay down for the
 issue's 2 minutes, and a longer stream around every fault.
 """
@@ -41,7 +41,7 @@ from tests.traffic import Traffic
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 FULL = os.environ.get("VOICE_TOOLS_FULL_FAULTS") == "1"
-RELAY_DOWN_S = 120 if FULL else 20
+RELAY_DOWN_S = 120 if FULL else 10
 STREAM = 8  # sessions at once
 AROUND_S = 15 if FULL else 3  # the stream runs this long before and after each fault
 SETTLE_S = 300 if FULL else 150
@@ -49,13 +49,16 @@ SETTLE_S = 300 if FULL else 150
 # message was recorded as unacknowledged loses that message (kombu's Redis transport):
 # its call stays EXECUTING until the stuck-call sweep, which beat runs every minute, fails
 # it (never committed) or runs it again (committed). Its threshold (15 minutes by
-# default) is 30 s here so that the sweep acts within the test.
+# default) is 30 s here, and the sweep runs every 10 s (every minute by default), so
+# that the sweep acts within the test.
 STUCK_AFTER_S = 30
+STUCK_SWEEP_EVERY_S = 10
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    yield from running_system(tmp_path_factory.mktemp("faults"), VOICE_TOOLS_STUCK_EXECUTING_AFTER=str(STUCK_AFTER_S))
+    yield from running_system(tmp_path_factory.mktemp("faults"), VOICE_TOOLS_STUCK_EXECUTING_AFTER=str(STUCK_AFTER_S),
+                              VOICE_TOOLS_STUCK_SWEEP_EVERY=str(STUCK_SWEEP_EVERY_S))
 
 
 @pytest.fixture

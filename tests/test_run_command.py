@@ -55,6 +55,9 @@ class System:
             FLOWER_UNAUTHENTICATED_API="true",  # the Procfile must not let this open Flower's API
             VOICE_TOOLS_WORKER_CONCURRENCY="1",
             WEB_CONCURRENCY="1",
+            # the two sweeps test_beat_ticks_inside_the_worker waits for, every 3 s (30 s and 15 s by default)
+            VOICE_TOOLS_EXPIRE_EVERY="3",
+            VOICE_TOOLS_CALLBACK_SWEEP_EVERY="3",
             # This checkout's code in every process, also where the console scripts come
             # from an editable install of another checkout (the same tree in CI).
             PYTHONPATH=str(ROOT),
