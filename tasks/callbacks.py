@@ -712,7 +712,10 @@ def _record_attempt(event_id: str, attempts_before: int, code: int | None, error
     log_entry: dict[str, Any] = {"at": datetime.now(timezone.utc).isoformat(), "response_code": code, "error": error}
     if note:
         log_entry["note"] = note
-    with db.statement() as s:  # one statement, its own transaction
+    # one statement, its own transaction; a delivered attempt's record need not wait for the WAL
+    # flush: lost with a crashed database server, the row is pending again and is delivered
+    # again by the retry sweep (at least once, the same event_id) (models/db.py statement)
+    with db.statement(durable=not delivered) as s:
         s.execute(_RECORD_ATTEMPT, {
             "a_id": event_id, "a_state": state, "a_code": code, "a_error": error, "a_next": next_at,
             "a_delivered": delivered, "a_log": [log_entry]})
