@@ -263,8 +263,8 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients ...",
           flush=True)
     results["throughput"] = {
-        "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare "
-                f"{read4.links}-link chains",
+        "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare calls "
+                f"({read4.links}-link chains)",
         "api": load.throughput(read4.start, read4.wait_all, size["calls"], CLIENTS),
         "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS)}
 
