@@ -7,7 +7,9 @@ schema, no log context:
 
 - ``POST /voice-tools/pending``: an ``INSERT ... RETURNING`` of a ``tool_calls`` row;
 - ``POST /voice-tools/confirm/<id>``: the confirm's own statement (``lifecycle.confirm``:
-  the compare-and-set PENDING → EXECUTING) and one message published (a no-op link);
+  the compare-and-set PENDING → EXECUTING) and one message published (a bare link); with
+  a JSON body ``{"links": n, "callback_url": url, "until": event}``, a bare chain of ``n``
+  links posting their events to ``url`` (``bench/noop.py``), for the chain benchmark;
 - ``GET /voice-tools/status/<id>``: a ``SELECT`` of the row;
 - ``GET /voice-tools/context/<session>``: the context's own statement
   (``queries.session_calls``), its rows as JSON.
@@ -53,7 +55,12 @@ def create_app() -> Flask:
     def confirm(tool_call_id: str) -> Any:
         with engine.begin() as conn:
             row = lifecycle.confirm(conn, tool_call_id)
-        noop.noop.si(tool_call_id).apply_async()
+        chain = request.get_json(silent=True) or {}
+        if chain.get("links"):
+            noop.chain_of(tool_call_id, chain["links"], chain.get("callback_url"), chain.get("until", "completed")
+                          ).apply_async()
+        else:
+            noop.noop.si(tool_call_id).apply_async()
         return _json({"tool_call_id": row.tool_call_id, "status": row.status}, 202)
 
     @bare.get("/voice-tools/status/<tool_call_id>")

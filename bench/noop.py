@@ -1,30 +1,46 @@
-"""The bare side of the chain benchmark: Celery tasks that do nothing.
+"""The bare side of the chain benchmark: Celery tasks doing what a link observably does, and no more.
 
 Loaded into the benchmark's worker with ``celery -A tasks worker --include bench.noop``.
 The tasks have the same options as a chain link (acks late, reject on worker lost, no
-result) and run on their own queue; the last one posts a signed event to the same
-local receiver, over the same pooled HTTP session, as the engine's ``completed``
-callback, so the two sides differ only by what the engine does in each link.
+result) and run on their own queue. Each link reads its call's status (one ``SELECT``,
+autocommit, on the same engine: what a link's gate reads) and, given a receiver, posts
+one signed event to it over the same pooled HTTP session as the engine's callbacks
+(``progress`` from each link but the last, then ``completed`` or ``checkpoint``), so the
+two sides differ only by what the engine does in each link beyond that.
 """
 from __future__ import annotations
 
 import json
 import time
 
-from models import settings
+from sqlalchemy import bindparam, select
+
+from models import db, settings
+from models.calls import ToolCall
 from tasks import app, callback_http
 
 QUEUE = "bench.noop"
+_STATUS = select(ToolCall.status).where(ToolCall.tool_call_id == bindparam("p_id"))
 
 
 @app.task(name="bench.noop", queue=QUEUE, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
-def noop(key: str, receiver_url: str | None = None) -> None:
+def noop(key: str, receiver_url: str | None = None, event: str = "completed") -> None:
+    with db.statement() as conn:
+        conn.execute(_STATUS, {"p_id": key}).one_or_none()
     if receiver_url is None:
         return
-    body = json.dumps({"tool_call_id": key, "event": "completed"}).encode()
+    body = json.dumps({"tool_call_id": key, "event": event}).encode()
     timestamp = str(int(time.time()))
     callback_http.http().post(receiver_url, data=body, timeout=5, headers={
         "Content-Type": "application/json",
         "X-Voice-Tools-Timestamp": timestamp,
         "X-Voice-Tools-Signature": callback_http.sign(settings.load().callback_secret, timestamp, body),
     }).raise_for_status()
+
+
+def chain_of(key: str, links: int, receiver_url: str | None, until: str = "completed") -> object:
+    """A bare chain of ``links`` links for ``key``: each posts ``progress``, the last ``until``."""
+    from celery import chain
+
+    return chain(*[noop.si(key, receiver_url, "progress") for _ in range(links - 1)],
+                 noop.si(key, receiver_url, until))

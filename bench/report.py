@@ -52,7 +52,7 @@ def table(results: dict[str, Any], header: list[str]) -> str:
         lines.append(_pair_row(f"{endpoint}, {seeded['calls']:,} calls over {seeded['sessions']:,} sessions",
                                results["scale"][endpoint]))
     lines += ["", "## Chains: confirm → callback at a local relay, against a bare Celery chain of as many "
-              "no-op links (ms)", "", head]
+              "links, each reading the status and posting its event (ms)", "", head]
     for name, pair in results["chains"].items():
         lines.append(_pair_row(name, pair))
     t = results["throughput"]

@@ -5,8 +5,8 @@
 It starts the API under gunicorn from the Procfile's ``web`` line and the ``writes``,
 ``reads`` and ``callbacks`` workers from theirs (``bench/stack.py``), beside their floors:
 the same ``web`` line serving a bare Flask app doing the one statement each endpoint
-needs (``bench/bare.py``), and the ``reads`` line consuming bare chains of no-op tasks
-(``bench/noop.py``). Requests go over real HTTP (``requests``, one keep-alive session
+needs (``bench/bare.py``), and the ``reads`` line consuming bare Celery chains whose links
+each read the call's status and post a signed event to the same relay (``bench/noop.py``). Requests go over real HTTP (``requests``, one keep-alive session
 per client; ``bench/load.py``), the API and its floor asked alternately by each client.
 It measures:
 
@@ -14,10 +14,12 @@ It measures:
     p99, one client after another and 16 clients at once, against the floor;
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
-    tool) against a bare chain of as many links, the callbacks arriving at a local relay
-    (``tests/relay.py``, checking signatures); the two sides alternate call by call;
+    tool) against a bare chain of as many links, each timed from the POST confirm (the bare
+    app's confirm sends the bare chain) to the event at a local relay (``tests/relay.py``,
+    checking signatures); the two sides alternate call by call;
 (3) calls/s of that read tool (pending + confirm by 16 clients, until every ``completed``
-    callback) against bare chains/s of as many links;
+    callback) against bare calls/s (the bare app's pending + confirm, bare chains of as many
+    links);
 (4) ``context`` and ``status`` p50 with 100,000 calls over 10,000 sessions in the table
     (``bench/scale.py``: one INSERT ... SELECT generate_series), against the floor.
 
@@ -97,16 +99,12 @@ def read_tools() -> list[Any]:
 class ChainBench:
     until, status = "completed", "COMPLETED"  # the event timed, and the call's status in it
 
-    def __init__(self, api: str, relay: Any, tool: Any):
-        from bench import noop
-        from celery import chain
-
+    def __init__(self, api: str, bare_api: str, relay: Any, tool: Any):
         self.api = api  # the API's base URL
+        self.bare_api = bare_api  # the bare app's (bench/bare.py)
         self.relay = relay
         self.tool = tool
         self.links = len(tool.steps)
-        self._chain = chain
-        self._noop = noop.noop
 
     def engine_once(self) -> float:
         tool_call_id = self.record()
@@ -131,19 +129,36 @@ class ChainBench:
         load.call("POST", f"{self.api}/voice-tools/confirm/{tool_call_id}", 202, headers=AUTH)
         return tool_call_id
 
+    def record_bare(self) -> str:
+        """POST pending of the same call to the bare app: its id."""
+        _s, created = load.call("POST", f"{self.bare_api}/voice-tools/pending", 201, json={
+            "session_id": "bench", "function": self.tool.name, "parameters": dict(self.tool.example)})
+        return created["tool_call_id"]
+
+    def confirm_bare(self, tool_call_id: str) -> None:
+        """POST confirm to the bare app: its compare-and-set, then a bare chain of as many links,
+        each reading the call's status and posting its event to the relay (``bench/noop.py``)."""
+        load.call("POST", f"{self.bare_api}/voice-tools/confirm/{tool_call_id}", 202, json={
+            "links": self.links, "callback_url": self.relay.url, "until": self.until})
+
     def start_bare(self, _i: int = 0) -> str:
-        """Send a bare chain of as many links, the last one posting ``completed`` to the relay: its key."""
-        key = "bare_" + uuid.uuid4().hex[:12]
-        links = [self._noop.si(key) for _ in range(self.links - 1)] + [self._noop.si(key, self.relay.url)]
-        self._chain(*links).apply_async()
-        return key
+        """Record and confirm a bare call (untimed): its id."""
+        tool_call_id = self.record_bare()
+        self.confirm_bare(tool_call_id)
+        return tool_call_id
 
     def bare_once(self) -> float:
-        return timed(lambda: self.relay.wait_for(self.start_bare(), "completed", timeout=60))
+        tool_call_id = self.record_bare()
+
+        def run() -> None:
+            self.confirm_bare(tool_call_id)
+            self.relay.wait_for(tool_call_id, self.until, timeout=60)
+
+        return timed(run)
 
     def wait_all(self, keys: list[str]) -> None:
         for key in keys:
-            self.relay.wait_for(key, "completed", timeout=300)
+            self.relay.wait_for(key, self.until, timeout=300)
 
     def run(self, runs: int, warmup: int) -> tuple[list[float], list[float]]:
         return alternate(self.engine_once, self.bare_once, runs, warmup)
@@ -154,11 +169,11 @@ class CheckpointBench(ChainBench):
 
     until, status = "checkpoint", "PREPARED"
 
-    def __init__(self, api: str, relay: Any):
+    def __init__(self, api: str, bare_api: str, relay: Any):
         from tasks import tools
 
         tool = tools.TOOLS["send_email"]
-        super().__init__(api, relay, tool)
+        super().__init__(api, bare_api, relay, tool)
         self.links = [step.checkpoint for step in tool.steps].index(True) + 1
 
 
@@ -233,9 +248,9 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
         results["api"][clients] = {name: report.summarize(load.run_pairs(pair, runs, int(clients), warmup=3))
                                    for name, pair in pairs.items()}
 
-    read4 = ChainBench(web, relay, four_step_read_tool())
+    read4 = ChainBench(web, bare, relay, four_step_read_tool())
     tools_to_run = read_tools() if full_chains else [read4.tool]
-    for bench in [CheckpointBench(web, relay)] + [ChainBench(web, relay, tool) for tool in tools_to_run]:
+    for bench in [CheckpointBench(web, bare, relay)] + [ChainBench(web, bare, relay, tool) for tool in tools_to_run]:
         name = f"{bench.tool.name} → {bench.until} ({bench.links} links)"
         print(f"{name}: {size['warmup']} warm-up + {size['chain_runs']} timed of each kind ...", flush=True)
         engine, bare_chain = bench.run(size["chain_runs"], size["warmup"])
@@ -248,8 +263,8 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients ...",
           flush=True)
     results["throughput"] = {
-        "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare "
-                f"{read4.links}-link chains",
+        "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare calls "
+                f"({read4.links}-link chains)",
         "api": load.throughput(read4.start, read4.wait_all, size["calls"], CLIENTS),
         "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS)}
 

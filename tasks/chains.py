@@ -91,10 +91,12 @@ class Link(base.Task):
     def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
         progress = self.index / len(tool.steps)
-        with db.statement() as s:
+        commit = step.side_effect and not step.checkpoint
+        # only a side effect's gate must be on disk before the step runs (a lost claim of another
+        # step is redone by the redelivered link): the others skip the WAL flush (models/db.py)
+        with db.statement(durable=commit) as s:
             # a side effect's point of no return is passed by the statement that checks EXECUTING
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress,
-                                        commit=step.side_effect and not step.checkpoint)
+            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=commit)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 from zoneinfo import ZoneInfo
 
 from google.auth.exceptions import RefreshError
-from sqlalchemy import select
+from sqlalchemy import DateTime, bindparam, select
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db, settings
@@ -104,14 +104,18 @@ def clip_and_merge(periods: Iterable[dict[str, Any]], start: datetime, end: date
 
 # -- local: the calendar_events table ------------------------------------------------------
 
+# built once: the events overlapping [b_start, b_end), in order
+_BUSY = (select(CalendarEvent.starts_at, CalendarEvent.ends_at, CalendarEvent.title)
+         .where(CalendarEvent.starts_at < bindparam("b_end", type_=DateTime(timezone=True)),
+                CalendarEvent.ends_at > bindparam("b_start", type_=DateTime(timezone=True)))
+         .order_by(CalendarEvent.starts_at, CalendarEvent.id))
+
+
 class LocalCalendar:
     def busy(self, start: datetime, end: datetime) -> list[dict[str, Any]]:
-        stmt = (select(CalendarEvent)
-                .where(CalendarEvent.starts_at < end, CalendarEvent.ends_at > start)
-                .order_by(CalendarEvent.starts_at, CalendarEvent.id))
-        with db.session() as s:
+        with db.statement() as conn:  # one SELECT, one round trip (no BEGIN/COMMIT), Core rows
             return [{"start": e.starts_at.astimezone(UTC), "end": e.ends_at.astimezone(UTC), "title": e.title}
-                    for e in s.scalars(stmt)]
+                    for e in conn.execute(_BUSY, {"b_start": start, "b_end": end})]
 
     def book(self, meeting: dict[str, Any]) -> dict[str, Any]:
         with db.session() as s:

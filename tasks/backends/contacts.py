@@ -92,8 +92,8 @@ def local_search(query: str, limit: int = 5) -> list[dict[str, Any]]:
         else_=4,
     )
     stmt = select(Contact).where(*matches).order_by(rank, func.lower(name), Contact.id).limit(limit)
-    with db.session() as s:
-        rows = list(s.scalars(stmt))
+    with db.statement() as conn:  # one SELECT, one round trip (no BEGIN/COMMIT), Core rows
+        rows = conn.execute(stmt).all()
     return [{"name": c.name, "email": c.email, "phone": c.phone, "organization": c.organization} for c in rows]
 
 
