@@ -57,8 +57,8 @@ def create_app() -> Flask:
             row = lifecycle.confirm(conn, tool_call_id)
         chain = request.get_json(silent=True) or {}
         if chain.get("links"):
-            noop.chain_of(tool_call_id, chain["links"], chain.get("callback_url"), chain.get("until", "completed")
-                          ).apply_async()
+            noop.chain_of(tool_call_id, chain["links"], chain.get("callback_url"), chain.get("until", "completed"),
+                          write=bool(chain.get("write"))).apply_async()
         else:
             noop.noop.si(tool_call_id).apply_async()
         return _json({"tool_call_id": row.tool_call_id, "status": row.status}, 202)

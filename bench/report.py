@@ -55,6 +55,13 @@ def table(results: dict[str, Any], header: list[str]) -> str:
               "links, each reading the status and posting its event (ms)", "", head]
     for name, pair in results["chains"].items():
         lines.append(_pair_row(name, pair))
+    lines += ["", "The same chains against a second floor, bare links that write their call durably (one "
+              "`UPDATE … RETURNING` with its flush to disk, as a link's record) instead of reading it: "
+              "what the engine costs beyond one durable write per link (for reading; no goal is set on it).",
+              "", head]
+    for name, pair in results["chains"].items():
+        if "bare_writing" in pair:
+            lines.append(_pair_row(f"{name}, floor writing", {"api": pair["api"], "bare": pair["bare_writing"]}))
     t = results["throughput"]
     lines += ["", "## Throughput", "", "| what | voice-tools | bare | ratio |", "|---|---|---|---|",
               f"| {t['what']} | {t['api']:.1f}/s | {t['bare']:.1f}/s | **{t['api'] / t['bare']:.2f}x** |",

@@ -135,11 +135,12 @@ class ChainBench:
             "session_id": "bench", "function": self.tool.name, "parameters": dict(self.tool.example)})
         return created["tool_call_id"]
 
-    def confirm_bare(self, tool_call_id: str) -> None:
+    def confirm_bare(self, tool_call_id: str, write: bool = False) -> None:
         """POST confirm to the bare app: its compare-and-set, then a bare chain of as many links,
-        each reading the call's status and posting its event to the relay (``bench/noop.py``)."""
+        each reading the call's status (``write``: writing it, durably) and posting its event to
+        the relay (``bench/noop.py``)."""
         load.call("POST", f"{self.bare_api}/voice-tools/confirm/{tool_call_id}", 202, json={
-            "links": self.links, "callback_url": self.relay.url, "until": self.until})
+            "links": self.links, "callback_url": self.relay.url, "until": self.until, "write": write})
 
     def start_bare(self, _i: int = 0) -> str:
         """Record and confirm a bare call (untimed): its id."""
@@ -147,21 +148,25 @@ class ChainBench:
         self.confirm_bare(tool_call_id)
         return tool_call_id
 
-    def bare_once(self) -> float:
+    def bare_once(self, write: bool = False) -> float:
         tool_call_id = self.record_bare()
 
         def run() -> None:
-            self.confirm_bare(tool_call_id)
+            self.confirm_bare(tool_call_id, write)
             self.relay.wait_for(tool_call_id, self.until, timeout=60)
 
         return timed(run)
+
+    def bare_writing_once(self) -> float:
+        return self.bare_once(write=True)
 
     def wait_all(self, keys: list[str]) -> None:
         for key in keys:
             self.relay.wait_for(key, self.until, timeout=300)
 
-    def run(self, runs: int, warmup: int) -> tuple[list[float], list[float]]:
-        return alternate(self.engine_once, self.bare_once, runs, warmup)
+    def run(self, runs: int, warmup: int) -> list[list[float]]:
+        """The engine's, the bare chain's and the writing bare chain's samples, taken in turn."""
+        return alternate((self.engine_once, self.bare_once, self.bare_writing_once), runs, warmup)
 
 
 class CheckpointBench(ChainBench):
@@ -177,16 +182,15 @@ class CheckpointBench(ChainBench):
         self.links = [step.checkpoint for step in tool.steps].index(True) + 1
 
 
-def alternate(engine_once: Callable[[], float], bare_once: Callable[[], float], runs: int,
-              warmup: int) -> tuple[list[float], list[float]]:
-    """Time (a) and (b) call by call, so both see the same machine; warm-up runs dropped."""
-    engine, bare = [], []
+def alternate(timers: tuple[Callable[[], float], ...], runs: int, warmup: int) -> list[list[float]]:
+    """Time each of ``timers`` call by call, in turn, so all see the same machine; warm-up runs dropped."""
+    samples: list[list[float]] = [[] for _ in timers]
     for i in range(warmup + runs):
-        e, b = engine_once(), bare_once()
-        if i >= warmup:
-            engine.append(e)
-            bare.append(b)
-    return engine, bare
+        for taken, timer in zip(samples, timers):
+            value = timer()
+            if i >= warmup:
+                taken.append(value)
+    return samples
 
 
 # -- the report -------------------------------------------------------------------------
@@ -253,8 +257,8 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     for bench in [CheckpointBench(web, bare, relay)] + [ChainBench(web, bare, relay, tool) for tool in tools_to_run]:
         name = f"{bench.tool.name} → {bench.until} ({bench.links} links)"
         print(f"{name}: {size['warmup']} warm-up + {size['chain_runs']} timed of each kind ...", flush=True)
-        engine, bare_chain = bench.run(size["chain_runs"], size["warmup"])
-        results["chains"][name] = report.summarize({"api": engine, "bare": bare_chain})
+        engine, bare_chain, writing_chain = bench.run(size["chain_runs"], size["warmup"])
+        results["chains"][name] = report.summarize({"api": engine, "bare": bare_chain, "bare_writing": writing_chain})
         if isinstance(bench, CheckpointBench):
             results["checkpoint"] = results["chains"][name]
         elif bench.tool is read4.tool:
