@@ -47,8 +47,10 @@ class _Watchdog:
                 self._pid, self._due = os.getpid(), []
                 threading.Thread(target=self._run, name="callback-watchdog", daemon=True).start()
             self._count += 1
-            heapq.heappush(self._due, (time.monotonic() + seconds, self._count, watch))
-            self._cond.notify()
+            due = (time.monotonic() + seconds, self._count, watch)
+            heapq.heappush(self._due, due)
+            if self._due[0] is due:  # the thread already wakes by an earlier deadline: leave it asleep
+                self._cond.notify()
 
     def _run(self) -> None:
         pid = os.getpid()
