@@ -3,9 +3,9 @@
 Every worker process (each pool child, each worker line of the Procfile) writes its
 numbers into the workers' own multiprocess folder (``VOICE_TOOLS_WORKER_METRICS_DIR``,
 which the Procfile's worker lines pass to prometheus-client as
-``PROMETHEUS_MULTIPROC_DIR``). This process adds them up (prometheus-client's
-``MultiProcessCollector``) and, at each scrape, reads the depth of every queue from
-the broker (``voice_tools_queue_depth``): nothing is measured per task for it.
+``PROMETHEUS_MULTIPROC_DIR``). This process serves their page (``tasks/metrics_page.py``):
+their numbers added up, and, read at each scrape, the depth of every queue from the
+broker and the calls by status from the database: nothing is measured per task for them.
 
 It is a separate process from the API (whose ``/metrics`` shows the API's series
 only) and from Flower (which serves its own ``/metrics``). A system with one worker
