@@ -9,7 +9,8 @@ schema, no log context:
 - ``POST /voice-tools/confirm/<id>``: the confirm's own statement (``lifecycle.confirm``:
   the compare-and-set PENDING → EXECUTING) and one message published (a bare link); with
   a JSON body ``{"links": n, "callback_url": url, "until": event}``, a bare chain of ``n``
-  links posting their events to ``url`` (``bench/noop.py``), for the chain benchmark;
+  links posting their events to ``url`` (``bench/noop.py``; ``"record": true``: links doing the
+  contract's per-link work), for the chain benchmark;
 - ``GET /voice-tools/status/<id>``: a ``SELECT`` of the row;
 - ``GET /voice-tools/context/<session>``: the context's own statement
   (``queries.session_calls``), its rows as JSON.
@@ -58,7 +59,7 @@ def create_app() -> Flask:
         chain = request.get_json(silent=True) or {}
         if chain.get("links"):
             noop.chain_of(tool_call_id, chain["links"], chain.get("callback_url"), chain.get("until", "completed"),
-                          write=bool(chain.get("write"))).apply_async()
+                          record=bool(chain.get("record"))).apply_async()
         else:
             noop.noop.si(tool_call_id).apply_async()
         return _json({"tool_call_id": row.tool_call_id, "status": row.status}, 202)

@@ -8,48 +8,97 @@ one signed event to it over the same pooled HTTP session as the engine's callbac
 (``progress`` from each link but the last, then ``completed`` or ``checkpoint``), so the
 two sides differ only by what the engine does in each link beyond that.
 
-``write=True`` makes a second floor: each link writes its call instead of reading it (one
-``UPDATE … RETURNING status``, committed with the flush to disk a link's own record waits
-for), so a chain's ratio to it is what the engine costs beyond one durable write per link.
+``record=True`` makes a second floor, the per-link work CONTRACT sections 7 and 8 ask
+for, written by hand: read the status; record the link's progress and insert its event
+row (with the call's next ``seq``) in one durable statement; post that row's payload; and
+record the attempt on the row once the chain's next link is sent. A chain's ratio to it is
+what the engine costs beyond the contract's own work: its Python, SQLAlchemy and Celery
+glue, its claim (an ``UPDATE`` where this reads), its step, its metrics and log context.
 """
 from __future__ import annotations
 
 import json
 import time
+import uuid
+from typing import Any, Callable
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, select, text
 
 from models import db, settings
 from models.calls import ToolCall
-from tasks import app, callback_http
+from tasks import app, base, callback_http
 
 QUEUE = "bench.noop"
 _STATUS = select(ToolCall.status).where(ToolCall.tool_call_id == bindparam("p_id"))
-_WRITE = (update(ToolCall).where(ToolCall.tool_call_id == bindparam("p_id"))
-          .values(progress=bindparam("p_progress")).returning(ToolCall.status))
+# the link's progress and its event row, with the call's next seq, in one statement (as lifecycle.record_step)
+_RECORD = text("""
+WITH moved AS (
+    UPDATE tool_calls SET progress = :progress, current_step = :event, event_seq = event_seq + 1
+    WHERE tool_call_id = :id AND status = 'EXECUTING'
+    RETURNING tool_call_id, session_id, function_name, status, parameters, event_seq)
+INSERT INTO callback_deliveries (event_id, tool_call_id, session_id, event, seq, payload, url, state, attempts,
+                                 next_attempt_at)
+SELECT :event_id, tool_call_id, session_id, :event, event_seq,
+       jsonb_build_object('event_id', :event_id, 'type', 'tool_status', 'event', :event,
+                          'tool_call_id', tool_call_id, 'session_id', session_id, 'function_name', function_name,
+                          'status', status, 'parameters', parameters, 'progress', :progress, 'seq', event_seq),
+       :url, 'pending', 0, now() + interval '7 seconds'
+FROM moved RETURNING payload
+""")
+_ATTEMPT = text("""
+UPDATE callback_deliveries SET state = 'delivered', attempts = attempts + 1, response_code = :code,
+       delivered_at = now(), next_attempt_at = NULL,
+       attempt_log = attempt_log || jsonb_build_array(jsonb_build_object('at', now(), 'response_code', :code))
+WHERE event_id = :event_id AND state = 'pending'
+""")
 
 
-@app.task(name="bench.noop", queue=QUEUE, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
-def noop(key: str, receiver_url: str | None = None, event: str = "completed", write: bool = False) -> None:
+class Bare(base.Task):
+    """Runs what a link leaves for later (recording its attempt) once the chain's next link is sent."""
+
+    def after_return(self, *args: Any) -> None:
+        for work in getattr(self.request, "bench_after", None) or ():
+            work()
+        self.request.bench_after = None
+
+
+@app.task(name="bench.noop", base=Bare, bind=True, queue=QUEUE, ignore_result=True, acks_late=True,
+          reject_on_worker_lost=True)
+def noop(self: Bare, key: str, receiver_url: str | None = None, event: str = "completed",
+         record: bool = False) -> None:
     with db.statement() as conn:
-        if write:
-            conn.execute(_WRITE, {"p_id": key, "p_progress": 1.0 if event != "progress" else 0.5}).one_or_none()
-        else:
-            conn.execute(_STATUS, {"p_id": key}).one_or_none()
+        conn.execute(_STATUS, {"p_id": key}).one_or_none()
     if receiver_url is None:
         return
-    body = json.dumps({"tool_call_id": key, "event": event}).encode()
+    event_id = uuid.uuid4().hex
+    payload: Any = {"tool_call_id": key, "event": event}
+    if record:
+        with db.statement() as conn:
+            payload = conn.execute(_RECORD, {"id": key, "event": event, "event_id": event_id, "url": receiver_url,
+                                             "progress": 1.0 if event != "progress" else 0.5}).scalar_one()
+    body = json.dumps(payload).encode()
     timestamp = str(int(time.time()))
-    callback_http.http().post(receiver_url, data=body, timeout=5, headers={
+    answer = callback_http.http().post(receiver_url, data=body, timeout=5, headers={
         "Content-Type": "application/json",
         "X-Voice-Tools-Timestamp": timestamp,
         "X-Voice-Tools-Signature": callback_http.sign(settings.load().callback_secret, timestamp, body),
-    }).raise_for_status()
+    })
+    answer.raise_for_status()
+    if record:
+        self.request.bench_after = [_recorder(event_id, answer.status_code)]
 
 
-def chain_of(key: str, links: int, receiver_url: str | None, until: str = "completed", write: bool = False) -> object:
+def _recorder(event_id: str, code: int) -> Callable[[], None]:
+    def record_attempt() -> None:
+        with db.statement() as conn:
+            conn.execute(_ATTEMPT, {"event_id": event_id, "code": code})
+
+    return record_attempt
+
+
+def chain_of(key: str, links: int, receiver_url: str | None, until: str = "completed", record: bool = False) -> object:
     """A bare chain of ``links`` links for ``key``: each posts ``progress``, the last ``until``."""
     from celery import chain
 
-    return chain(*[noop.si(key, receiver_url, "progress", write) for _ in range(links - 1)],
-                 noop.si(key, receiver_url, until, write))
+    return chain(*[noop.si(key, receiver_url, "progress", record) for _ in range(links - 1)],
+                 noop.si(key, receiver_url, until, record))

@@ -16,7 +16,11 @@ It measures:
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
     app's confirm sends the bare chain) to the event at a local relay (``tests/relay.py``,
-    checking signatures); the two sides alternate call by call;
+    checking signatures); the two sides alternate call by call; and the same chains against
+    a second floor whose links also do by hand the per-link work of CONTRACT 7 and 8 (record
+    the progress with the event row, record the attempt): what the engine costs beyond that;
+(2b) CPU per call of that read tool and of its bare call, by process group (``bench/cpu.py``:
+    API, workers, PostgreSQL, Redis, the bench), one side at a time: where the ratio comes from;
 (3) calls/s of that read tool (pending + confirm by 16 clients, until every ``completed``
     callback) against bare calls/s (the bare app's pending + confirm, bare chains of as many
     links);
@@ -135,12 +139,12 @@ class ChainBench:
             "session_id": "bench", "function": self.tool.name, "parameters": dict(self.tool.example)})
         return created["tool_call_id"]
 
-    def confirm_bare(self, tool_call_id: str, write: bool = False) -> None:
+    def confirm_bare(self, tool_call_id: str, record: bool = False) -> None:
         """POST confirm to the bare app: its compare-and-set, then a bare chain of as many links,
-        each reading the call's status (``write``: writing it, durably) and posting its event to
-        the relay (``bench/noop.py``)."""
+        each reading the call's status and posting its event to the relay (``record``: also
+        recording its progress, event row and attempt, as the contract asks; ``bench/noop.py``)."""
         load.call("POST", f"{self.bare_api}/voice-tools/confirm/{tool_call_id}", 202, json={
-            "links": self.links, "callback_url": self.relay.url, "until": self.until, "write": write})
+            "links": self.links, "callback_url": self.relay.url, "until": self.until, "record": record})
 
     def start_bare(self, _i: int = 0) -> str:
         """Record and confirm a bare call (untimed): its id."""
@@ -148,25 +152,25 @@ class ChainBench:
         self.confirm_bare(tool_call_id)
         return tool_call_id
 
-    def bare_once(self, write: bool = False) -> float:
+    def bare_once(self, record: bool = False) -> float:
         tool_call_id = self.record_bare()
 
         def run() -> None:
-            self.confirm_bare(tool_call_id, write)
+            self.confirm_bare(tool_call_id, record)
             self.relay.wait_for(tool_call_id, self.until, timeout=60)
 
         return timed(run)
 
-    def bare_writing_once(self) -> float:
-        return self.bare_once(write=True)
+    def bare_recording_once(self) -> float:
+        return self.bare_once(record=True)
 
     def wait_all(self, keys: list[str]) -> None:
         for key in keys:
             self.relay.wait_for(key, self.until, timeout=300)
 
     def run(self, runs: int, warmup: int) -> list[list[float]]:
-        """The engine's, the bare chain's and the writing bare chain's samples, taken in turn."""
-        return alternate((self.engine_once, self.bare_once, self.bare_writing_once), runs, warmup)
+        """The engine's, the bare chain's and the recording bare chain's samples, taken in turn."""
+        return alternate((self.engine_once, self.bare_once, self.bare_recording_once), runs, warmup)
 
 
 class CheckpointBench(ChainBench):
@@ -242,7 +246,7 @@ def four_step_read_tool() -> Any:
 
 
 def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> dict[str, Any]:
-    from bench import api, report, scale
+    from bench import api, cpu, report, scale
 
     web, bare = stack.urls["web"], stack.urls["bare_web"]
     results: dict[str, Any] = {"api": {}, "chains": {}}
@@ -257,12 +261,19 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     for bench in [CheckpointBench(web, bare, relay)] + [ChainBench(web, bare, relay, tool) for tool in tools_to_run]:
         name = f"{bench.tool.name} → {bench.until} ({bench.links} links)"
         print(f"{name}: {size['warmup']} warm-up + {size['chain_runs']} timed of each kind ...", flush=True)
-        engine, bare_chain, writing_chain = bench.run(size["chain_runs"], size["warmup"])
-        results["chains"][name] = report.summarize({"api": engine, "bare": bare_chain, "bare_writing": writing_chain})
+        engine, bare_chain, recording_chain = bench.run(size["chain_runs"], size["warmup"])
+        results["chains"][name] = report.summarize({"api": engine, "bare": bare_chain,
+                                                    "bare_recording": recording_chain})
         if isinstance(bench, CheckpointBench):
             results["checkpoint"] = results["chains"][name]
         elif bench.tool is read4.tool:
             results["read4"] = results["chains"][name]
+
+    print(f"CPU per call: {2 * size['chain_runs']} {read4.tool.name} calls and as many bare calls, "
+          "one side at a time ...", flush=True)
+    results["cpu"] = {"what": f"{read4.tool.name} (pending + confirm → completed, one client) vs a bare call "
+                              f"({read4.links}-link chain)",
+                      **cpu.per_call(stack, {"api": read4.engine_once, "bare": read4.bare_once}, size["chain_runs"])}
 
     print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients ...",
           flush=True)
