@@ -24,8 +24,9 @@ from typing import Any, Callable
 import psutil
 
 GROUPS = ("API (gunicorn)", "workers", "PostgreSQL", "Redis", "bench (client, relay)")
+BARE = {"API (gunicorn)": ("bare_web",), "workers": ("bare",)}
 SIDES = {"api": {"API (gunicorn)": ("web",), "workers": ("writes", "reads", "callbacks")},
-         "bare": {"API (gunicorn)": ("bare_web",), "workers": ("bare",)}}
+         "bare": BARE, "bare_recording": BARE}
 
 
 def _cpu(process: psutil.Process) -> float:
@@ -67,7 +68,7 @@ def _spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, float
 
 
 def per_call(stack: Any, sides: dict[str, Callable[[], Any]], calls: int, blocks: int = 2) -> dict[str, dict[str, float]]:
-    """Milliseconds of CPU per call of each side (``{"api": one call, "bare": one call}``), by group.
+    """Milliseconds of CPU per call of each side (``{"api": one call, "bare": one call, ...}``), by group.
 
     ``blocks`` blocks of ``calls`` calls per side, in turn (api, bare, api, bare ...).
     """

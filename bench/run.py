@@ -146,11 +146,14 @@ class ChainBench:
         load.call("POST", f"{self.bare_api}/voice-tools/confirm/{tool_call_id}", 202, json={
             "links": self.links, "callback_url": self.relay.url, "until": self.until, "record": record})
 
-    def start_bare(self, _i: int = 0) -> str:
+    def start_bare(self, _i: int = 0, record: bool = False) -> str:
         """Record and confirm a bare call (untimed): its id."""
         tool_call_id = self.record_bare()
-        self.confirm_bare(tool_call_id)
+        self.confirm_bare(tool_call_id, record)
         return tool_call_id
+
+    def start_bare_recording(self, i: int = 0) -> str:
+        return self.start_bare(i, record=True)
 
     def bare_once(self, record: bool = False) -> float:
         tool_call_id = self.record_bare()
@@ -273,7 +276,8 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
           "one side at a time ...", flush=True)
     results["cpu"] = {"what": f"{read4.tool.name} (pending + confirm → completed, one client) vs a bare call "
                               f"({read4.links}-link chain)",
-                      **cpu.per_call(stack, {"api": read4.engine_once, "bare": read4.bare_once}, size["chain_runs"])}
+                      **cpu.per_call(stack, {"api": read4.engine_once, "bare": read4.bare_once,
+                                             "bare_recording": read4.bare_recording_once}, size["chain_runs"])}
 
     print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients ...",
           flush=True)
@@ -281,7 +285,8 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
         "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare calls "
                 f"({read4.links}-link chains)",
         "api": load.throughput(read4.start, read4.wait_all, size["calls"], CLIENTS),
-        "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS)}
+        "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS),
+        "bare_recording": load.throughput(read4.start_bare_recording, read4.wait_all, size["calls"], CLIENTS)}
 
     print(f"seeding {SCALE_CALLS:,} calls over {SCALE_SESSIONS:,} sessions ...", flush=True)
     seconds = scale.seed(SCALE_CALLS, SCALE_SESSIONS)
