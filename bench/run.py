@@ -27,8 +27,8 @@ It measures:
 (4) ``context`` and ``status`` p50 with 100,000 calls over 10,000 sessions in the table
     (``bench/scale.py``: one INSERT ... SELECT generate_series), against the floor.
 
-``--quick`` does the same with fewer samples, in under two minutes; it never asserts a
-time. ``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into
+``--quick`` does the same with fewer samples, in under two minutes; ``--smoke`` with a few of
+each (the test suite runs it: the bench keeps working); neither asserts a time. ``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into
 that database); otherwise embedded servers are started under a temporary folder and
 removed afterwards. The table is printed and written with the machine and versions to
 ``bench/results/<date>.json`` (and, without ``--quick``, to ``bench/RESULTS.md``).
@@ -109,6 +109,7 @@ class ChainBench:
         self.relay = relay
         self.tool = tool
         self.links = len(tool.steps)
+        self.recorded: list[str] = []  # the recording floor's calls (check_recording_floor)
 
     def engine_once(self) -> float:
         tool_call_id = self.record()
@@ -157,6 +158,8 @@ class ChainBench:
 
     def bare_once(self, record: bool = False) -> float:
         tool_call_id = self.record_bare()
+        if record:
+            self.recorded.append(tool_call_id)
 
         def run() -> None:
             self.confirm_bare(tool_call_id, record)
@@ -174,6 +177,33 @@ class ChainBench:
     def run(self, runs: int, warmup: int) -> list[list[float]]:
         """The engine's, the bare chain's and the recording bare chain's samples, taken in turn."""
         return alternate((self.engine_once, self.bare_once, self.bare_recording_once), runs, warmup)
+
+
+def check_recording_floor(bench: ChainBench, timeout: float = 10.0) -> None:
+    """The recording floor did the work it stands for: every link of every call recorded its event
+    (``seq`` 1 .. links) and, once posted, the attempt (a floor that silently did less would
+    make the ratios to it lie). The last attempt is recorded just after the relay has the event:
+    waited for, up to ``timeout``."""
+    from sqlalchemy import select
+
+    from models import db
+    from models.calls import CallbackDelivery
+
+    expected = {key: [(seq, "delivered", 1) for seq in range(1, bench.links + 1)] for key in bench.recorded}
+    deadline = time.monotonic() + timeout
+    while True:
+        with db.session() as s:
+            rows = s.execute(select(CallbackDelivery.tool_call_id, CallbackDelivery.seq, CallbackDelivery.state,
+                                    CallbackDelivery.attempts)
+                             .where(CallbackDelivery.tool_call_id.in_(bench.recorded))).all()
+        found: dict[str, list[tuple[int, str, int]]] = {key: [] for key in bench.recorded}
+        for row in rows:
+            found[row.tool_call_id].append((row.seq, row.state, row.attempts))
+        found = {key: sorted(events) for key, events in found.items()}
+        if found == expected:
+            return
+        assert time.monotonic() < deadline, f"the recording floor did not record its events: {found}"
+        time.sleep(0.1)
 
 
 class CheckpointBench(ChainBench):
@@ -236,12 +266,14 @@ def machine() -> dict[str, str]:
 
 # -- main ---------------------------------------------------------------------------------
 
-SIZES = {  # samples of each kind: quick (under two minutes) and full
+SIZES = {  # samples of each kind: smoke (the test suite's: it runs end to end), quick (under two minutes) and full
+    "smoke": {"api_runs": 4, "client_runs": 1, "chain_runs": 3, "warmup": 1, "calls": 16, "scale_runs": 4,
+              "scale_calls": 2_000},
     "quick": {"api_runs": 60, "client_runs": 6, "chain_runs": 15, "warmup": 3, "calls": 48, "scale_runs": 60},
     "full": {"api_runs": 400, "client_runs": 40, "chain_runs": 50, "warmup": 10, "calls": 300, "scale_runs": 400},
 }
 CLIENTS = 16
-SCALE_CALLS, SCALE_SESSIONS = 100_000, 10_000
+SCALE_CALLS, SCALE_SESSIONS = 100_000, 10_000  # the calls seeded for (4), over as many sessions
 
 
 def four_step_read_tool() -> Any:
@@ -265,6 +297,7 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
         name = f"{bench.tool.name} → {bench.until} ({bench.links} links)"
         print(f"{name}: {size['warmup']} warm-up + {size['chain_runs']} timed of each kind ...", flush=True)
         engine, bare_chain, recording_chain = bench.run(size["chain_runs"], size["warmup"])
+        check_recording_floor(bench)
         results["chains"][name] = report.summarize({"api": engine, "bare": bare_chain,
                                                     "bare_recording": recording_chain})
         if isinstance(bench, CheckpointBench):
@@ -288,14 +321,16 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
         "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS),
         "bare_recording": load.throughput(read4.start_bare_recording, read4.wait_all, size["calls"], CLIENTS)}
 
-    print(f"seeding {SCALE_CALLS:,} calls over {SCALE_SESSIONS:,} sessions ...", flush=True)
-    seconds = scale.seed(SCALE_CALLS, SCALE_SESSIONS)
-    results["scale"] = {"seeded": {"calls": SCALE_CALLS, "sessions": SCALE_SESSIONS, "seconds": round(seconds, 2)}}
+    calls = size.get("scale_calls", SCALE_CALLS)
+    sessions = calls * SCALE_SESSIONS // SCALE_CALLS
+    print(f"seeding {calls:,} calls over {sessions:,} sessions ...", flush=True)
+    seconds = scale.seed(calls, sessions)
+    results["scale"] = {"seeded": {"calls": calls, "sessions": sessions, "seconds": round(seconds, 2)}}
     spread = 7919  # a prime: request i reads call/session i * spread, all over the table
     results["scale"]["context"] = report.summarize(load.run_pairs(api.context(
-        web, bare, lambda i: scale.session_id(i * spread, SCALE_SESSIONS)), size["scale_runs"], warmup=3))
+        web, bare, lambda i: scale.session_id(i * spread, sessions)), size["scale_runs"], warmup=3))
     results["scale"]["status"] = report.summarize(load.run_pairs(api.status(
-        web, bare, lambda i: scale.call_id(1 + (i * spread) % SCALE_CALLS)), size["scale_runs"], warmup=3))
+        web, bare, lambda i: scale.call_id(1 + (i * spread) % calls)), size["scale_runs"], warmup=3))
     results["goals"] = report.goals(results)
     return results
 
@@ -304,9 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="fewer samples, and of the read tools only the 4-step one: under two minutes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few samples of each kind, to check the bench runs end to end (its figures mean nothing)")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results"), help="folder of <date>.json")
     args = parser.parse_args(argv)
-    size = SIZES["quick" if args.quick else "full"]
+    args.quick = args.quick or args.smoke
+    size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     started = time.monotonic()
 
     with bench_servers("voice-tools-bench-") as data_dir:
@@ -326,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             assert relay.bad_signatures == 0
         info = machine()
         now = datetime.now(timezone.utc)
-        command = "python -m bench" + (" --quick" if args.quick else "")
+        command = "python -m bench" + (" --smoke" if args.smoke else " --quick" if args.quick else "")
         header = [
             "# voice-tools benchmark", "",
             f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; command: `.venv/bin/{command}` "

@@ -1,0 +1,42 @@
+"""``python -m bench --smoke`` runs end to end: the Procfile's processes and their floors start,
+every measure is taken, and the results are written (so the benchmark keeps working as
+the code changes). It asserts no time: only that each measure has its samples, and (inside
+the bench) that the recording floor recorded the events it stands for and the relay got
+only good signatures.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.procs import ROOT, bare_env
+
+
+def test_the_benchmark_runs_end_to_end(tmp_path):
+    # its own embedded servers (the bench seeds calls and purges queues) and its own settings: not the suite's
+    env = {key: value for key, value in bare_env().items()
+           if not key.startswith("VOICE_TOOLS_") and key != "PROMETHEUS_MULTIPROC_DIR"}
+    done = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--results", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [written] = tmp_path.glob("*.json")
+    run = json.loads(written.read_text())
+    results = run["results"]
+    assert run["command"] == "python -m bench --smoke"
+
+    for clients in ("1", "16"):
+        assert set(results["api"][clients]) == {"pending", "confirm", "status", "context"}
+        for pair in results["api"][clients].values():
+            assert pair["api"]["n"] == pair["bare"]["n"] > 0 and pair["api"]["p50"] > 0 < pair["bare"]["p50"]
+    assert len(results["chains"]) == 2  # send_email to its checkpoint, the 4-step read tool
+    for chain in results["chains"].values():
+        assert set(chain) == {"api", "bare", "bare_recording"}
+        assert all(side["n"] == 3 and side["p50"] > 0 for side in chain.values())
+    for side in ("api", "bare", "bare_recording"):
+        cpu = results["cpu"][side]
+        assert cpu["workers"] > 0 and cpu["PostgreSQL"] > 0, cpu
+    assert all(results["throughput"][side] > 0 for side in ("api", "bare", "bare_recording"))
+    assert results["scale"]["seeded"] == {"calls": 2000, "sessions": 200, "seconds": results["scale"]["seeded"]["seconds"]}
+    assert [goal["goal"] for goal in results["goals"]][:1] == ["pending p50 vs floor (1 client)"]
+    assert "## CPU per call, by process group" in run["table"]
