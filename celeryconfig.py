@@ -23,6 +23,18 @@ broker_url = _settings.broker_url or "redis://127.0.0.1:6379/0"
 broker_connection_retry_on_startup = True
 # RabbitMQ (py-amqp, kombu's "amqp" driver): its schemes as kombu names them.
 AMQP = urlsplit(broker_url.split(";")[0]).scheme in ("amqp", "amqps", "pyamqp", "pyamqps")
+def restore_lock_s(visibility_timeout: int) -> int:
+    """How long the sweep's lock in Redis may outlive a worker killed while holding it.
+
+    The sweep takes the lock for its scan (milliseconds). A worker killed meanwhile leaves
+    it to expire, and until then no worker restores anything: kombu's 300 s would hold
+    every lost link up to 300 s past a shorter timeout (seen in the fault suite: a worker
+    SIGKILLed mid-sweep, then a link lost in a Redis restart sat unrestored past the
+    test's wait). So the lock lasts no longer than the timeout itself (5 s at least).
+    """
+    return max(5, min(300, visibility_timeout))
+
+
 if AMQP:
     # RabbitMQ gives an unacknowledged message back to its queue as soon as the
     # connection of the worker that held it closes (a worker SIGKILLed as a whole):
@@ -53,6 +65,7 @@ else:
         # to 100 s past the timeout; sweep every tenth of the timeout (1..10 s) instead.
         "unacked_restore_interval": max(1, min(10, _visibility_timeout // 10)),
         "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": restore_lock_s(_visibility_timeout),
     }
 # The database holds every outcome: no result backend.
 result_backend = None

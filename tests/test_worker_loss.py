@@ -21,7 +21,10 @@ gives each running task's ``worker_pid``).
 (b) the whole worker (main process and children, its process group) is SIGKILLed:
     the message stays unacknowledged in Redis until the broker's visibility timeout
     (``VOICE_TOOLS_VISIBILITY_TIMEOUT``, 6 s here); a second worker started afterwards
-    restores it and runs the link.
+    restores it and runs the link;
+(c) the same, the worker killed while it held the restore sweep's lock in Redis (kombu's
+    ``unacked_mutex``): no worker restores anything until the lock expires, so the lock
+    must not outlive the visibility timeout by much (``celeryconfig.restore_lock_s``).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 
+from celeryconfig import restore_lock_s
 from models import db
 from models.email import EmailOutbox
 from tasks import app, call_actions
@@ -140,10 +144,12 @@ def test_prefork_child_killed_mid_link_is_redelivered_to_another_child(own_queue
 
 
 @pytest.mark.slow
-def test_whole_worker_killed_mid_link_is_redelivered_after_visibility_timeout(own_queue, tmp_path):
+@pytest.mark.parametrize("lock_left", [False, True], ids=["lock_free", "holding_the_restore_lock"])
+def test_whole_worker_killed_mid_link_is_redelivered_after_visibility_timeout(own_queue, tmp_path, lock_left):
     env = {"VOICE_TOOLS_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT)}
     first_worker = WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name="loss-first", env=env)
     second_worker = WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name="loss-second", env=env)
+    lock_s = restore_lock_s(VISIBILITY_TIMEOUT) if lock_left else 0
     try:
         first_worker.start()
         tool_call_id = prepared_call("whole")
@@ -156,14 +162,22 @@ def test_whole_worker_killed_mid_link_is_redelivered_after_visibility_timeout(ow
             assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                            for pid in family), "the whole worker is gone"
             assert row(tool_call_id).status == "EXECUTING"
+            if lock_left:  # as the killed worker would have left it, mid-sweep: taken with its expiry
+                with app.connection_for_write() as conn:
+                    channel = conn.default_channel
+                    assert channel.client.set(channel.unacked_mutex_key, "killed-worker", nx=True, px=lock_s * 1000)
+                locked_at = time.time()
 
             second_worker.start()
-            again = second_worker.wait_active(SENDING, [tool_call_id], timeout=VISIBILITY_TIMEOUT + 60)
+            # a lock left behind holds the link back at most about one more visibility timeout
+            again = second_worker.wait_active(SENDING, [tool_call_id], timeout=2 * VISIBILITY_TIMEOUT + 30)
             redelivered_by = time.time()
             assert again["id"] == first["id"], "the same message, restored from the unacked set"
         # Redis hid the unacknowledged message for the visibility timeout: the earliest
         # it can come back is the timeout after its first delivery (after before_resume).
         assert redelivered_by - before_resume >= VISIBILITY_TIMEOUT
+        if lock_left:  # held back by the lock, and only until it expired
+            assert redelivered_by - locked_at >= lock_s - 0.5
         assert_sent_once(tool_call_id)
         assert row(tool_call_id).attempts >= CLAIMS_WITHOUT_LOSS + 1
         assert f"{SENDING}[{first['id']}] received" in second_worker.log()
