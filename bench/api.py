@@ -28,14 +28,21 @@ def pending(api: str, bare: str) -> load.Pair:
 
 
 def confirm(api: str, bare: str) -> load.Pair:
-    """A send_email call confirmed: its chain runs to the checkpoint on the writes worker (the
-    floor publishes one no-op link)."""
+    """A send_email call confirmed: its chain runs to the checkpoint on the writes worker (no
+    callback URL: its events are recorded, not posted); the floor's confirm sends a bare chain
+    of as many links recording theirs (``bench/noop.py``), so that under 16 clients both sides
+    carry the same kind of load behind the request."""
+    from tasks import tools
+
+    links = [step.checkpoint for step in tools.TOOLS["send_email"].steps].index(True) + 1  # up to its checkpoint
+
     def pair(i: int) -> dict[str, float]:
         timed = {}
-        for side, base, headers in (("api", api, AUTH), ("bare", bare, {})):
+        for side, base, headers, body in (("api", api, AUTH, None),
+                                          ("bare", bare, {}, {"links": links, "record": True, "until": "checkpoint"})):
             _s, created = load.call("POST", f"{base}/voice-tools/pending", 201, headers=headers, json=_pending_body(i))
             timed[side] = load.call("POST", f"{base}/voice-tools/confirm/{created['tool_call_id']}", 202,
-                                    headers=headers)[0]
+                                    headers=headers, json=body)[0]
         return timed
     return pair
 

@@ -42,7 +42,8 @@ SELECT :event_id, tool_call_id, session_id, :event, event_seq,
        jsonb_build_object('event_id', :event_id, 'type', 'tool_status', 'event', :event,
                           'tool_call_id', tool_call_id, 'session_id', session_id, 'function_name', function_name,
                           'status', status, 'parameters', parameters, 'progress', :progress, 'seq', event_seq),
-       :url, 'pending', 0, now() + interval '7 seconds'
+       :url, CASE WHEN :url IS NULL THEN 'none' ELSE 'pending' END, 0,
+       CASE WHEN :url IS NULL THEN NULL ELSE now() + interval '7 seconds' END
 FROM moved RETURNING payload
 """)
 _ATTEMPT = text("""
@@ -68,14 +69,14 @@ def noop(self: Bare, key: str, receiver_url: str | None = None, event: str = "co
          record: bool = False) -> None:
     with db.statement() as conn:
         conn.execute(_STATUS, {"p_id": key}).one_or_none()
-    if receiver_url is None:
-        return
     event_id = uuid.uuid4().hex
     payload: Any = {"tool_call_id": key, "event": event}
-    if record:
+    if record:  # with no receiver, the event is recorded all the same (as the engine's, for the event stream)
         with db.statement() as conn:
             payload = conn.execute(_RECORD, {"id": key, "event": event, "event_id": event_id, "url": receiver_url,
                                              "progress": 1.0 if event != "progress" else 0.5}).scalar_one()
+    if receiver_url is None:
+        return
     body = json.dumps(payload).encode()
     timestamp = str(int(time.time()))
     answer = callback_http.http().post(receiver_url, data=body, timeout=5, headers={

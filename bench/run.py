@@ -10,8 +10,9 @@ each read the call's status and post a signed event to the same relay (``bench/n
 per client; ``bench/load.py``), the API and its floor asked alternately by each client.
 It measures:
 
-(1) ``pending``, ``confirm`` (of a send_email call), ``status`` and ``context``: p50 and
-    p99, one client after another and 16 clients at once, against the floor;
+(1) ``pending``, ``confirm`` (of a send_email call: its chain runs to the checkpoint; the
+    floor's confirm sends a bare chain of as many links, recording), ``status`` and
+    ``context``: p50 and p99, one client after another and 16 clients at once, against the floor;
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
@@ -40,6 +41,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -346,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     args.quick = args.quick or args.smoke
     size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     started = time.monotonic()
+    # stopped with SIGTERM as with Ctrl-C: the processes and servers it started are stopped too
+    # (they run in sessions of their own, which a signal to this process alone does not reach)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     with bench_servers("voice-tools-bench-") as data_dir:
         from bench import report
