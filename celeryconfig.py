@@ -23,6 +23,8 @@ broker_url = _settings.broker_url or "redis://127.0.0.1:6379/0"
 broker_connection_retry_on_startup = True
 # RabbitMQ (py-amqp, kombu's "amqp" driver): its schemes as kombu names them.
 AMQP = urlsplit(broker_url.split(";")[0]).scheme in ("amqp", "amqps", "pyamqp", "pyamqps")
+
+
 def restore_lock_s(visibility_timeout: int) -> int:
     """How long the sweep's lock in Redis may outlive a worker killed while holding it.
 

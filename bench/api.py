@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import load
-from bench.run import AUTH
+from bench.run import AUTH, links_to_checkpoint
 
 SESSION = "bench_api"
 ENDPOINTS = ("pending", "confirm", "status", "context")
@@ -34,7 +34,7 @@ def confirm(api: str, bare: str) -> load.Pair:
     carry the same kind of load behind the request."""
     from tasks import tools
 
-    links = [step.checkpoint for step in tools.TOOLS["send_email"].steps].index(True) + 1  # up to its checkpoint
+    links = links_to_checkpoint(tools.TOOLS["send_email"])
 
     def pair(i: int) -> dict[str, float]:
         timed = {}

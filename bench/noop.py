@@ -26,7 +26,7 @@ from sqlalchemy import bindparam, select, text
 
 from models import db, settings
 from models.calls import ToolCall
-from tasks import app, base, callback_http
+from tasks import app, base, callback_http, callbacks
 
 QUEUE = "bench.noop"
 _STATUS = select(ToolCall.status).where(ToolCall.tool_call_id == bindparam("p_id"))
@@ -43,7 +43,7 @@ SELECT :event_id, tool_call_id, session_id, :event, event_seq,
                           'tool_call_id', tool_call_id, 'session_id', session_id, 'function_name', function_name,
                           'status', status, 'parameters', parameters, 'progress', :progress, 'seq', event_seq),
        :url, CASE WHEN :url IS NULL THEN 'none' ELSE 'pending' END, 0,
-       CASE WHEN :url IS NULL THEN NULL ELSE now() + interval '7 seconds' END
+       CASE WHEN :url IS NULL THEN NULL ELSE now() + make_interval(secs => :lease_s) END
 FROM moved RETURNING payload
 """)
 _ATTEMPT = text("""
@@ -74,7 +74,9 @@ def noop(self: Bare, key: str, receiver_url: str | None = None, event: str = "co
     if record:  # with no receiver, the event is recorded all the same (as the engine's, for the event stream)
         with db.statement() as conn:
             payload = conn.execute(_RECORD, {"id": key, "event": event, "event_id": event_id, "url": receiver_url,
-                                             "progress": 1.0 if event != "progress" else 0.5}).scalar_one()
+                                             "progress": 1.0 if event != "progress" else 0.5,
+                                             "lease_s": callbacks.lease_s(settings.load().callback_timeout)}
+                                   ).scalar_one()
     if receiver_url is None:
         return
     body = json.dumps(payload).encode()

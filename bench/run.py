@@ -208,6 +208,11 @@ def check_recording_floor(bench: ChainBench, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def links_to_checkpoint(tool: Any) -> int:
+    """How many links a confirm of ``tool`` runs: up to and with its checkpoint."""
+    return [step.checkpoint for step in tool.steps].index(True) + 1
+
+
 class CheckpointBench(ChainBench):
     """send_email: confirm → ``checkpoint`` callback, against a bare chain of its links up to there."""
 
@@ -218,7 +223,7 @@ class CheckpointBench(ChainBench):
 
         tool = tools.TOOLS["send_email"]
         super().__init__(api, bare_api, relay, tool)
-        self.links = [step.checkpoint for step in tool.steps].index(True) + 1
+        self.links = links_to_checkpoint(tool)
 
 
 def alternate(timers: tuple[Callable[[], float], ...], runs: int, warmup: int) -> list[list[float]]:
