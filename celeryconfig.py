@@ -90,8 +90,8 @@ enable_utc = True
 task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
-# Celery's consumer, kept alive when the broker restarts with links in flight (see tasks/consumer.py).
-worker_consumer = "tasks.consumer:Consumer"
+# Celery's consumer, kept alive when the broker restarts with links in flight (see tasks/worker/consumer.py).
+worker_consumer = "tasks.worker.consumer:Consumer"
 task_time_limit = 120
 task_soft_time_limit = 90
 

@@ -20,7 +20,10 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, errors, events, metrics, ops, request_log
+    from app import api, auth, metrics, request_log
+    from tasks.calls import errors
+    from app import stream
+    from app import health
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
@@ -35,6 +38,6 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     app.register_blueprint(api.bp, name="n8n", url_prefix=N8N_PREFIX)  # the same table, n8n's paths
     app.add_url_rule(f"{N8N_PREFIX}/resume-execution/<tool_call_id>", endpoint="n8n.resume_execution",
                      view_func=api.resume, methods=["POST"])  # seed 000's resume_webhook
-    app.register_blueprint(events.bp)
-    app.register_blueprint(ops.bp)
+    app.register_blueprint(stream.bp)
+    app.register_blueprint(health.bp)
     return app

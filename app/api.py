@@ -1,15 +1,17 @@
 """The REST API a relay calls (CONTRACT section 5), paths as the seed names them.
 
 Every view is one line: it hands the request's path arguments, query and body to the
-operation of the same name in ``app.operations`` (shared with the MCP face,
+operation of the same name in ``tasks.calls.operations`` (shared with the MCP face,
 ``app.mcp_server``) and answers what it returns. Errors are raised there and
-answered in ``app.errors``.
+answered in ``tasks.calls.errors``.
 """
 from __future__ import annotations
 
 from flask import Blueprint, g, request
 
-from app import inputs, operations, schemas
+from app import inputs
+from tasks.calls import operations
+from tasks.calls import schemas
 from app.auth import Caller
 from app.openapi import doc
 from tasks import tools

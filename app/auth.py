@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from flask import Flask, g, request
 
-from app.errors import ApiError
+from tasks.calls.errors import ApiError
 from models import settings
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from typing import Any
 
 from gunicorn import util
 
-import logs
+from models import logs
 from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 # Without the query string (%(U)s, not %(r)s): a query may carry ids but is not ours to log.

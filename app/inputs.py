@@ -12,8 +12,8 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
 from app import request_log
-from app.errors import ApiError
-from app.schemas import instance
+from tasks.calls.errors import ApiError
+from tasks.calls.schemas import instance
 
 
 def _finite(text: str) -> float:
@@ -84,5 +84,5 @@ def query() -> dict[str, Any]:
 
 
 def load(schema: type[Schema], data: dict[str, Any]) -> dict[str, Any]:
-    """Load ``data`` with ``schema``; a ValidationError becomes 422 in app.errors."""
+    """Load ``data`` with ``schema``; a ValidationError becomes 422 in tasks.calls.errors."""
     return instance(schema).load(data)

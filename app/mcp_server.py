@@ -6,13 +6,13 @@ tool calls here instead of over REST: ``request_tool`` -> ``modify_tool`` ->
 ``execute_tool``, ``get_status``, ``get_context``, ``get_session_context`` and
 ``list_tools`` (the registry's tools with their JSON Schemas).
 
-Each MCP tool is one line over the operation of ``app.operations`` that the REST view
+Each MCP tool is one line over the operation of ``tasks.calls.operations`` that the REST view
 of the same route calls: its arguments are the REST call's path arguments, query and
 body fields side by side (``tool_call_id``, ``wait``, ``session_id``, ``function``,
 ``parameters``, ...), split back into those three parts and validated by the same
 request schemas; its result is the REST answer's JSON, as structured content and as
 JSON text. An error is the REST error's ``{error, message, details}`` (from
-``app.errors.api_error``) in a result with ``isError: true``, whatever the HTTP status
+``tasks.calls.errors.api_error``) in a result with ``isError: true``, whatever the HTTP status
 would have been (404, 409, 422, 503 ...). The argument JSON Schemas (``inputSchema``)
 are generated from those same marshmallow schemas.
 
@@ -50,10 +50,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import logs
-from app import auth, errors, inputs, operations, schemas, toolspec
+from models import logs
+from app import auth, inputs
+from tasks.calls import errors
+from tasks.calls import operations
+from tasks.calls import schemas
+from tasks.calls import toolspec
 from app.limits import MAX_BODY_BYTES
-from app.errors import ApiError
+from tasks.calls.errors import ApiError
 from tasks import tools
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,7 @@ Arguments = dict[str, Any]
 Answer = operations.Answer
 
 
-# -- the MCP tools: each one line over app.operations ------------------------------------------
+# -- the MCP tools: each one line over tasks.calls.operations ------------------------------------------
 
 @dataclass(frozen=True)
 class Face:
@@ -332,13 +336,3 @@ def serve(host: str, port: int, sockets: list[socket.socket] | None = None) -> N
     config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info",
                             log_config=logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}))
     uvicorn.Server(config).run(sockets=sockets)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import mcp_command  # the command's options (``--host``, ``--port``, ``--lazy``) live there
-
-    mcp_command.main(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,7 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from flask import Flask
 from marshmallow import Schema
 
-from app import schemas
+from tasks.calls import schemas
 from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 from tasks import tools
 

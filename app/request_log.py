@@ -4,7 +4,7 @@ The request id is the caller's ``X-Request-ID`` when it sends a sane one, else t
 trace id of a W3C ``traceparent``, else a new one; it is answered back in
 ``X-Request-ID``. The path's ``tool_call_id`` / ``session_id`` are bound before the
 view runs, a body's when the view reads it (``app.inputs.body``), a call's session
-when the operation loads the call it acts on (``app.operations``), else an answer's
+when the operation loads the call it acts on (``tasks.calls.operations``), else an answer's
 after the view. The
 context is left in the WSGI environ for gunicorn's access line, written after the
 request is over (``app.gunicorn_conf``).
@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-import logs
+from models import logs
 
 HEADER = "X-Request-ID"
 IDS = ("tool_call_id", "session_id")

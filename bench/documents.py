@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import servers  # noqa: E402
+from voice_tools import servers
 
 QUESTIONS = [
     "What were our Q3 sales in the Northwest region?", "How do I reset my password?",
@@ -68,7 +68,7 @@ def ms(samples: list[float]) -> tuple[float, float]:
 # -- 1. query embedding --------------------------------------------------------------------
 
 def bench_embedding(n: int) -> tuple[float, float]:
-    from tasks.backends import embeddings
+    from backends import embeddings
 
     rng = random.Random(1)
     embeddings.embed_query("warm up")
@@ -119,7 +119,7 @@ def bench_search(n_chunks: int, n_queries: int) -> dict[str, float]:
     import psycopg2
 
     from models import db
-    from tasks.backends import documents, embeddings
+    from backends import documents, embeddings
 
     model, dim = embeddings.active_model()
     rng = np.random.default_rng(7)
@@ -194,9 +194,9 @@ def write_corpus(folder: Path, files: int) -> None:
 
 
 def bench_ingest(folder: Path, files: int) -> dict[str, float]:
-    from tasks.backends import documents
+    from backends import documents
 
-    from tasks.backends import embeddings
+    from backends import embeddings
 
     write_corpus(folder, files)
     embeddings.embed(["warm up"], bulk=True)  # the ingest session is made once per process
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         ingest = bench_ingest(data_dir / "corpus", args.ingest_files)
         print(f"search over {args.chunks} chunks (load + HNSW build first) ...", flush=True)
         search = bench_search(args.chunks, args.queries)
-        from tasks.backends import embeddings
+        from backends import embeddings
 
         threads = os.environ.get("VOICE_TOOLS_EMBEDDING_THREADS", "1")
         lines = [

@@ -88,8 +88,8 @@ def events_bench(api: str, calls: int) -> tuple[list[float], list[float]]:
 
     from models import db
     from models.calls import CallbackDelivery
-    from tests.relay import Relay
-    from tests.sse_client import Stream
+    from support.relay import Relay
+    from support.sse_client import Stream
 
     session_id = f"bench_sse_{int(time.time())}"
     arrived_cb: dict[str, float] = {}
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with bench_servers("voice-tools-bench-faces-") as data_dir:
         from tasks import app, tools
-        from tasks.backends import load_demo
-        from tests.worker_process import WorkerProcess
+        from backends import load_demo
+        from support.worker_process import WorkerProcess
 
         load_demo()
         queues = [tools.TOOLS["search_contacts"].queue, "callbacks"]

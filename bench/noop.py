@@ -26,7 +26,9 @@ from sqlalchemy import bindparam, select, text
 
 from models import db, settings
 from models.calls import ToolCall
-from tasks import app, base, callback_http, callbacks
+from tasks import app, base
+from tasks.delivery import transport
+from tasks.delivery import events
 
 QUEUE = "bench.noop"
 _STATUS = select(ToolCall.status).where(ToolCall.tool_call_id == bindparam("p_id"))
@@ -75,16 +77,16 @@ def noop(self: Bare, key: str, receiver_url: str | None = None, event: str = "co
         with db.statement() as conn:
             payload = conn.execute(_RECORD, {"id": key, "event": event, "event_id": event_id, "url": receiver_url,
                                              "progress": 1.0 if event != "progress" else 0.5,
-                                             "lease_s": callbacks.lease_s(settings.load().callback_timeout)}
+                                             "lease_s": events.lease_s(settings.load().callback_timeout)}
                                    ).scalar_one()
     if receiver_url is None:
         return
     body = json.dumps(payload).encode()
     timestamp = str(int(time.time()))
-    answer = callback_http.http().post(receiver_url, data=body, timeout=5, headers={
+    answer = transport.http().post(receiver_url, data=body, timeout=5, headers={
         "Content-Type": "application/json",
         "X-Voice-Tools-Timestamp": timestamp,
-        "X-Voice-Tools-Signature": callback_http.sign(settings.load().callback_secret, timestamp, body),
+        "X-Voice-Tools-Signature": transport.sign(settings.load().callback_secret, timestamp, body),
     })
     answer.raise_for_status()
     if record:

@@ -16,7 +16,7 @@ It measures:
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
-    app's confirm sends the bare chain) to the event at a local relay (``tests/relay.py``,
+    app's confirm sends the bare chain) to the event at a local relay (``support/relay.py``,
     checking signatures); the two sides alternate call by call; and the same chains against
     a second floor whose links also do by hand the per-link work of CONTRACT 7 and 8 (record
     the progress with the event row, record the attempt): what the engine costs beyond that;
@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import servers  # noqa: E402
+from voice_tools import servers
 from bench import load  # noqa: E402
 
 API_TOKEN = "bench-token"
@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import report
         from bench.stack import Stack
         from tasks import app, tools
-        from tasks.backends import load_demo
-        from tests.relay import Relay
+        from backends import load_demo
+        from support.relay import Relay
 
         load_demo()
         with app.connection_for_write() as conn:  # nothing left over from an earlier run on these servers

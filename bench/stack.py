@@ -19,8 +19,8 @@ from typing import Any
 
 import requests
 
-from tests.procs import ROOT, free_port, kill_group, process_family
-from tests.system import procfile_lines
+from support.procs import ROOT, free_port, kill_group, process_family
+from support.system import procfile_lines
 
 WORKERS = ("writes", "reads", "callbacks", "bare")
 
@@ -40,7 +40,7 @@ class Stack:
     """Start with :meth:`start` (waits until every web answers and every worker pings), stop with :meth:`stop`."""
 
     def __init__(self, data_dir: Path):
-        from launcher import run_environment
+        from voice_tools.launcher import run_environment
 
         self.dir = data_dir
         self.env, _filled = run_environment(data_dir / "data")

@@ -3,7 +3,7 @@ and what operators ask (``celery -A tasks calls ...``).
 
 Nothing here writes: every status change is a transition in ``models/lifecycle.py``
 (which re-checks a sweep's condition from here in its own statement), and redelivering
-goes through ``tasks/callback_delivery.py``.
+goes through ``tasks/delivery/attempts.py``.
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class Settings:
         return bool(self.google_credentials) and service in self.google_services
 
 
-SWEEPS = {  # beat's sweeps (tasks/maintenance.py): task -> (the variable that sets its period, its default in seconds)
+SWEEPS = {  # beat's sweeps (tasks/sweeps.py): task -> (the variable that sets its period, its default in seconds)
     "maintenance.expire_stale": ("VOICE_TOOLS_EXPIRE_EVERY", 30.0),
     "maintenance.fail_stuck": ("VOICE_TOOLS_STUCK_SWEEP_EVERY", 60.0),
     "maintenance.retry_callbacks": ("VOICE_TOOLS_CALLBACK_SWEEP_EVERY", 15.0),

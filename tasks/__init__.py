@@ -5,6 +5,9 @@ their tasks. A module of this package imports ``tasks.celery_app`` for the app, 
 this package's ``app``.
 """
 from tasks.celery_app import app
-from tasks import call_actions, callback_delivery, chains, maintenance  # noqa: F401  (register the tasks)
+from tasks import chains
+from tasks.calls import actions
+from tasks.delivery import attempts
+from tasks import sweeps
 
 __all__ = ["app"]

@@ -8,7 +8,7 @@ plain ``@app.task`` gets it; :class:`tasks.chains.Link` subclasses it.
   Every task is idempotent, so this is safe. A sweep opts out (beat runs it again).
 - **Metrics.** Each run is timed (Celery's ``task_prerun`` / ``task_postrun``) and
   ``on_success`` / ``on_retry`` / ``on_failure`` count its outcome
-  (``tasks/worker_metrics.py``); a subclass says what else a run means with
+  (``tasks/metrics.py``); a subclass says what else a run means with
   :meth:`Task.begun` and :meth:`Task.ran`. Only memory-mapped files are touched: no
   database round trip is added to any task.
 - **After-commit enqueueing.** ``apply_async`` inside an open ``db.session()`` block
@@ -25,7 +25,7 @@ from celery.signals import task_postrun, task_prerun, worker_init
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from models import db
-from tasks import worker_metrics
+from tasks.worker import metrics
 
 
 class Task(celery.Task):
@@ -44,19 +44,19 @@ class Task(celery.Task):
 
     def ran(self, seconds: float) -> None:
         """Called as a run ends, however it ended (not when its process was killed)."""
-        worker_metrics.task_ran(self.name, seconds)
+        metrics.task_ran(self.name, seconds)
 
     # -- outcomes ---------------------------------------------------------------------
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        worker_metrics.task_outcome(self.name, "succeeded")
+        metrics.task_outcome(self.name, "succeeded")
 
     def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        worker_metrics.task_outcome(self.name, "retried")
+        metrics.task_outcome(self.name, "retried")
 
     def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         """Also called in the worker's main process when a pool child was killed at the hard time limit."""
-        worker_metrics.task_outcome(self.name, "failed")
+        metrics.task_outcome(self.name, "failed")
 
     # -- enqueueing --------------------------------------------------------------------
 
@@ -71,7 +71,7 @@ class Task(celery.Task):
 @worker_init.connect
 def _record_worker_metrics(**_: object) -> None:
     """A worker's main process, before its pool forks: its children record too."""
-    worker_metrics.start_recording()
+    metrics.start_recording()
 
 
 # Each run is timed between Celery's own signals rather than in an overridden

@@ -12,7 +12,12 @@ from celery.signals import worker_before_create_process, worker_process_init
 
 from celeryconfig import queue
 from models import db
-from tasks import base, beat_thread, callback_http, log_context, metrics_thread, tools, worker_groups  # noqa: F401  (log_context: Celery's log signals)
+from tasks import base, tools
+from tasks.worker import beat_thread
+from tasks.delivery import transport
+from tasks.worker import log_context
+from tasks.worker import metrics_thread
+from tasks.worker import groups
 
 app = Celery("tasks", task_cls=base.Task)  # every task's base class (tasks/base.py)
 app.config_from_object("celeryconfig")
@@ -20,7 +25,7 @@ app.conf.task_queues = tuple(
     [queue(tool.queue) for tool in tools.TOOLS.values()] + [queue("callbacks"), queue("maintenance")]
 )
 
-worker_groups.install(app)
+groups.install(app)
 beat_thread.install(app)
 metrics_thread.install(app)
 
@@ -37,5 +42,5 @@ def _freeze_before_fork(**_: object) -> None:
 def _fresh_connections_after_fork(**_: object) -> None:
     """A forked child must not share the parent's database or HTTP connections."""
     db.dispose()
-    callback_http.reset_http_session()
+    transport.reset_http_session()
 

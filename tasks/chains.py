@@ -29,11 +29,15 @@ from celery.exceptions import MaxRetriesExceededError, Reject, SoftTimeLimitExce
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
-import logs
+from models import logs
 from celeryconfig import queue
 from models import db, lifecycle, queries
 from models.calls import ToolCall
-from tasks import backends, base, callback_delivery, callbacks, tools, worker_metrics
+from tasks import base, tools
+import backends
+from tasks.delivery import attempts
+from tasks.delivery import events
+from tasks.worker import metrics
 from tasks.celery_app import app
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
 
@@ -83,10 +87,10 @@ class Link(base.Task):
 
     def begun(self) -> None:
         if self.index == 0 and not self.request.retries:  # the chain's first link, first run
-            worker_metrics.call_started(self.tool.name)
+            metrics.call_started(self.tool.name)
 
     def ran(self, seconds: float) -> None:
-        worker_metrics.step_ran(self.tool.name, self.step.name, seconds)
+        metrics.step_ran(self.tool.name, self.step.name, seconds)
 
     def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
@@ -127,14 +131,14 @@ class Link(base.Task):
             return self._complete(tool_call_id, given, step.name, output)
         cancellable = not (step.side_effect or any(s.side_effect for s in tool.steps[: self.index]))
         progress_done = (self.index + 1) / len(tool.steps)
-        event = callbacks.event("progress", step=step.name, gate=self.index + 1, progress=progress_done,
+        event = events.event("progress", step=step.name, gate=self.index + 1, progress=progress_done,
                                 message=tool.say(step.message, given.parameters), cancellable=cancellable,
                                 inline=True)
         with db.statement() as s:
             call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event)
         if call is None:
             return self._stop()
-        callback_delivery.deliver_inline(callbacks.delivery_of(call), later=self._after)
+        attempts.deliver_inline(events.delivery_of(call), later=self._after)
         return None
 
     # -- the posted callbacks' outcomes, recorded once the next link is sent ------------
@@ -200,14 +204,14 @@ class Link(base.Task):
     def _checkpoint(self, given: StepInput, progress: float) -> None:
         tool, step = self.tool, self.step
         preview = step.preview(given) if step.preview else None
-        event = callbacks.event("checkpoint", step=step.name, gate=self.index + 1, progress=progress,
+        event = events.event("checkpoint", step=step.name, gate=self.index + 1, progress=progress,
                                 message=tool.say(step.message, given.parameters), cancellable=True,
                                 requires_confirmation=True, preview=preview, inline=True)
         with db.statement() as s:
             call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event)
         if call is None:
             return self._stop()
-        callback_delivery.deliver_inline(callbacks.delivery_of(call), later=self._after)
+        attempts.deliver_inline(events.delivery_of(call), later=self._after)
         return self._stop()
 
     def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
@@ -218,14 +222,14 @@ class Link(base.Task):
         result = tool.result(outputs)
         voice = tool.say(tool.voice_response, given.parameters, result=result)
         context_key = result.get("context_key") if isinstance(result, dict) else None
-        event = callbacks.event("completed", step=step_name, gate=self.index + 1, progress=1.0, message=voice,
+        event = events.event("completed", step=step_name, gate=self.index + 1, progress=1.0, message=voice,
                                 context_key=context_key, inline=True)
         with db.statement() as s:
             call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event)
         if call is None:
             return self._stop()
-        worker_metrics.call_ended(tool.name, call.status)  # its statement has committed (autocommit)
-        callback_delivery.deliver_inline(callbacks.delivery_of(call), later=self._after)
+        metrics.call_ended(tool.name, call.status)  # its statement has committed (autocommit)
+        attempts.deliver_inline(events.delivery_of(call), later=self._after)
         return None
 
     def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False) -> None:
@@ -349,7 +353,7 @@ def enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -
     unless it was given (``workflow_id``: recorded already, by the transition that started the call)."""
     try:
         with logs.bound(tool_call_id=call.tool_call_id, session_id=call.session_id), \
-                app.producer_or_acquire() as producer:  # the links' messages carry the call (tasks/log_context.py)
+                app.producer_or_acquire() as producer:  # the links' messages carry the call (tasks/worker/log_context.py)
             producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
             result = signature(tool, call.tool_call_id, start).apply_async(
                 producer=producer, retry=True, retry_policy=QUICK_RETRY, task_id=workflow_id)
@@ -374,6 +378,6 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None)
         if call is None:
             return None
-        delivery = callbacks.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
-    callback_delivery.deliver_inline(delivery)
+        delivery = events.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
+    attempts.deliver_inline(delivery)
     return call

@@ -32,7 +32,7 @@ _data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-tests-", dir=tempfile.gett
 
 def _point_at_test_database(url: str) -> str:
     """Create ``voice_tools_test`` on the server of ``url``; return its URL."""
-    import servers
+    from voice_tools import servers
 
     parts = urlsplit(url)
     admin = urlunsplit(parts._replace(path="/postgres"))
@@ -59,7 +59,7 @@ def _no_fsync(url: str) -> None:
 
 
 def _start_servers() -> None:
-    import servers
+    from voice_tools import servers
 
     if os.environ.get("DATABASE_URL"):
         os.environ["DATABASE_URL"] = _point_at_test_database(os.environ["DATABASE_URL"])
@@ -76,7 +76,7 @@ _start_servers()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    import servers
+    from voice_tools import servers
 
     servers.stop_servers()
     shutil.rmtree(_data_dir, ignore_errors=True)
@@ -151,7 +151,7 @@ def worker(_session_worker, celery_app_instance):
 @pytest.fixture
 def relay():
     """A real HTTP receiver that checks signatures and records every event."""
-    from tests.relay import Relay
+    from support.relay import Relay
 
     with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as receiver:
         yield receiver

@@ -8,7 +8,8 @@ from sqlalchemy import select
 
 from models import db, lifecycle, queries
 from models.calls import TERMINAL, CallbackDelivery, ToolCall
-from tasks import tools, worker_metrics
+from tasks import tools
+from tasks.worker import metrics
 
 
 def make_call(function_name: str = "send_email", parameters: dict[str, Any] | None = None,
@@ -56,14 +57,14 @@ def deliveries(tool_call_id: str, event: str | None = None) -> list[CallbackDeli
 
 def progress_event(callback_url: str) -> tuple[str, str]:
     """A send_email call EXECUTING its first step with a recorded, cancellable progress event."""
-    from tasks import callbacks
+    from tasks.delivery import events
 
     call = make_call(callback_url=callback_url)
     with db.session() as s:
         lifecycle.confirm(s, call.tool_call_id)
         lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0)
         recorded = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
-        event = callbacks.record(s, recorded, "progress", step="PREPARING", gate=1,
+        event = events.record(s, recorded, "progress", step="PREPARING", gate=1,
                                  message="Preparing the email to john@example.com.", cancellable=True)
     return call.tool_call_id, event.event_id
 
@@ -87,4 +88,4 @@ def wait_delivered(event_id: str, timeout: float = 30.0) -> CallbackDelivery:
 
 def counted(name: str, **labels: str) -> float:
     """A worker series' value in this process (the in-process worker records into it)."""
-    return worker_metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0

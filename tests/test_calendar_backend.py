@@ -1,4 +1,4 @@
-"""The calendar backend (tasks/backends/calendar.py) and the availability arithmetic, with a
+"""The calendar backend (backends/calendar.py) and the availability arithmetic, with a
 database alone: the local table, the demo week, and Google Calendar through the real
 google-api-python-client on ``HttpMockSequence`` (the requests it made are asserted on:
 method, path, query and body)."""
@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from models import db
 from models.calendar import CalendarEvent
-from tasks.backends import calendar
-from tasks.backends.google import build_service
+from backends import calendar
+from backends.google import build_service
 from tasks.tools import TOOLS, PermanentError, StepInput
 from tasks.tools.get_calendar_availability import free_slots, round_up, voice_response, window
 

@@ -14,7 +14,10 @@ import pytest
 
 from models import db
 from models.calls import CallbackDelivery
-from tasks import call_actions, callback_delivery, callback_http, callback_urls
+from tasks.calls import actions
+from tasks.delivery import attempts
+from tasks.delivery import transport
+from tasks.delivery import url_policy
 from tests.helpers import deliveries, delivery, make_call, progress_event, row, wait_delivered, wait_status
 
 DRIP_BYTES, DRIP_EVERY = 100, 0.2  # 20 s in all, yet every read gets a byte well within the 1 s timeout
@@ -158,7 +161,7 @@ def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatc
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     drip = servers(DripServer, where)
     tool_call_id, event_id = progress_event(drip.url)
-    answer = callback_delivery.attempt(event_id)
+    answer = attempts.attempt(event_id)
     assert (answer.attempted, answer.delivered, answer.cancel) == (True, False, False)
     assert drip.cut.wait(10), "the relay was not hung up on"
     assert drip.dripped and drip.dripped[0] < 30  # the link stopped listening after a few bytes, not 100
@@ -171,7 +174,7 @@ def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatc
     with db.session() as s:
         s.execute(CallbackDelivery.__table__.update().where(CallbackDelivery.event_id == event_id)
                   .values(next_attempt_at=None))
-    assert callback_delivery.attempt(event_id).delivered
+    assert attempts.attempt(event_id).delivered
     done = delivery(event_id)
     assert (done.state, done.attempts, done.response_code, done.last_error) == ("delivered", 2, 200, None)
     assert drip.requests == 2
@@ -182,10 +185,10 @@ def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, s
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_RETRY_TIMEOUT", "5")
     drip = servers(DripServer, "body")
     call = make_call(callback_url=drip.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     # The first event drips for 20 s; the chain went on (a held link would hit its time limit).
     wait_status(call.tool_call_id, "PREPARED", timeout=30)
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     done_call = wait_status(call.tool_call_id, "COMPLETED", timeout=30)
     assert done_call.error_message is None
     first = deliveries(call.tool_call_id)[0]
@@ -207,7 +210,7 @@ def test_a_drip_through_an_http_proxy_is_cut_too(servers, monkeypatch):
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     _, event_id = progress_event("http://127.0.0.1:9/cb")  # the relay itself is never reached: the proxy is
-    assert not callback_delivery.attempt(event_id).delivered
+    assert not attempts.attempt(event_id).delivered
     assert proxy.requests == 1 and proxy.cut.wait(10) and proxy.dripped[0] < 30
     found = delivery(event_id)
     assert found.last_error == "Timeout: no complete answer within 1 s"
@@ -215,22 +218,22 @@ def test_a_drip_through_an_http_proxy_is_cut_too(servers, monkeypatch):
 
 
 def test_an_answer_over_64_kib_is_no_answer(servers):
-    big = json.dumps({"cancel": True, "reason": "stop", "pad": "x" * (callback_http.MAX_ANSWER_BYTES + 1000)}).encode()
+    big = json.dumps({"cancel": True, "reason": "stop", "pad": "x" * (transport.MAX_ANSWER_BYTES + 1000)}).encode()
     server = servers(CountingServer, big)
     tool_call_id, event_id = progress_event(server.url)
-    answer = callback_delivery.attempt(event_id)
+    answer = attempts.attempt(event_id)
     assert (answer.delivered, answer.cancel) == (True, False)
     assert row(tool_call_id).status == "EXECUTING"  # the cancel inside it was not read
     found = delivery(event_id)
     assert (found.state, found.response_code, found.last_error) == ("delivered", 200, None)
-    assert found.attempt_log[0]["note"] == f"answer over {callback_http.MAX_ANSWER_BYTES} bytes: read as no answer"
+    assert found.attempt_log[0]["note"] == f"answer over {transport.MAX_ANSWER_BYTES} bytes: read as no answer"
 
 
 def test_the_same_cancel_under_64_kib_cancels(servers):
     """The control for the test above: only the size differs."""
     small = json.dumps({"cancel": True, "reason": "stop", "pad": "x" * 1000}).encode()
     tool_call_id, event_id = progress_event(servers(CountingServer, small).url)
-    assert callback_delivery.attempt(event_id).cancel is True
+    assert attempts.attempt(event_id).cancel is True
     assert row(tool_call_id).status == "CANCELLED"
     assert "note" not in delivery(event_id).attempt_log[0]
 
@@ -248,12 +251,12 @@ def test_a_host_removed_from_the_allowlist_is_not_posted_to(servers, monkeypatch
     server = servers(CountingServer)
     tool_call_id, event_id = progress_event(server.url)  # recorded while 127.0.0.1 was allowed
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "relay.example.com")
-    answer = callback_delivery.attempt(event_id)
+    answer = attempts.attempt(event_id)
     assert (answer.attempted, answer.delivered) == (True, False)
     assert server.requests == 0
     assert refused(event_id).last_error == (
         "refused: the callback URL host 127.0.0.1 is a private address and is not in VOICE_TOOLS_CALLBACK_HOSTS")
-    assert callback_delivery.attempt(event_id).attempted is False and server.requests == 0  # no retries of a refusal
+    assert attempts.attempt(event_id).attempted is False and server.requests == 0  # no retries of a refusal
     assert row(tool_call_id).status == "EXECUTING"
 
 
@@ -261,14 +264,14 @@ def test_the_same_event_with_the_host_still_allowed_is_posted(servers):
     """The control for the test above."""
     server = servers(CountingServer)
     _, event_id = progress_event(server.url)
-    assert callback_delivery.attempt(event_id).delivered and server.requests == 1
+    assert attempts.attempt(event_id).delivered and server.requests == 1
 
 
 def test_an_empty_secret_sends_nothing(servers, monkeypatch):
     server = servers(CountingServer)
     _, event_id = progress_event(server.url)
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRET", "")
-    assert not callback_delivery.attempt(event_id).delivered
+    assert not attempts.attempt(event_id).delivered
     assert server.requests == 0
     assert refused(event_id).last_error == (
         "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent")
@@ -278,7 +281,7 @@ def test_the_systems_own_port_is_refused_at_delivery(servers, monkeypatch):
     server = servers(CountingServer)
     _, event_id = progress_event(server.url)
     monkeypatch.setenv("FLOWER_PORT", str(server.port))  # the port is now this system's Flower
-    assert not callback_delivery.attempt(event_id).delivered
+    assert not attempts.attempt(event_id).delivered
     assert server.requests == 0
     assert refused(event_id).last_error == (
         f"refused: the callback URL port {server.port} on 127.0.0.1 is this system's own Flower port")
@@ -300,9 +303,9 @@ def test_a_name_resolving_inside_is_refused_unless_its_address_is_listed(servers
     server = servers(CountingServer)
     url = f"http://{name}:{server.port}/cb"
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", name)
-    assert callback_urls.url_error(url) is None  # stored: the name is listed
+    assert url_policy.url_error(url) is None  # stored: the name is listed
     _, event_id = progress_event(url)
-    assert not callback_delivery.attempt(event_id).delivered
+    assert not attempts.attempt(event_id).delivered
     assert server.requests == 0
     last_error = refused(event_id).last_error
     assert last_error.startswith(f"refused: {name} resolves to 127.")
@@ -311,7 +314,7 @@ def test_a_name_resolving_inside_is_refused_unless_its_address_is_listed(servers
     # Listing the address admits it (and the attempt connects to the address checked).
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", f"{name},127.0.0.1")
     _, listed = progress_event(url)
-    assert callback_delivery.attempt(listed).delivered and server.requests == 1
+    assert attempts.attempt(listed).delivered and server.requests == 1
     assert delivery(listed).state == "delivered"
 
 
@@ -319,10 +322,10 @@ def test_localhost_listed_admits_loopback_but_not_the_own_ports(servers, monkeyp
     server = servers(CountingServer)
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "localhost")
     _, event_id = progress_event(f"http://localhost:{server.port}/cb")
-    assert callback_delivery.attempt(event_id).delivered and server.requests == 1
+    assert attempts.attempt(event_id).delivered and server.requests == 1
     monkeypatch.setenv("PORT", str(server.port))
     _, own = progress_event(f"http://localhost:{server.port}/cb")
-    assert not callback_delivery.attempt(own).delivered and server.requests == 1
+    assert not attempts.attempt(own).delivered and server.requests == 1
     assert refused(own).last_error == (
         f"refused: the callback URL port {server.port} on localhost is this system's own API port")
 
@@ -341,7 +344,7 @@ def test_localhost_listed_admits_loopback_but_not_the_own_ports(servers, monkeyp
 def test_the_own_ports_are_never_a_callback_on_a_local_address(monkeypatch, url, allowed, error):
     for name in ("PORT", "MCP_PORT", "FLOWER_PORT"):
         monkeypatch.delenv(name, raising=False)  # voice-tools run's defaults: 8000, 8001, 5555
-    found = callback_urls.url_error(url, allowed)
+    found = url_policy.url_error(url, allowed)
     if error is None:
         assert found is None
     else:
@@ -350,12 +353,12 @@ def test_the_own_ports_are_never_a_callback_on_a_local_address(monkeypatch, url,
 
 def test_the_own_ports_follow_the_environment(monkeypatch):
     monkeypatch.setenv("PORT", "9100")
-    assert "own API port" in callback_urls.url_error("http://127.0.0.1:9100/cb", ["127.0.0.1"])
-    assert callback_urls.url_error("http://127.0.0.1:8000/cb", ["127.0.0.1"]) is None
+    assert "own API port" in url_policy.url_error("http://127.0.0.1:9100/cb", ["127.0.0.1"])
+    assert url_policy.url_error("http://127.0.0.1:8000/cb", ["127.0.0.1"]) is None
 
 
 def test_the_run_command_always_has_a_secret(tmp_path, monkeypatch):
-    import launcher
+    from voice_tools import launcher
 
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRET", "")  # set but empty: not a secret
     env, filled = launcher.run_environment(tmp_path)

@@ -17,7 +17,12 @@ from sqlalchemy import select, text
 
 from models import db, lifecycle, queries
 from models.email import EmailOutbox
-from tasks import call_actions, callback_delivery, callback_http, callback_urls, callbacks, worker_metrics
+from tasks.calls import actions
+from tasks.delivery import attempts
+from tasks.delivery import transport
+from tasks.delivery import url_policy
+from tasks.delivery import events
+from tasks.worker import metrics
 from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
                            wait_status)
 from tests.tasklog import TaskLog
@@ -97,7 +102,7 @@ def outbox_count() -> int:
 def test_sign_is_hmac_sha256_over_timestamp_dot_body():
     body = b'{"event":"progress"}'
     expected = hmac.new(b"k", b"1700000000." + body, hashlib.sha256).hexdigest()
-    assert callback_http.sign("k", "1700000000", body) == f"sha256={expected}"
+    assert transport.sign("k", "1700000000", body) == f"sha256={expected}"
 
 
 # CONTRACT section 8: every callback body carries these (null where they do not apply)
@@ -112,15 +117,15 @@ CONTRACT_FIELDS = {
 def test_every_event_is_signed_ordered_and_identified(worker, relay):
     relay.answer(lambda event: {"continue": True})
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "completed")
     assert row(call.tool_call_id).status == "COMPLETED"
 
-    events, headers = relay.events_for(call.tool_call_id), relay.headers
-    assert len(events) == 4 == len(headers) and relay.bad_signatures == 0
-    for event, head in zip(events, headers):
+    received, headers = relay.events_for(call.tool_call_id), relay.headers
+    assert len(received) == 4 == len(headers) and relay.bad_signatures == 0
+    for event, head in zip(received, headers):
         assert head["X-Voice-Tools-Event"] == event["event"]
         assert head["X-Voice-Tools-Event-Id"] == event["event_id"]
         assert re.fullmatch(r"sha256=[0-9a-f]{64}", head["X-Voice-Tools-Signature"])
@@ -130,17 +135,17 @@ def test_every_event_is_signed_ordered_and_identified(worker, relay):
         assert event["session_id"] == "sess_test" and event["function_name"] == "send_email"
         assert datetime.fromisoformat(event["sent_at"])
         assert CONTRACT_FIELDS <= set(event), CONTRACT_FIELDS - set(event)
-    seqs = [e["seq"] for e in events]
+    seqs = [e["seq"] for e in received]
     assert all(a < b for a, b in zip(seqs, seqs[1:])), seqs
-    assert len({e["event_id"] for e in events}) == 4
+    assert len({e["event_id"] for e in received}) == 4
     rows = deliveries(call.tool_call_id)
-    assert [(d.event_id, d.seq, d.event) for d in rows] == [(e["event_id"], e["seq"], e["event"]) for e in events]
+    assert [(d.event_id, d.seq, d.event) for d in rows] == [(e["event_id"], e["seq"], e["event"]) for e in received]
 
 
 def test_the_relay_catches_a_wrong_signature(relay, monkeypatch):
     _, event_id = progress_event(relay.url)
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRET", "not-the-relays-secret")
-    answer = callback_delivery.attempt(event_id)
+    answer = attempts.attempt(event_id)
     assert not answer.delivered and relay.bad_signatures == 1
     found = delivery(event_id)
     assert (found.state, found.attempts, found.response_code, found.last_error) == ("pending", 1, 401, "HTTP 401")
@@ -157,7 +162,7 @@ def test_a_failed_delivery_is_retried_on_the_callbacks_queue(worker, relay, task
 
     relay.answer(first_fails)
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")  # the chain did not wait for the failed event
     event_id = answered[0]
     done = wait_delivered(event_id)
@@ -173,40 +178,40 @@ def test_a_failed_delivery_is_retried_on_the_callbacks_queue(worker, relay, task
 def test_a_retry_that_is_not_due_does_nothing(raw):
     server = raw(500)
     _, event_id = progress_event(server.url)
-    assert callback_delivery.attempt(event_id).attempted
+    assert attempts.attempt(event_id).attempted
     first = delivery(event_id)
     assert first.state == "pending" and first.next_attempt_at is not None
     with db.session() as s:  # a long backoff, so the check below cannot race the clock
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + interval '1 minute'"))
     # A duplicate retry message (redelivered, or re-sent by the sweep) before the row is due:
-    again = callback_delivery.attempt(event_id)
+    again = attempts.attempt(event_id)
     assert (again.attempted, again.delivered) == (False, False)
     assert server.requests == 1 and delivery(event_id).attempts == 1
 
 
 def test_attempts_stop_at_the_maximum(raw, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "2")
-    worker_metrics.start_recording()  # as a worker does: each attempt is counted by its outcome
+    metrics.start_recording()  # as a worker does: each attempt is counted by its outcome
     before = {outcome: counted("voice_tools_callback_attempts_total", event="progress", outcome=outcome)
               for outcome in ("will_retry", "gave_up")}
     server = raw(503)
     _, event_id = progress_event(server.url)
-    callback_delivery.attempt(event_id)
+    attempts.attempt(event_id)
     make_due(event_id)
-    callback_delivery.attempt(event_id)
+    attempts.attempt(event_id)
     failed = delivery(event_id)
     assert (failed.state, failed.attempts, failed.next_attempt_at) == ("failed", 2, None)
     assert {outcome: counted("voice_tools_callback_attempts_total", event="progress", outcome=outcome) - number
             for outcome, number in before.items()} == {"will_retry": 1, "gave_up": 1}
     assert [a["response_code"] for a in failed.attempt_log] == [503, 503]
-    assert callback_delivery.attempt(event_id).attempted is False
+    assert attempts.attempt(event_id).attempted is False
     assert server.requests == 2
 
 
 def test_a_redirect_is_a_failed_attempt_and_is_not_followed(relay, raw):
     server = raw(307, b"", {"Location": relay.url})
     tool_call_id, event_id = progress_event(server.url)
-    answer = callback_delivery.attempt(event_id)
+    answer = attempts.attempt(event_id)
     assert not answer.delivered
     found = delivery(event_id)
     assert (found.state, found.response_code, found.last_error) == ("pending", 307, "HTTP 307")
@@ -220,7 +225,7 @@ def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, ta
     relay.answer(lambda e: {"cancel": True, "reason": "Caller said stop"} if e["step"] == "PREPARING" else None)
     cancelled_before = counted("voice_tools_calls_ended_total", tool="send_email", status="CANCELLED")
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
     task_log.wait_ran(call.tool_call_id, SEND + "READY_TO_SEND")
     done = row(call.tool_call_id)
@@ -236,7 +241,7 @@ def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, ta
 def test_cancel_answer_to_the_checkpoint_cancels(worker, relay):
     relay.answer(lambda e: {"cancel": True} if e["event"] == "checkpoint" else None)
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Cancelled by the relay"
@@ -254,7 +259,7 @@ def test_cancel_answer_to_a_retried_delivery_cancels_while_still_cancellable(wor
 
     relay.answer(answer)
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Too slow" and outbox_count() == 0
@@ -263,9 +268,9 @@ def test_cancel_answer_to_a_retried_delivery_cancels_while_still_cancellable(wor
 def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
     relay.answer(lambda e: {"cancel": True} if e["step"] == "SENDING" else None)
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "completed")
     sending = [e for e in relay.events_for(call.tool_call_id) if e["step"] == "SENDING"]
     assert [e["cancellable"] for e in sending] == [False]
@@ -286,7 +291,7 @@ def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
 ])
 def test_any_other_answer_lets_the_call_go_on(raw, status, body):
     tool_call_id, event_id = progress_event(raw(status, body).url)
-    answer = callback_delivery.attempt(event_id)
+    answer = attempts.attempt(event_id)
     assert answer.cancel is False
     assert answer.delivered is (status < 300)
     assert row(tool_call_id).status == "EXECUTING"
@@ -295,20 +300,20 @@ def test_any_other_answer_lets_the_call_go_on(raw, status, body):
 def test_the_same_server_answering_cancel_does_cancel(raw):
     """The control for the test above: the only difference is the answer."""
     tool_call_id, event_id = progress_event(raw(200, json.dumps({"cancel": True}).encode()).url)
-    assert callback_delivery.attempt(event_id).cancel is True
+    assert attempts.attempt(event_id).cancel is True
     assert row(tool_call_id).status == "CANCELLED"
 
 
 def test_the_cancelled_event_is_sent_once_however_many_cancel(worker, relay):
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     barrier, results = threading.Barrier(20), []
 
     def cancel():
         barrier.wait()
         try:
-            call_actions.cancel(call.tool_call_id)
+            actions.cancel(call.tool_call_id)
             results.append("ok")
         except lifecycle.Refused as exc:
             results.append(exc.code)
@@ -341,11 +346,11 @@ def test_a_slow_relay_does_not_hold_the_chain(worker, relay, monkeypatch):
     relay.answer(hold_the_first)
     call = make_call(callback_url=relay.url)
     try:
-        call_actions.confirm(call.tool_call_id)
+        actions.confirm(call.tool_call_id)
         # The relay is still sitting on the first event, and the chain went on.
         wait_status(call.tool_call_id, "PREPARED")
         assert not release.is_set()
-        call_actions.resume(call.tool_call_id)
+        actions.resume(call.tool_call_id)
         wait_status(call.tool_call_id, "COMPLETED")
     finally:
         release.set()
@@ -358,9 +363,9 @@ def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(wo
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.2")
     relay.delay = 0.6
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     wait_status(call.tool_call_id, "COMPLETED")
     rows = deliveries(call.tool_call_id)
     assert [d.event for d in rows] == ["progress", "checkpoint", "progress", "completed"]
@@ -398,7 +403,7 @@ def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(wo
     ("https://relay.example.com:99999/cb", ["relay.example.com"], "not a valid URL"),
 ])
 def test_url_error(url, allowed, error):
-    found = callback_urls.url_error(url, allowed)
+    found = url_policy.url_error(url, allowed)
     if error is None:
         assert found is None
     else:
@@ -407,22 +412,22 @@ def test_url_error(url, allowed, error):
 
 def test_url_error_reads_the_allowed_hosts_from_the_environment(monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "relay.example.com, hooks.example.org:8443")
-    assert callback_urls.url_error("https://hooks.example.org:8443/x") is None
-    assert callback_urls.url_error("https://hooks.example.org/x") is not None
-    assert callback_urls.url_error("http://127.0.0.1/x") is not None
+    assert url_policy.url_error("https://hooks.example.org:8443/x") is None
+    assert url_policy.url_error("https://hooks.example.org/x") is not None
+    assert url_policy.url_error("http://127.0.0.1/x") is not None
 
 
 # -- a link's event, recorded by its transition's own statement, is the one record() writes ----------
 
 def _twin_payloads(tool_call_id: str, transition: Any, name: str, **given: Any) -> tuple[Any, Any]:
-    """The event recorded by ``transition(s, event=callbacks.event(name, ...))`` and the one
-    ``callbacks.record`` writes for the row as that transition left it (the next seq)."""
+    """The event recorded by ``transition(s, event=events.event(name, ...))`` and the one
+    ``events.record`` writes for the row as that transition left it (the next seq)."""
     progress = given.pop("progress")
     with db.statement() as s:
-        moved = transition(s, callbacks.event(name, progress=progress, **given))
+        moved = transition(s, events.event(name, progress=progress, **given))
     assert moved is not None and moved.delivery_url is not None
     with db.session() as s:
-        callbacks.record(s, queries.get(s, tool_call_id), name, **given)
+        events.record(s, queries.get(s, tool_call_id), name, **given)
     first, second = deliveries(tool_call_id)[-2:]
     assert first.event_id == moved.delivery_event_id and second.seq == first.seq + 1
     return first, second

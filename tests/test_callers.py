@@ -16,7 +16,7 @@ from tasks.tools import StepInput
 from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
 from tests.conftest import API_TOKEN, AUTH
 from tests.helpers import deliveries, row, wait_status
-from tests.sse_client import Stream
+from support.sse_client import Stream
 
 BOB = {"Authorization": "Bearer bob-token"}
 OPS = {"Authorization": "Bearer ops-token"}

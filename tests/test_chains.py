@@ -14,7 +14,8 @@ from sqlalchemy import func, select, text
 from models import db, lifecycle
 from models.calls import SessionContext
 from models.email import EmailOutbox
-from tasks import call_actions, chains, tools
+from tasks import chains, tools
+from tasks.calls import actions
 from tasks.tools import PermanentError, Step, Tool, TransientError
 from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_status
@@ -50,7 +51,7 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
     call = make_call(callback_url=relay.url,
                      parameters={"to": "john@example.com", "subject": "Meeting Tomorrow", "body": "At 3pm."})
     id_ = call.tool_call_id
-    confirmed = call_actions.confirm(id_)
+    confirmed = actions.confirm(id_)
     assert confirmed.status == "EXECUTING" and confirmed.workflow_id
 
     preparing = relay.wait_for(id_, "progress")
@@ -75,7 +76,7 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
     task_log.wait_ran(id_, SEND + "READY_TO_SEND")
     assert task_log.published_for(id_, SEND + "SENDING") == []
 
-    call_actions.resume(id_)
+    actions.resume(id_)
     completed = relay.wait_for(id_, "completed")
     sending = [e for e in relay.events_for(id_) if e["step"] == "SENDING"]
     assert [(e["event"], e["gate"], e["cancellable"]) for e in sending] == [("progress", 3, False)]
@@ -106,14 +107,14 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
 
 def test_execution_time_excludes_the_checkpoint_wait(worker):
     call = make_call()
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     prepared = wait_status(call.tool_call_id, "PREPARED")
     # As if the caller had taken an hour to say "send it".
     with db.session() as s:
         s.execute(text("UPDATE tool_calls SET confirmed_at = confirmed_at - interval '1 hour', "
                        "executed_at = executed_at - interval '1 hour', prepared_at = prepared_at - interval '1 hour' "
                        "WHERE tool_call_id = :id"), {"id": call.tool_call_id})
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED"
     assert done.completed_at - done.confirmed_at > timedelta(hours=1)
@@ -122,16 +123,16 @@ def test_execution_time_excludes_the_checkpoint_wait(worker):
 
 def test_cancel_at_the_checkpoint(worker, relay, task_log):
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    cancelled = call_actions.cancel(call.tool_call_id)
+    cancelled = actions.cancel(call.tool_call_id)
     assert cancelled.status == "CANCELLED" and cancelled.voice_response == "Cancelled. The email was not sent."
     event = relay.wait_for(call.tool_call_id, "cancelled")
     assert event["status"] == "CANCELLED" and event["voice_response"] == "Cancelled. The email was not sent."
     assert event["actions_available"] == [] and event["cancellable"] is False
     assert [d.event for d in deliveries(call.tool_call_id)] == ["progress", "checkpoint", "cancelled"]
     with pytest.raises(lifecycle.Refused) as info:
-        call_actions.resume(call.tool_call_id)
+        actions.resume(call.tool_call_id)
     assert info.value.code == "already_terminal"
     # A stale SENDING message (e.g. redelivered) finds the call cancelled and does nothing.
     chains.LINKS["send_email"][2].apply_async((call.tool_call_id,))
@@ -147,9 +148,9 @@ def test_cancel_at_the_checkpoint(worker, relay, task_log):
 def test_redelivered_links_never_send_twice(worker, relay, task_log):
     call = make_call(callback_url=relay.url)
     id_ = call.tool_call_id
-    call_actions.confirm(id_)
+    actions.confirm(id_)
     wait_status(id_, "PREPARED")
-    call_actions.resume(id_)
+    actions.resume(id_)
     # The rest of the chain delivered a second time, racing the first.
     chains.signature(tools.TOOLS["send_email"], id_, start=2).apply_async()
     task_log.wait_ran(id_, SEND + "SENDING", count=2)
@@ -182,11 +183,11 @@ def test_redelivered_links_never_send_twice(worker, relay, task_log):
 # -- query_vector_db ---------------------------------------------------------------------
 
 def test_query_vector_db_stores_context(worker, relay):
-    from tasks.backends import documents
+    from backends import documents
 
     documents.load_demo()  # the embedded demo documents (no longer loaded by the first search)
     call = make_call("query_vector_db", {"user_query": "Q3 sales Northwest region"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     completed = relay.wait_for(call.tool_call_id, "completed")
     done = row(call.tool_call_id)
     assert done.status == "COMPLETED"
@@ -218,12 +219,12 @@ def test_query_vector_db_stores_context(worker, relay):
 
 def test_a_relay_cannot_cancel_a_query_once_its_results_are_stored(worker, relay):
     """A cancel answered to the STORE_CONTEXT event comes after the effect: the call completes."""
-    from tasks.backends import documents
+    from backends import documents
 
     documents.load_demo()
     relay.answer(lambda event: {"cancel": True, "reason": "too late"} if event.get("step") == "STORE_CONTEXT" else None)
     call = make_call("query_vector_db", {"user_query": "Q3 sales Northwest region"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "completed")
     done = row(call.tool_call_id)
     assert (done.status, done.error_message) == ("COMPLETED", None)
@@ -301,9 +302,9 @@ def test_cancel_while_a_step_runs_stops_the_chain_cleanly(register, gates, relay
     tool = register(make_tool("gated_a", (Step("DRAFT", run=slow), Step("APPLY", run=effect, side_effect=True),
                                           Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     assert slow.entered.wait(15)
-    call_actions.cancel(call.tool_call_id, "Caller hung up")
+    actions.cancel(call.tool_call_id, "Caller hung up")
     slow.release.set()
     task_log.wait_ran(call.tool_call_id, "tools.gated_a.DRAFT")
     relay.wait_for(call.tool_call_id, "cancelled")
@@ -322,10 +323,10 @@ def test_cancel_after_the_commit_point_is_too_late(register, gates, relay, task_
     effect = gates({"done": True})
     tool = register(make_tool("gated_b", (Step("APPLY", run=effect, side_effect=True), Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     assert effect.entered.wait(15)
     with pytest.raises(lifecycle.Refused) as info:
-        call_actions.cancel(call.tool_call_id)
+        actions.cancel(call.tool_call_id)
     assert (info.value.code, info.value.status) == ("too_late", "EXECUTING")
     effect.release.set()
     relay.wait_for(call.tool_call_id, "completed")
@@ -348,7 +349,7 @@ def test_a_resume_whose_publish_answer_was_lost_never_undoes_the_committed_call(
     tool = register(make_tool("lost_resume", (Step("READY", checkpoint=True),
                                               Step("APPLY", run=effect, side_effect=True), Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     lost_publish_answer(lambda: row(call.tool_call_id).committed_at is not None)
 
@@ -398,7 +399,7 @@ def test_transient_errors_retry_with_backoff_then_succeed(register, relay, task_
 
     tool = register(make_tool("flaky_a", (Step("FETCH", run=flaky), Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "lookup"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "completed")
     done = row(call.tool_call_id)
     assert done.status == "COMPLETED" and done.result == {"outputs": {"FETCH": {"tries": 3}}}
@@ -419,7 +420,7 @@ def test_permanent_error_fails_and_says_what_did_not_happen(register, relay, tas
     after = Step("AFTER", run=lambda step: pytest.fail("ran after a failure"))
     tool = register(make_tool("broken_a", (Step("CHARGE", run=broken), after, Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "payment"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed")
     done = row(call.tool_call_id)
     assert done.status == "FAILED" and done.error_message == "the account is closed"
@@ -440,7 +441,7 @@ def test_transient_errors_past_max_retries_fail(register, task_log):
 
     tool = register(make_tool("down_a", (Step("FETCH", run=down), Step("COMPLETED")), max_retries=1))
     call = make_call(tool.name, {"what": "lookup"})
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED"
     assert done.error_message == "connection refused (gave up after 1 retries)"
@@ -468,7 +469,7 @@ def test_a_failure_at_or_after_the_point_of_no_return_never_says_it_did_not_happ
     tool = register(make_tool("gated_c", (Step("APPLY", run=runs["APPLY"], side_effect=True),
                                           Step("AFTER", run=runs["AFTER"]), Step("COMPLETED")), max_retries=0))
     call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed")
     done = row(call.tool_call_id)
     assert done.status == "FAILED" and done.committed_at is not None
@@ -483,7 +484,7 @@ def test_an_unexpected_exception_fails_the_call(register, task_log):
 
     tool = register(make_tool("buggy_a", (Step("FETCH", run=buggy), Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "lookup"})
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED" and done.error_message == "Unexpected error in FETCH: KeyError"
     task_log.wait_ran(call.tool_call_id, "tools.buggy_a.FETCH")
@@ -513,7 +514,7 @@ def test_errors_from_client_libraries_are_classified(register, task_log, error, 
     name = f"classified_{type(error).__name__.lower()}_{getattr(error, 'status_code', 0)}"
     tool = register(make_tool(name, (Step("FETCH", run=once), Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "lookup"})
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == ("COMPLETED" if transient else "FAILED"), done.error_message
     runs = task_log.wait_ran(call.tool_call_id, f"tools.{name}.FETCH", count=2 if transient else 1)
@@ -522,7 +523,7 @@ def test_errors_from_client_libraries_are_classified(register, task_log, error, 
 
 
 def _embedded_postgres():
-    import servers
+    from voice_tools import servers
 
     server = servers._started.get("postgres")
     if server is None:
@@ -540,7 +541,7 @@ def test_a_database_outage_mid_link_is_retried_and_the_call_ends_right(register,
     tool = register(make_tool("outage_a", (Step("DRAFT", run=slow), Step("SEND", run=effect, side_effect=True),
                                            Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "delivery"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     assert slow.entered.wait(15)
     pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user, timeout=30)
     try:

@@ -20,17 +20,19 @@ from sqlalchemy import update
 
 from models import db, lifecycle
 from models.calls import ToolCall
-from tasks import call_actions, callback_delivery, callbacks
+from tasks.calls import actions
+from tasks.delivery import attempts
+from tasks.delivery import events
 from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_delivered
-from tests.procs import ROOT, bare_env, hold_servers, server_answers, stop_process, voice_tools, wait_none_running
+from support.procs import ROOT, bare_env, hold_servers, server_answers, stop_process, voice_tools, wait_none_running
 
 # Celery's CLI with our commands: the setup.cfg entry points add them once installed
 # (pip install -e .); until this tree is the installed one, they are added here the same way.
 RUN_CELERY = """
 import sys
 from celery.bin.celery import celery, main
-from tasks.cli import calls, callbacks
+from voice_tools.celery_commands import calls, callbacks
 for command in (calls, callbacks):
     celery.commands.setdefault(command.name, command)
 sys.exit(main())
@@ -40,7 +42,7 @@ sys.exit(main())
 def celery_group():
     from celery.bin.celery import celery
 
-    from tasks.cli import calls, callbacks as callbacks_group
+    from voice_tools.celery_commands import calls, callbacks as callbacks_group
 
     for command in (calls, callbacks_group):
         celery.commands.setdefault(command.name, command)
@@ -74,14 +76,14 @@ def test_setup_cfg_registers_the_commands_as_celery_entry_points():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     lines = dict(line.split(" = ") for line in cfg["options.entry_points"]["celery.commands"].strip().splitlines())
-    assert lines == {"calls": "tasks.cli:calls", "callbacks": "tasks.cli:callbacks"}
-    from tasks import cli as module
+    assert lines == {"calls": "voice_tools.celery_commands:calls", "callbacks": "voice_tools.celery_commands:callbacks"}
+    from voice_tools import celery_commands as module
 
     for name, target in lines.items():
         assert getattr(module, target.split(":")[1]).name == name
     installed = {ep.name: ep.value for ep in metadata.entry_points(group="celery.commands")}
     if "calls" in installed:  # an install of this tree (CI) has them as declared
-        assert installed["calls"] == "tasks.cli:calls" and installed["callbacks"] == "tasks.cli:callbacks"
+        assert installed["calls"] == "voice_tools.celery_commands:calls" and installed["callbacks"] == "voice_tools.celery_commands:callbacks"
 
 
 def test_the_real_cli_in_its_own_process_lists_and_counts():
@@ -108,7 +110,7 @@ def test_the_real_cli_in_its_own_process_lists_and_counts():
 def test_list_filters_by_status_session_tool_since_and_limit():
     first = make_call(session_id="sess_a")
     cancelled = make_call(session_id="sess_a", parameters={"to": "ann@example.com", "subject": "Lunch"})
-    call_actions.cancel(cancelled.tool_call_id, "Changed my mind")
+    actions.cancel(cancelled.tool_call_id, "Changed my mind")
     other = make_call("create_task", {"title": "Call the bank"}, session_id="sess_b")
 
     assert _ids(cli_json("calls", "list")) == [other.tool_call_id, cancelled.tool_call_id, first.tool_call_id]
@@ -179,8 +181,8 @@ def test_show_prints_both_histories_step_outputs_and_every_callback_attempt(clie
     for heading in ("Status history", "Parameter changes", "Step outputs", "Result", "Callbacks", "Callback attempts"):
         assert f"\n{heading}\n" in out, heading
     assert out.count(" MODIFIED ") == 1 and "Q3 numbers" in out
-    attempts = out.split("\nCallback attempts\n")[1].splitlines()[2:]
-    assert len(attempts) == len(sent) and all(" 200 " in line for line in attempts)
+    attempt_lines = out.split("\nCallback attempts\n")[1].splitlines()[2:]
+    assert len(attempt_lines) == len(sent) and all(" 200 " in line for line in attempt_lines)
 
 
 def test_show_of_an_unknown_call_exits_3(client):
@@ -248,7 +250,7 @@ def test_stats_per_tool_counts_rates_percentiles_and_callback_failures(relay, mo
     for ms in (100, 200, 300, 400):
         _finish(make_call().tool_call_id, ms)
     _finish(make_call().tool_call_id, 5000, ok=False)  # failed: counts against the rate, not in the percentiles
-    call_actions.cancel(make_call().tool_call_id)
+    actions.cancel(make_call().tool_call_id)
     make_call()  # still PENDING: open
     _finish(make_call("create_task", {"title": "Call the bank"}).tool_call_id, 50)
 
@@ -257,8 +259,8 @@ def test_stats_per_tool_counts_rates_percentiles_and_callback_failures(relay, mo
     relay.answer(lambda event: 500)
     refused = make_call(callback_url=relay.url)
     with db.session() as s:
-        delivery = callbacks.record(s, row(refused.tool_call_id), "progress", message="Working", inline=True)
-    assert callback_delivery.deliver_inline(delivery).delivered is False
+        delivery = events.record(s, row(refused.tool_call_id), "progress", message="Working", inline=True)
+    assert attempts.deliver_inline(delivery).delivered is False
     assert deliveries(refused.tool_call_id)[0].state == "failed"
 
     rows = {r["tool"]: r for r in cli_json("calls", "stats")}
@@ -287,11 +289,11 @@ def test_redeliver_sends_a_failed_delivery_again_to_the_relay(worker, relay, mon
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "1")
     relay.answer(lambda event: 503)  # the relay is down
     call = make_call(callback_url=relay.url)
-    call_actions.cancel(call.tool_call_id, deliver_now=True)
+    actions.cancel(call.tool_call_id, deliver_now=True)
     failed = deliveries(call.tool_call_id)[0]
     assert (failed.event, failed.state, failed.attempts) == ("cancelled", "failed", 1)
     other = make_call(parameters={"to": "ann@example.com", "subject": "Other"}, callback_url=relay.url)
-    call_actions.cancel(other.tool_call_id, deliver_now=True)
+    actions.cancel(other.tool_call_id, deliver_now=True)
     assert deliveries(other.tool_call_id)[0].state == "failed"
 
     relay.answer(lambda event: None)  # back up
@@ -350,7 +352,7 @@ def test_from_a_second_terminal_with_no_exports_it_joins_the_running_servers_and
             shown = json.loads(terminal("calls", "show", tool_call_id, "--json").stdout)
             assert (shown["status"], shown["error_message"]) == ("CANCELLED", "From the second terminal")
             assert server_answers(urls) == before  # the holder's PostgreSQL and Redis still answer
-            import servers
+            from voice_tools import servers
 
             assert servers.redis_users(data_dir / "redis") == [holder.pid]
         finally:

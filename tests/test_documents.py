@@ -1,4 +1,4 @@
-"""The document store (tasks/backends/documents.py) on the real PostgreSQL + pgvector, with
+"""The document store (backends/documents.py) on the real PostgreSQL + pgvector, with
 the real offline embedding model; query_vector_db and search_documentation end to end
 through a real worker; OpenAI through the real client against a local HTTP double."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ from sqlalchemy import func, select, text
 from models import db
 from models.calls import SessionContext
 from models.documents import DocumentChunk
-from tasks import call_actions
-from tasks.backends import documents
+from tasks.calls import actions
+from backends import documents
 from tests.helpers import deliveries, make_call, wait_status
 from tests.test_embeddings import chat_answer, embeddings_answer, fake_vector, openai_api  # noqa: F401 (fixture)
 
@@ -218,11 +218,11 @@ NO_PGVECTOR_DB = "voice_tools_nopgvector"
 
 PROBE = textwrap.dedent("""
     import json, sys
-    import servers
+    from voice_tools import servers
     servers.migrate()  # alembic upgrade head, as `voice-tools migrate` does
     from sqlalchemy import text
     from models import db
-    from tasks.backends import documents
+    from backends import documents
     out = {}
     with db.engine().connect() as conn:
         out["columns"] = sorted(r[0] for r in conn.execute(text(
@@ -289,7 +289,7 @@ def embedding_column_dropped():
 
 def test_a_table_without_the_vector_column_fails_the_call_with_the_fix(worker, relay, embedding_column_dropped):
     call = make_call("search_documentation", {"query": "travel policy"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED" and done.error_message == documents.NO_EMBEDDING_COLUMN
     assert done.voice_response == f"The documentation search for travel policy did not run: " \
@@ -303,7 +303,7 @@ def test_a_table_without_the_vector_column_fails_the_call_with_the_fix(worker, r
 def test_search_documentation_end_to_end(worker, relay, demo):
     call = make_call("search_documentation", {"query": "How do I reset my password?", "top_k": 3},
                      callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     completed = relay.wait_for(call.tool_call_id, "completed")
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED" and set(done.result) == {"summary", "documents"}
@@ -322,7 +322,7 @@ def test_search_documentation_end_to_end(worker, relay, demo):
 
 def test_search_documentation_that_finds_nothing_completes_saying_so(worker, relay, demo):
     call = make_call("search_documentation", {"query": "the weather in Paris"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED" and done.result == {"summary": "No matching documents.", "documents": []}
     assert done.voice_response == "I couldn't find anything about the weather in Paris in the documentation."
@@ -331,7 +331,7 @@ def test_search_documentation_that_finds_nothing_completes_saying_so(worker, rel
 def test_query_vector_db_with_filters_end_to_end(worker, relay, demo):
     call = make_call("query_vector_db", {"user_query": "How did sales go last quarter?", "structured_query": {
         "semantic_query": "Q3 sales report", "filters": {"region": "southwest"}, "top_k": 2}}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED"
     assert [d["id"] for d in done.result["documents"]] == ["q3-sales-southwest#0"]
@@ -342,7 +342,7 @@ def test_query_vector_db_with_filters_end_to_end(worker, relay, demo):
     assert stored.context_value["documents"] == done.result["documents"]
 
     nothing = make_call("query_vector_db", {"user_query": "chocolate cake recipes"}, callback_url=relay.url)
-    call_actions.confirm(nothing.tool_call_id)
+    actions.confirm(nothing.tool_call_id)
     empty = wait_status(nothing.tool_call_id)
     assert empty.status == "COMPLETED" and empty.result["documents"] == []
     assert empty.voice_response == "I couldn't find any documents about chocolate cake recipes."
@@ -357,7 +357,7 @@ def test_openai_429_is_retried_by_the_engine_and_the_summary_is_spoken(worker, r
     openai_api.answer("POST", r"/v1/chat/completions$", chat_answer("Northwest sales were 4.2 million dollars."))
     assert documents.load_demo() == 10
     call = make_call("query_vector_db", {"user_query": "Q3 sales in the Northwest region"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id, timeout=30)
     assert done.status == "COMPLETED", done.error_message
     assert done.result["documents"][0]["id"] == "q3-sales-northwest#0"
@@ -374,7 +374,7 @@ def test_openai_429_is_retried_by_the_engine_and_the_summary_is_spoken(worker, r
 def test_openai_401_fails_the_call_saying_the_search_did_not_run(worker, relay, openai_api):
     openai_api.answer("POST", r"/v1/embeddings$", {"error": {"message": "Incorrect API key provided"}}, status=401)
     call = make_call("query_vector_db", {"user_query": "Q3 sales"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED"
     assert done.voice_response == "The search for Q3 sales did not run: the OpenAI API key was refused (HTTP 401)."
@@ -387,7 +387,7 @@ def test_openai_401_fails_the_call_saying_the_search_did_not_run(worker, relay, 
 def test_a_search_with_another_model_fails_the_call_naming_reembed(worker, relay, demo, openai_api):
     openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer, times=None)
     call = make_call("search_documentation", {"query": "travel policy"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED"
     assert done.voice_response == (f"The documentation search for travel policy did not run: the documents were "

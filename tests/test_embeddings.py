@@ -1,4 +1,4 @@
-"""The embedders (tasks/backends/embeddings.py): the real offline model, and OpenAI's
+"""The embedders (backends/embeddings.py): the real offline model, and OpenAI's
 endpoint through the real ``openai`` client against a local HTTP double (the request
 bodies it sends, and what its errors become)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from tasks.backends import documents, embeddings
+from backends import documents, embeddings
 from tasks.tools import is_transient
 from tests.http_double import HttpDouble
 

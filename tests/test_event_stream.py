@@ -1,7 +1,7 @@
 """GET /voice-tools/events/<session_id>: the session's events as Server-Sent Events (CONTRACT section 11).
 
 The API runs in a real threaded HTTP server (the ``api_url`` fixture) so the stream is
-read over HTTP as a relay would (``tests/sse_client.py``); calls run on the in-process worker.
+read over HTTP as a relay would (``support/sse_client.py``); calls run on the in-process worker.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import requests
 from tests.api_fixtures import SEED_EMAIL
 from tests.conftest import AUTH
 from tests.helpers import deliveries, wait_status
-from tests.sse_client import Stream
+from support.sse_client import Stream
 
 
 def start_email(api_url: str, session_id: str) -> str:
@@ -90,12 +90,12 @@ def test_a_last_event_id_no_event_could_have_is_422_not_500(api_url):
 
 
 def test_an_idle_stream_sends_keep_alive_comments_and_holds_no_connection(api_url, monkeypatch):
-    from app import events
+    from app import stream
     from models import db
 
-    monkeypatch.setattr(events, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.2)
     checked_out_before = db.engine().pool.checkedout()
-    gen = events.stream("sess_idle", "0", 0, keepalive_s=0.2)
+    gen = stream.stream("sess_idle", "0", 0, keepalive_s=0.2)
     assert next(gen).startswith(":")
     assert next(gen) == ": keep-alive\n\n"  # nothing to send: a comment after the keep-alive interval
     assert db.engine().pool.checkedout() == checked_out_before  # idle: no connection held

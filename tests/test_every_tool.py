@@ -13,7 +13,7 @@ import json
 import pytest
 
 from tasks import tools
-from tasks.backends import load_demo
+from backends import load_demo
 from tests.conftest import AUTH
 from tests.helpers import deliveries, row
 

@@ -1,6 +1,6 @@
 """The fault suite (issue 14): real processes hurt while a stream of calls runs.
 
-The Procfile's processes (``tests/system.py``: gunicorn, the writes/reads/callbacks
+The Procfile's processes (``support/system.py``: gunicorn, the writes/reads/callbacks
 prefork workers, beat) run on their own Redis and this run's PostgreSQL; relay
 sessions (``tests/traffic.py``) keep recording, correcting, confirming, resuming and
 cancelling send_email calls through the API while each test injects its fault:
@@ -35,7 +35,7 @@ import time
 import pytest
 
 from tests.invariants import check, settle
-from tests.system import VISIBILITY_TIMEOUT, restart_postgres, running_system
+from support.system import VISIBILITY_TIMEOUT, restart_postgres, running_system
 from tests.traffic import Traffic
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -178,12 +178,13 @@ def test_a_wait_cut_by_a_database_restart_answers_503_not_500():
     connection, whose error escaped as a 500 while the database restarted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from app import errors, wait
+    from tasks.calls import errors
+    from models import listen
     from tests.helpers import make_call
 
     call = make_call()  # PENDING: the wait sleeps on its LISTEN connection until the deadline
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(wait.until_settled, call.tool_call_id, 20)
+        waiting = pool.submit(listen.until_settled, call.tool_call_id, 20)
         time.sleep(1)
         restart_postgres(down_s=0.5)
         with pytest.raises(Exception) as cut:

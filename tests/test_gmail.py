@@ -23,12 +23,13 @@ from sqlalchemy import func, select
 
 from models import db
 from models.email import EmailOutbox
-from tasks import app, call_actions, tools
-from tasks.backends import email as local_email
-from tasks.backends import gmail, google
+from tasks import app, tools
+from tasks.calls import actions
+from backends import email as local_email
+from backends import gmail, google
 from tests.google_fixtures import google_env
 from tests.helpers import make_call, row, wait_status
-from tests.worker_process import WorkerProcess, queues_taken_from_others
+from support.worker_process import WorkerProcess, queues_taken_from_others
 
 LIST = r"^/gmail/v1/users/me/messages$"
 SEND = r"^/gmail/v1/users/me/messages/send$"
@@ -145,14 +146,14 @@ def test_send_email_on_gmail_checkpoint_resume_completed(worker, relay, google_a
     call = make_call(callback_url=relay.url, parameters={
         "to": "john@example.com", "cc": ["ann@example.com"], "subject": "Meeting Tomorrow", "body": "At 3pm."})
     id_ = call.tool_call_id
-    call_actions.confirm(id_)
+    actions.confirm(id_)
     checkpoint = relay.wait_for(id_, "checkpoint")
     assert checkpoint["preview"] == {"to": "john@example.com", "cc": ["ann@example.com"],
                                      "subject": "Meeting Tomorrow", "body": "At 3pm."}
     assert wait_status(id_, "PREPARED").committed_at is None
     assert google_api.requests == [], "nothing goes to Gmail before the caller says send"
 
-    call_actions.resume(id_)
+    actions.resume(id_)
     completed = relay.wait_for(id_, "completed")
     done = row(id_)
     assert done.status == "COMPLETED", (done.status, done.error_message)
@@ -179,9 +180,9 @@ def test_a_503_whose_send_went_through_is_found_on_retry_and_not_sent_twice(work
         if google_api.requests_to("POST", SEND) else {"resultSizeEstimate": 0}), times=None)
     google_api.answer("POST", SEND, error_body(503, "Backend Error", "backendError"), status=503)
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     done = wait_status(call.tool_call_id, timeout=30)
     assert done.status == "COMPLETED", (done.status, done.error_message)
     assert done.result == {"message_id": "gm-msg-2", "thread_id": "gm-thr-2", "to": "john@example.com"}
@@ -194,9 +195,9 @@ def test_a_refused_send_fails_the_call_saying_it_was_not_sent(worker, relay, goo
     google_api.answer("GET", LIST, {"resultSizeEstimate": 0})
     google_api.answer("POST", SEND, error_body(400, "Invalid To header", "invalidArgument"), status=400)
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed")
     done = row(call.tool_call_id)
     assert done.status == "FAILED" and done.error_message == "Invalid To header"
@@ -235,9 +236,9 @@ def test_sending_link_redelivered_after_sigkill_finds_the_message_and_does_not_r
             call = make_call(parameters={"to": "loss@example.com", "subject": "Worker loss on Gmail"},
                              session_id="sess_gmail_loss")
             id_ = call.tool_call_id
-            call_actions.confirm(id_)
+            actions.confirm(id_)
             wait_status(id_, "PREPARED", timeout=60)
-            call_actions.resume(id_)
+            actions.resume(id_)
 
             first = worker.wait_active(SENDING_TASK, [id_])
             deadline = time.monotonic() + 60

@@ -12,7 +12,8 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, lifecycle, queries
 from models.calls import ToolCall
 from models.email import EmailOutbox
-from tasks import callback_delivery, callbacks
+from tasks.delivery import attempts
+from tasks.delivery import events
 from tests.helpers import make_call
 from tests.invariants import check
 
@@ -97,15 +98,15 @@ def test_events_missing_repeated_or_undelivered_at_the_relay_are_named(relay):
     tool_call_id = completed(callback_url=relay.url)
     with db.session() as s:
         call = queries.get(s, tool_call_id)
-        first = callbacks.record(s, call, "progress", step="PREPARING", message="one")
-        second = callbacks.record(s, call, "completed", message="two")
-    assert callback_delivery.attempt(first.event_id).delivered
+        first = events.record(s, call, "progress", step="PREPARING", message="one")
+        second = events.record(s, call, "completed", message="two")
+    assert attempts.attempt(first.event_id).delivered
     problems = check(relay).problems
     assert any(p.startswith("not delivered") and "seq 2" in p for p in problems), problems
     assert any(p.startswith("never received") and "seq 2" in p for p in problems), problems
     assert any(p.startswith("seqs received [1], rows 2") for p in problems), problems
 
-    assert callback_delivery.attempt(second.event_id).delivered
+    assert attempts.attempt(second.event_id).delivered
     assert check(relay, once_at_relay=True).problems == []
     relay.events.append(dict(relay.events[0]))  # the same event_id again: at least once allows it
     assert check(relay).problems == [] and check(relay).relay_duplicates == 1

@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from models import db, lifecycle, queries
 from models.calls import ToolCall
-from tasks import call_actions
+from tasks.calls import actions
 from tests.helpers import make_call, row, wait_status
 from tests.invariants import history_problems
 from tests.tasklog import TaskLog
@@ -456,10 +456,10 @@ def test_stuck_executing_counts_from_the_latest_activity():
 
 # -- under concurrency ----------------------------------------------------------------------
 
-def run_together(actions):
+def run_together(work):
     """Start every action at once (a Barrier lines the threads up); return outcomes in order."""
-    barrier = threading.Barrier(len(actions))
-    outcomes: list = [None] * len(actions)
+    barrier = threading.Barrier(len(work))
+    outcomes: list = [None] * len(work)
 
     def run(i, action):
         barrier.wait()
@@ -470,7 +470,7 @@ def run_together(actions):
         except Exception as exc:  # noqa: BLE001  (shown in the assertion)
             outcomes[i] = ("error", repr(exc))
 
-    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(actions)]
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(work)]
     for t in threads:
         t.start()
     for t in threads:
@@ -481,7 +481,7 @@ def run_together(actions):
 def test_fifty_confirms_give_one_transition_and_one_enqueue(worker):
     call = make_call()
     with TaskLog() as log:
-        outcomes = run_together([lambda: call_actions.confirm(call.tool_call_id)] * 50)
+        outcomes = run_together([lambda: actions.confirm(call.tool_call_id)] * 50)
         assert not [o for o in outcomes if o[0] == "error"], outcomes
         assert sum(o[0] == "ok" for o in outcomes) == 1
         assert Counter(o[1:] for o in outcomes if o[0] == "refused") == {("invalid_status", "EXECUTING"): 49}
@@ -495,9 +495,9 @@ def test_fifty_confirms_give_one_transition_and_one_enqueue(worker):
 def test_fifty_threads_mixing_confirm_and_cancel_agree(worker):
     for _ in range(4):
         call = make_call()
-        actions = [lambda: call_actions.confirm(call.tool_call_id), lambda: call_actions.cancel(call.tool_call_id)] * 25
+        racers = [lambda: actions.confirm(call.tool_call_id), lambda: actions.cancel(call.tool_call_id)] * 25
         with TaskLog() as log:
-            outcomes = run_together(actions)
+            outcomes = run_together(racers)
             assert not [o for o in outcomes if o[0] == "error"], outcomes
             confirms, cancels = outcomes[0::2], outcomes[1::2]
             confirmed = sum(o[0] == "ok" for o in confirms)

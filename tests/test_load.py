@@ -2,7 +2,7 @@
 
 ``SESSIONS`` sessions at once, each of ``OPS`` random operations (pending, modify,
 confirm, resume, cancel, the relay answering cancel: ``tests/traffic.py``), against
-the Procfile's processes (``tests/system.py``: gunicorn, the writes/reads/callbacks
+the Procfile's processes (``support/system.py``: gunicorn, the writes/reads/callbacks
 prefork workers, beat) on their own Redis. Then every invariant of
 ``tests/invariants.py`` holds, every answer is an expected one (a lost race is a 409)
 and there is no 5xx at all.
@@ -17,7 +17,7 @@ import os
 import pytest
 
 from tests.invariants import check, settle
-from tests.system import running_system
+from support.system import running_system
 from tests.traffic import Traffic
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

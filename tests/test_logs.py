@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import requests
 
-import logs
+from models import logs
 from tasks import app as celery_app
 from tests.helpers import row, wait_status
-from tests.procs import ROOT, free_port
-from tests.relay import Relay
+from support.procs import ROOT, free_port
+from support.relay import Relay
 from tests.test_mcp import mcp_url  # noqa: F401  (the MCP server fixture)
-from tests.worker_process import queues_taken_from_others
+from support.worker_process import queues_taken_from_others
 
 TOKEN = "logs-test-token-5f0c1e"
 SECRET = "logs-test-callback-secret-9d2a"
@@ -252,7 +252,7 @@ async def test_an_mcp_call_runs_its_links_under_the_mcp_requests_id(anyio_backen
     def _in_task(sender=None, **_):
         seen.append({**logs.current(), "name": sender.name})
 
-    signals.task_prerun.connect(_in_task)  # after tasks.log_context's receiver: the task's context is bound
+    signals.task_prerun.connect(_in_task)  # after tasks.worker.log_context's receiver: the task's context is bound
     try:
         headers = {"Authorization": f"Bearer {MCP_TOKEN}", "X-Request-ID": "req-over-mcp"}
         async with httpx2.AsyncClient(headers=headers) as http:

@@ -10,12 +10,15 @@ from models import db, lifecycle, session_context
 from models.calls import CallbackDelivery, SessionContext
 from models.email import EmailOutbox
 from celeryconfig import queue
-from tasks import app, call_actions, callbacks, chains, liveness, maintenance, tools
+from tasks import app, chains, liveness, tools
+from tasks.calls import actions
+from tasks.delivery import events
+from tasks import sweeps
 from tests.api_fixtures import CLOSED_PORT_BROKER, BrokerDown
 from tests.helpers import counted, deliveries, make_call, row, wait_status
 from tests.tasklog import TaskLog
 from tests.test_worker_loss import inserts_waiting, outbox_row_held, wait_until
-from tests.worker_process import queues_taken_from_others
+from support.worker_process import queues_taken_from_others
 
 
 @pytest.fixture
@@ -49,7 +52,7 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     stale_prepared = make_call(callback_url=relay.url)
     fresh_prepared = make_call(callback_url=relay.url)
     for call in (stale_prepared, fresh_prepared):
-        call_actions.confirm(call.tool_call_id)
+        actions.confirm(call.tool_call_id)
         wait_status(call.tool_call_id, "PREPARED")
         relay.wait_for(call.tool_call_id, "checkpoint")
     backdate(stale_pending.tool_call_id, "created_at", 61)
@@ -58,7 +61,7 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     backdate(fresh_prepared.tool_call_id, "prepared_at", 20)
     expired_before = counted("voice_tools_calls_ended_total", tool="send_email", status="EXPIRED")
 
-    assert sweep(task_log, maintenance.expire_stale) == 2
+    assert sweep(task_log, sweeps.expire_stale) == 2
     for call in (stale_pending, stale_prepared):
         expired = row(call.tool_call_id)
         assert expired.status == "EXPIRED" and expired.error_message == "Expired unanswered"
@@ -70,9 +73,9 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
     assert row(fresh_pending.tool_call_id).status == "PENDING"
     assert row(fresh_prepared.tool_call_id).status == "PREPARED"
     with pytest.raises(lifecycle.Refused) as info:
-        call_actions.resume(stale_prepared.tool_call_id)
+        actions.resume(stale_prepared.tool_call_id)
     assert (info.value.code, info.value.status) == ("already_terminal", "EXPIRED")
-    assert sweep(task_log, maintenance.expire_stale) == 0  # each call expires once
+    assert sweep(task_log, sweeps.expire_stale) == 0  # each call expires once
     with db.session() as s:
         assert s.scalar(select(func.count()).where(CallbackDelivery.event == "expired")) == 2
     assert counted("voice_tools_calls_ended_total", tool="send_email", status="EXPIRED") == expired_before + 2
@@ -110,7 +113,7 @@ def test_each_expiry_and_its_event_are_one_transaction_and_one_bad_call_does_not
         for call in (bad, *good):
             backdate(call.tool_call_id, "created_at", 61)
 
-        assert maintenance.expire_stale() == 2
+        assert sweeps.expire_stale() == 2
     finally:
         chains.unregister_tool(tool.name)
     for i, call in enumerate(good):
@@ -133,14 +136,14 @@ def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_
     backdate(stuck.tool_call_id, "confirmed_at", limit + 1)
     backdate(busy.tool_call_id, "confirmed_at", limit - 10)  # within its links' time limit
 
-    assert sweep(task_log, maintenance.fail_stuck) == 1
+    assert sweep(task_log, sweeps.fail_stuck) == 1
     failed = row(stuck.tool_call_id)
     assert failed.status == "FAILED" and failed.error_message == "The worker stopped before finishing."
     assert failed.voice_response == "The email to john@example.com was not sent: The worker stopped before finishing."
     event = relay.wait_for(stuck.tool_call_id, "failed")
     assert event["voice_response"] == failed.voice_response and event["status"] == "FAILED"
     assert row(busy.tool_call_id).status == "EXECUTING"
-    assert sweep(task_log, maintenance.fail_stuck) == 0
+    assert sweep(task_log, sweeps.fail_stuck) == 0
 
 
 QUEUE = "tools.send_email"
@@ -157,12 +160,12 @@ def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_l
     it yet) is not stuck however long it waits; it was failed once quiet for 15 minutes."""
     call = make_call(callback_url=relay.url)
     with queues_taken_from_others(app, [QUEUE]):
-        call_actions.confirm(call.tool_call_id)
+        actions.confirm(call.tool_call_id)
         assert waiting(QUEUE) == 1, "its first link waits in the broker"
         assert liveness.read(app, [QUEUE]).seen[call.tool_call_id] == {"queued"}
         backdate(call.tool_call_id, "confirmed_at", 1000)  # past its time limit and the old 900 s quiet period
 
-        assert sweep(task_log, maintenance.fail_stuck) == 0
+        assert sweep(task_log, sweeps.fail_stuck) == 0
         waits = row(call.tool_call_id)
         assert waits.status == "EXECUTING" and waits.error_message is None and waits.redrives == 0
         assert deliveries(call.tool_call_id) == []
@@ -180,14 +183,14 @@ def test_fail_stuck_fails_a_call_whose_chain_was_lost_past_its_time_limit(worker
     limit = liveness.time_limit_s(tools.get("send_email"))
     with queues_taken_from_others(app, [QUEUE]):
         for call in (lost, young):
-            call_actions.confirm(call.tool_call_id)
+            actions.confirm(call.tool_call_id)
         assert waiting(QUEUE) == 2
         with app.connection_for_write() as conn:  # the broker loses their links
             queue(QUEUE).bind(conn.default_channel).purge()
         backdate(lost.tool_call_id, "confirmed_at", limit + 1)
         backdate(young.tool_call_id, "confirmed_at", limit - 10)
 
-        assert sweep(task_log, maintenance.fail_stuck) == 1
+        assert sweep(task_log, sweeps.fail_stuck) == 1
     failed = row(lost.tool_call_id)
     assert failed.status == "FAILED" and failed.error_message == "The worker stopped before finishing."
     assert failed.voice_response == "The email to john@example.com was not sent: The worker stopped before finishing."
@@ -199,17 +202,17 @@ def test_fail_stuck_leaves_a_committed_call_whose_link_runs(worker, relay, task_
     """A link running on a worker (here held inside its send, past the point of no return) keeps
     its call alive past the old quiet period: it is not run a second time beside itself."""
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     with outbox_row_held(call.tool_call_id):
-        call_actions.resume(call.tool_call_id)
+        actions.resume(call.tool_call_id)
         wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
         assert row(call.tool_call_id).committed_at is not None
         assert {"unacked", "active"} <= liveness.read(app, [QUEUE]).seen[call.tool_call_id]
         for column in ("confirmed_at", "executed_at", "resumed_at"):
             backdate(call.tool_call_id, column, 1000)
 
-        assert sweep(task_log, maintenance.fail_stuck) == 0
+        assert sweep(task_log, sweeps.fail_stuck) == 0
         running = row(call.tool_call_id)
         assert running.status == "EXECUTING" and running.redrives == 0
     relay.wait_for(call.tool_call_id, "completed")
@@ -234,7 +237,7 @@ def test_fail_stuck_leaves_a_call_whose_link_waits_for_its_eta(worker, relay, ta
         assert "unacked" in liveness.read(app, [QUEUE]).seen[call.tool_call_id]
         backdate(call.tool_call_id, "confirmed_at", 1000)
 
-        assert sweep(task_log, maintenance.fail_stuck) == 0
+        assert sweep(task_log, sweeps.fail_stuck) == 0
         assert row(call.tool_call_id).status == "EXECUTING"
     finally:
         app.control.revoke(held.id)
@@ -247,7 +250,7 @@ def test_the_facts_read_a_long_backlog_from_its_oldest_end_only(worker, monkeypa
     older, newer = make_call(), make_call()
     with queues_taken_from_others(app, [QUEUE]):
         for call in (older, newer):
-            call_actions.confirm(call.tool_call_id)
+            actions.confirm(call.tool_call_id)
         facts = liveness.read(app, [QUEUE])
     assert facts.seen.get(older.tool_call_id) == {"queued"}
     assert facts.lost(older.tool_call_id, QUEUE) is False
@@ -265,10 +268,10 @@ def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatc
     monkeypatch.setenv("CELERY_BROKER_READ_URL", CLOSED_PORT_BROKER)  # BrokerDown points the writes only
     down = BrokerDown(app)
     try:
-        assert maintenance.fail_stuck() == 0
+        assert sweeps.fail_stuck() == 0
         assert row(call.tool_call_id).status == "EXECUTING"
         backdate(call.tool_call_id, "confirmed_at", 600)
-        assert maintenance.fail_stuck() == 1
+        assert sweeps.fail_stuck() == 1
     finally:
         down.restore()
     failed = row(call.tool_call_id)
@@ -279,7 +282,7 @@ def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatc
 def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log):
     """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
     call = make_call(callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     with db.session() as s:  # resumed, SENDING passed the commit point, then its worker died
         lifecycle.resume(s, call.tool_call_id)
@@ -289,7 +292,7 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
         backdate(call.tool_call_id, column, 120)
     redrives_before = counted("voice_tools_redrives_total", tool="send_email")
 
-    assert sweep(task_log, maintenance.fail_stuck) == 1
+    assert sweep(task_log, sweeps.fail_stuck) == 1
     relay.wait_for(call.tool_call_id, "completed")
     done = row(call.tool_call_id)
     assert done.status == "COMPLETED" and done.voice_response == "Email sent to john@example.com."
@@ -301,7 +304,7 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
     assert counted("voice_tools_redrives_total", tool="send_email") == redrives_before + 1
     assert [(h["status"], h["reason"]) for h in done.status_history][-2:] == [
         ("EXECUTING", lifecycle.REDRIVEN_REASON), ("COMPLETED", "Completed")]
-    assert sweep(task_log, maintenance.fail_stuck) == 0
+    assert sweep(task_log, sweeps.fail_stuck) == 0
 
 
 def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outcome_is_unconfirmed(
@@ -316,7 +319,7 @@ def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outc
     for column in ("confirmed_at", "executed_at"):
         backdate(call.tool_call_id, column, 120)
 
-    assert sweep(task_log, maintenance.fail_stuck) == 1
+    assert sweep(task_log, sweeps.fail_stuck) == 1
     failed = relay.wait_for(call.tool_call_id, "failed")
     done = row(call.tool_call_id)
     assert done.status == "FAILED" and done.committed_at is not None and done.redrives == 2
@@ -326,17 +329,17 @@ def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outc
     assert task_log.published_for(call.tool_call_id, "tools.send_email.SENDING") == []
     with db.session() as s:
         assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 0  # nothing was run again
-    assert sweep(task_log, maintenance.fail_stuck) == 0
+    assert sweep(task_log, sweeps.fail_stuck) == 0
 
 
 def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log):
     call = make_call(callback_url=relay.url)
     with db.session() as s:
         confirmed = lifecycle.confirm(s, call.tool_call_id)
-        overdue = callbacks.record(s, confirmed, "progress", step="PREPARING", gate=1, message="a",
+        overdue = events.record(s, confirmed, "progress", step="PREPARING", gate=1, message="a",
                                    cancellable=True).event_id
         stepped = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
-        later = callbacks.record(s, stepped, "progress", step="PREPARING", gate=1, message="b",
+        later = events.record(s, stepped, "progress", step="PREPARING", gate=1, message="b",
                                  cancellable=True).event_id
     with db.session() as s:  # the first one's retry message was lost five minutes ago
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() - interval '5 minutes', attempts = 1 "
@@ -344,7 +347,7 @@ def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() + interval '5 minutes', attempts = 1 "
                        "WHERE event_id = :e"), {"e": later})
 
-    assert sweep(task_log, maintenance.retry_callbacks) == 1
+    assert sweep(task_log, sweeps.retry_callbacks) == 1
     [resent] = task_log.published_for(overdue, "callbacks.deliver")
     assert resent.queue == "callbacks"
     task_log.wait_ran(overdue, "callbacks.deliver")
@@ -353,7 +356,7 @@ def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log
         states = dict(s.execute(select(CallbackDelivery.event_id, CallbackDelivery.state)).all())
     assert states == {overdue: "delivered", later: "pending"}
     assert task_log.published_for(later, "callbacks.deliver") == []
-    assert sweep(task_log, maintenance.retry_callbacks) == 0
+    assert sweep(task_log, sweeps.retry_callbacks) == 0
 
 
 def test_purge_context_deletes_only_expired_entries(worker, task_log):
@@ -364,8 +367,8 @@ def test_purge_context_deletes_only_expired_entries(worker, task_log):
                        "WHERE session_id = 'sess_a'"))
     with db.session() as s:
         assert session_context.get_context(s, "sess_a", "last_query_results") is None  # expired reads as gone
-    assert sweep(task_log, maintenance.purge_context) == 1
+    assert sweep(task_log, sweeps.purge_context) == 1
     with db.session() as s:
         assert s.scalars(select(SessionContext.session_id)).all() == ["sess_b"]
         assert session_context.get_context(s, "sess_b", "last_query_results").context_value == {"n": 2}
-    assert sweep(task_log, maintenance.purge_context) == 0
+    assert sweep(task_log, sweeps.purge_context) == 0

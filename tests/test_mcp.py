@@ -24,7 +24,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from app import toolspec
+from tasks.calls import toolspec
 from app.mcp_server import create_mcp_app
 from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
 from tests.conftest import API_TOKEN, AUTH
@@ -323,7 +323,7 @@ async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_canc
     """No callback endpoint at all: the checkpoint is read from GET /voice-tools/events, the cancel said over MCP."""
     import asyncio
 
-    from tests.sse_client import Stream
+    from support.sse_client import Stream
 
     stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse", MCP_AUTH)
     async with connected(mcp_url) as mcp:
@@ -344,7 +344,7 @@ async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_canc
 
 
 async def test_an_mcp_client_searches_then_emails_the_results(mcp_url, worker):
-    from tasks.backends import documents
+    from backends import documents
 
     documents.load_demo()
     async with connected(mcp_url) as mcp:
@@ -383,10 +383,10 @@ def test_the_lazy_command_listens_at_once_and_loads_the_face_at_its_first_connec
     import psutil
     import requests
 
-    from tests.procs import ROOT, free_port
+    from support.procs import ROOT, free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), "mcp", "--lazy", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "voice_tools", "mcp", "--lazy", "--host", "127.0.0.1",
                              "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 

@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from servers import ROOT
+from voice_tools.servers import ROOT
 from tasks import app as celery_app
-from tasks import tools, worker_groups
+from tasks import tools
+from tasks.worker import groups
 
 README = (ROOT / "README.md").read_text()
 
@@ -64,7 +65,7 @@ def consumed_by(words: list[str]) -> list[str]:
         return sorted(declared_queues())
     queues = [q for q in option(words, "--queues").split(",")] if "--queues" in words else []
     if "--group" in words:
-        queues += worker_groups.queues_of([option(words, "--group")])
+        queues += groups.queues_of([option(words, "--group")])
     return queues
 
 
@@ -82,8 +83,8 @@ def test_tool_queues_come_from_the_registry_not_the_procfile():
     for name, words in worker_lines().items():
         if "--queues" in words:
             assert not any(q.startswith("tools.") for q in option(words, "--queues").split(",")), name
-    groups = {option(words, "--group") for words in worker_lines().values() if "--group" in words}
-    assert groups == set(tools.worker_groups())
+    named = {option(words, "--group") for words in worker_lines().values() if "--group" in words}
+    assert named == set(tools.worker_groups())
 
 
 def test_web_beat_and_flower_lines():

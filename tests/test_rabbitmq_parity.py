@@ -33,7 +33,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from tests import rabbitmqctl
-from tests.procs import ROOT, bare_env
+from support.procs import ROOT, bare_env
 
 pytestmark = pytest.mark.slow
 

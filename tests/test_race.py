@@ -35,7 +35,7 @@ from sqlalchemy import func, select
 from models import db, lifecycle
 from models.calls import OPEN, ToolCall
 from models.email import EmailOutbox
-from tasks import call_actions
+from tasks.calls import actions
 from tests.helpers import make_call, wait_status
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def _prepared_calls(count: int, tag: str) -> list[str]:
     for i in range(count):
         call = make_call(parameters={"to": f"race{i}@example.com", "subject": f"Race {tag} {i}"},
                          session_id=f"sess_race_{tag}")
-        call_actions.confirm(call.tool_call_id)
+        actions.confirm(call.tool_call_id)
         ids.append(call.tool_call_id)
     _wait_until(lambda: _count_open(ids, exclude="PREPARED") == 0, f"{tag}: calls reaching PREPARED")
     with db.session() as s:
@@ -107,7 +107,7 @@ def _commit_latency_s(ids: list[str]) -> float:
     set by ``now()`` in the transitions' transactions).
     """
     for tool_call_id in ids:
-        call_actions.resume(tool_call_id)
+        actions.resume(tool_call_id)
         assert wait_status(tool_call_id, timeout=30).status == "COMPLETED"
     with db.session() as s:
         rows = s.execute(select(ToolCall.resumed_at, ToolCall.committed_at)
@@ -194,8 +194,8 @@ def _run_races(ids: list[str], delays: Callable[[], tuple[float, float]],
                resume_first: bool) -> dict[str, tuple[Answer, Answer]]:
     """Race resume and cancel on every call, ``RACERS`` races at a time."""
     def race(tool_call_id: str) -> tuple[str, tuple[Answer, Answer]]:
-        resume = lambda: _attempt(lambda: call_actions.resume(tool_call_id))  # noqa: E731
-        cancel = lambda: _attempt(lambda: call_actions.cancel(tool_call_id, "Changed my mind"))  # noqa: E731
+        resume = lambda: _attempt(lambda: actions.resume(tool_call_id))  # noqa: E731
+        cancel = lambda: _attempt(lambda: actions.cancel(tool_call_id, "Changed my mind"))  # noqa: E731
         if resume_first:
             resumed = resume()
             time.sleep(delays()[1])

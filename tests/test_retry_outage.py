@@ -30,14 +30,15 @@ from pathlib import Path
 
 import pytest
 
-from tasks import app, call_actions, chains
+from tasks import app, chains
+from tasks.calls import actions
 from tasks.tools import Step, TransientError
 from tests.api_fixtures import BrokerDown
 from tests.helpers import make_call, row, wait_status
 from tests.test_broker_restart import broker, control  # noqa: F401  (fixtures)
 from tests.test_chains import history, make_tool, register, task_log  # noqa: F401  (fixtures)
 from tests.test_worker_loss import wait_until
-from tests.worker_process import ROOT, WorkerProcess
+from support.worker_process import ROOT, WorkerProcess
 
 
 class FlakyDuringOutage:
@@ -68,7 +69,7 @@ def test_a_retry_the_broker_cannot_take_keeps_the_link_and_the_call_completes(re
     step = FlakyDuringOutage()
     tool = register(make_tool("outage_retry", (Step("FETCH", run=step), Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "lookup"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     assert step.entered.wait(15)
 
     down = BrokerDown(app)
@@ -110,9 +111,9 @@ def outage_tool():
 
 
 def confirm_on(broker_url: str, tool_call_id: str) -> None:
-    """``call_actions.confirm`` in a child process whose broker is ``broker_url`` (the tool registered there too)."""
+    """``actions.confirm`` in a child process whose broker is ``broker_url`` (the tool registered there too)."""
     env = dict(os.environ, CELERY_BROKER_URL=broker_url, REDIS_URL=broker_url)
-    code = "import sys\nimport tests.outage_tools\nfrom tasks import call_actions\ncall_actions.confirm(sys.argv[1])\n"
+    code = "import sys\nimport tests.outage_tools\nfrom tasks.calls import actions\nactions.confirm(sys.argv[1])\n"
     done = subprocess.run([sys.executable, "-c", code, tool_call_id], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -26,7 +26,7 @@ import requests
 
 from tasks import app as celery_app
 from tasks import tools
-from tests.procs import (ROOT, bare_env, describe, free_port, running, stop_process, voice_tools, wait_listening,
+from support.procs import (ROOT, bare_env, describe, free_port, running, stop_process, voice_tools, wait_listening,
                          wait_none_running)
 
 TOKEN = "run-command-test-token"
@@ -379,7 +379,7 @@ def test_flower_shows_each_tools_tasks_their_states_and_the_queue_lengths(system
 
 
 def test_env_and_migrate_come_and_go_beside_the_run_and_a_call_still_completes(system):
-    import servers
+    from voice_tools import servers
 
     redis_dir = system.data_dir / "redis"
     users = servers.redis_users(redis_dir)

@@ -129,7 +129,7 @@ def test_every_api_path_answers_under_webhook_too_and_openapi_marks_the_aliases(
 
 def test_the_seed_relay_searches_then_emails_the_results_on_its_final_endpoints(client, worker, relay):
     """Seed 000's FINAL IMPLEMENTATION: /query-vector-db, /get-session-context, /execute-gmail, on n8n paths."""
-    from tasks.backends import documents
+    from backends import documents
 
     documents.load_demo()
     searched = client.post("/webhook/query-vector-db", headers=AUTH, json={

@@ -12,8 +12,8 @@ from sqlalchemy import select, text
 
 from models import db, session_context
 from models.email import EmailOutbox
-from tasks import call_actions
-from tasks.backends import documents
+from tasks.calls import actions
+from backends import documents
 from tasks.tools.send_email import MAX_REFERENCED, SNIPPET_CHARS, summarise_context
 from tests.helpers import make_call, row, wait_status
 
@@ -32,7 +32,7 @@ def outbox(tool_call_id: str) -> list[EmailOutbox]:
 
 def search(user_query: str) -> dict:
     call = make_call("query_vector_db", {"user_query": user_query}, session_id=SESSION)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id, timeout=60)
     assert done.status == "COMPLETED", (done.status, done.error_message)
     assert done.result["documents"], "the demo documents answer this query"
@@ -48,7 +48,7 @@ def test_the_email_carries_the_last_query_results_in_its_preview_and_its_body(wo
         "to": "john@example.com", "subject": "Q3 sales", "body": "Hi John, here are the numbers.",
         "reference_context": KEY})
     id_ = call.tool_call_id
-    call_actions.confirm(id_)
+    actions.confirm(id_)
     checkpoint = relay.wait_for(id_, "checkpoint", timeout=30)
     body = checkpoint["preview"]["body"]
     intro, results = body.split("\n\n", 1)
@@ -65,7 +65,7 @@ def test_the_email_carries_the_last_query_results_in_its_preview_and_its_body(wo
     # The draft was read once, at PREPARING: the send does not read the context again.
     with db.session() as s:
         s.execute(text("DELETE FROM session_context WHERE session_id = :s"), {"s": SESSION})
-    call_actions.resume(id_)
+    actions.resume(id_)
     done = wait_status(id_, timeout=30)
     assert done.status == "COMPLETED", (done.status, done.error_message)
     [sent] = outbox(id_)
@@ -81,7 +81,7 @@ def test_an_expired_context_fails_the_call_before_anything_is_sent(worker, relay
     with db.session() as s:
         s.execute(text("UPDATE session_context SET expires_at = now() - interval '1 second' "
                        "WHERE session_id = :s"), {"s": SESSION})
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed", timeout=30)
     done = row(call.tool_call_id)
     assert done.status == "FAILED" and failed["step"] == "PREPARING"
@@ -97,7 +97,7 @@ def test_a_search_that_found_nothing_says_so_in_the_email(worker):
         session_context.put_context(s, SESSION, KEY, {"query": "zebra migration", "documents": []}, 3600, caller="tests")
     call = make_call(session_id=SESSION, parameters={
         "to": "john@example.com", "subject": "Zebras", "reference_context": KEY})
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     prepared = wait_status(call.tool_call_id, "PREPARED", timeout=30)
     assert prepared.step_outputs["PREPARING"]["body"] == "Results for 'zebra migration': no matching documents."
 

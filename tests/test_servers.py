@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from models import db
-from servers import ROOT
+from voice_tools.servers import ROOT
 from tests.helpers import make_call
-from tests.procs import bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
+from support.procs import bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
 
 def python(code: str, data_dir: Path, timeout: float = 90) -> dict:
     """Run ``code`` in a fresh interpreter without the server variables; return its JSON line."""
@@ -42,7 +42,8 @@ def data_dir():
 
 
 ENSURE_AND_WRITE = """
-    import json, os, servers
+    import json, os
+    from voice_tools import servers
     from pathlib import Path
     import redis, psycopg2
     urls = servers.ensure_servers()
@@ -82,7 +83,8 @@ def test_ensure_servers_starts_embedded_servers_that_keep_rows_across_a_restart(
 
 def test_sigterm_stops_the_embedded_servers(data_dir):
     code = """
-        import json, servers, signal
+        import json, signal
+        from voice_tools import servers
         urls = servers.ensure_servers()
         print(json.dumps({"ready": True}), flush=True)
         signal.pause()
@@ -108,7 +110,8 @@ def test_sigterm_stops_the_embedded_servers(data_dir):
 def test_a_killed_owner_does_not_keep_the_server_running_for_ever(data_dir):
     """After a SIGKILLed run the next run joins the server left behind, and stops it."""
     code = """
-        import json, servers, signal
+        import json, signal
+        from voice_tools import servers
         servers.ensure_servers()
         print(json.dumps({"ready": True}), flush=True)
         signal.pause()
@@ -160,7 +163,7 @@ def test_alembic_downgrade_base_then_upgrade_head_from_the_repo_root():
 
 
 def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, monkeypatch):
-    import launcher
+    from voice_tools import launcher
 
     for name in ("VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_HOSTS",
                  "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "VOICE_TOOLS_WORKER_METRICS_DIR",
@@ -225,7 +228,7 @@ def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_
     """``voice-tools migrate`` and ``voice-tools env`` join the servers another process started
     and, when they end, leave them to it; the first process's servers still answer."""
     import redis
-    import servers
+    from voice_tools import servers
 
     first, urls = hold_servers(data_dir)
     try:
@@ -257,7 +260,7 @@ def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_
 
 
 def test_the_last_user_stops_the_servers_also_when_it_only_joined_them(data_dir):
-    import servers
+    from voice_tools import servers
 
     first, urls = hold_servers(data_dir)
     env = None

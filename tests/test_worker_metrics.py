@@ -21,11 +21,14 @@ from celery.signals import before_task_publish
 from prometheus_client.parser import text_string_to_metric_families
 
 from models import db
-from tasks import app, call_actions, callback_delivery, chains, metrics_page
+from tasks import app, chains
+from tasks.calls import actions
+from tasks.delivery import attempts
+from tasks.worker import metrics_page
 from tests.conftest import AUTH
 from tests.helpers import make_call, wait_status
-from tests.procs import ROOT, free_port
-from tests.worker_process import WorkerProcess, queues_taken_from_others
+from support.procs import ROOT, free_port
+from support.worker_process import WorkerProcess, queues_taken_from_others
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +81,8 @@ def test_a_real_worker_exports_per_tool_series_served_by_the_exporter(metered, r
 
     with queues_taken_from_others(app, queues):
         # no worker consumes the tools' queues yet: each chain's first link waits in the broker
-        call_actions.confirm(ok.tool_call_id)
-        call_actions.confirm(flaky.tool_call_id)
+        actions.confirm(ok.tool_call_id)
+        actions.confirm(flaky.tool_call_id)
         depths = by(samples(scrape_registry(folder)), "voice_tools_queue_depth", "queue")
         assert depths["tools.metered_ok"] == 1 and depths["tools.metered_flaky"] == 1, depths
         assert depths["callbacks"] == 0
@@ -163,7 +166,7 @@ def scrape_exporter(folder) -> str:
     """Start ``voice-tools worker-metrics`` on ``folder``, scrape it once, stop it."""
     port = free_port()
     exporter = subprocess.Popen(
-        [sys.executable, str(ROOT / "launcher.py"), "worker-metrics", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "voice_tools", "worker-metrics", "--host", "127.0.0.1", "--port", str(port),
          "--dir", str(folder)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         said = exporter.stdout.readline()
@@ -179,7 +182,7 @@ def scrape_exporter(folder) -> str:
 def test_the_api_metrics_show_none_of_the_workers_series(client, worker, relay):
     """The in-process worker runs a chain in this very process; the API's /metrics still shows only its own."""
     call = make_call("search_contacts", {"query": "John"}, callback_url=relay.url)
-    call_actions.confirm(call.tool_call_id)
+    actions.confirm(call.tool_call_id)
     assert wait_status(call.tool_call_id).status == "COMPLETED"
     text = client.get("/metrics", headers=AUTH).get_data(as_text=True)
     assert "voice_tools_http_requests_total" in text
@@ -196,7 +199,7 @@ def test_calls_by_status_count_the_cancels_no_worker_made(client, worker, relay,
     done = make_call("search_contacts", {"query": "John"}, callback_url=relay.url)
     assert client.delete(f"/voice-tools/cancel/{by_api.tool_call_id}", headers=AUTH).status_code == 200
     assert "CANCELLED" in cli("calls", "cancel", by_cli.tool_call_id).output
-    call_actions.confirm(done.tool_call_id)
+    actions.confirm(done.tool_call_id)
     assert wait_status(done.tool_call_id).status == "COMPLETED"
 
     found = samples(scrape_registry(tmp_path))
@@ -213,15 +216,15 @@ def test_enqueueing_inside_a_transaction_waits_for_its_commit():
     before_task_publish.connect(seen, weak=False)
     try:
         with db.session():
-            callback_delivery.deliver.apply_async(("no-such-event",))
+            attempts.deliver.apply_async(("no-such-event",))
             assert published == [], "published before the transaction committed"
         assert len(published) == 1
         with pytest.raises(RuntimeError), db.session():
-            callback_delivery.deliver.apply_async(("no-such-event",))
+            attempts.deliver.apply_async(("no-such-event",))
             raise RuntimeError("rolled back")
         time.sleep(0.1)
         assert len(published) == 1, "a rolled-back transaction published its task"
-        assert callback_delivery.deliver.apply_async(("no-such-event",)).id  # outside one: at once
+        assert attempts.deliver.apply_async(("no-such-event",)).id  # outside one: at once
         assert len(published) == 2
     finally:
         before_task_publish.disconnect(seen)

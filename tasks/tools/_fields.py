@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from marshmallow import ValidationError
 
-from tasks.backends import calendar
+from backends import calendar
 
 
 def valid_timezone(name: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Iterator, Mapping
 from marshmallow import Schema, fields, validate
 
 from models import db, session_context, settings
-from tasks.backends import documents, embeddings
+from backends import documents, embeddings
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 CONTEXT_KEY = "last_query_results"

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, fields, validate
 
 from models import db, session_context, settings
-from tasks.backends import email, gmail
+from backends import email, gmail
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 MAX_REFERENCED = 5  # results quoted in the body

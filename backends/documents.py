@@ -1,0 +1,518 @@
+"""The document store searched by query_vector_db and search_documentation.
+
+Documents are cut into chunks (by heading, then by paragraph, up to about 800
+characters), each embedded by the active embedder (``backends/embeddings.py``)
+and stored in ``documents`` (``models/documents.py``) with the model's name and the
+vector's size. A search embeds the question with the same embedder and ranks chunks
+by cosine similarity in PostgreSQL (pgvector, HNSW index).
+
+- ``ingest(paths, reembed=False)``: ``.md`` / ``.txt`` files and folders; a file
+  ingested again replaces its chunks; ``reembed`` re-embeds every stored chunk with
+  the active model (after a change of embedder).
+- ``search(text, top_k, filters)``: ``[{id, title, snippet, score, metadata}]``, best
+  first; ``filters`` must match metadata keys exactly (JSON containment); chunks
+  scoring below ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
+- ``load_demo()``: ten short demo documents, embedded; safe to run twice.
+
+Models are never mixed: a search or an ingest with an embedder other than the one
+the stored chunks were made with is refused (:class:`ModelMismatch`) until
+``voice-tools ingest --reembed``. A PostgreSQL without pgvector migrates without the
+vector column; searching or ingesting there raises :class:`VectorSupportMissing`
+naming the fix. Both are :class:`DocumentStoreError`: retrying will not help.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+from sqlalchemy import delete, or_, select, text, update
+from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.exc import DBAPIError, ProgrammingError
+from sqlalchemy.orm import Session
+
+from models import db, settings
+from models.documents import EMBEDDING_DIM, DocumentChunk
+from backends import embeddings
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger(__name__)
+
+CHUNK_CHARS = 800
+SNIPPET_CHARS = 240
+DEFAULT_MIN_SCORE = 0.3
+EXTENSIONS = (".md", ".markdown", ".txt")
+WRITE_BATCH = 256  # chunks embedded and written together during an ingest
+
+NO_PGVECTOR = ("this PostgreSQL has no pgvector: install the pgvector extension or unset DATABASE_URL "
+               "to use the embedded PostgreSQL 18")
+NO_EMBEDDING_COLUMN = ("the documents table was made without pgvector: migrate it again now that pgvector is "
+                       "installed (alembic downgrade 0003, then alembic upgrade head) and ingest the documents again")
+
+
+class DocumentStoreError(RuntimeError):
+    """The store cannot do what was asked; retrying will not help."""
+
+
+class VectorSupportMissing(DocumentStoreError):
+    """The database has no pgvector (or the table was made without it)."""
+
+
+class ModelMismatch(DocumentStoreError):
+    """The stored chunks were embedded by another model than the active one."""
+
+
+# what a tool turns into PermanentError
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (DocumentStoreError, embeddings.EmbeddingError)
+
+
+def min_score() -> float:
+    configured = settings.load().search_min_score
+    return DEFAULT_MIN_SCORE if configured is None else configured
+
+
+# -- pgvector and model checks ----------------------------------------------------------------
+
+def vector_support_error(conn: Any) -> str | None:
+    """Why ``documents`` cannot hold vectors on this database, or None if it can."""
+    column = conn.execute(text(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('documents') AND attname = 'embedding' "
+        "AND NOT attisdropped")).first()
+    if column is not None:
+        return None
+    available = conn.execute(text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")).first()
+    return NO_EMBEDDING_COLUMN if available else NO_PGVECTOR
+
+
+def require_vectors(session: Session) -> None:
+    problem = vector_support_error(session)
+    if problem:
+        raise VectorSupportMissing(problem)
+
+
+def _explain_database_error(exc: ProgrammingError) -> None:
+    """A search failed in SQL: if it is because pgvector is missing, say so (else let it through)."""
+    try:
+        with db.engine().connect() as conn:
+            problem = vector_support_error(conn)
+    except Exception:  # the diagnosis must not hide the original error
+        return
+    if problem:
+        raise VectorSupportMissing(problem) from exc
+
+
+def _other_model(session: Session, model: str, exclude_documents: Sequence[str] = ()) -> str | None:
+    """A model other than ``model`` that stored chunks were embedded with (index scans only)."""
+    stmt = select(DocumentChunk.embedding_model).where(
+        or_(DocumentChunk.embedding_model < model, DocumentChunk.embedding_model > model))
+    if exclude_documents:
+        stmt = stmt.where(DocumentChunk.document_id.not_in(list(exclude_documents)))
+    return session.scalars(stmt.limit(1)).first()
+
+
+def _mismatch(stored: str, active: str) -> ModelMismatch:
+    return ModelMismatch(f"the documents were embedded with {stored}, this system now uses {active}: "
+                         "run `voice-tools ingest --reembed`")
+
+
+# -- search -------------------------------------------------------------------------------------
+
+def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chunks most similar to ``query`` (see the module's doc)."""
+    model, _ = embeddings.active_model()
+    return search_vector(embeddings.embed_query(query), model, top_k, filters)
+
+
+def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
+                  filters: dict[str, Any] | None = None, floor: float | None = None) -> list[dict[str, Any]]:
+    """The chunks nearest to ``vector`` (made by ``model``), best first, above the relevance floor."""
+    import numpy as np
+
+    floor = min_score() if floor is None else floor
+    vector = np.asarray(vector, dtype=np.float32)
+    if vector.shape != (EMBEDDING_DIM,):
+        raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
+    distance = DocumentChunk.embedding.cosine_distance(vector)
+    stmt = select(DocumentChunk.id, DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
+                  distance.label("distance"))
+    if filters:
+        stmt = stmt.where(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
+    stmt = stmt.order_by(distance, DocumentChunk.id).limit(top_k)
+    try:
+        with db.session() as s:
+            stored = _other_model(s, model)
+            if stored is not None:
+                raise _mismatch(stored, model)
+            # the HNSW scan looks at ef_search candidates; a filter drops some of them afterwards
+            s.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, top_k * (10 if filters else 2)))}"))
+            if filters:
+                _iterative_scan(s)
+            rows = s.execute(stmt).all()
+    except ProgrammingError as exc:
+        _explain_database_error(exc)
+        raise
+    found = []
+    for row in sorted(rows, key=lambda r: (r.distance, r.id)):  # relaxed_order may return them nearly sorted
+        score = round(1.0 - float(row.distance), 4)
+        if score < floor:
+            continue
+        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content), "score": score,
+                      "metadata": row.doc_metadata})
+    return found
+
+
+def _iterative_scan(session: Session) -> None:
+    """With a filter, let the HNSW scan go on until it has ``top_k`` rows that pass it
+    (pgvector >= 0.8); an older pgvector has no such setting and keeps ef_search alone."""
+    try:
+        with session.begin_nested():
+            session.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
+    except DBAPIError:
+        pass
+
+
+def _jsonb(value: Any) -> Any:
+    from sqlalchemy import cast, literal
+
+    return cast(literal(value, type_=JSONB), JSONB)
+
+
+def snippet(content: str, limit: int = SNIPPET_CHARS) -> str:
+    """The start of a chunk as plain text: at most ``limit`` characters, cut at a word."""
+    flat = " ".join(content.split())
+    if len(flat) <= limit:
+        return flat
+    cut = flat[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return cut + "..."
+
+
+def plain_summary(found: list[dict[str, Any]]) -> str:
+    if not found:
+        return "No matching documents."
+    return f"{len(found)} document{'s' if len(found) != 1 else ''} found; best match: {found[0]['title']}."
+
+
+def summarise(question: str, found: list[dict[str, Any]]) -> str:
+    """One spoken sentence about ``found``: a chat model's when ``VOICE_TOOLS_SUMMARY_MODEL`` and
+    ``OPENAI_API_KEY`` are set, else :func:`plain_summary`. A summary that fails falls back to the
+    plain one (the search itself succeeded)."""
+    conf = settings.load()
+    if not (found and conf.summary_model and conf.openai_api_key):
+        return plain_summary(found)
+    listing = "\n".join(f"{i}. {d['title']}: {d['snippet']}" for i, d in enumerate(found, 1))
+    try:
+        client = embeddings.openai_client(conf)
+        with embeddings.openai_errors():
+            answer = client.chat.completions.create(
+                model=conf.summary_model,
+                messages=[
+                    {"role": "system", "content": (
+                        "You help a voice assistant answer a caller on the phone. In ONE short sentence that can "
+                        "be spoken aloud (no lists, no markdown, no URLs), answer the question from the documents "
+                        "below, or say that they do not answer it.")},
+                    {"role": "user", "content": f"Question: {question}\n\nDocuments:\n{listing}"},
+                ],
+                max_completion_tokens=120,
+            )
+        sentence = " ".join((answer.choices[0].message.content or "").split())
+    except Exception as exc:  # a summary is optional: say the plain one
+        log.warning("summary by %s failed, using the plain one: %s", conf.summary_model, exc)
+        return plain_summary(found)
+    return sentence[:600] if sentence else plain_summary(found)
+
+
+# -- chunking -------------------------------------------------------------------------------
+
+_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_FENCE = re.compile(r"^\s{0,3}(```|~~~)")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _front_matter(raw: str) -> tuple[dict[str, Any], str]:
+    """``---`` / ``key: value`` lines / ``---`` at the top of a Markdown file (simple values only)."""
+    lines = raw.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return {}, raw
+    for end in range(1, min(len(lines), 60)):
+        if lines[end].strip() in ("---", "..."):
+            meta: dict[str, Any] = {}
+            for line in lines[1:end]:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() and not key.startswith((" ", "\t", "-", "#")):
+                    value = value.strip().strip("'\"")
+                    if value.startswith("[") and value.endswith("]"):
+                        meta[key.strip()] = [v.strip().strip("'\"") for v in value[1:-1].split(",") if v.strip()]
+                    else:
+                        meta[key.strip()] = value
+            return meta, "\n".join(lines[end + 1:])
+    return {}, raw
+
+
+def _sections(body: str, markdown: bool) -> Iterator[tuple[str, list[str]]]:
+    """(heading, paragraphs) in order; the text before the first heading has heading ""."""
+    heading, paragraphs, current, fenced = "", [], [], False
+
+    def flush_paragraph() -> None:
+        if current and any(line.strip() for line in current):
+            paragraphs.append("\n".join(current).strip("\n"))
+        current.clear()
+
+    for line in body.splitlines():
+        if markdown and _FENCE.match(line):
+            fenced = not fenced
+            current.append(line)
+            continue
+        if fenced:
+            current.append(line)
+            continue
+        match = _HEADING.match(line) if markdown else None
+        if match:
+            flush_paragraph()
+            if paragraphs:
+                yield heading, paragraphs
+            heading, paragraphs = match.group(2).strip(), []
+            continue
+        if not line.strip():
+            flush_paragraph()
+        else:
+            current.append(line.rstrip())
+    flush_paragraph()
+    if paragraphs:
+        yield heading, paragraphs
+
+
+def _split_long(paragraph: str, limit: int) -> list[str]:
+    """A paragraph longer than ``limit``: by sentences, then by words, then hard."""
+    if len(paragraph) <= limit:
+        return [paragraph]
+    pieces: list[str] = []
+    current = ""
+    for sentence in _SENTENCE_END.split(paragraph):
+        while len(sentence) > limit:
+            cut = sentence.rfind(" ", 0, limit)
+            cut = cut if cut > limit // 2 else limit
+            if current:
+                pieces.append(current)
+                current = ""
+            pieces.append(sentence[:cut].strip())
+            sentence = sentence[cut:].strip()
+        if current and len(current) + 1 + len(sentence) > limit:
+            pieces.append(current)
+            current = sentence
+        else:
+            current = f"{current} {sentence}".strip()
+    if current:
+        pieces.append(current)
+    return [p for p in pieces if p]
+
+
+def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
+    """``body`` cut into (section heading, content) chunks of at most about ``limit`` characters:
+    a new chunk at every heading, paragraphs packed together while they fit."""
+    chunks: list[tuple[str, str]] = []
+    for heading, paragraphs in _sections(body, markdown):
+        current = ""
+        for paragraph in paragraphs:
+            for piece in _split_long(paragraph, limit):
+                if current and len(current) + 2 + len(piece) > limit:
+                    chunks.append((heading, current))
+                    current = piece
+                else:
+                    current = f"{current}\n\n{piece}" if current else piece
+        if current:
+            chunks.append((heading, current))
+    return chunks
+
+
+def _title_from_name(path: Path) -> str:
+    words = re.sub(r"[-_]+", " ", path.stem).strip()
+    return words[:1].upper() + words[1:] if words else path.name
+
+
+def read_document(path: Path) -> list[dict[str, Any]]:
+    """The chunk rows (without embeddings) of one file."""
+    raw = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").lstrip("\ufeff")
+    markdown = path.suffix.lower() != ".txt"
+    meta, body = _front_matter(raw) if markdown else ({}, raw)
+    title = str(meta.pop("title", "") or "")
+    if not title and markdown:
+        title = next((m.group(2).strip() for m in map(_HEADING.match, body.splitlines()) if m), "")
+    title = title or _title_from_name(path)
+    source = str(path)
+    rows = []
+    for index, (heading, content) in enumerate(chunk_text(body, markdown)):
+        metadata = {**meta, "source": source, "file": path.name}
+        if heading:
+            metadata["section"] = heading
+        rows.append({"id": f"{source}#{index}", "document_id": source, "source": source, "title": title,
+                     "chunk_index": index, "content": content, "doc_metadata": metadata})
+    return rows
+
+
+def embedding_text(row: dict[str, Any]) -> str:
+    """What is embedded for a chunk: its document's title and section heading give it context."""
+    head = [row["title"]]
+    section = (row.get("doc_metadata") or {}).get("section")
+    if section and section != row["title"]:
+        head.append(section)
+    return "\n".join(head) + "\n" + row["content"]
+
+
+# -- ingest -------------------------------------------------------------------------------
+
+def _files(paths: Iterable[str]) -> list[Path]:
+    found: list[Path] = []
+    for given in paths:
+        path = Path(given).expanduser().resolve()
+        if path.is_dir():
+            found.extend(p for p in sorted(path.rglob("*"))
+                         if p.is_file() and p.suffix.lower() in EXTENSIONS
+                         and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        elif path.is_file():
+            if path.suffix.lower() not in EXTENSIONS:
+                raise DocumentStoreError(f"{given} is not a .md or .txt file")
+            found.append(path)
+        else:
+            raise DocumentStoreError(f"no such file or folder: {given}")
+    unique: dict[Path, None] = dict.fromkeys(found)
+    return list(unique)
+
+
+def ingest(paths: list[str], reembed: bool = False) -> dict[str, Any]:
+    """Chunk, embed and store ``.md`` / ``.txt`` files (folders are walked; hidden ones skipped).
+
+    A file ingested again replaces its chunks (in one transaction per file). With
+    ``reembed`` every chunk already stored is embedded again with the active model
+    first. Returns ``{files, chunks, model, seconds, reembedded}``.
+    """
+    started = time.perf_counter()
+    files = _files(paths)
+    model, dim = embeddings.active_model()
+    with db.session() as s:
+        require_vectors(s)
+        if not reembed:
+            stored = _other_model(s, model, exclude_documents=[str(f) for f in files])
+            if stored is not None:
+                raise _mismatch(stored, model)
+    reembedded = _reembed(model, dim) if reembed else 0
+
+    chunks = 0
+    group: list[tuple[Path, list[dict[str, Any]]]] = []
+    for index, path in enumerate(files):
+        group.append((path, read_document(path)))
+        if sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1:
+            chunks += _store(group, model, dim)
+            group = []
+    return {"files": len(files), "chunks": chunks, "model": model, "seconds": round(time.perf_counter() - started, 3),
+            "reembedded": reembedded}
+
+
+def _store(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int) -> int:
+    """Embed a group of files' chunks, then replace each file's chunks (one transaction)."""
+    rows = [row for _, file_rows in group for row in file_rows]
+    vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
+    for row, vector in zip(rows, vectors):
+        row.update(embedding=vector, embedding_model=model, embedding_dim=dim)
+    with db.session() as s:
+        for path, file_rows in group:
+            s.execute(delete(DocumentChunk).where(DocumentChunk.document_id == str(path)))
+            if file_rows:
+                s.execute(insert(DocumentChunk), file_rows)
+    return len(rows)
+
+
+def _reembed(model: str, dim: int) -> int:
+    """Embed every stored chunk again with ``model`` (keyset pages, one transaction per page)."""
+    done, after = 0, ""
+    while True:
+        with db.session() as s:
+            page = s.execute(
+                select(DocumentChunk.id, DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata)
+                .where(DocumentChunk.id > after).order_by(DocumentChunk.id).limit(WRITE_BATCH)).all()
+        if not page:
+            return done
+        rows = [{"id": r.id, "title": r.title, "content": r.content, "doc_metadata": r.doc_metadata} for r in page]
+        vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
+        with db.session() as s:
+            for row, vector in zip(rows, vectors):
+                s.execute(update(DocumentChunk).where(DocumentChunk.id == row["id"])
+                          .values(embedding=vector, embedding_model=model, embedding_dim=dim))
+        done += len(rows)
+        after = page[-1].id
+
+
+# -- demo data ------------------------------------------------------------------------------
+
+DEMO_DOCUMENTS = [
+    ("q3-sales-northwest", "Q3 sales report: Northwest region",
+     "Northwest region Q3 sales totalled $4.2M across Washington, Oregon, Idaho and Montana; "
+     "12,450 units sold, up 8% on Q2.", {"kind": "sales", "region": "northwest", "quarter": "Q3"}),
+    ("q3-sales-southwest", "Q3 sales report: Southwest region",
+     "Southwest region Q3 sales totalled $3.1M across Arizona, New Mexico and Nevada; 9,870 units sold.",
+     {"kind": "sales", "region": "southwest", "quarter": "Q3"}),
+    ("onboarding-guide", "Onboarding guide for new sales staff",
+     "New sales staff complete product training, shadow two customer calls and pass the knowledge check "
+     "in their first two weeks.", {"kind": "training"}),
+    ("travel-policy", "Travel and expenses policy",
+     "Book travel through the portal; meals up to $60 a day; submit receipts within 30 days.",
+     {"kind": "policy"}),
+    ("product-voicehub-headset", "Product sheet: VoiceHub Pro headset",
+     "The VoiceHub Pro headset has active noise cancelling, 30 hours of battery life and a two-year warranty; "
+     "list price $249, volume discounts from 50 units.", {"kind": "product"}),
+    ("product-returns", "Returns and warranty claims",
+     "Customers may return unused products within 30 days for a full refund; warranty claims need the serial "
+     "number and proof of purchase and are answered within five working days.", {"kind": "product"}),
+    ("hr-paid-time-off", "Paid time off policy",
+     "Full-time employees get 25 days of paid vacation a year plus public holidays; request leave in the HR "
+     "portal at least two weeks ahead; up to five unused days carry over to next year.", {"kind": "hr"}),
+    ("hr-parental-leave", "Parental leave",
+     "Parents get 16 weeks of fully paid parental leave, which can be split into two blocks within the "
+     "child's first year; tell your manager and HR eight weeks before it starts.", {"kind": "hr"}),
+    ("it-password-reset", "IT help: resetting your password",
+     "Reset a forgotten password at the self-service page with your phone for two-factor verification; "
+     "passwords expire every 90 days; call the IT help desk on extension 4357 if you are locked out.",
+     {"kind": "it"}),
+    ("it-vpn-access", "IT help: VPN and remote access",
+     "Install the company VPN client from the software centre and sign in with your network account; "
+     "remote access needs a managed laptop with disk encryption turned on.", {"kind": "it"}),
+]
+
+
+def demo_rows() -> list[dict[str, Any]]:
+    return [{"id": f"{doc_id}#0", "document_id": doc_id, "source": "demo", "title": title, "chunk_index": 0,
+             "content": content, "doc_metadata": {"source": "demo", **meta}}
+            for doc_id, title, content, meta in DEMO_DOCUMENTS]
+
+
+def load_demo() -> int:
+    """Add the demo documents that are missing, embedded with the active model; the number added.
+
+    Adds nothing (and says why in the log) on a database without pgvector or when the
+    stored chunks were embedded by another model.
+    """
+    rows = demo_rows()
+    model, dim = embeddings.active_model()
+    with db.session() as s:
+        problem = vector_support_error(s)
+        if problem:
+            log.warning("demo documents not loaded: %s", problem)
+            return 0
+        stored = _other_model(s, model)
+        if stored is not None:
+            log.warning("demo documents not loaded: %s", _mismatch(stored, model))
+            return 0
+        have = set(s.scalars(select(DocumentChunk.id).where(DocumentChunk.id.in_([r["id"] for r in rows]))))
+    missing = [row for row in rows if row["id"] not in have]
+    if not missing:
+        return 0
+    vectors = embeddings.embed([embedding_text(row) for row in missing])
+    for row, vector in zip(missing, vectors):
+        row.update(embedding=vector, embedding_model=model, embedding_dim=dim)
+    with db.session() as s:
+        added = s.scalars(insert(DocumentChunk).values(missing)
+                          .on_conflict_do_nothing(index_elements=["id"]).returning(DocumentChunk.id)).all()
+    return len(added)

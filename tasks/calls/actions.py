@@ -1,0 +1,160 @@
+"""What the faces (API, MCP, CLI) and beat do to a call: each a lifecycle transition, then
+the chain sent (``tasks/chains.py``) or the call's event recorded and sent (``tasks/events.py``,
+``tasks/attempts.py``).
+
+confirm and resume start the chain after the commit, and undo the transition if the broker
+refuses it; cancel and expire announce the call's end; redrive runs a committed call's chain
+again, give_up fails one that keeps dying. The relay's ``{"cancel": true}`` comes here too.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.utils import uuid
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import RedisError
+
+from models import db, lifecycle, queries
+from models.calls import PENDING, CallbackDelivery, ToolCall
+from tasks import chains, tools
+from tasks.delivery import attempts
+from tasks.delivery import events
+from tasks.tools import Tool
+
+log = logging.getLogger(__name__)
+
+
+def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
+            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> ToolCall:
+    """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
+
+    ``caller``: only that caller's call (another's is ``queries.NotFound``). The chain's
+    id is chosen first and recorded by the transition itself (no statement after the send).
+    If the broker refuses the chain, the call goes back to PENDING and
+    :class:`tasks.chains.BrokerUnavailable` is raised, unless its first link has begun: then the
+    publish reached the broker after all and the call is answered as it is.
+    """
+    workflow_id = uuid()
+    with db.statement() as s:  # one statement: the CAS is the whole transaction
+        try:
+            # a tool this process does not run is not confirmed (the statement checks it too)
+            call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
+                                     callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
+                                     functions=tools.TOOLS)
+        except lifecycle.Refused as exc:
+            if exc.status == PENDING:  # still PENDING: its tool is unknown here
+                chains.tool_of(exc.call)
+            raise
+    tool = chains.tool_of(call)
+    try:
+        chains.enqueue(tool, call, 0, workflow_id)
+    except chains.BrokerUnavailable:
+        with db.session() as s:
+            undone = lifecycle.unconfirm(s, tool_call_id)
+        if undone is None:
+            return _published_after_all(tool_call_id)
+        raise
+    return call
+
+
+def resume(tool_call_id: str) -> ToolCall:
+    """PREPARED → EXECUTING and enqueue the links after the checkpoint."""
+    with db.session() as s:
+        call = lifecycle.resume(s, tool_call_id)
+        tool = chains.tool_of(call)  # before the commit: an unknown tool undoes the transition
+    start = tool.step_index(call.current_step) + 1 if call.current_step else 0
+    try:
+        call.workflow_id = chains.enqueue(tool, call, start)
+    except chains.BrokerUnavailable:
+        with db.session() as s:  # never a committed call, nor one whose next link began
+            undone = lifecycle.undo_resume(s, tool_call_id, call.current_step)
+        if undone is None:
+            return _published_after_all(tool_call_id)
+        raise
+    return call
+
+
+def _published_after_all(tool_call_id: str) -> ToolCall:
+    """The publish "failed" but the chain runs: it reached the broker and only the answer was
+    lost (a connection dropped after the write). Nothing to undo; the call as it is now."""
+    log.warning("the publish for %s raised, but its chain is running: its answer was lost", tool_call_id)
+    with db.session() as s:
+        return queries.get(s, tool_call_id)
+
+
+def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False) -> ToolCall:
+    """Cancel (CONTRACT section 4) and announce it once with a ``cancelled`` event."""
+    with db.session() as s:
+        call = lifecycle.cancel(s, tool_call_id, reason)
+        tool = tools.TOOLS.get(call.function_name)
+        voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
+        call = lifecycle.set_voice_response(s, tool_call_id, voice)
+        delivery = events.record(s, call, "cancelled", message=voice, inline=deliver_now)
+    if deliver_now:
+        attempts.deliver_inline(delivery)
+    else:
+        _dispatch_quietly(delivery)
+    return call
+
+
+def redrive(tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
+    """Run again, from its current step, a committed call whose worker died (see lifecycle.redrive)."""
+    with db.session() as s:
+        call = lifecycle.redrive(s, tool_call_id, older_than_s, max_redrives)
+    if call is None:
+        return None
+    tool = tools.TOOLS[call.function_name]
+    start = tool.step_index(call.current_step) if call.current_step in {st.name for st in tool.steps} else 0
+    call.workflow_id = chains.enqueue(tool, call, start)
+    return call
+
+
+def give_up(tool: Tool, tool_call_id: str, parameters: Any, older_than_s: int, max_redrives: int) -> ToolCall | None:
+    """FAIL a committed call still stuck after ``max_redrives`` runs, saying its effect is unconfirmed."""
+    voice = tool.say(tool.unconfirmed_response, parameters, tool=tool.spoken_name)
+    with db.session() as s:
+        error = (f"Gave up: its chain stopped {max_redrives + 1} times past the point of no return; "
+                 "whether the side effect happened is unconfirmed.")
+        call = lifecycle.give_up(s, tool_call_id, older_than_s, max_redrives, error, voice)
+        if call is None:
+            return None
+        delivery = events.record(s, call, "failed", step=call.current_step, message=voice, inline=True)
+    attempts.deliver_inline(delivery)
+    return call
+
+
+def expired_sentence(call: ToolCall) -> str:
+    tool = tools.TOOLS.get(call.function_name)
+    if tool is None:
+        return f"The {call.function_name.replace('_', ' ')} request expired unanswered."
+    return tool.say(tool.cancelled_response, call.parameters).replace("Cancelled.", "Expired.")
+
+
+def expire(tool_call_id: str, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:
+    """Expire a stale call and record its ``expired`` event in the same transaction (as every
+    other event: a crash cannot leave it EXPIRED unannounced), then send the event."""
+    with db.session() as s:
+        call = lifecycle.expire(s, tool_call_id, pending_ttl_s=pending_ttl_s, prepared_ttl_s=prepared_ttl_s)
+        if call is None:
+            return None
+        voice = expired_sentence(call)
+        call = lifecycle.set_voice_response(s, tool_call_id, voice)
+        delivery = events.record(s, call, "expired", message=voice)
+    _dispatch_quietly(delivery)
+    return call
+
+
+def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
+    try:
+        attempts.dispatch(delivery)
+    except (KombuOperationalError, RedisError, OSError):
+        log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
+
+
+@attempts.on_relay_cancel
+def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
+    try:
+        cancel(tool_call_id, reason)
+    except (lifecycle.Refused, queries.NotFound) as exc:
+        log.info("relay asked to cancel %s: %s", tool_call_id, exc)

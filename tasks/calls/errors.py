@@ -1,0 +1,169 @@
+"""Every error the API gives is JSON ``{error, message, details}`` (CONTRACT section 5).
+
+Operations raise :class:`ApiError` (or let a validation/lifecycle/chains/database
+exception through); :func:`api_error` is the one mapping from an exception to its
+status, code and message, used by the Flask handlers registered here and by the MCP
+face (``app.mcp_server``), which answers the same :func:`payload`. Nothing answers HTML,
+and an unforeseen exception is a JSON 500 (logged), never a stack trace.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, jsonify
+from marshmallow import ValidationError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from werkzeug.exceptions import HTTPException
+
+from tasks.calls import schemas
+from models import lifecycle, queries
+from tasks import chains, tools
+
+log = logging.getLogger(__name__)
+
+# Werkzeug's HTTP errors under the codes relays match on.
+HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    415: "unsupported_media_type",
+}
+
+
+# Short sentences instead of Werkzeug's paragraphs.
+HTTP_MESSAGES = {
+    404: "No such endpoint.",
+    405: "This method is not allowed here.",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, message: str, details: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.error = error
+        self.message = message
+        self.details = details or {}
+        self.headers = headers or {}
+
+
+def validation_error(messages: Any, extra: dict[str, Any] | None = None) -> ApiError:
+    """422 naming each invalid field (marshmallow's messages under ``details.fields``)."""
+    if not isinstance(messages, dict):
+        messages = {"_schema": messages if isinstance(messages, list) else [str(messages)]}
+    details: dict[str, Any] = {"fields": messages}
+    details.update(extra or {})
+    names = ", ".join(sorted(_field_paths(messages)))
+    return ApiError(422, "validation_error", f"Invalid fields: {names}.", details)
+
+
+def _field_paths(messages: dict[Any, Any], prefix: str = "") -> list[str]:
+    """``{"parameters": {"to": [...]}}`` -> ``["parameters.to"]``: the message names the leaf fields."""
+    paths: list[str] = []
+    for key, value in messages.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            paths.extend(_field_paths(value, path + "."))
+        else:
+            paths.append(path)
+    return paths
+
+
+def _known_tools(messages: Any) -> dict[str, Any]:
+    """An unknown tool's 422 lists the known ones in ``details.known_tools``."""
+    if isinstance(messages, dict):
+        for key in ("function", "function_name"):
+            if any(str(m).startswith(schemas.UNKNOWN_TOOL) for m in messages.get(key, [])):
+                return {"known_tools": tools.names()}
+    return {}
+
+
+def refused(exc: lifecycle.Refused) -> ApiError:
+    return ApiError(409, exc.code, str(exc), {"status": exc.status, "tool_call_id": exc.call.tool_call_id})
+
+
+def not_found(tool_call_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"No tool call {tool_call_id}.", {"tool_call_id": tool_call_id})
+
+
+def unavailable(service: str, reason: str) -> ApiError:
+    return ApiError(503, "unavailable", f"The {service} is unavailable; try again shortly.",
+                    {"service": service, "reason": reason[:300]})
+
+
+def api_error(exc: Exception) -> ApiError | None:
+    """The ApiError an exception raised by an operation is answered with, on every face
+    (the REST views and the MCP tools); None for an exception we do not know (a 500)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return validation_error(exc.messages, _known_tools(exc.messages))
+    if isinstance(exc, queries.NotFound):
+        return not_found(exc.tool_call_id)
+    if isinstance(exc, lifecycle.Refused):
+        return refused(exc)
+    if isinstance(exc, lifecycle.IdTaken):  # another caller's call: nothing of it, not even its status
+        return ApiError(409, "idempotency_conflict", str(exc), {"tool_call_id": exc.tool_call_id})
+    if isinstance(exc, chains.UnknownTool):
+        return validation_error({"function_name": [str(exc)]},
+                                {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
+    if isinstance(exc, chains.BrokerUnavailable):
+        return unavailable("broker", str(exc))
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        log.warning("database unavailable: %s", exc)
+        return unavailable("database", str(getattr(exc, "orig", exc)).strip())
+    return None
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "internal_error", "Something went wrong on our side.", {})
+
+
+def payload(err: ApiError) -> dict[str, Any]:
+    """The JSON body of an error: ``{error, message, details}``."""
+    return {"error": err.error, "message": err.message, "details": err.details}
+
+
+def response(err: ApiError):
+    return jsonify(payload(err)), err.status, err.headers
+
+
+KNOWN = (ApiError, ValidationError, queries.NotFound, lifecycle.Refused, lifecycle.IdTaken,
+         chains.BrokerUnavailable, chains.UnknownTool, OperationalError, InterfaceError)
+
+
+def register(app: Flask) -> None:
+    def _known(err: Exception):
+        return response(api_error(err) or internal_error())
+
+    for kind in KNOWN:
+        app.register_error_handler(kind, _known)
+
+    @app.errorhandler(HTTPException)
+    def _http(err: HTTPException):
+        status = err.code or 500
+        code = HTTP_CODES.get(status, (err.name or "error").lower().replace(" ", "_"))
+        details: dict[str, Any] = {}
+        headers: dict[str, str] = {}
+        if status == 405:
+            allowed = err.valid_methods if hasattr(err, "valid_methods") else None  # type: ignore[attr-defined]
+            details["allowed"] = sorted(allowed or [])
+            headers["Allow"] = ", ".join(details["allowed"])
+        if status == 413:
+            details["max_bytes"] = app.config.get("MAX_CONTENT_LENGTH")
+            headers["Connection"] = "close"
+        message = HTTP_MESSAGES.get(status) or err.description or err.name
+        if status == 413:
+            message = f"The body is larger than {details['max_bytes']} bytes."
+        return response(ApiError(status, code, message, details, headers))
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        if isinstance(err, HTTPException):  # pragma: no cover (handled above)
+            return _http(err)
+        log.exception("unhandled error")
+        return response(internal_error())

@@ -1,0 +1,377 @@
+"""marshmallow schemas for every request body, query and answer of the API.
+
+Requests load through :class:`Strict`: unknown fields are refused, and no string
+anywhere in the data (keys included, parameters too) may hold NUL, another C0
+control character (tab, newline and carriage return aside) or a lone surrogate, so
+bad text is a 422 and never a database error. Answers are dumped from the
+``ToolCall`` rows with the response schemas, which also feed ``/openapi.json``.
+"""
+from __future__ import annotations
+
+import re
+import functools
+from typing import Any
+
+from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate
+
+from tasks import tools
+from tasks.delivery import url_policy
+from tasks.delivery import events
+
+MAX_TEXT = 1000  # message and voice_response (CONTRACT section 5)
+
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff]")
+_FORBIDDEN_MESSAGE = "Must not hold NUL or other control characters."
+
+
+def forbidden_text(value: Any) -> Any:
+    """marshmallow-style messages for every string (or key) in ``value`` with a forbidden character."""
+    if isinstance(value, str):
+        return [_FORBIDDEN_MESSAGE] if _FORBIDDEN.search(value) else None
+    if isinstance(value, dict):
+        found: dict[Any, Any] = {}
+        for key, item in value.items():
+            if isinstance(key, str) and _FORBIDDEN.search(key):
+                found[key.encode("unicode_escape", "backslashreplace").decode()] = ["Field names must not hold NUL or other control characters."]
+            elif (messages := forbidden_text(item)) is not None:
+                found[key] = messages
+        return found or None
+    if isinstance(value, list):
+        found_items = {i: m for i, item in enumerate(value) if (m := forbidden_text(item)) is not None}
+        return found_items or None
+    return None
+
+
+@functools.cache
+def instance(schema: type[Schema]) -> Schema:
+    """One instance per schema class, made once (a schema instance keeps no state between loads or dumps)."""
+    return schema()
+
+
+class Strict(Schema):
+    """Base of every request schema: unknown fields and control characters are refused."""
+
+    class Meta:
+        unknown = RAISE
+
+    def load(self, data: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        messages = forbidden_text(data)
+        if messages:
+            raise ValidationError(messages if isinstance(messages, dict) else {"_schema": messages})
+        return super().load(data, **kwargs)
+
+
+# -- field kinds ----------------------------------------------------------------
+
+IDENTIFIER = validate.Regexp(r"^[A-Za-z0-9_.:\-]+$", error="Use only letters, digits and _ . : -")
+
+
+def Identifier(**kwargs: Any) -> fields.String:  # noqa: N802  (a field factory)
+    """session_id / tool_call_id: at most 100 characters of ``[A-Za-z0-9_.:-]``."""
+    return fields.String(validate=[validate.Length(min=1, max=100), IDENTIFIER], **kwargs)
+
+
+def ShortText(max_length: int = 100, **kwargs: Any) -> fields.String:  # noqa: N802
+    return fields.String(validate=validate.Length(min=1, max=max_length), **kwargs)
+
+
+def _allowed_callback_url(url: str) -> None:
+    reason = url_policy.url_error(url)
+    if reason is not None:
+        raise ValidationError(f"callback_url {reason}.")
+
+
+def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
+    return fields.String(
+        validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
+        metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
+                  "format": "uri", "pattern": "^https?://[^/?#\\x00-\\x20]+[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"},
+        **kwargs,
+    )
+
+
+class CallbackUrls(Strict):
+    """A URL per event (seed 000's relay: /tool-progress, /tool-checkpoint, /tool-complete)."""
+
+    progress = CallbackUrl()
+    checkpoint = CallbackUrl()
+    completed = CallbackUrl()
+    failed = CallbackUrl()
+    cancelled = CallbackUrl()
+    expired = CallbackUrl()
+
+
+def CallbackUrlsField(**kwargs: Any) -> fields.Nested:  # noqa: N802
+    return fields.Nested(CallbackUrls, metadata={
+        "description": "A callback URL per event (progress, checkpoint, completed, failed, cancelled, expired); "
+                       "events not named here go to callback_url"}, **kwargs)
+
+
+UNKNOWN_TOOL = "Unknown tool"
+
+
+def unknown_tool_message(name: str) -> str:
+    return f"{UNKNOWN_TOOL} {name!r}. Known tools: {', '.join(tools.names())}."
+
+
+# -- requests ---------------------------------------------------------------------
+
+class PendingRequest(Strict):
+    """Body of POST /voice-tools/pending and /voice-tools/execute."""
+
+    session_id = Identifier(required=True, metadata={"description": "The relay's session"})
+    function = ShortText(metadata={"description": "The tool's name (seed name; or function_name)"})
+    function_name = ShortText(metadata={"description": "The tool's name"})
+    parameters = fields.Dict(keys=fields.String(), load_default=dict,
+                             metadata={"description": "The tool's arguments, checked against its schema"})
+    tool_call_id = Identifier(metadata={"description": "The relay's id for the call (tc_ + 12 hex if omitted)"})
+    connection_id = ShortText()
+    intent_id = ShortText()
+    callback_url = CallbackUrl()
+    callback_urls = CallbackUrlsField()
+    idempotency_key = ShortText(200, metadata={"description": "Or the Idempotency-Key header"})
+
+    @post_load
+    def _resolve_tool(self, data: dict[str, Any], **_: Any) -> dict[str, Any]:
+        """Find the tool and load the parameters with its schema (defaults filled)."""
+        given = {key: data[key] for key in ("function", "function_name") if key in data}
+        if not given:
+            raise ValidationError({"function": ["Name the tool in function or function_name."]})
+        if len(set(given.values())) > 1:
+            raise ValidationError({"function_name": ["function and function_name name different tools."]})
+        field, name = next(iter(given.items()))
+        tool = tools.get(name)
+        if tool is None:
+            raise ValidationError({field: [unknown_tool_message(name)]})
+        try:
+            parameters = instance(tool.schema).load(data["parameters"])
+        except ValidationError as exc:
+            raise ValidationError({"parameters": exc.messages}) from exc
+        data.pop("function", None)
+        data.update(function_name=tool.name, tool=tool, parameters=parameters)
+        return data
+
+
+ENVELOPE_FIELDS = ("session_id", "intent_id", "callback_url", "callback_urls", "tool_call_id", "connection_id",
+                   "idempotency_key")
+
+
+def flat_request_schema(tool: tools.Tool) -> type[Strict]:
+    """The seed's flat body for a tool's alias endpoint: envelope fields and the tool's arguments side by side."""
+    declared = dict(PendingRequest._declared_fields)
+    envelope = {name: declared[name] for name in ENVELOPE_FIELDS}
+    arguments = dict(tool.schema._declared_fields)
+    camel = "".join(part.title() for part in tool.name.split("_"))
+    return Strict.from_dict({**arguments, **envelope}, name=f"{camel}FlatRequest")
+
+
+def split_flat(data: dict[str, Any], tool: tools.Tool) -> dict[str, Any]:
+    """A loaded flat body as a pending body."""
+    envelope = {key: data[key] for key in ENVELOPE_FIELDS if key in data}
+    parameters = {key: value for key, value in data.items() if key not in ENVELOPE_FIELDS}
+    return {**envelope, "function": tool.name, "parameters": parameters}
+
+
+class ModifyRequest(Strict):
+    parameters = fields.Dict(keys=fields.String(), required=True,
+                             metadata={"description": "Fields to change; null removes an optional field"})
+
+
+class ConfirmRequest(Strict):
+    callback_url = CallbackUrl()
+    callback_urls = CallbackUrlsField()
+
+
+class ResumeRequest(Strict):
+    action = fields.String(required=True, validate=validate.OneOf(["proceed", "cancel"]))
+    reason = ShortText(500)
+
+
+class CancelRequest(Strict):
+    reason = ShortText(500, metadata={"description": "Why (default 'Cancelled by user')"})
+
+
+class WaitQuery(Strict):
+    wait = fields.Float(validate=validate.Range(min=0, max=30, min_inclusive=False),
+                        metadata={"description": "Seconds (more than 0, at most 30) to wait for PREPARED or a "
+                                                 "terminal status", "exclusiveMinimum": True})
+
+
+class ContextQuery(Strict):
+    limit = fields.Integer(load_default=10, validate=validate.Range(min=1, max=100))
+
+
+class SessionContextQuery(Strict):
+    session_id = Identifier(required=True)
+    context_key = ShortText(required=True)
+
+
+class ToolsQuery(Strict):
+    format = fields.String(load_default="realtime", validate=validate.OneOf(["realtime", "chat"]))
+
+
+class SessionPath(Strict):
+    session_id = Identifier(required=True)
+
+
+class ToolCallPath(Strict):
+    tool_call_id = Identifier(required=True)
+
+
+# -- answers ----------------------------------------------------------------------
+
+def _actions(call: Any) -> list[str]:
+    return events.actions_available(call.status)
+
+
+class PendingAnswer(Schema):
+    tool_call_id = fields.String()
+    status = fields.String()
+    function_name = fields.String()
+    parameters = fields.Dict()
+    message = fields.String()
+    confirmation_message = fields.String()
+    actions_available = fields.List(fields.String())
+
+
+class Change(Schema):
+    field = fields.String()
+    old = fields.Raw(allow_none=True)
+    new = fields.Raw(allow_none=True)
+
+
+class ModifyAnswer(Schema):
+    tool_call_id = fields.String()
+    status = fields.String()
+    updated_parameters = fields.Dict()
+    changes = fields.List(fields.Nested(Change))
+    message = fields.String()
+
+
+class StartAnswer(Schema):
+    """202 of confirm / execute / resume: what happens next."""
+
+    tool_call_id = fields.String()
+    status = fields.String()
+    function_name = fields.String()
+    workflow_id = fields.String(allow_none=True)
+    message = fields.String()
+
+
+class CancelAnswer(Schema):
+    tool_call_id = fields.String()
+    status = fields.String()
+    voice_response = fields.String(allow_none=True)
+    error_message = fields.String(allow_none=True)
+
+
+class ParameterChange(Change):
+    at = fields.String()
+
+
+class StatusEntry(Schema):
+    status = fields.String()
+    at = fields.String()
+    reason = fields.String(allow_none=True)
+    fields_ = fields.List(fields.String(), data_key="fields")
+
+
+class CallRecord(Schema):
+    """The whole record of a call (GET /voice-tools/status/{id} and ``?wait=``)."""
+
+    tool_call_id = fields.String()
+    session_id = fields.String()
+    connection_id = fields.String(allow_none=True)
+    intent_id = fields.String(allow_none=True)
+    idempotency_key = fields.String(allow_none=True)
+    function_name = fields.String()
+    action_level = fields.String()
+    parameters = fields.Dict()
+    parameters_history = fields.List(fields.Nested(ParameterChange))
+    status = fields.String()
+    status_history = fields.List(fields.Nested(StatusEntry))
+    actions_available = fields.Function(_actions, dump_only=True)
+    current_step = fields.String(allow_none=True)
+    progress = fields.Float()
+    result = fields.Dict(allow_none=True)
+    voice_response = fields.String(allow_none=True)
+    error_message = fields.String(allow_none=True)
+    context_key = fields.String(allow_none=True)
+    callback_url = fields.String(allow_none=True)
+    callback_urls = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)
+    workflow_id = fields.String(allow_none=True)
+    attempts = fields.Integer()
+    redrives = fields.Integer()
+    caller = fields.String(allow_none=True)
+    committed_at = fields.DateTime(allow_none=True)
+    created_at = fields.DateTime()
+    confirmed_at = fields.DateTime(allow_none=True)
+    executed_at = fields.DateTime(allow_none=True)
+    prepared_at = fields.DateTime(allow_none=True)
+    resumed_at = fields.DateTime(allow_none=True)
+    completed_at = fields.DateTime(allow_none=True)
+    execution_time_ms = fields.Integer(allow_none=True)
+
+
+class ContextItem(CallRecord):
+    """A call as the context endpoint lists it: what the assistant needs to speak of it."""
+
+    class Meta:
+        fields = ("tool_call_id", "function_name", "parameters", "parameters_history", "status",
+                  "current_step", "result", "voice_response", "error_message", "context_key",
+                  "created_at", "confirmed_at", "completed_at", "execution_time_ms")
+
+
+class ContextAnswer(Schema):
+    session_id = fields.String()
+    pending = fields.List(fields.Nested(ContextItem))
+    recent = fields.List(fields.Nested(ContextItem))
+
+
+class SessionContextAnswer(Schema):
+    session_id = fields.String()
+    context_key = fields.String()
+    context = fields.Dict()
+    expires_at = fields.DateTime(allow_none=True)
+
+
+class LegacyContextAnswer(Schema):
+    """GET /get-session-context (seed 000): ``{context}``."""
+
+    context = fields.Dict()
+
+
+class ToolFunction(Schema):
+    name = fields.String()
+    description = fields.String()
+    parameters = fields.Dict()
+
+
+class ToolDefinition(Schema):
+    """``realtime``: type/name/description/parameters; ``chat``: type + function."""
+
+    type = fields.String()
+    name = fields.String()
+    description = fields.String()
+    parameters = fields.Dict()
+    function = fields.Nested(ToolFunction)
+
+
+class ToolsAnswer(Schema):
+    format = fields.String()
+    tools = fields.List(fields.Nested(ToolDefinition))
+
+
+class ErrorAnswer(Schema):
+    error = fields.String()
+    message = fields.String()
+    details = fields.Dict()
+
+
+class HealthAnswer(Schema):
+    status = fields.String()
+
+
+class ReadyAnswer(Schema):
+    status = fields.String()
+    checks = fields.Dict(keys=fields.String(), values=fields.String())

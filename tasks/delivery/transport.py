@@ -1,0 +1,231 @@
+"""The HTTP side of a callback: one pooled session per process, one attempt's exchange
+bounded as a whole, and the signature.
+
+The body is signed with HMAC-SHA256 over ``"<timestamp>.<body>"``. Redirects are not
+followed. A watchdog ends the exchange at the timeout (a relay that drips a byte a second
+does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the answer are read (a longer
+answer counts as no answer). The connection goes to the address the URL check approved
+(``tasks/delivery/url_policy.py``), with no second DNS answer in between.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import hmac
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import ProxyManager
+
+_http: requests.Session | None = None
+
+MAX_ANSWER_BYTES = 64 * 1024  # more than any {"cancel": true, "reason": ...}; a longer answer is no answer
+_local = threading.local()  # this thread's attempt: its watchdog and the address checked for its host
+
+
+class _Watchdog:
+    """One thread per process that ends attempts at their deadlines (a thread started per
+    attempt costs a thread start on the caller's clock). Started lazily, so a forked
+    child makes its own."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, "_Watch"]] = []
+        self._count = 0
+        self._pid = 0
+
+    def add(self, watch: "_Watch", seconds: float) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # first use in this process (or after a fork)
+                self._pid, self._due = os.getpid(), []
+                threading.Thread(target=self._run, name="callback-watchdog", daemon=True).start()
+            self._count += 1
+            due = (time.monotonic() + seconds, self._count, watch)
+            heapq.heappush(self._due, due)
+            if self._due[0] is due:  # the thread already wakes by an earlier deadline: leave it asleep
+                self._cond.notify()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        with self._cond:
+            while self._pid == pid:
+                now = time.monotonic()
+                while self._due and (self._due[0][2].done or self._due[0][0] <= now):
+                    _, _, watch = heapq.heappop(self._due)
+                    if not watch.done:
+                        watch.fire()
+                self._cond.wait(self._due[0][0] - now if self._due else None)
+
+
+_watchdog = _Watchdog()
+
+
+def _new_watchdog() -> None:
+    global _watchdog
+    _watchdog = _Watchdog()  # a child never inherits a lock its parent's watchdog thread held
+
+
+os.register_at_fork(after_in_child=_new_watchdog)
+
+
+class _Watch:
+    """Ends one attempt's exchange at its deadline: shuts the connection's socket down,
+    which ends a read however slowly the relay drips (a socket timeout is per read)."""
+
+    def __init__(self, seconds: float):
+        self._lock = threading.Lock()
+        self._conn: HTTPConnection | None = None
+        self._seconds = seconds
+        self.done = False
+        self.fired = False
+
+    def attach(self, conn: HTTPConnection) -> None:
+        with self._lock:
+            self._conn = conn
+            if self.fired:
+                self._shut()
+
+    def fire(self) -> None:
+        with self._lock:
+            if not self.done:
+                self.fired = True
+                self._shut()
+
+    def _shut(self) -> None:
+        sock = getattr(self._conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "_Watch":
+        _local.watch = self
+        _watchdog.add(self, self._seconds)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self.done = True  # the watchdog drops it when it next looks
+        _local.watch = None
+
+
+class _Watched:
+    """A pooled connection that its attempt's watchdog can end, and that connects to
+    the address the delivery checks approved (no second DNS answer in between)."""
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        watch = getattr(_local, "watch", None)
+        if watch is not None:
+            watch.attach(self)  # type: ignore[arg-type]
+        return super().request(*args, **kwargs)  # type: ignore[misc]
+
+    def _new_conn(self) -> socket.socket:
+        pin = getattr(_local, "pin", None)
+        name = self._dns_host  # type: ignore[attr-defined]
+        if pin is None or pin[0] != name:
+            return super()._new_conn()  # type: ignore[misc]
+        self._dns_host = pin[1]
+        try:
+            return super()._new_conn()  # type: ignore[misc]
+        finally:
+            self._dns_host = name
+
+
+class _HTTPConnection(_Watched, HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Watched, HTTPSConnection):
+    pass
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
+
+
+class _Adapter(HTTPAdapter):
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        """Through an HTTP proxy (``HTTP_PROXY``) the watchdog still bounds the attempt (the proxy resolves the name)."""
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if type(manager) is ProxyManager:  # a SOCKS manager keeps its own connections
+            manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+        return manager
+
+
+def http() -> requests.Session:
+    global _http
+    if _http is None:
+        session = requests.Session()
+        adapter = _Adapter(pool_connections=20, pool_maxsize=20, max_retries=0)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        session.headers["User-Agent"] = "voice-tools-callbacks/1"
+        _http = session
+    return _http
+
+
+def reset_http_session() -> None:
+    global _http
+    _http = None
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"sha256={digest}"
+
+
+def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
+              pin: tuple[str, str] | None) -> tuple[int | None, str | None, bytes, str | None]:
+    """One request and its answer, all of it within ``timeout`` seconds and ``MAX_ANSWER_BYTES``.
+
+    Returns (status code, error or None, the answer's bytes of a 2xx, a note). A 2xx
+    whose answer is longer than the limit is delivered with no answer (noted).
+    """
+    code: int | None = None
+    error: str | None = None
+    raw = b""
+    note: str | None = None
+    _local.pin = pin
+    try:
+        with _Watch(timeout) as watch:
+            try:
+                response = http().post(url, data=body, headers=headers, timeout=(timeout, timeout),
+                                       allow_redirects=False, stream=True)
+                try:
+                    code = response.status_code
+                    if 200 <= code < 300:
+                        chunks, size = [], 0
+                        for chunk in response.iter_content(16384):
+                            chunks.append(chunk)
+                            size += len(chunk)
+                            if size > MAX_ANSWER_BYTES:
+                                note = f"answer over {MAX_ANSWER_BYTES} bytes: read as no answer"
+                                break
+                        raw = b"" if note else b"".join(chunks)
+                    else:
+                        error = f"HTTP {code}"
+                finally:
+                    response.close()  # a connection left mid-answer is closed, not pooled
+            except requests.RequestException as exc:
+                error = f"{type(exc).__name__}: {exc}"[:500]
+            if watch.fired:  # whatever the cut connection raised, the truth is the deadline
+                error, raw, note = f"Timeout: no complete answer within {timeout:g} s", b"", None
+    finally:
+        _local.pin = None
+    return code, error, raw, note

@@ -1,0 +1,368 @@
+"""The operators' commands, in Celery's CLI (``celery.commands`` entry points in setup.cfg)::
+
+    celery -A tasks calls list [--status S]... [--session ID] [--tool NAME] [--since 1h] [--limit N] [--json]
+    celery -A tasks calls show ID [--json]
+    celery -A tasks calls cancel ID [--reason TEXT] [--json]
+    celery -A tasks calls stats [--since 1d] [--tool NAME] [--json]
+    celery -A tasks callbacks redeliver [--failed] [--call ID] [--json]
+
+A face like the API: inputs are checked with the API's schemas, reads go through
+``models/queries.py``, a cancel through ``tasks.calls.actions.cancel`` (the state machine's
+rules, the ``cancelled`` event) and a redelivery through ``tasks.delivery.attempts.redeliver``.
+With no ``DATABASE_URL`` / ``REDIS_URL`` set they join the data dir's embedded servers
+as ``voice-tools run`` finds them (``servers.ensure_servers``), so they work from a
+second terminal with no exports, and leave those servers running when they end.
+
+Exit status: 0 done, 1 refused (``too_late``, ``already_terminal``: the API's 409),
+2 bad usage or input, 3 no such call (the API's 404), 4 no database (unreachable or not
+migrated).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import click
+
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_UNAVAILABLE = 4
+
+_AGO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+class Since(click.ParamType):
+    """``90s``, ``15m``, ``2h``, ``7d``, ``1w`` ago, or an ISO 8601 date or time (UTC unless it says)."""
+
+    name = "since"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> datetime:
+        if isinstance(value, datetime):
+            return value
+        match = _AGO.match(str(value))
+        if match:
+            return datetime.now(timezone.utc) - timedelta(**{_UNITS[match[2].lower()]: float(match[1])})
+        try:
+            moment = datetime.fromisoformat(str(value).strip())
+        except ValueError:
+            self.fail(f"{value!r} is neither a duration ago (90s, 15m, 2h, 7d, 1w) nor an ISO 8601 time", param, ctx)
+        return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def _statuses() -> list[str]:
+    from models.calls import STATUSES
+
+    return list(STATUSES)
+
+
+def _tool_names() -> list[str]:
+    from tasks import tools
+
+    return sorted(tools.TOOLS)
+
+
+def _connect(ctx: click.Context, broker: bool = False) -> None:
+    """Find the database (and the broker) as ``voice-tools run`` does: the variables, else
+    the data dir's embedded servers, joined (or started, and stopped again at exit)."""
+    from voice_tools import servers
+
+    need = ("postgres", "redis") if broker else ("postgres",)
+    had_broker = bool(os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL"))
+    urls = servers.ensure_servers(need=need)
+    if broker and not had_broker:
+        # celeryconfig read the environment before the servers were found
+        ctx.obj.app.conf.broker_url = urls["REDIS_URL"]
+    from sqlalchemy.exc import OperationalError
+
+    from models import db, queries
+
+    try:
+        with db.session() as s:
+            ready = queries.schema_ready(s)
+    except OperationalError as exc:
+        click.echo(f"Error: cannot reach the database: {str(exc.orig).strip()}", err=True)
+        raise SystemExit(EXIT_UNAVAILABLE) from None
+    if not ready:
+        click.echo("Error: this database has no voice-tools tables: run `voice-tools migrate` "
+                   "(or `voice-tools run`) first.", err=True)
+        raise SystemExit(EXIT_UNAVAILABLE)
+
+
+def _check(schema: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """Load ``data`` with one of the API's schemas; a refusal is a usage error naming the field."""
+    from marshmallow import ValidationError
+
+    try:
+        return schema().load({k: v for k, v in data.items() if v is not None})
+    except ValidationError as exc:
+        fields = "; ".join(f"{name}: {' '.join(map(str, msgs)) if isinstance(msgs, list) else msgs}"
+                           for name, msgs in exc.normalized_messages().items())
+        raise click.UsageError(fields) from None
+
+
+def _table(rows: list[list[Any]], headers: list[str]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, missingval="-")
+
+
+def _json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
+
+
+def _when(moment: datetime | None) -> str | None:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if moment else None
+
+
+def _text(value: Any, width: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _record(call: Any) -> dict[str, Any]:
+    from tasks.calls import schemas
+
+    return schemas.CallRecord().dump(call)
+
+
+# -- calls ----------------------------------------------------------------------------------
+
+@click.group()
+def calls() -> None:
+    """List, inspect, cancel and count tool calls."""
+
+
+@calls.command("list")
+@click.option("--status", "statuses", multiple=True, type=click.Choice(_statuses(), case_sensitive=False),
+              help="Only calls in this status (repeatable).")
+@click.option("--session", "session_id", help="Only calls of this session.")
+@click.option("--tool", type=click.Choice(_tool_names()), help="Only calls of this tool.")
+@click.option("--since", type=Since(), help="Only calls created since: 15m, 2h, 7d ago, or an ISO time.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10000), help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="JSON (each call's whole record) instead of a table.")
+@click.pass_context
+def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None, tool: str | None,
+          since: datetime | None, limit: int, as_json: bool) -> None:
+    """The calls, newest first."""
+    from tasks.calls import schemas
+    from models import db, queries
+
+    if session_id is not None:
+        session_id = _check(schemas.SessionPath, {"session_id": session_id})["session_id"]
+    _connect(ctx)
+    with db.session() as s:
+        found = queries.list_calls(s, statuses=[st.upper() for st in statuses], session_id=session_id,
+                                   tool=tool, since=since, limit=limit)
+    if as_json:
+        _json([_record(call) for call in found])
+        return
+    if not found:
+        click.echo("No calls match.")
+        return
+    click.echo(_table(
+        [[c.tool_call_id, c.function_name, c.status, c.current_step, c.session_id, _when(c.created_at),
+          c.execution_time_ms, c.caller] for c in found],
+        ["ID", "TOOL", "STATUS", "STEP", "SESSION", "CREATED (UTC)", "MS", "CALLER"],
+    ))
+
+
+@calls.command("show")
+@click.argument("tool_call_id")
+@click.option("--json", "as_json", is_flag=True, help="JSON: the API's status record, step outputs and callbacks.")
+@click.pass_context
+def show(ctx: click.Context, tool_call_id: str, as_json: bool) -> None:
+    """One call: both histories, step outputs, result, and every callback attempt."""
+    from tasks.calls import schemas
+    from models import db, queries
+
+    tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
+    _connect(ctx)
+    with db.session() as s:
+        try:
+            call = queries.get(s, tool_call_id)
+        except queries.NotFound:
+            _not_found(tool_call_id, as_json)
+        sent = queries.deliveries(s, tool_call_id)
+    if as_json:
+        _json({**_record(call), "step_outputs": call.step_outputs, "callbacks": [_delivery(d) for d in sent]})
+        return
+    _show(call, sent)
+
+
+def _delivery(d: Any) -> dict[str, Any]:
+    return {"event_id": d.event_id, "seq": d.seq, "event": d.event, "url": d.url, "state": d.state,
+            "attempts": d.attempts, "response_code": d.response_code, "last_error": d.last_error,
+            "next_attempt_at": d.next_attempt_at, "delivered_at": d.delivered_at, "created_at": d.created_at,
+            "attempt_log": d.attempt_log}
+
+
+def _show(call: Any, sent: list[Any]) -> None:
+    echo = click.echo
+    echo(_table([
+        ["tool_call_id", call.tool_call_id], ["tool", f"{call.function_name} ({call.action_level})"],
+        ["status", call.status], ["step", call.current_step], ["progress", f"{call.progress:.0%}"],
+        ["session", call.session_id], ["intent", call.intent_id], ["caller", call.caller],
+        ["created", _when(call.created_at)], ["confirmed", _when(call.confirmed_at)],
+        ["prepared", _when(call.prepared_at)], ["committed", _when(call.committed_at)],
+        ["completed", _when(call.completed_at)], ["execution_time_ms", call.execution_time_ms],
+        ["attempts / redrives", f"{call.attempts} / {call.redrives}"], ["workflow", call.workflow_id],
+        ["callback_url", call.callback_url],
+        *([["callback_urls", _text(call.callback_urls, 200)]] if call.callback_urls else []),
+        ["error", call.error_message], ["voice_response", call.voice_response],
+    ], ["field", "value"]))
+    echo(f"\nParameters\n{json.dumps(call.parameters, indent=2, ensure_ascii=False)}")
+    echo("\nStatus history")
+    echo(_table([[e.get("at"), e.get("status"), e.get("reason"), ", ".join(e.get("fields") or []) or None]
+                 for e in call.status_history], ["AT", "STATUS", "REASON", "FIELDS"]))
+    echo("\nParameter changes")
+    echo(_table([[e.get("at"), e.get("field"), _text(e.get("old")), _text(e.get("new"))]
+                 for e in call.parameters_history], ["AT", "FIELD", "OLD", "NEW"])
+         if call.parameters_history else "(none)")
+    echo("\nStep outputs")
+    echo(_table([[step, _text(output, 100)] for step, output in (call.step_outputs or {}).items()],
+                ["STEP", "OUTPUT"]) if call.step_outputs else "(none)")
+    if call.result is not None:
+        echo(f"\nResult\n{json.dumps(call.result, indent=2, ensure_ascii=False, default=str)}")
+    echo("\nCallbacks")
+    echo(_table([[d.seq, d.event, d.state, d.attempts, d.response_code, d.url, _text(d.last_error or "", 50) or None]
+                 for d in sent], ["SEQ", "EVENT", "STATE", "ATTEMPTS", "CODE", "URL", "LAST ERROR"])
+         if sent else "(none)")
+    tries = [[d.seq, d.event, n, a.get("at"), a.get("response_code"), a.get("error")]
+             for d in sent for n, a in enumerate(d.attempt_log or [], 1)]
+    echo("\nCallback attempts")
+    echo(_table(tries, ["SEQ", "EVENT", "#", "AT", "CODE", "ERROR"]) if tries else "(none)")
+
+
+def _error_body(exc: Exception) -> dict[str, Any]:
+    """The JSON error the API answers for ``exc`` (``{error, message, details}``), from the same code."""
+    from tasks.calls import errors
+
+    return errors.payload(errors.api_error(exc))
+
+
+def _not_found(tool_call_id: str, as_json: bool) -> None:
+    from models import queries
+
+    body = _error_body(queries.NotFound(tool_call_id))
+    if as_json:
+        _json(body)
+    else:
+        click.echo(f"Error: {body['message']}", err=True)
+    raise SystemExit(EXIT_NOT_FOUND)
+
+
+@calls.command("cancel")
+@click.argument("tool_call_id")
+@click.option("--reason", help="Why (default 'Cancelled by user'); kept as the call's error_message.")
+@click.option("--json", "as_json", is_flag=True, help="The API's answer as JSON (its 200 body, or its 409/404 error).")
+@click.pass_context
+def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: bool) -> None:
+    """Cancel a call before its point of no return, as DELETE /voice-tools/cancel/ID does."""
+    from tasks.calls import schemas
+    from models import lifecycle, queries
+    from tasks.calls import actions
+
+    tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
+    reason = _check(schemas.CancelRequest, {"reason": reason}).get("reason")
+    _connect(ctx, broker=True)  # the ``cancelled`` event goes out from the callbacks queue
+    try:
+        call = actions.cancel(tool_call_id, reason)
+    except queries.NotFound:
+        _not_found(tool_call_id, as_json)
+    except lifecycle.Refused as refused:
+        if as_json:
+            _json(_error_body(refused))
+        else:
+            # the state machine's own sentence: "Too late to cancel: the action is already under way."
+            click.echo(f"Refused ({refused.code}): {refused} Status: {refused.status}.", err=True)
+        raise SystemExit(EXIT_REFUSED)
+    if as_json:
+        _json(schemas.CancelAnswer().dump(call))
+        return
+    click.echo(f"{call.tool_call_id} CANCELLED: {call.error_message}")
+    click.echo(f"voice_response: {call.voice_response}")
+
+
+@calls.command("stats")
+@click.option("--since", type=Since(), help="Only calls created since: 15m, 2h, 7d ago, or an ISO time.")
+@click.option("--tool", type=click.Choice(_tool_names()), help="Only this tool.")
+@click.option("--json", "as_json", is_flag=True, help="JSON, with the count of every status.")
+@click.pass_context
+def stats(ctx: click.Context, since: datetime | None, tool: str | None, as_json: bool) -> None:
+    """Per tool: calls by status, success rate, p50/p95 execution_time_ms, callback failures.
+
+    Success rate is COMPLETED / (COMPLETED + FAILED); the percentiles are over COMPLETED calls.
+    """
+    from models import db, queries
+
+    _connect(ctx)
+    with db.session() as s:
+        rows = queries.stats(s, since=since, tool=tool)
+    if as_json:
+        _json(rows)
+        return
+    if not rows:
+        click.echo("No calls match.")
+        return
+    click.echo(_table(
+        [[r["tool"], r["total"], r["by_status"]["COMPLETED"], r["by_status"]["FAILED"], r["by_status"]["CANCELLED"],
+          r["by_status"]["EXPIRED"], r["open"],
+          None if r["success_rate"] is None else f"{r['success_rate']:.1%}", r["p50_ms"], r["p95_ms"],
+          r["callbacks_failed"], r["callback_failed_attempts"]] for r in rows],
+        ["TOOL", "CALLS", "COMPLETED", "FAILED", "CANCELLED", "EXPIRED", "OPEN", "SUCCESS", "P50 MS", "P95 MS",
+         "CB FAILED", "CB FAILED TRIES"],
+    ))
+
+
+# -- callbacks --------------------------------------------------------------------------------
+
+@click.group()
+def callbacks() -> None:
+    """Callback deliveries to the relay."""
+
+
+@callbacks.command("redeliver")
+@click.option("--failed", "failed_only", is_flag=True,
+              help="Only deliveries whose retries were exhausted (state failed).")
+@click.option("--call", "tool_call_id", help="Only this call's deliveries.")
+@click.option("--json", "as_json", is_flag=True, help="JSON: the deliveries queued.")
+@click.pass_context
+def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, as_json: bool) -> None:
+    """Send undelivered callbacks again, from the callbacks queue (a worker posts them).
+
+    --failed: every delivery given up; --call ID: that call's failed or still-retrying ones
+    (both: that call's failed ones). A failed delivery gets one more attempt.
+    """
+    from tasks.calls import schemas
+    from models import db, queries
+    from tasks.delivery import attempts
+
+    if not failed_only and tool_call_id is None:
+        raise click.UsageError("say which: --failed (every failed delivery), --call ID, or both")
+    if tool_call_id is not None:
+        tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
+    _connect(ctx, broker=True)
+    with db.session() as s:
+        if tool_call_id is not None:
+            try:
+                queries.get(s, tool_call_id)
+            except queries.NotFound:
+                _not_found(tool_call_id, as_json)
+        chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
+    queued = set(attempts.redeliver([d.event_id for d in chosen]))
+    sent = [d for d in chosen if d.event_id in queued]
+    if as_json:
+        _json([{"event_id": d.event_id, "tool_call_id": d.tool_call_id, "seq": d.seq, "event": d.event,
+                "url": d.url, "was": d.state, "attempts": d.attempts} for d in sent])
+        return
+    if not sent:
+        click.echo("Nothing to redeliver.")
+        return
+    click.echo(_table([[d.tool_call_id, d.seq, d.event, d.state, d.attempts, d.url] for d in sent],
+                      ["CALL", "SEQ", "EVENT", "WAS", "ATTEMPTS", "URL"]))
+    click.echo(f"{len(sent)} deliver{'y' if len(sent) == 1 else 'ies'} queued on the callbacks queue.")

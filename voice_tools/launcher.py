@@ -1,0 +1,361 @@
+"""The ``voice-tools`` command: run the whole system, migrate, print the servers, demo, serve worker metrics.
+
+``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
+then runs ``Procfile.local`` with honcho (API, MCP loaded at its first connection, one
+worker for every queue with beat and the workers' metrics inside it, Flower) until
+interrupted; on SIGINT or SIGTERM it stops honcho's processes first and the embedded
+servers last. ``Procfile`` keeps production's process groups
+(``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from models import logs
+from voice_tools.servers import LOCAL_SECRETS, ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
+
+LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
+
+
+def local_defaults(data_dir: Path) -> dict[str, str]:
+    """Values for the unset secrets, so a fresh clone runs and the demo can call it.
+
+    Made once and kept in ``<data_dir>/local-secrets.json`` (mode 0600), so a restart
+    keeps the same token. Variables that are set always win.
+    """
+    path = data_dir / LOCAL_SECRETS
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    wanted = {
+        "api_token": lambda: secrets.token_urlsafe(24),
+        "callback_secret": lambda: secrets.token_urlsafe(32),
+        "flower_password": lambda: secrets.token_urlsafe(12),
+    }
+    if not all(stored.get(key) for key in wanted):
+        stored = {key: stored.get(key) or make() for key, make in wanted.items()}
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(stored, fh)
+    return {
+        "VOICE_TOOLS_API_TOKENS": f"local:{stored['api_token']}",
+        "VOICE_TOOLS_CALLBACK_SECRET": stored["callback_secret"],
+        "VOICE_TOOLS_CALLBACK_HOSTS": "127.0.0.1,localhost",
+        "FLOWER_BASIC_AUTH": f"admin:{stored['flower_password']}",
+    }
+
+
+def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
+    """The environment of the Procfile's processes, and the names we filled in."""
+    env = dict(os.environ)
+    filled = []
+    for name, value in local_defaults(data_dir).items():
+        if not env.get(name, "").strip():  # set but empty is unset: callbacks are never unsigned
+            env[name] = value
+            filled.append(name)
+    # A local run is local: the Procfile's processes bind HOST, whose production default
+    # (the Procfile's) is 0.0.0.0; here it is the loopback unless HOST says otherwise.
+    if not env.get("HOST"):
+        env["HOST"] = "127.0.0.1"
+    # Read by celeryconfig: silences Celery's superuser warning for this run only (see there).
+    env["VOICE_TOOLS_LOCAL_RUN"] = "1"
+    env.setdefault("PORT", "8000")
+    env.setdefault("FLOWER_PORT", "5555")
+    env.setdefault("MCP_PORT", "8001")
+    env.setdefault("VOICE_TOOLS_PUBLIC_URL", f"http://127.0.0.1:{env['PORT']}")
+    env["VOICE_TOOLS_DATA_DIR"] = str(data_dir)
+    # The Procfile's commands (gunicorn, celery) live beside this Python: the README
+    # runs .venv/bin/voice-tools without activating the venv.
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = os.pathsep.join(filter(None, [scripts, env.get("PATH")]))
+    env.pop("FLOWER_UNAUTHENTICATED_API", None)
+    env.setdefault("WORKER_METRICS_PORT", "9101")
+    # Each side's own multiprocess folder: the API's (gunicorn's workers) and the
+    # workers' (every pool child; the Procfile's worker lines pass it on). Flower keeps
+    # its series in its own process (its Procfile line unsets the variable).
+    folders = {name: Path(env.get(name) or data_dir / "prometheus" / default)
+               for name, default in (("PROMETHEUS_MULTIPROC_DIR", "api"), ("VOICE_TOOLS_WORKER_METRICS_DIR", "workers"))}
+    if len({folder.resolve() for folder in folders.values()}) < len(folders):
+        raise SystemExit("voice-tools: PROMETHEUS_MULTIPROC_DIR (the API's metrics) and "
+                         "VOICE_TOOLS_WORKER_METRICS_DIR (the workers') must be two folders")
+    for name, folder in folders.items():
+        shutil.rmtree(folder, ignore_errors=True)  # stale files of a past run
+        folder.mkdir(parents=True, exist_ok=True)
+        env[name] = str(folder)
+    return env, filled
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    # A second signal while stopping is ignored: the stop is already under way.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise _Stop(signum)
+
+
+def _stop_honcho(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM honcho (which SIGTERMs each process group, then SIGKILLs after 5 s)."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _gone, left = psutil.wait_procs(family, timeout=5)
+    for child in left:  # honcho itself was killed before it could clean up
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def _lock_data_dir(data_dir: Path) -> Any:
+    """Hold ``<data_dir>/run.lock`` for this process's life, or None if another run holds it.
+
+    Two runs on one data dir would run two sets of processes on one system (and fight
+    over the ports). Other commands (env, migrate, the operator CLI) may join its servers.
+    """
+    import fcntl
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / "run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")  # for ``voice-tools footprint``
+    handle.flush()
+    _started["_run_lock"] = handle
+    return handle
+
+
+def run(procfile: str | None = None) -> int:
+    """Start what is missing, migrate, run the Procfile; stop everything on a signal."""
+    data_dir = default_data_dir()
+    lock = _lock_data_dir(data_dir)
+    if lock is None:
+        _say(f"another voice-tools run is using {data_dir}; stop it first or set VOICE_TOOLS_DATA_DIR")
+        return 1
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    honcho = None
+    try:
+        urls = ensure_servers(data_dir)
+        _prepare_in_child()
+        env, filled = run_environment(data_dir)
+        procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / LOCAL_PROCFILE)
+        _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
+        _say(f"data in {data_dir}")
+        for line in banner(env, filled, data_dir):
+            _say(line)
+        if "VOICE_TOOLS_API_TOKENS" in filled:
+            token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
+            _say(f"API token: {token}   (try: voice-tools demo)")
+        honcho = subprocess.Popen(
+            [sys.executable, "-m", "honcho", "start", "-f", procfile, "-d", str(ROOT)], env=env
+        )
+        return honcho.wait()
+    except _Stop as stop:
+        _say(f"{signal.Signals(stop.signum).name} received, stopping")
+        return 128 + stop.signum
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if honcho is not None:
+            _stop_honcho(honcho)
+        stop_servers()
+        _say("stopped")
+
+
+def prepare() -> int:
+    """Migrate, and load the demo data set into a database that has never had a call."""
+    migrate()
+    if _never_used():
+        _say(f"demo data loaded: {_describe(load_demo())}")
+    return 0
+
+
+def _prepare_in_child() -> None:
+    """``prepare`` in a child process, so this one (which lives as long as the run) never holds
+    what migrating and loading the demo import (Alembic, the embedding model for the documents)."""
+    done = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; sys.exit(launcher.prepare())"],
+                          cwd=ROOT, env=dict(os.environ))
+    if done.returncode != 0:
+        raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
+
+
+def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
+    """What the run says about itself: where each face listens, where the secrets are, who logs into Flower.
+
+    Secrets never go to stdout, except the API token this run made (the demo needs it).
+    """
+    host = env["HOST"]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    lines = [f"API on http://{shown}:{env['PORT']}, MCP on http://{shown}:{env['MCP_PORT']}/mcp, "
+             f"Flower on http://{shown}:{env['FLOWER_PORT']}",
+             f"worker metrics on http://{shown}:{env['WORKER_METRICS_PORT']}/metrics "
+             f"(the API's own at /metrics of the API)"]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        lines.append(f"listening on {host} only (set HOST=0.0.0.0 to serve other machines)")
+    else:
+        lines.append(f"listening on {host} (HOST): reachable from other machines")
+    users = [pair.split(":", 1)[0] for pair in env.get("FLOWER_BASIC_AUTH", "").split(",") if pair]
+    lines.append(f"local secrets kept in {data_dir / LOCAL_SECRETS} (mode 0600); "
+                 f"Flower user: {', '.join(users) or 'none'} (password: FLOWER_BASIC_AUTH"
+                 f"{', made for this run, in that file' if 'FLOWER_BASIC_AUTH' in filled else ', as you set it'})")
+    if logs.log_format(env) == "json":
+        lines.append(f"logs: one JSON line per event ({logs.FORMAT_VARIABLE}=text for plain lines)")
+    else:
+        lines.append(f"logs: plain lines ({logs.FORMAT_VARIABLE}=text)")
+    if filled:
+        lines.append(f"set for this local run (unset in the environment): {', '.join(filled)}")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        lines.append("running as root: Celery's superuser warning is silenced for this local run;"
+                     " in production run the workers as an unprivileged user")
+    return lines
+
+
+def _never_used() -> bool:
+    """No call was ever recorded: a fresh system, which gets the demo data set."""
+    from sqlalchemy import select
+
+    from models import db
+    from models.calls import ToolCall
+
+    with db.session() as s:
+        return s.scalars(select(ToolCall.id).limit(1)).first() is None
+
+
+def load_demo() -> dict[str, int]:
+    from backends import load_demo as load_every_backends_demo
+
+    return load_every_backends_demo()
+
+
+def _describe(added: dict[str, int]) -> str:
+    return ", ".join(f"{name} +{count}" for name, count in added.items()) or "nothing to load"
+
+
+def ingest(paths: list[str], reembed: bool = False) -> int:
+    from backends import documents
+
+    try:
+        report = documents.ingest(paths, reembed=reembed)
+    except documents.PERMANENT_ERRORS as exc:
+        print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(json.dumps(report, indent=2), flush=True)
+    return 0
+
+
+def _say(text: str) -> None:
+    print(f"voice-tools: {text}", flush=True)
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a URL before printing it (urllib, not SQLAlchemy: this process lives
+    as long as the run, and SQLAlchemy would cost it ~12 MB)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="voice-tools", description="Run voice-tools: the API, workers, beat and Flower.")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("run", help="start what is missing, migrate, run the Procfile (default)")
+    sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
+    sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
+    sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
+    sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001; --lazy)")
+    sub.add_parser("worker-metrics", add_help=False,
+                   help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
+    sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
+    sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
+    sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
+    ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
+    ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
+    ingest_parser.add_argument("--reembed", action="store_true",
+                               help="first re-embed every stored chunk with the active model (after changing it)")
+    args, rest = parser.parse_known_args(argv)
+    command = args.command or "run"
+    if command == "demo":
+        from voice_tools import demo
+
+        return demo.main(rest)
+    if command == "flower":
+        from voice_tools import flower
+
+        return flower.main(rest)
+    if command == "footprint":
+        from voice_tools import footprint
+
+        return footprint.main(rest)
+    if command == "mcp":
+        from voice_tools import mcp_command
+
+        return mcp_command.main(rest)
+    if command == "worker-metrics":
+        from voice_tools import worker_metrics
+
+        return worker_metrics.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if command == "run":
+        return run()
+    if command != "env":  # migrate, load-demo and ingest need the database only
+        ensure_servers(need=("postgres",))
+    if command == "migrate":
+        migrate()
+        return 0
+    if command == "load-demo":
+        migrate()
+        print(f"demo data loaded: {_describe(load_demo())}", flush=True)
+        return 0
+    if command == "ingest":
+        if not args.paths and not args.reembed:
+            parser.error("ingest needs a PATH (or --reembed)")
+        migrate()
+        return ingest(args.paths, args.reembed)
+    urls = ensure_servers()
+    for key, value in urls.items():
+        print(f"export {key}='{value}'", flush=True)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
