@@ -1,4 +1,4 @@
-"""The house plan's floor rules (``DESIGN.md``), read from the source: who imports whom.
+"""The house plan (``docs/architecture.md``), held against the source: who imports whom.
 
 Every ``import`` of our own modules is an edge, wherever it is written (a function-level
 import is still a dependency). ``from package import name`` is an edge to the submodule
@@ -7,13 +7,33 @@ import is still a dependency). ``from package import name`` is an edge to the su
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("models", "backends", "tasks", "app", "voice_tools")
-TOP_LEVEL = ("celeryconfig",)
+PLAN = ROOT / "docs" / "architecture.md"
+TOP_LEVEL_MODULES = ("celeryconfig",)
+TESTS = "tests"
+
+
+def floors_of_the_plan(text: str) -> dict[str, int]:
+    """Each module pattern of the plan's floor table → its floor."""
+    table = text.split("<!-- floors: read by tests/test_rooms.py -->", 1)[1].split("<!-- end floors -->", 1)[0]
+    floors: dict[str, int] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        for pattern in re.findall(r"`([\w.*]+)`", cells[2]):
+            assert pattern not in floors, f"{pattern} is in two rows of the plan"
+            floors[pattern] = int(cells[0])
+    return floors
+
+
+def packages_of_the_plan(floors: dict[str, int]) -> tuple[str, ...]:
+    return tuple(sorted({p.split(".")[0] for p in floors} - set(TOP_LEVEL_MODULES)))
 
 
 def _module_name(path: Path) -> str:
@@ -21,30 +41,39 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _ours(name: str) -> bool:
-    return name.split(".")[0] in PACKAGES + TOP_LEVEL
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Each of our modules → the modules of ours it imports."""
-    files = {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
-    files.update({name: ROOT / f"{name}.py" for name in TOP_LEVEL})
+def import_graph(packages: tuple[str, ...], top_level: tuple[str, ...] = TOP_LEVEL_MODULES) -> dict[str, set[str]]:
+    """Each of our modules → the modules of ours it imports (``tests`` counts as ours, to be refused)."""
+    ours = set(packages) | set(top_level) | {TESTS}
+    files = {_module_name(p): p for package in packages for p in (ROOT / package).rglob("*.py")}
+    files.update({name: ROOT / f"{name}.py" for name in top_level})
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names if _ours(alias.name)}
+                found |= {alias.name for alias in node.names if alias.name.split(".")[0] in ours}
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from the package up ``level - 1`` steps
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                if _ours(base):
+                if base.split(".")[0] in ours:
                     found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
         graph[name] = found - {name}
     return graph
+
+
+def pattern_of(module: str, floors: dict[str, int]) -> str | None:
+    """The plan's row for a module: its exact name, else the longest ``x.*`` above it."""
+    if module in floors:
+        return module
+    parts = module.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        pattern = ".".join(parts[:cut]) + ".*"
+        if pattern in floors:
+            return pattern
+    return None
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -83,37 +112,47 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def graph() -> dict[str, set[str]]:
-    return import_graph()
+def floors() -> dict[str, int]:
+    return floors_of_the_plan(PLAN.read_text())
 
 
-def test_the_graph_is_read_from_the_source(graph):
-    """The rules below are only as good as the graph: it has the edges we know of."""
+@pytest.fixture(scope="module")
+def graph(floors) -> dict[str, set[str]]:
+    return import_graph(packages_of_the_plan(floors))
+
+
+def test_the_plan_and_the_graph_are_read(floors, graph):
+    """The rules below are only as good as what they read: the rows and edges we know of."""
+    assert floors["models.*"] == 0 and floors["voice_tools.*"] > floors["app.*"] > floors["tasks.calls.*"]
     assert "tasks.celery_app" in graph["tasks.chains"]
     assert "models.lifecycle" in graph["tasks.calls.actions"]
-    assert "tasks.delivery.transport" in graph["tasks.delivery.attempts"]
-    assert "tasks.calls.actions" in graph["tasks"]  # the package registers the task modules
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert pattern_of("tasks.delivery.events", {"tasks.*": 1, "tasks.delivery.*": 2}) == "tasks.delivery.*"
+
+
+def test_every_module_has_one_row_and_every_row_a_module(floors, graph):
+    assert sorted(m for m in graph if pattern_of(m, floors) is None) == []
+    used = {pattern_of(m, floors) for m in graph}
+    assert sorted(set(floors) - used) == []
 
 
 def test_no_module_of_ours_imports_one_that_imports_it(graph):
     assert cycles(graph) == []
 
 
-def test_models_import_nothing_of_ours_but_models(graph):
-    upward = {name: sorted(t for t in targets if not t.startswith("models"))
-              for name, targets in graph.items() if name.split(".")[0] == "models"}
-    assert {name: targets for name, targets in upward.items() if targets} == {}
+def test_no_import_climbs_a_floor(floors, graph):
+    climbs = sorted(f"{a} ({floors[pattern_of(a, floors)]}) -> {b} ({floors[pattern_of(b, floors)]})"
+                    for a, targets in graph.items() for b in targets
+                    if b in graph and floors[pattern_of(b, floors)] > floors[pattern_of(a, floors)])
+    assert climbs == []
 
 
-def test_backends_import_only_models_and_backends(graph):
-    upward = {name: sorted(t for t in targets if not t.startswith(("models", "backends")))
-              for name, targets in graph.items() if name.startswith("backends")}
-    assert {name: targets for name, targets in upward.items() if targets} == {}
+def test_nothing_outside_the_tests_imports_them(graph):
+    assert sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if b.split(".")[0] == TESTS) == []
 
 
 def test_the_tasks_package_modules_take_the_app_from_celery_app_not_from_the_package(graph):
     """``tasks/__init__.py`` imports the task modules; one of them importing the package back
-    would be the circle this layout removed."""
+    would be a circle."""
     back = sorted(name for name, targets in graph.items() if name.startswith("tasks.") and "tasks" in targets)
     assert back == []
