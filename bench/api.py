@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import load
-from bench.run import AUTH, links_to_checkpoint
+from bench.calls import AUTH, links_to_checkpoint
 
 SESSION = "bench_api"
 ENDPOINTS = ("pending", "confirm", "status", "context")

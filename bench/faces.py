@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.run import AUTH, API_TOKEN, bench_servers, machine  # noqa: E402
+from bench.calls import API_TOKEN, AUTH  # noqa: E402
+from bench.run import bench_servers, machine  # noqa: E402
 
 
 def pct(values: list[float], p: int) -> float:

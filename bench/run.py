@@ -56,9 +56,8 @@ sys.path.insert(0, str(ROOT))
 
 from voice_tools import servers
 from bench import load  # noqa: E402
+from bench.calls import API_TOKEN, AUTH, links_to_checkpoint  # noqa: E402
 
-API_TOKEN = "bench-token"
-AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
 @contextmanager
@@ -206,11 +205,6 @@ def check_recording_floor(bench: ChainBench, timeout: float = 10.0) -> None:
             return
         assert time.monotonic() < deadline, f"the recording floor did not record its events: {found}"
         time.sleep(0.1)
-
-
-def links_to_checkpoint(tool: Any) -> int:
-    """How many links a confirm of ``tool`` runs: up to and with its checkpoint."""
-    return [step.checkpoint for step in tool.steps].index(True) + 1
 
 
 class CheckpointBench(ChainBench):

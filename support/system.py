@@ -35,7 +35,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
 from support.procs import ROOT, free_port, kill_group, process_family
-from tests.test_broker_restart import ControlApp, RedisServer
+from support.brokers import ControlApp, RedisServer
 
 PROCESSES = ("web", "writes", "reads", "callbacks", "beat")
 WORKERS = ("writes", "reads", "callbacks")
