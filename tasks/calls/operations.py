@@ -11,7 +11,7 @@ exception, and turned into ``{error, message, details}`` by ``tasks.calls.errors
 on either face.
 
 Callers are fenced from each other (CONTRACT section 5): every operation takes the
-:class:`app.auth.Caller` asking (None: unscoped, as the operator CLI is) and sees only
+:class:`tasks.calls.callers.Caller` asking (None: unscoped, as the operator CLI is) and sees only
 that caller's calls, session context and events, unless it is an admin. Another
 caller's call is :class:`queries.NotFound`, the same 404 as an unknown id, and nothing
 of it changes: an action checks ownership first, which cannot go stale because a call's
@@ -24,9 +24,8 @@ from typing import Any
 from marshmallow import ValidationError
 
 from models import logs
-from app import inputs
 from tasks.calls import schemas
-from app.auth import Caller
+from tasks.calls.callers import Caller
 from tasks.calls.errors import ApiError, validation_error
 from tasks.calls.toolspec import definitions
 from models.listen import until_settled
@@ -45,11 +44,11 @@ MODIFY_ATTEMPTS = 5
 # -- shared pieces ------------------------------------------------------------------
 
 def _tool_call_id(value: Any) -> str:
-    return inputs.load(schemas.ToolCallPath, {"tool_call_id": value})["tool_call_id"]
+    return schemas.load(schemas.ToolCallPath, {"tool_call_id": value})["tool_call_id"]
 
 
 def _session_id(value: Any) -> str:
-    return inputs.load(schemas.SessionPath, {"session_id": value})["session_id"]
+    return schemas.load(schemas.SessionPath, {"session_id": value})["session_id"]
 
 
 def _name(caller: Caller | None) -> str | None:
@@ -93,7 +92,7 @@ def _pending_body(data: dict[str, Any], idempotency_header: str | None) -> dict[
         if "idempotency_key" in data and data["idempotency_key"] != idempotency_header:
             raise validation_error({"idempotency_key": ["Differs from the Idempotency-Key header."]})
         data = {**data, "idempotency_key": idempotency_header}
-    return inputs.load(schemas.PendingRequest, data)
+    return schemas.load(schemas.PendingRequest, data)
 
 
 def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: str) -> tuple[ToolCall, bool]:
@@ -119,7 +118,7 @@ def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: st
 
 
 def _wait_seconds(query: dict[str, Any]) -> float | None:
-    return inputs.load(schemas.WaitQuery, query).get("wait")
+    return schemas.load(schemas.WaitQuery, query).get("wait")
 
 
 def _next_message(call: ToolCall) -> str:
@@ -196,7 +195,7 @@ def pending(body: dict[str, Any], caller: Caller | None, idempotency_header: str
 def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None) -> Answer:
     """PATCH /voice-tools/modify/{id}: change the parameters of a PENDING call."""
     tool_call_id = _tool_call_id(tool_call_id)
-    patch = inputs.load(schemas.ModifyRequest, body)["parameters"]
+    patch = schemas.load(schemas.ModifyRequest, body)["parameters"]
     for attempt in range(MODIFY_ATTEMPTS):
         with db.session() as s:
             call = queries.get(s, tool_call_id, caller=_scope(caller))
@@ -229,7 +228,7 @@ def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], call
     """POST /voice-tools/confirm/{id}[?wait=S]: a PENDING call starts running."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
-    loaded = inputs.load(schemas.ConfirmRequest, body)
+    loaded = schemas.load(schemas.ConfirmRequest, body)
     call = actions.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
                           caller=_scope(caller))  # ownership is checked by the transition's own statement
     return _started(_logged(call), wait)
@@ -246,7 +245,7 @@ def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     """POST /voice-tools/resume/{id}[?wait=S]: at the checkpoint, proceed or cancel."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
-    loaded = inputs.load(schemas.ResumeRequest, body)
+    loaded = schemas.load(schemas.ResumeRequest, body)
     _owned(tool_call_id, caller)
     if loaded["action"] == "cancel":
         return _cancelled(actions.cancel(tool_call_id, loaded.get("reason")))
@@ -256,8 +255,8 @@ def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
 def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """DELETE /voice-tools/cancel/{id}: cancel before the point of no return (reason in the query or body)."""
     tool_call_id = _tool_call_id(tool_call_id)
-    reason = {**inputs.load(schemas.CancelRequest, query),
-              **inputs.load(schemas.CancelRequest, body)}.get("reason")
+    reason = {**schemas.load(schemas.CancelRequest, query),
+              **schemas.load(schemas.CancelRequest, body)}.get("reason")
     _owned(tool_call_id, caller)
     return _cancelled(actions.cancel(tool_call_id, reason))
 
@@ -276,7 +275,7 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
     """GET /voice-tools/context/{session_id}: the session's open calls and its recent finished ones
     (the caller's own only)."""
     session_id = _session_id(session_id)
-    limit = inputs.load(schemas.ContextQuery, query)["limit"]
+    limit = schemas.load(schemas.ContextQuery, query)["limit"]
     with db.statement() as s:
         open_calls, recent = queries.session_calls(s, session_id, limit, caller=_scope(caller))
     answer = {"session_id": session_id, "pending": open_calls, "recent": recent}
@@ -284,7 +283,7 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
 
 
 def _stored_context(query: dict[str, Any], caller: Caller | None):
-    loaded = inputs.load(schemas.SessionContextQuery, query)
+    loaded = schemas.load(schemas.SessionContextQuery, query)
     with db.session() as s:
         found = get_context(s, loaded["session_id"], loaded["context_key"], caller=_scope(caller))
     if found is None:
@@ -308,14 +307,13 @@ def legacy_session_context(query: dict[str, Any], caller: Caller | None = None) 
 
 def tool_list(query: dict[str, Any]) -> Answer:
     """GET /voice-tools/tools[?format=]: every tool as an OpenAI function definition."""
-    fmt = inputs.load(schemas.ToolsQuery, query)["format"]
+    fmt = schemas.load(schemas.ToolsQuery, query)["format"]
     return schemas.instance(schemas.ToolsAnswer).dump({"format": fmt, "tools": definitions(fmt)}), 200
 
 
-def flat_alias(tool_name: str, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
+def flat_alias(tool: tools.Tool, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
                caller: Caller | None, idempotency_header: str | None = None) -> Answer:
-    """A seed alias (/execute-gmail, /query-vector-db): /voice-tools/execute with the flat body."""
-    tool = tools.TOOLS[tool_name]
+    """A seed alias (/execute-gmail, /query-vector-db): /voice-tools/execute with ``tool``'s flat body."""
     wait = _wait_seconds(query)
-    loaded = inputs.load(flat, body)
+    loaded = schemas.load(flat, body)
     return _execute_loaded(schemas.split_flat(loaded, tool), wait, caller, idempotency_header)
