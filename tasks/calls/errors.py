@@ -33,6 +33,16 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+class UnknownTool(LookupError):
+    """The call's tool is not one this process runs (removed since the call was recorded, or
+    recorded by a newer release behind the same load balancer): a 422 naming the known tools."""
+
+    def __init__(self, tool_call_id: str, function_name: str):
+        super().__init__(f"Unknown tool {function_name!r}: this server does not run it.")
+        self.tool_call_id = tool_call_id
+        self.function_name = function_name
+
+
 def validation_error(messages: Any, extra: dict[str, Any] | None = None) -> ApiError:
     """422 naming each invalid field (marshmallow's messages under ``details.fields``)."""
     if not isinstance(messages, dict):
@@ -90,7 +100,7 @@ def api_error(exc: Exception) -> ApiError | None:
         return refused(exc)
     if isinstance(exc, lifecycle.IdTaken):  # another caller's call: nothing of it, not even its status
         return ApiError(409, "idempotency_conflict", str(exc), {"tool_call_id": exc.tool_call_id})
-    if isinstance(exc, chains.UnknownTool):
+    if isinstance(exc, UnknownTool):
         return validation_error({"function_name": [str(exc)]},
                                 {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.BrokerUnavailable):
@@ -112,4 +122,4 @@ def payload(err: ApiError) -> dict[str, Any]:
 
 # what :func:`api_error` maps (the Flask face registers a handler for each)
 KNOWN = (ApiError, ValidationError, queries.NotFound, lifecycle.Refused, lifecycle.IdTaken,
-         chains.BrokerUnavailable, chains.UnknownTool, OperationalError, InterfaceError)
+         chains.BrokerUnavailable, UnknownTool, OperationalError, InterfaceError)
