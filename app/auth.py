@@ -2,7 +2,9 @@
 
 A Flask ``before_request`` hook: the caller of the request's Bearer token is kept in
 ``g.who`` (a :class:`Caller`, with ``admin``) and its name in ``g.caller``; a request without
-a known token is answered 401 by the JSON error handlers (``app.errors``).
+a known token is answered 401 by the JSON error handlers (``app.errors``). What a token and a
+caller are (:class:`Caller`, ``entries_of``, ``who_for``, ``identify``) is the room's, named here
+for the API's side.
 """
 from __future__ import annotations
 
