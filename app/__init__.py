@@ -20,10 +20,7 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, metrics, request_log
-    from tasks.calls import errors
-    from app import stream
-    from app import health
+    from app import api, auth, errors, health, metrics, request_log, stream
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods

@@ -3,18 +3,17 @@
 Every view is one line: it hands the request's path arguments, query and body to the
 operation of the same name in ``tasks.calls.operations`` (shared with the MCP face,
 ``app.mcp_server``) and answers what it returns. Errors are raised there and
-answered in ``tasks.calls.errors``.
+answered by the JSON error handlers of ``app.errors``.
 """
 from __future__ import annotations
 
 from flask import Blueprint, g, request
 
 from app import inputs
-from tasks.calls import operations
-from tasks.calls import schemas
-from app.auth import Caller
 from app.openapi import doc
 from tasks import tools
+from tasks.calls import operations, schemas
+from tasks.calls.callers import Caller
 
 bp = Blueprint("api", __name__)
 
@@ -102,11 +101,11 @@ def tool_list():
 # -- the seed's final endpoint names (seed 000 "FINAL IMPLEMENTATION") ---------------------
 
 def _flat_alias(tool_name: str):
-    flat = schemas.flat_request_schema(tools.TOOLS[tool_name])
+    tool = tools.get(tool_name)
+    flat = schemas.flat_request_schema(tool)
 
     def alias():
-        return operations.flat_alias(tool_name, flat, inputs.body(), inputs.query(), _caller(),
-                                     _idempotency_header())
+        return operations.flat_alias(tool, flat, inputs.body(), inputs.query(), _caller(), _idempotency_header())
 
     alias.__name__ = f"alias_{tool_name}"
     return doc(f"Seed alias: run {tool_name} as /voice-tools/execute does (flat body)", body=flat,

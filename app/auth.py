@@ -1,116 +1,20 @@
-"""Bearer tokens from ``VOICE_TOOLS_API_TOKENS`` (CONTRACT section 1).
+"""The API's token check: every request but ``/healthz`` names its caller (``tasks.calls.callers``).
 
-The variable is a comma-separated list of ``name:token`` or ``name:token:admin``; a bare
-``token`` is named by the first 8 hex characters of its SHA-256. Every endpoint but
-``/healthz`` needs one; the token's name is kept in ``g.caller`` (``g.who`` is the
-:class:`Caller`, with ``admin``) and recorded as the call's ``caller``. A caller sees only
-its own calls, session context and events; an ``:admin`` token (an operator's) sees all.
-With no tokens configured every request is refused (fail closed). A name longer than
-the ``caller`` column (100 characters) is a configuration error: its token is refused
-with a 401 that says so (never truncated, which could make two callers one).
+A Flask ``before_request`` hook: the caller of the request's Bearer token is kept in
+``g.who`` (a :class:`Caller`, with ``admin``) and its name in ``g.caller``; a request without
+a known token is answered 401 by the JSON error handlers (``app.errors``). What a token and a
+caller are (:class:`Caller`, ``entries_of``, ``who_for``, ``identify``) is the room's, named here
+for the API's side.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
-
-import logging
-
-from dataclasses import dataclass
-
 from flask import Flask, g, request
 
-from tasks.calls.errors import ApiError
-from models import settings
+from tasks.calls.callers import Caller, entries_of, identify, who_for
 
-log = logging.getLogger(__name__)
-
-MAX_NAME = 100  # tool_calls.caller
+__all__ = ["Caller", "OPEN_PATHS", "entries_of", "identify", "register", "who_for"]
 
 OPEN_PATHS = frozenset({"/healthz"})
-
-
-ADMIN_MARK = "admin"
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who asks: the token's name, and whether it is an operator's (``:admin``)."""
-
-    name: str
-    admin: bool = False
-
-    @property
-    def scope(self) -> str | None:
-        """The ``caller`` the request's reads and actions are limited to; None (everything) for an admin."""
-        return None if self.admin else self.name
-
-
-def entries_of(entries: list[str]) -> list[tuple[str, bytes, bool]]:
-    """``[(name, token, admin)]`` from the variable's entries (parsed once per value of the variable)."""
-    return _entries(tuple(entries))
-
-
-@functools.lru_cache(maxsize=8)
-def _entries(entries: tuple[str, ...]) -> list[tuple[str, bytes, bool]]:
-    found = []
-    for entry in entries:
-        name, sep, token = entry.partition(":")
-        admin = False
-        if not sep:
-            name, token = hashlib.sha256(entry.encode()).hexdigest()[:8], entry
-        else:
-            token, mark_sep, mark = token.partition(":")
-            if mark_sep and mark.strip() == ADMIN_MARK:
-                admin = True
-            elif mark_sep:  # not a mark we know: the colon belongs to the token, as before
-                token = f"{token}:{mark}"
-        if token:
-            found.append((name.strip(), token.strip().encode(), admin))
-    return found
-
-
-def tokens(entries: list[str]) -> list[tuple[str, bytes]]:
-    """``[(name, token)]`` from the variable's entries."""
-    return [(name, token) for name, token, _ in entries_of(entries)]
-
-
-def who_for(presented: str, entries: list[str]) -> Caller | None:
-    """The caller of the token presented, or None; compares against every token in constant time."""
-    given = presented.encode()
-    match = None
-    for name, token, admin in entries_of(entries):
-        if hmac.compare_digest(given, token) and match is None:
-            match = Caller(name, admin)
-    return match
-
-
-def caller_for(presented: str, entries: list[str]) -> str | None:
-    """The name of the token presented, or None."""
-    who = who_for(presented, entries)
-    return who.name if who else None
-
-
-def unauthorized(message: str) -> ApiError:
-    return ApiError(401, "unauthorized", message, {}, {"WWW-Authenticate": 'Bearer realm="voice-tools"'})
-
-
-def identify(authorization: str) -> Caller:
-    """The caller named by an ``Authorization`` header's Bearer token; :class:`ApiError` 401 otherwise."""
-    scheme, _, presented = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        raise unauthorized("Send Authorization: Bearer <token>.")
-    who = who_for(presented.strip(), settings.api_tokens())
-    if who is None:
-        raise unauthorized("Unknown API token.")
-    caller = who.name
-    if len(caller) > MAX_NAME:
-        log.error("VOICE_TOOLS_API_TOKENS names a token %r..., longer than %d characters: refused",
-                  caller[:20], MAX_NAME)
-        raise unauthorized(f"This token's name in VOICE_TOOLS_API_TOKENS is longer than {MAX_NAME} characters; "
-                           "an operator must shorten it.")
-    return who
 
 
 def register(app: Flask) -> None:

@@ -1,5 +1,6 @@
-"""Reading a request: the JSON body (any content type, as the seed's curls send none),
-the query string and the path, each loaded with its schema."""
+"""Reading a Flask request: the JSON body (any content type, as the seed's curls send none) and
+the query string, as plain data for the operations of ``tasks.calls``, which load them with
+their schemas (``tasks.calls.schemas.load``, named ``load`` here too for ``app.stream``)."""
 from __future__ import annotations
 
 import json
@@ -7,13 +8,12 @@ import math
 from typing import Any
 
 from flask import current_app, request
-from marshmallow import Schema
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
 from app import request_log
 from tasks.calls.errors import ApiError
-from tasks.calls.schemas import instance
+from tasks.calls.schemas import load  # noqa: F401  (app.stream loads its query with it)
 
 
 def _finite(text: str) -> float:
@@ -81,8 +81,3 @@ def body() -> dict[str, Any]:
 def query() -> dict[str, Any]:
     """The query string; a repeated key keeps its first value."""
     return {key: request.args.get(key) for key in request.args}
-
-
-def load(schema: type[Schema], data: dict[str, Any]) -> dict[str, Any]:
-    """Load ``data`` with ``schema``; a ValidationError becomes 422 in tasks.calls.errors."""
-    return instance(schema).load(data)

@@ -17,7 +17,7 @@ would have been (404, 409, 422, 503 ...). The argument JSON Schemas (``inputSche
 are generated from those same marshmallow schemas.
 
 Every request needs ``Authorization: Bearer <token>`` of ``VOICE_TOOLS_API_TOKENS``
-(``app.auth``'s token lookup; the token's name is the call's ``caller``), refused
+(``tasks.calls.callers``' token lookup; the token's name is the call's ``caller``), refused
 with a JSON 401 at the HTTP level otherwise. The transport is streamable HTTP at
 ``/mcp``, stateless with JSON responses (any process can answer any request).
 
@@ -50,19 +50,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from models import logs
-from app import auth, inputs
-from tasks.calls import errors
-from tasks.calls import operations
-from tasks.calls import schemas
-from tasks.calls import toolspec
+from app import inputs
 from app.limits import MAX_BODY_BYTES
-from tasks.calls.errors import ApiError
+from models import logs
 from tasks import tools
+from tasks.calls import callers, errors, operations, schemas, toolspec
+from tasks.calls.callers import Caller
+from tasks.calls.errors import ApiError
 
 log = logging.getLogger(__name__)
 
 MCP_PATH = "/mcp"
+HEALTH_PATH = "/healthz"  # the one path open without a token
 SERVER_NAME = "voice-tools"
 INSTRUCTIONS = (
     "Runs a voice assistant's tool calls. Call list_tools for the tools and their parameters. "
@@ -86,7 +85,7 @@ class Face:
 
     name: str
     description: str
-    run: Callable[[Arguments, Arguments, Arguments, auth.Caller | None], Answer]  # (path, query, body, caller)
+    run: Callable[[Arguments, Arguments, Arguments, Caller | None], Answer]  # (path, query, body, caller)
     path: type[Schema] | None = None  # arguments that are the REST path's
     query: type[Schema] | None = None  # arguments that are the REST query's
     body: type[Schema] | None = None  # the rest: the REST body
@@ -100,9 +99,9 @@ class Face:
         query = {k: v for k, v in arguments.items() if k in query_names}
         body = {k: v for k, v in arguments.items() if k not in path_names | query_names}
         if self.path is not None:
-            path = inputs.load(self.path, path)  # a missing path argument is 422 naming it
+            path = schemas.load(self.path, path)  # a missing path argument is 422 naming it
         if self.body is NO_ARGUMENTS:  # an operation without a body: what is left is unknown (422)
-            inputs.load(NO_ARGUMENTS, body)
+            schemas.load(NO_ARGUMENTS, body)
         return path, query, body
 
     def input_schema(self) -> dict[str, Any]:
@@ -127,7 +126,7 @@ def _json_schema(schema: type[Schema]) -> dict[str, Any]:
     return toolspec.converter().schema2jsonschema(schema)
 
 
-def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: auth.Caller | None) -> Answer:
+def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: Caller | None) -> Answer:
     """list_tools: every tool of the registry as ``{name, description, inputSchema}``."""
     found = [{"name": tool.name, "description": tool.description, "inputSchema": toolspec.parameters_schema(tool)}
              for tool in (tools.TOOLS[name] for name in tools.names())]
@@ -206,7 +205,7 @@ def _result(answer: dict[str, Any], status: int, is_error: bool = False) -> Call
                           _meta={"voice-tools/http_status": status})
 
 
-def call(face: Face, arguments: Arguments, caller: auth.Caller | None) -> CallToolResult:
+def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolResult:
     """Run one MCP tool: the REST operation's answer, or its error JSON with ``is_error``."""
     try:
         bad = _bad_arguments(arguments)
@@ -233,7 +232,7 @@ class _AsGiven(ArgModelBase):
         return {"arguments": dict(self.__pydantic_extra__ or {})}
 
 
-def _caller(ctx: Context) -> auth.Caller | None:
+def _caller(ctx: Context) -> Caller | None:
     request = ctx.request_context.request
     return getattr(request.state, "caller", None) if isinstance(request, Request) else None
 
@@ -270,17 +269,17 @@ def create_mcp_server() -> MCPServer:
 
 class BearerToken:
     """Refuse (401, the REST API's JSON) a request without a token of ``VOICE_TOOLS_API_TOKENS``;
-    keep who it is (:class:`app.auth.Caller`: its name, admin or not) in ``request.state.caller``."""
+    keep who it is (:class:`tasks.calls.callers.Caller`: its name, admin or not) in ``request.state.caller``."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in auth.OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] == HEALTH_PATH:
             await self.app(scope, receive, send)
             return
         try:
-            caller = auth.identify(Headers(scope=scope).get("authorization", ""))
+            caller = callers.identify(Headers(scope=scope).get("authorization", ""))
         except ApiError as refused_here:
             refused = refused_here
         else:
@@ -302,7 +301,7 @@ def create_mcp_app() -> Starlette:
     whoever reaches them, and every request here needs a bearer token a browser page does not have.
     """
     server = create_mcp_server()
-    server.custom_route("/healthz", methods=["GET"])(_healthz)
+    server.custom_route(HEALTH_PATH, methods=["GET"])(_healthz)
     app = server.streamable_http_app(
         streamable_http_path=MCP_PATH, stateless_http=True, json_response=True,
         max_request_body_size=MAX_BODY_BYTES,

@@ -339,14 +339,15 @@ def create(
 
 def modify(
     s: Session, tool_call_id: str, *, old_parameters: dict[str, Any], new_parameters: dict[str, Any],
-    changes: list[dict[str, Any]],
+    changes: list[dict[str, Any]], caller: str | None = None,
 ) -> ToolCall:
     """Replace the parameters of a PENDING call, compare-and-set on the parameters read.
 
     The caller merged and validated ``new_parameters`` from ``old_parameters``; if
     another modify got in between, the update does not apply and :class:`Refused`
     ``invalid_status`` is raised only when the call is no longer PENDING (otherwise
-    ``stale`` so the caller may merge again).
+    ``stale`` so the caller may merge again). ``caller``: only that caller's call
+    (another's is :class:`models.queries.NotFound`, checked by the same statement).
     """
     history_entries = [dict(change) for change in changes]
     row = _transition(
@@ -358,16 +359,16 @@ def modify(
             _entry(MODIFIED, "Parameters changed", fields=[c["field"] for c in changes]),
             _entry(PENDING, "Awaiting confirmation"),
         ],
-        extra_where=[ToolCall.parameters == bindparam(None, old_parameters, type_=JSONB)],
+        extra_where=[ToolCall.parameters == bindparam(None, old_parameters, type_=JSONB), *_owned_by(caller)],
         parameters=new_parameters,
         parameters_history=_append(ToolCall.parameters_history, history_entries),
     )
     if row is not None:
         return row
-    call = get(s, tool_call_id)
+    call = get(s, tool_call_id, caller)
     if call.status == PENDING:
         raise Refused("stale", call, "The parameters changed meanwhile.")
-    raise _refuse(s, tool_call_id, "modify")
+    raise _refuse(s, tool_call_id, "modify", caller)
 
 
 def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
@@ -417,16 +418,20 @@ def set_workflow_id(s: Session, tool_call_id: str, workflow_id: str) -> None:
     )
 
 
-def cancel(s: Session, tool_call_id: str, reason: str | None = None) -> ToolCall:
-    """Cancel while the point of no return has not been passed (CONTRACT section 4)."""
+def cancel(s: Session, tool_call_id: str, reason: str | None = None, caller: str | None = None) -> ToolCall:
+    """Cancel while the point of no return has not been passed.
+
+    ``caller``: only that caller's call (another's is :class:`models.queries.NotFound`, checked
+    by the same statement).
+    """
     reason = reason or DEFAULT_CANCEL_REASON
     row = _transition(
         s, tool_call_id, from_statuses=CANCELLABLE, to_status=CANCELLED, reason=reason,
-        extra_where=[ToolCall.committed_at.is_(None)],
+        extra_where=[ToolCall.committed_at.is_(None), *_owned_by(caller)],
         completed_at=func.now(), error_message=reason,
     )
     if row is None:
-        raise _refuse(s, tool_call_id, "cancel")
+        raise _refuse(s, tool_call_id, "cancel", caller)
     return row
 
 
@@ -523,12 +528,15 @@ def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "
     )
 
 
-def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller") -> ToolCall:
+def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", caller: str | None = None) -> ToolCall:
+    """PREPARED → EXECUTING at the checkpoint. ``caller``: only that caller's call (another's is
+    :class:`models.queries.NotFound`, checked by the same statement)."""
     row = _transition(
-        s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, reason=reason, resumed_at=func.now()
+        s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, reason=reason,
+        extra_where=_owned_by(caller), resumed_at=func.now(),
     )
     if row is None:
-        raise _refuse(s, tool_call_id, "resume")
+        raise _refuse(s, tool_call_id, "resume", caller)
     return row
 
 

@@ -48,28 +48,6 @@ class BrokerUnavailable(Exception):
     """The chain could not be enqueued; the call was put back to PENDING."""
 
 
-class UnknownTool(LookupError):
-    """The call's tool is not one this process runs (removed since the call was recorded, or
-    recorded by a newer release behind the same load balancer)."""
-
-    def __init__(self, tool_call_id: str, function_name: str):
-        super().__init__(f"Unknown tool {function_name!r}: this server does not run it.")
-        self.tool_call_id = tool_call_id
-        self.function_name = function_name
-
-
-def tool_of(call: ToolCall) -> Tool:
-    """The call's tool; :class:`UnknownTool` if this process does not run it.
-
-    The faces ask inside the transition's transaction, so an unknown tool rolls the
-    transition back: a call is never left EXECUTING with no chain to run it.
-    """
-    tool = tools.get(call.function_name)
-    if tool is None:
-        raise UnknownTool(call.tool_call_id, call.function_name)
-    return tool
-
-
 class Link(base.Task):
     """Base task of every chain link; ``tool`` and ``step`` are set per task class.
 

@@ -51,7 +51,7 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
     call = make_call(callback_url=relay.url,
                      parameters={"to": "john@example.com", "subject": "Meeting Tomorrow", "body": "At 3pm."})
     id_ = call.tool_call_id
-    confirmed = actions.confirm(id_)
+    confirmed = actions.confirm(id_).call
     assert confirmed.status == "EXECUTING" and confirmed.workflow_id
 
     preparing = relay.wait_for(id_, "progress")

@@ -6,9 +6,10 @@
     celery -A tasks calls stats [--since 1d] [--tool NAME] [--json]
     celery -A tasks callbacks redeliver [--failed] [--call ID] [--json]
 
-A face like the API: inputs are checked with the API's schemas, reads go through
-``models/queries.py``, a cancel through ``tasks.calls.actions.cancel`` (the state machine's
-rules, the ``cancelled`` event) and a redelivery through ``tasks.delivery.attempts.redeliver``.
+A face like the API: arguments are checked with the API's schemas; list, show, stats and
+redeliver are operations of the calls room for operators (``tasks.calls.admin``), a cancel is
+the API's own (``tasks.calls.operations.cancel``: the state machine's rules, the ``cancelled``
+event, the same answer and errors); the commands parse and print.
 With no ``DATABASE_URL`` / ``REDIS_URL`` set they join the data dir's embedded servers
 as ``voice-tools run`` finds them (``servers.ensure_servers``), so they work from a
 second terminal with no exports, and leave those servers running when they end.
@@ -79,11 +80,10 @@ def _connect(ctx: click.Context, broker: bool = False) -> None:
         ctx.obj.app.conf.broker_url = urls["REDIS_URL"]
     from sqlalchemy.exc import OperationalError
 
-    from models import db, queries
+    from tasks.calls import admin
 
     try:
-        with db.session() as s:
-            ready = queries.schema_ready(s)
+        ready = admin.tables_ready()
     except OperationalError as exc:
         click.echo(f"Error: cannot reach the database: {str(exc.orig).strip()}", err=True)
         raise SystemExit(EXIT_UNAVAILABLE) from None
@@ -149,15 +149,13 @@ def calls() -> None:
 def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None, tool: str | None,
           since: datetime | None, limit: int, as_json: bool) -> None:
     """The calls, newest first."""
-    from tasks.calls import schemas
-    from models import db, queries
+    from tasks.calls import admin, schemas
 
     if session_id is not None:
         session_id = _check(schemas.SessionPath, {"session_id": session_id})["session_id"]
     _connect(ctx)
-    with db.session() as s:
-        found = queries.list_calls(s, statuses=[st.upper() for st in statuses], session_id=session_id,
-                                   tool=tool, since=since, limit=limit)
+    found = admin.list_calls(statuses=[st.upper() for st in statuses], session_id=session_id, tool=tool,
+                             since=since, limit=limit)
     if as_json:
         _json([_record(call) for call in found])
         return
@@ -177,17 +175,16 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
 @click.pass_context
 def show(ctx: click.Context, tool_call_id: str, as_json: bool) -> None:
     """One call: both histories, step outputs, result, and every callback attempt."""
-    from tasks.calls import schemas
-    from models import db, queries
+    from models import queries
+    from tasks.calls import admin, schemas
 
     tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     _connect(ctx)
-    with db.session() as s:
-        try:
-            call = queries.get(s, tool_call_id)
-        except queries.NotFound:
-            _not_found(tool_call_id, as_json)
-        sent = queries.deliveries(s, tool_call_id)
+    try:
+        shown = admin.show(tool_call_id)
+    except queries.NotFound:
+        _not_found(tool_call_id, as_json)
+    call, sent = shown.call, shown.deliveries
     if as_json:
         _json({**_record(call), "step_outputs": call.step_outputs, "callbacks": [_delivery(d) for d in sent]})
         return
@@ -263,15 +260,15 @@ def _not_found(tool_call_id: str, as_json: bool) -> None:
 @click.pass_context
 def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: bool) -> None:
     """Cancel a call before its point of no return, as DELETE /voice-tools/cancel/ID does."""
-    from tasks.calls import schemas
-    from models import lifecycle, queries
-    from tasks.calls import actions
+    from models import lifecycle, logs, queries
+    from tasks.calls import operations, schemas
 
     tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
-    reason = _check(schemas.CancelRequest, {"reason": reason}).get("reason")
+    body = _check(schemas.CancelRequest, {"reason": reason})
     _connect(ctx, broker=True)  # the ``cancelled`` event goes out from the callbacks queue
     try:
-        call = actions.cancel(tool_call_id, reason)
+        with logs.bound():  # the call's ids on this command's log lines, and no further
+            answer, _ = operations.cancel(tool_call_id, body, {})  # no caller: an operator's, unscoped
     except queries.NotFound:
         _not_found(tool_call_id, as_json)
     except lifecycle.Refused as refused:
@@ -282,10 +279,10 @@ def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: b
             click.echo(f"Refused ({refused.code}): {refused} Status: {refused.status}.", err=True)
         raise SystemExit(EXIT_REFUSED)
     if as_json:
-        _json(schemas.CancelAnswer().dump(call))
+        _json(answer)
         return
-    click.echo(f"{call.tool_call_id} CANCELLED: {call.error_message}")
-    click.echo(f"voice_response: {call.voice_response}")
+    click.echo(f"{answer['tool_call_id']} CANCELLED: {answer['error_message']}")
+    click.echo(f"voice_response: {answer['voice_response']}")
 
 
 @calls.command("stats")
@@ -298,11 +295,10 @@ def stats(ctx: click.Context, since: datetime | None, tool: str | None, as_json:
 
     Success rate is COMPLETED / (COMPLETED + FAILED); the percentiles are over COMPLETED calls.
     """
-    from models import db, queries
+    from tasks.calls import admin
 
     _connect(ctx)
-    with db.session() as s:
-        rows = queries.stats(s, since=since, tool=tool)
+    rows = admin.stats(since=since, tool=tool)
     if as_json:
         _json(rows)
         return
@@ -338,24 +334,18 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
     --failed: every delivery given up; --call ID: that call's failed or still-retrying ones
     (both: that call's failed ones). A failed delivery gets one more attempt.
     """
-    from tasks.calls import schemas
-    from models import db, queries
-    from tasks.delivery import attempts
+    from models import queries
+    from tasks.calls import admin, schemas
 
     if not failed_only and tool_call_id is None:
         raise click.UsageError("say which: --failed (every failed delivery), --call ID, or both")
     if tool_call_id is not None:
         tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     _connect(ctx, broker=True)
-    with db.session() as s:
-        if tool_call_id is not None:
-            try:
-                queries.get(s, tool_call_id)
-            except queries.NotFound:
-                _not_found(tool_call_id, as_json)
-        chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
-    queued = set(attempts.redeliver([d.event_id for d in chosen]))
-    sent = [d for d in chosen if d.event_id in queued]
+    try:
+        sent = admin.redeliver(failed_only=failed_only, tool_call_id=tool_call_id)
+    except queries.NotFound:
+        _not_found(tool_call_id, as_json)
     if as_json:
         _json([{"event_id": d.event_id, "tool_call_id": d.tool_call_id, "seq": d.seq, "event": d.event,
                 "url": d.url, "was": d.state, "attempts": d.attempts} for d in sent])

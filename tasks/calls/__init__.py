@@ -1,0 +1,1 @@
+"""The calls room, behind every door (REST, MCP, the operator CLI, beat): the operations on a call."""

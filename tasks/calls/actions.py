@@ -1,14 +1,18 @@
-"""What the faces (API, MCP, CLI) and beat do to a call: each a lifecycle transition, then
-the chain sent (``tasks/chains.py``) or the call's event recorded and sent (``tasks/events.py``,
-``tasks/attempts.py``).
+"""The actions on a call: each one transition (``models.lifecycle``), then what follows its
+commit: the chain sent (``tasks.chains``) or the call's event recorded and sent (``tasks.delivery``).
 
-confirm and resume start the chain after the commit, and undo the transition if the broker
-refuses it; cancel and expire announce the call's end; redrive runs a committed call's chain
-again, give_up fails one that keeps dying. The relay's ``{"cancel": true}`` comes here too.
+confirm and resume start the chain after the commit, undo the transition if the broker
+refuses it, and return a :class:`Started` (the call, its tool, the sentence of what it does
+next); cancel and expire announce the call's end and return the call with its sentence;
+redrive runs a committed call's chain again, give_up fails one that keeps dying. ``caller``
+(confirm, resume, cancel): only that caller's call, checked by the transition's own
+statement. :func:`tool_of` is the room's one way from a call to its tool. The relay's
+``{"cancel": true}`` comes here too.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from celery.utils import uuid
@@ -18,6 +22,7 @@ from redis.exceptions import RedisError
 from models import db, lifecycle, queries
 from models.calls import PENDING, CallbackDelivery, ToolCall
 from tasks import chains, tools
+from tasks.calls.errors import UnknownTool
 from tasks.delivery import attempts
 from tasks.delivery import events
 from tasks.tools import Tool
@@ -25,8 +30,37 @@ from tasks.tools import Tool
 log = logging.getLogger(__name__)
 
 
+def tool_of(call: ToolCall) -> Tool:
+    """The call's tool; :class:`UnknownTool` if this process does not run it.
+
+    The actions ask inside the transition's transaction, so an unknown tool rolls the
+    transition back: a call is never left EXECUTING with no chain to run it.
+    """
+    tool = tools.get(call.function_name)
+    if tool is None:
+        raise UnknownTool(call.tool_call_id, call.function_name)
+    return tool
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a start (confirm, resume) did: the call as it left it, its tool, and ``message``,
+    the sentence of what the chain does first."""
+
+    call: ToolCall
+    tool: Tool
+    message: str
+
+
+def _started(call: ToolCall, tool: Tool, start: int) -> Started:
+    """A chain sent from step ``start``: after a checkpoint, that step's sentence; else the tool's start sentence."""
+    following = tool.steps[start] if 0 < start < len(tool.steps) else None
+    sentence = following.message if following is not None and following.message else tool.start_message
+    return Started(call, tool, tool.say(sentence, call.parameters))
+
+
 def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
-            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> ToolCall:
+            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> Started:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
     ``caller``: only that caller's call (another's is ``queries.NotFound``). The chain's
@@ -41,28 +75,28 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
             # a tool this process does not run is not confirmed (the statement checks it too)
             call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
                                      callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
-                                     functions=tools.TOOLS)
+                                     functions=tools.names())
         except lifecycle.Refused as exc:
             if exc.status == PENDING:  # still PENDING: its tool is unknown here
-                chains.tool_of(exc.call)
+                tool_of(exc.call)
             raise
-    tool = chains.tool_of(call)
+    tool = tool_of(call)
     try:
         chains.enqueue(tool, call, 0, workflow_id)
     except chains.BrokerUnavailable:
         with db.session() as s:
             undone = lifecycle.unconfirm(s, tool_call_id)
         if undone is None:
-            return _published_after_all(tool_call_id)
+            return _started(_published_after_all(tool_call_id), tool, 0)
         raise
-    return call
+    return _started(call, tool, 0)
 
 
-def resume(tool_call_id: str) -> ToolCall:
-    """PREPARED → EXECUTING and enqueue the links after the checkpoint."""
+def resume(tool_call_id: str, caller: str | None = None) -> Started:
+    """PREPARED → EXECUTING and enqueue the links after the checkpoint (``caller``: as confirm's)."""
     with db.session() as s:
-        call = lifecycle.resume(s, tool_call_id)
-        tool = chains.tool_of(call)  # before the commit: an unknown tool undoes the transition
+        call = lifecycle.resume(s, tool_call_id, caller=caller)
+        tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     start = tool.step_index(call.current_step) + 1 if call.current_step else 0
     try:
         call.workflow_id = chains.enqueue(tool, call, start)
@@ -70,9 +104,9 @@ def resume(tool_call_id: str) -> ToolCall:
         with db.session() as s:  # never a committed call, nor one whose next link began
             undone = lifecycle.undo_resume(s, tool_call_id, call.current_step)
         if undone is None:
-            return _published_after_all(tool_call_id)
+            return _started(_published_after_all(tool_call_id), tool, start)
         raise
-    return call
+    return _started(call, tool, start)
 
 
 def _published_after_all(tool_call_id: str) -> ToolCall:
@@ -83,11 +117,14 @@ def _published_after_all(tool_call_id: str) -> ToolCall:
         return queries.get(s, tool_call_id)
 
 
-def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False) -> ToolCall:
-    """Cancel (CONTRACT section 4) and announce it once with a ``cancelled`` event."""
+def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False,
+           caller: str | None = None) -> ToolCall:
+    """Cancel before the point of no return and announce it once with a ``cancelled`` event; the
+    call with its ``voice_response`` (``caller``: as confirm's). A call of a tool this process
+    does not run can be cancelled too."""
     with db.session() as s:
-        call = lifecycle.cancel(s, tool_call_id, reason)
-        tool = tools.TOOLS.get(call.function_name)
+        call = lifecycle.cancel(s, tool_call_id, reason, caller=caller)
+        tool = tools.get(call.function_name)
         voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
         call = lifecycle.set_voice_response(s, tool_call_id, voice)
         delivery = events.record(s, call, "cancelled", message=voice, inline=deliver_now)
@@ -98,13 +135,12 @@ def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = Fal
     return call
 
 
-def redrive(tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
-    """Run again, from its current step, a committed call whose worker died (see lifecycle.redrive)."""
+def redrive(tool: Tool, tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
+    """Run again, from its current step, a committed call of ``tool`` whose worker died (see lifecycle.redrive)."""
     with db.session() as s:
         call = lifecycle.redrive(s, tool_call_id, older_than_s, max_redrives)
     if call is None:
         return None
-    tool = tools.TOOLS[call.function_name]
     start = tool.step_index(call.current_step) if call.current_step in {st.name for st in tool.steps} else 0
     call.workflow_id = chains.enqueue(tool, call, start)
     return call
@@ -125,7 +161,7 @@ def give_up(tool: Tool, tool_call_id: str, parameters: Any, older_than_s: int, m
 
 
 def expired_sentence(call: ToolCall) -> str:
-    tool = tools.TOOLS.get(call.function_name)
+    tool = tools.get(call.function_name)
     if tool is None:
         return f"The {call.function_name.replace('_', ' ')} request expired unanswered."
     return tool.say(tool.cancelled_response, call.parameters).replace("Cancelled.", "Expired.")

@@ -1,20 +1,17 @@
-"""Every error the API gives is JSON ``{error, message, details}`` (CONTRACT section 5).
+"""Every error an operation gives is ``{error, message, details}`` with an HTTP status (the API's JSON errors).
 
 Operations raise :class:`ApiError` (or let a validation/lifecycle/chains/database
 exception through); :func:`api_error` is the one mapping from an exception to its
-status, code and message, used by the Flask handlers registered here and by the MCP
-face (``app.mcp_server``), which answers the same :func:`payload`. Nothing answers HTML,
-and an unforeseen exception is a JSON 500 (logged), never a stack trace.
+status, code and message, on every face: the Flask handlers (``app.errors``), the MCP
+tools (``app.mcp_server``) and the operator CLI answer the same :func:`payload`.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from flask import Flask, jsonify
 from marshmallow import ValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
-from werkzeug.exceptions import HTTPException
 
 from tasks.calls import schemas
 from models import lifecycle, queries
@@ -22,25 +19,10 @@ from tasks import chains, tools
 
 log = logging.getLogger(__name__)
 
-# Werkzeug's HTTP errors under the codes relays match on.
-HTTP_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "too_large",
-    415: "unsupported_media_type",
-}
-
-
-# Short sentences instead of Werkzeug's paragraphs.
-HTTP_MESSAGES = {
-    404: "No such endpoint.",
-    405: "This method is not allowed here.",
-}
-
 
 class ApiError(Exception):
+    """An answer of the error vocabulary: HTTP ``status``, code ``error``, a sentence, ``details``, ``headers``."""
+
     def __init__(self, status: int, error: str, message: str, details: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -49,6 +31,16 @@ class ApiError(Exception):
         self.message = message
         self.details = details or {}
         self.headers = headers or {}
+
+
+class UnknownTool(LookupError):
+    """The call's tool is not one this process runs (removed since the call was recorded, or
+    recorded by a newer release behind the same load balancer): a 422 naming the known tools."""
+
+    def __init__(self, tool_call_id: str, function_name: str):
+        super().__init__(f"Unknown tool {function_name!r}: this server does not run it.")
+        self.tool_call_id = tool_call_id
+        self.function_name = function_name
 
 
 def validation_error(messages: Any, extra: dict[str, Any] | None = None) -> ApiError:
@@ -97,7 +89,7 @@ def unavailable(service: str, reason: str) -> ApiError:
 
 def api_error(exc: Exception) -> ApiError | None:
     """The ApiError an exception raised by an operation is answered with, on every face
-    (the REST views and the MCP tools); None for an exception we do not know (a 500)."""
+    (the REST views, the MCP tools, the operator CLI); None for an exception we do not know (a 500)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValidationError):
@@ -108,7 +100,7 @@ def api_error(exc: Exception) -> ApiError | None:
         return refused(exc)
     if isinstance(exc, lifecycle.IdTaken):  # another caller's call: nothing of it, not even its status
         return ApiError(409, "idempotency_conflict", str(exc), {"tool_call_id": exc.tool_call_id})
-    if isinstance(exc, chains.UnknownTool):
+    if isinstance(exc, UnknownTool):
         return validation_error({"function_name": [str(exc)]},
                                 {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.BrokerUnavailable):
@@ -128,42 +120,6 @@ def payload(err: ApiError) -> dict[str, Any]:
     return {"error": err.error, "message": err.message, "details": err.details}
 
 
-def response(err: ApiError):
-    return jsonify(payload(err)), err.status, err.headers
-
-
+# what :func:`api_error` maps (the Flask face registers a handler for each)
 KNOWN = (ApiError, ValidationError, queries.NotFound, lifecycle.Refused, lifecycle.IdTaken,
-         chains.BrokerUnavailable, chains.UnknownTool, OperationalError, InterfaceError)
-
-
-def register(app: Flask) -> None:
-    def _known(err: Exception):
-        return response(api_error(err) or internal_error())
-
-    for kind in KNOWN:
-        app.register_error_handler(kind, _known)
-
-    @app.errorhandler(HTTPException)
-    def _http(err: HTTPException):
-        status = err.code or 500
-        code = HTTP_CODES.get(status, (err.name or "error").lower().replace(" ", "_"))
-        details: dict[str, Any] = {}
-        headers: dict[str, str] = {}
-        if status == 405:
-            allowed = err.valid_methods if hasattr(err, "valid_methods") else None  # type: ignore[attr-defined]
-            details["allowed"] = sorted(allowed or [])
-            headers["Allow"] = ", ".join(details["allowed"])
-        if status == 413:
-            details["max_bytes"] = app.config.get("MAX_CONTENT_LENGTH")
-            headers["Connection"] = "close"
-        message = HTTP_MESSAGES.get(status) or err.description or err.name
-        if status == 413:
-            message = f"The body is larger than {details['max_bytes']} bytes."
-        return response(ApiError(status, code, message, details, headers))
-
-    @app.errorhandler(Exception)
-    def _unexpected(err: Exception):
-        if isinstance(err, HTTPException):  # pragma: no cover (handled above)
-            return _http(err)
-        log.exception("unhandled error")
-        return response(internal_error())
+         chains.BrokerUnavailable, UnknownTool, OperationalError, InterfaceError)

@@ -1,21 +1,20 @@
-"""What each API operation does, independent of the face that asks (CONTRACT sections 5 and 11).
+"""The operations on a call, as every door asks them: the REST views (``app.api``), the MCP
+tools (``app.mcp_server``) and the operator CLI's cancel (``voice_tools.celery_commands``).
 
-The REST views (``app.api``) and the MCP tools (``app.mcp_server``) are both one line
-over these functions: each takes the operation's inputs as plain data (path
-arguments, the query and the body, exactly as received, not yet validated), loads
-them with the request schemas of ``tasks.calls.schemas``, calls one lifecycle or chains
-operation and returns ``(answer, http_status)`` with the answer dumped by the
-response schema. Nothing here reads a Flask request. Errors are raised as
-``tasks.calls.errors.ApiError``, marshmallow ``ValidationError`` or a lifecycle/chains
-exception, and turned into ``{error, message, details}`` by ``tasks.calls.errors.api_error``
-on either face.
+Each takes the operation's inputs as plain data (path arguments, the query and the body,
+exactly as received, not yet validated), loads them with the request schemas of
+``tasks.calls.schemas``, runs one action of ``tasks.calls.actions`` (or one read) and
+returns ``(answer, http_status)`` with the answer dumped by the response schema, from what
+the action returned. Errors are raised as :class:`tasks.calls.errors.ApiError`, marshmallow
+``ValidationError`` or a lifecycle/chains exception, and every face answers them as
+``tasks.calls.errors.api_error`` maps them.
 
-Callers are fenced from each other (CONTRACT section 5): every operation takes the
-:class:`app.auth.Caller` asking (None: unscoped, as the operator CLI is) and sees only
-that caller's calls, session context and events, unless it is an admin. Another
-caller's call is :class:`queries.NotFound`, the same 404 as an unknown id, and nothing
-of it changes: an action checks ownership first, which cannot go stale because a call's
-``caller`` is written once, when it is recorded.
+Callers are fenced from each other: every operation takes the
+:class:`tasks.calls.callers.Caller` asking (None: unscoped, as the operator CLI is) and
+sees only that caller's calls, session context and events, unless it is an admin.
+Another caller's call is :class:`models.queries.NotFound`, the same 404 as an unknown id,
+and nothing of it changes: each action hands the caller to its transition, whose own
+statement checks it.
 """
 from __future__ import annotations
 
@@ -23,18 +22,15 @@ from typing import Any
 
 from marshmallow import ValidationError
 
-from models import logs
-from app import inputs
-from tasks.calls import schemas
-from app.auth import Caller
+from models import db, lifecycle, logs, queries
+from models.calls import PENDING, ToolCall
+from models.listen import until_settled
+from models.session_context import get_context
+from tasks import tools
+from tasks.calls import actions, schemas
+from tasks.calls.callers import Caller, name_of, scope_of
 from tasks.calls.errors import ApiError, validation_error
 from tasks.calls.toolspec import definitions
-from models.listen import until_settled
-from models import db, lifecycle, queries
-from models.calls import PENDING, ToolCall
-from models.session_context import get_context
-from tasks import chains, tools
-from tasks.calls import actions
 from tasks.delivery import events
 
 Answer = tuple[dict[str, Any], int]
@@ -45,37 +41,17 @@ MODIFY_ATTEMPTS = 5
 # -- shared pieces ------------------------------------------------------------------
 
 def _tool_call_id(value: Any) -> str:
-    return inputs.load(schemas.ToolCallPath, {"tool_call_id": value})["tool_call_id"]
+    return schemas.load(schemas.ToolCallPath, {"tool_call_id": value})["tool_call_id"]
 
 
 def _session_id(value: Any) -> str:
-    return inputs.load(schemas.SessionPath, {"session_id": value})["session_id"]
-
-
-def _name(caller: Caller | None) -> str | None:
-    """The name recorded as a new call's ``caller``."""
-    return caller.name if caller is not None else None
-
-
-def _scope(caller: Caller | None) -> str | None:
-    """Whose calls the request may see: the caller's own, or everyone's (None) for an admin."""
-    return caller.scope if caller is not None else None
-
-
-def _owned(tool_call_id: str, caller: Caller | None) -> None:
-    """:class:`queries.NotFound` unless the call exists and is the caller's (or the caller is an admin)."""
-    with db.statement() as s:
-        _logged(queries.get(s, tool_call_id, caller=_scope(caller)))
+    return schemas.load(schemas.SessionPath, {"session_id": value})["session_id"]
 
 
 def _logged(call: ToolCall) -> ToolCall:
     """The call, its ids now on the rest of the request's log lines (see ``logs``)."""
     logs.add(tool_call_id=call.tool_call_id, session_id=call.session_id)
     return call
-
-
-def _tool(call: ToolCall) -> tools.Tool:
-    return chains.tool_of(call)  # a tool this process does not run: 422, as an unknown tool in a body
 
 
 def _check_reference_context(s, session_id: str, parameters: dict[str, Any], owner: str | None) -> None:
@@ -93,13 +69,13 @@ def _pending_body(data: dict[str, Any], idempotency_header: str | None) -> dict[
         if "idempotency_key" in data and data["idempotency_key"] != idempotency_header:
             raise validation_error({"idempotency_key": ["Differs from the Idempotency-Key header."]})
         data = {**data, "idempotency_key": idempotency_header}
-    return inputs.load(schemas.PendingRequest, data)
+    return schemas.load(schemas.PendingRequest, data)
 
 
 def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: str) -> tuple[ToolCall, bool]:
     tool: tools.Tool = loaded["tool"]
     with db.statement() as s:  # the INSERT is the whole work: its own transaction, one round trip
-        _check_reference_context(s, loaded["session_id"], loaded["parameters"], _name(caller))
+        _check_reference_context(s, loaded["session_id"], loaded["parameters"], name_of(caller))
         return lifecycle.create(
             s,
             session_id=loaded["session_id"],
@@ -112,41 +88,32 @@ def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: st
             callback_url=loaded.get("callback_url"),
             callback_urls=loaded.get("callback_urls"),
             idempotency_key=loaded.get("idempotency_key"),
-            caller=_name(caller),
+            caller=name_of(caller),
             reason=reason,
             request_kind=kind,
         )
 
 
 def _wait_seconds(query: dict[str, Any]) -> float | None:
-    return inputs.load(schemas.WaitQuery, query).get("wait")
+    return schemas.load(schemas.WaitQuery, query).get("wait")
 
 
-def _next_message(call: ToolCall) -> str:
-    """What happens next once a call starts (or resumes after its checkpoint)."""
-    tool = _tool(call)
-    if call.current_step:
-        following = tool.steps[tool.step_index(call.current_step) + 1:]
-        if following and following[0].message:
-            return tool.say(following[0].message, call.parameters)
-    return tool.say(tool.start_message, call.parameters)
-
-
-def _started(call: ToolCall, wait: float | None) -> Answer:
-    """The answer to confirm / execute / resume proceed, waiting if asked to."""
-    message = _next_message(call)  # what the operation just started, whatever the wait sees
+def _started(started: actions.Started, wait: float | None) -> Answer:
+    """The answer to confirm / execute / resume proceed, waiting if asked to: what the action
+    started (its sentence), whatever the wait sees."""
+    call = _logged(started.call)
     if wait:
         waited, settled = until_settled(call.tool_call_id, wait)
         if settled:
             return schemas.instance(schemas.CallRecord).dump(waited), 200
         call = waited
     answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
-              "workflow_id": call.workflow_id, "message": message}
+              "workflow_id": call.workflow_id, "message": started.message}
     return schemas.instance(schemas.StartAnswer).dump(answer), 202
 
 
 def _cancelled(call: ToolCall) -> Answer:
-    return schemas.instance(schemas.CancelAnswer).dump(call), 200
+    return schemas.instance(schemas.CancelAnswer).dump(_logged(call)), 200
 
 
 def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | None,
@@ -156,13 +123,13 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | N
     call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)", kind="execute")
     if created or call.status == PENDING:  # new, or left PENDING by a broker outage: start it
         try:
-            call = actions.confirm(call.tool_call_id, reason="Confirmed by the relay")
+            started = actions.confirm(call.tool_call_id, reason="Confirmed by the relay", caller=scope_of(caller))
         except lifecycle.Refused as exc:
             # a concurrent request with this key started it first (or it ended meanwhile):
             # this one is a replay of a call already started
             call = exc.call
         else:
-            return _started(call, wait)
+            return _started(started, wait)
     if wait:  # a replay of a call already started: its record
         call, _ = until_settled(call.tool_call_id, wait)
     return schemas.instance(schemas.CallRecord).dump(call), 200
@@ -185,7 +152,7 @@ def pending(body: dict[str, Any], caller: Caller | None, idempotency_header: str
     """POST /voice-tools/pending: record a call as PENDING (201, or 200 for an idempotent replay)."""
     loaded = _pending_body(body, idempotency_header)
     call, created = _record(loaded, caller, reason="Recorded", kind="pending")
-    tool = _tool(call)
+    tool = loaded["tool"]  # the replay of a call is of the same tool (or a conflict)
     message = tool.say(tool.confirmation_message, call.parameters)
     answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
               "parameters": call.parameters, "message": message, "confirmation_message": message,
@@ -194,16 +161,21 @@ def pending(body: dict[str, Any], caller: Caller | None, idempotency_header: str
 
 
 def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None) -> Answer:
-    """PATCH /voice-tools/modify/{id}: change the parameters of a PENDING call."""
+    """PATCH /voice-tools/modify/{id}: change the parameters of a PENDING call.
+
+    The merge is validated against the call as read (the caller's own: its parameters and
+    tool), and the transition applies only to the parameters read, for the same caller.
+    """
     tool_call_id = _tool_call_id(tool_call_id)
-    patch = inputs.load(schemas.ModifyRequest, body)["parameters"]
+    patch = schemas.load(schemas.ModifyRequest, body)["parameters"]
+    scope = scope_of(caller)
     for attempt in range(MODIFY_ATTEMPTS):
         with db.session() as s:
-            call = queries.get(s, tool_call_id, caller=_scope(caller))
+            call = queries.get(s, tool_call_id, caller=scope)
             if call.status != PENDING:
                 raise ApiError(409, "invalid_status", f"Cannot modify a call that is {call.status}.",
                                {"status": call.status, "tool_call_id": tool_call_id})
-            tool = _tool(call)
+            tool = actions.tool_of(call)  # a tool this process does not run: 422, as an unknown tool in a body
             old = dict(call.parameters)
             try:
                 new = schemas.instance(tool.schema).load(merge(old, patch))
@@ -214,7 +186,8 @@ def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None
             changes = changes_between(old, new)
             if changes:
                 try:
-                    call = lifecycle.modify(s, tool_call_id, old_parameters=old, new_parameters=new, changes=changes)
+                    call = lifecycle.modify(s, tool_call_id, old_parameters=old, new_parameters=new,
+                                            changes=changes, caller=scope)
                 except lifecycle.Refused as exc:
                     if exc.code == "stale" and attempt < MODIFY_ATTEMPTS - 1:
                         continue
@@ -229,10 +202,10 @@ def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], call
     """POST /voice-tools/confirm/{id}[?wait=S]: a PENDING call starts running."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
-    loaded = inputs.load(schemas.ConfirmRequest, body)
-    call = actions.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
-                          caller=_scope(caller))  # ownership is checked by the transition's own statement
-    return _started(_logged(call), wait)
+    loaded = schemas.load(schemas.ConfirmRequest, body)
+    started = actions.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
+                              caller=scope_of(caller))
+    return _started(started, wait)
 
 
 def execute(body: dict[str, Any], query: dict[str, Any], caller: Caller | None,
@@ -246,20 +219,18 @@ def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     """POST /voice-tools/resume/{id}[?wait=S]: at the checkpoint, proceed or cancel."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
-    loaded = inputs.load(schemas.ResumeRequest, body)
-    _owned(tool_call_id, caller)
+    loaded = schemas.load(schemas.ResumeRequest, body)
     if loaded["action"] == "cancel":
-        return _cancelled(actions.cancel(tool_call_id, loaded.get("reason")))
-    return _started(actions.resume(tool_call_id), wait)
+        return _cancelled(actions.cancel(tool_call_id, loaded.get("reason"), caller=scope_of(caller)))
+    return _started(actions.resume(tool_call_id, caller=scope_of(caller)), wait)
 
 
 def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
     """DELETE /voice-tools/cancel/{id}: cancel before the point of no return (reason in the query or body)."""
     tool_call_id = _tool_call_id(tool_call_id)
-    reason = {**inputs.load(schemas.CancelRequest, query),
-              **inputs.load(schemas.CancelRequest, body)}.get("reason")
-    _owned(tool_call_id, caller)
-    return _cancelled(actions.cancel(tool_call_id, reason))
+    reason = {**schemas.load(schemas.CancelRequest, query),
+              **schemas.load(schemas.CancelRequest, body)}.get("reason")
+    return _cancelled(actions.cancel(tool_call_id, reason, caller=scope_of(caller)))
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -268,7 +239,7 @@ def status(tool_call_id: Any, caller: Caller | None = None) -> Answer:
     """GET /voice-tools/status/{id}: the whole record of a call."""
     tool_call_id = _tool_call_id(tool_call_id)
     with db.statement() as s:
-        call = _logged(queries.get(s, tool_call_id, caller=_scope(caller)))
+        call = _logged(queries.get(s, tool_call_id, caller=scope_of(caller)))
     return schemas.instance(schemas.CallRecord).dump(call), 200
 
 
@@ -276,17 +247,17 @@ def context(session_id: Any, query: dict[str, Any], caller: Caller | None = None
     """GET /voice-tools/context/{session_id}: the session's open calls and its recent finished ones
     (the caller's own only)."""
     session_id = _session_id(session_id)
-    limit = inputs.load(schemas.ContextQuery, query)["limit"]
+    limit = schemas.load(schemas.ContextQuery, query)["limit"]
     with db.statement() as s:
-        open_calls, recent = queries.session_calls(s, session_id, limit, caller=_scope(caller))
+        open_calls, recent = queries.session_calls(s, session_id, limit, caller=scope_of(caller))
     answer = {"session_id": session_id, "pending": open_calls, "recent": recent}
     return schemas.instance(schemas.ContextAnswer).dump(answer), 200
 
 
 def _stored_context(query: dict[str, Any], caller: Caller | None):
-    loaded = inputs.load(schemas.SessionContextQuery, query)
+    loaded = schemas.load(schemas.SessionContextQuery, query)
     with db.session() as s:
-        found = get_context(s, loaded["session_id"], loaded["context_key"], caller=_scope(caller))
+        found = get_context(s, loaded["session_id"], loaded["context_key"], caller=scope_of(caller))
     if found is None:
         raise ApiError(404, "not_found", "Not found or expired", dict(loaded))
     return found
@@ -308,14 +279,13 @@ def legacy_session_context(query: dict[str, Any], caller: Caller | None = None) 
 
 def tool_list(query: dict[str, Any]) -> Answer:
     """GET /voice-tools/tools[?format=]: every tool as an OpenAI function definition."""
-    fmt = inputs.load(schemas.ToolsQuery, query)["format"]
+    fmt = schemas.load(schemas.ToolsQuery, query)["format"]
     return schemas.instance(schemas.ToolsAnswer).dump({"format": fmt, "tools": definitions(fmt)}), 200
 
 
-def flat_alias(tool_name: str, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
+def flat_alias(tool: tools.Tool, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
                caller: Caller | None, idempotency_header: str | None = None) -> Answer:
-    """A seed alias (/execute-gmail, /query-vector-db): /voice-tools/execute with the flat body."""
-    tool = tools.TOOLS[tool_name]
+    """A seed alias (/execute-gmail, /query-vector-db): /voice-tools/execute with ``tool``'s flat body."""
     wait = _wait_seconds(query)
-    loaded = inputs.load(flat, body)
+    loaded = schemas.load(flat, body)
     return _execute_loaded(schemas.split_flat(loaded, tool), wait, caller, idempotency_header)

@@ -1,0 +1,58 @@
+"""What an operator asks of the calls from the command line (``celery -A tasks calls|callbacks``):
+list, show, count, redeliver callbacks; a cancel is the operation every face shares
+(``tasks.calls.operations.cancel``). An operator is unscoped: every caller's calls."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterable
+
+from models import db, queries
+from models.calls import CallbackDelivery, ToolCall
+from tasks.delivery import attempts
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One call and every callback event recorded for it, in ``seq`` order."""
+
+    call: ToolCall
+    deliveries: list[CallbackDelivery]
+
+
+def tables_ready() -> bool:
+    """Is the database migrated (does it have our tables)? Raises if it cannot be reached."""
+    with db.session() as s:
+        return queries.schema_ready(s)
+
+
+def list_calls(*, statuses: Iterable[str] = (), session_id: str | None = None, tool: str | None = None,
+               since: datetime | None = None, limit: int = 50) -> list[ToolCall]:
+    """The calls matching every filter given, newest first."""
+    with db.session() as s:
+        return queries.list_calls(s, statuses=statuses, session_id=session_id, tool=tool, since=since, limit=limit)
+
+
+def show(tool_call_id: str) -> Shown:
+    """A call and its callback events; :class:`models.queries.NotFound` for an unknown id."""
+    with db.session() as s:
+        call = queries.get(s, tool_call_id)
+        return Shown(call, queries.deliveries(s, tool_call_id))
+
+
+def stats(*, since: datetime | None = None, tool: str | None = None) -> list[dict[str, Any]]:
+    """Per tool: calls by status, success rate, p50/p95 execution time, callback failures."""
+    with db.session() as s:
+        return queries.stats(s, since=since, tool=tool)
+
+
+def redeliver(*, failed_only: bool = False, tool_call_id: str | None = None) -> list[CallbackDelivery]:
+    """Send undelivered callbacks again from the callbacks queue: every failed one (``failed_only``),
+    or one call's failed or still-retrying ones, or that call's failed ones (both); the deliveries
+    queued, as they were before. :class:`models.queries.NotFound` for an unknown call."""
+    with db.session() as s:
+        if tool_call_id is not None:
+            queries.get(s, tool_call_id)
+        chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
+    queued = set(attempts.redeliver([d.event_id for d in chosen]))
+    return [d for d in chosen if d.event_id in queued]
