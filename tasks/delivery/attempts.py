@@ -4,7 +4,7 @@ an operator's redelivery and the due events the sweep sends again.
 A link delivers its event inline with a short timeout; a failed attempt is retried on the
 ``callbacks`` queue with exponential backoff, and every attempt is recorded on the row.
 Before each attempt the URL is checked again (``tasks/delivery/url_policy.py``); the exchange
-and the signature are ``tasks/delivery/transport.py``'s.
+is ``tasks/delivery/transport.py``'s, the signature ``tasks/delivery/signing.py``'s.
 
 The relay may answer ``{"cancel": true}`` to a cancellable event; the engine
 registers what to do then with :func:`on_relay_cancel` (this floor knows nothing of
@@ -32,7 +32,8 @@ from models import db, settings
 from models.calls import CallbackDelivery
 from tasks.delivery import events
 from tasks.worker import metrics
-from tasks.delivery.transport import exchange, sign
+from tasks.delivery.signing import sign
+from tasks.delivery.transport import exchange
 from tasks.delivery.url_policy import delivery_refusal
 from tasks.celery_app import app
 

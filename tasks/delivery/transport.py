@@ -1,17 +1,15 @@
 """The HTTP side of a callback: one pooled session per process, one attempt's exchange
-bounded as a whole, and the signature.
+bounded as a whole.
 
-The body is signed with HMAC-SHA256 over ``"<timestamp>.<body>"``. Redirects are not
-followed. A watchdog ends the exchange at the timeout (a relay that drips a byte a second
-does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the answer are read (a longer
-answer counts as no answer). The connection goes to the address the URL check approved
-(``tasks/delivery/url_policy.py``), with no second DNS answer in between.
+Redirects are not followed. A watchdog ends the exchange at the timeout (a relay that
+drips a byte a second does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the
+answer are read (a longer answer counts as no answer). The connection goes to the
+address the URL check approved (``tasks/delivery/url_policy.py``), with no second DNS
+answer in between.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
 import os
 import socket
 import threading
@@ -183,11 +181,6 @@ def http() -> requests.Session:
 def reset_http_session() -> None:
     global _http
     _http = None
-
-
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
 
 
 def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
