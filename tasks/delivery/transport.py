@@ -1,5 +1,5 @@
-"""The HTTP side of a callback: one pooled session per process, one attempt's exchange
-bounded as a whole.
+"""The HTTP side of a callback: one pooled session per process (made again after a fork), one
+attempt's exchange bounded as a whole.
 
 Redirects are not followed. A watchdog ends the exchange at the timeout (a relay that
 drips a byte a second does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the
@@ -65,12 +65,15 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
-def _new_watchdog() -> None:
-    global _watchdog
-    _watchdog = _Watchdog()  # a child never inherits a lock its parent's watchdog thread held
+def _fresh_after_fork() -> None:
+    """A forked child (a Celery pool process, a gunicorn worker) makes its own HTTP session and
+    watchdog: it never shares its parent's connections, nor a lock the parent's watchdog thread held."""
+    global _http, _watchdog
+    _http = None
+    _watchdog = _Watchdog()
 
 
-os.register_at_fork(after_in_child=_new_watchdog)
+os.register_at_fork(after_in_child=_fresh_after_fork)
 
 
 class _Watch:
@@ -176,11 +179,6 @@ def http() -> requests.Session:
         session.headers["User-Agent"] = "voice-tools-callbacks/1"
         _http = session
     return _http
-
-
-def reset_http_session() -> None:
-    global _http
-    _http = None
 
 
 def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
