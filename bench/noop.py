@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 from sqlalchemy import bindparam, select, text
 
-from models import db, settings
+from models import db, events, settings
 from models.calls import ToolCall
 from tasks import app, base
-from tasks.delivery import events, transport
+from tasks.delivery import transport
 from tasks.delivery.signing import sign
 
 QUEUE = "bench.noop"

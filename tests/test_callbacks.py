@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from models import db, lifecycle, queries
+from models import db, events, lifecycle, queries
 from models.email import EmailOutbox
 from tasks.calls import actions
 from tasks.delivery import attempts
 from tasks.delivery import signing
 from tasks.delivery import url_policy
-from tasks.delivery import events
+from tasks.delivery.events import record
 from tasks.worker import metrics
 from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
                            wait_status)
@@ -491,13 +491,13 @@ def test_url_error_reads_the_allowed_hosts_from_the_environment(monkeypatch):
 
 def _twin_payloads(tool_call_id: str, transition: Any, name: str, **given: Any) -> tuple[Any, Any]:
     """The event recorded by ``transition(s, event=events.event(name, ...))`` and the one
-    ``events.record`` writes for the row as that transition left it (the next seq)."""
+    ``tasks.delivery.events.record`` writes for the row as that transition left it (the next seq)."""
     progress = given.pop("progress")
     with db.statement() as s:
         moved = transition(s, events.event(name, progress=progress, **given))
     assert moved is not None and moved.delivery_url is not None
     with db.session() as s:
-        events.record(s, queries.get(s, tool_call_id), name, **given)
+        record(s, queries.get(s, tool_call_id), name, **given)
     first, second = deliveries(tool_call_id)[-2:]
     assert first.event_id == moved.delivery_event_id and second.seq == first.seq + 1
     return first, second

@@ -35,7 +35,7 @@ from models.calls import PENDING, ToolCall
 from models.session_context import get_context
 from tasks import chains, tools
 from tasks.calls import actions
-from tasks.delivery import events
+from models import events
 
 Answer = tuple[dict[str, Any], int]
 

@@ -28,9 +28,8 @@ from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
-from models import db, settings
+from models import db, events, settings
 from models.calls import CallbackDelivery
-from tasks.delivery import events
 from tasks.worker import metrics
 from tasks.delivery.signing import sign
 from tasks.delivery.transport import exchange
