@@ -4,7 +4,7 @@ the chain sent (``tasks/chains.py``) or the call's event recorded and sent (``ta
 
 confirm and resume start the chain after the commit, and undo the transition if the broker
 refuses it; cancel and expire announce the call's end; redrive runs a committed call's chain
-again, give_up fails one that keeps dying. The relay's ``{"cancel": true}`` comes here too.
+again, give_up fails one that keeps dying.
 """
 from __future__ import annotations
 
@@ -150,11 +150,3 @@ def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
         attempts.dispatch(delivery)
     except (KombuOperationalError, RedisError, OSError):
         log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
-
-
-@attempts.on_relay_cancel
-def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
-    try:
-        cancel(tool_call_id, reason)
-    except (lifecycle.Refused, queries.NotFound) as exc:
-        log.info("relay asked to cancel %s: %s", tool_call_id, exc)
