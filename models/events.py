@@ -108,7 +108,7 @@ def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -
         "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), text_param("ev_voice")),
         "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
     )
-    if event == "checkpoint":  # the names seed 000's /tool-checkpoint handler reads
+    if event == "checkpoint":  # the names a relay's /tool-checkpoint handler reads
         row = row.op("||")(func.jsonb_build_object("checkpoint", bindparam("ev_step", type_=String),
                                                    "resume_webhook", resume_url))
     payload = bindparam("ev_constant", type_=JSONB).op("||")(row)

@@ -1,4 +1,4 @@
-"""Delivering callback events (CONTRACT section 8): one attempt, the inline post, retries,
+"""Delivering callback events: one attempt, the inline post, retries,
 an operator's redelivery and the due events the sweep sends again.
 
 A link delivers its event inline with a short timeout; a failed attempt is retried on the
