@@ -1,8 +1,8 @@
 """``GET /voice-tools/events/<session_id>``: the session's events as Server-Sent Events.
 
-For relays that cannot expose a callback endpoint. The events
-are the callback rows themselves (``callback_deliveries``, one source of truth; an
-event with no callback URL is recorded too), each sent as::
+For relays that cannot expose a callback endpoint. The events are the callback rows
+themselves (``callback_deliveries``, one source of truth; an event with no callback URL
+is recorded too), each sent as::
 
     id: <event_id>
     data: <the callback body, JSON>
