@@ -13,7 +13,6 @@ from werkzeug.wsgi import get_input_stream
 
 from app import request_log
 from tasks.calls.errors import ApiError
-from tasks.calls.schemas import load  # noqa: F401  (app.stream loads its query with it)
 
 
 def _finite(text: str) -> float:

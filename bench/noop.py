@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 from sqlalchemy import bindparam, select, text
 
-from models import db, settings
+from models import db, events, settings
 from models.calls import ToolCall
 from tasks import app, base
 from tasks.delivery import transport
-from tasks.delivery import events
+from tasks.delivery.signing import sign
 
 QUEUE = "bench.noop"
 _STATUS = select(ToolCall.status).where(ToolCall.tool_call_id == bindparam("p_id"))
@@ -86,7 +86,7 @@ def noop(self: Bare, key: str, receiver_url: str | None = None, event: str = "co
     answer = transport.http().post(receiver_url, data=body, timeout=5, headers={
         "Content-Type": "application/json",
         "X-Voice-Tools-Timestamp": timestamp,
-        "X-Voice-Tools-Signature": transport.sign(settings.load().callback_secret, timestamp, body),
+        "X-Voice-Tools-Signature": sign(settings.load().callback_secret, timestamp, body),
     })
     answer.raise_for_status()
     if record:

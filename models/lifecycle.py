@@ -10,8 +10,8 @@ answer 404 or 409 without a second guess. Callers own the transaction
 transaction) so the API can enqueue only after the commit. The hot paths (a link's
 gate, its step with its event, the API's confirm and create) are one statement
 each, built once with named parameters, returning Core rows; a link's event is inserted
-by the transition's own statement (``event=``: a data-modifying CTE that also takes the
-event's number).
+by the transition's own statement (``event=``, described by ``models/events.py``: a
+data-modifying CTE that also takes the event's number).
 
 Reading a call, and what the sweeps select, is ``models/queries.py``'s; the session
 context is ``models/session_context.py``'s.
@@ -19,7 +19,7 @@ context is ``models/session_context.py``'s.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 from sqlalchemy import (
     ColumnElement,
@@ -36,7 +36,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.orm import Session, object_session
-from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.types import Float, String, Text
 
@@ -53,6 +52,7 @@ from models.calls import (
     ToolCall,
 )
 from models.db import Executor
+from models.events import Event
 from models.queries import get, quiet_for, stale_where
 
 CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)
@@ -129,18 +129,6 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
 CALLS = ToolCall.__table__
 
 
-class EventInsert(Protocol):
-    """A callback event to insert in a transition's own statement (``callbacks.event`` makes them):
-    ``build(moved)`` is the INSERT of its row from the transition's returned row (a CTE named
-    ``moved`` whose ``event_seq`` is the event's number), the same for every event of one
-    ``shape``, with ``params`` for its bind parameters."""
-
-    shape: tuple[Any, ...]
-    params: dict[str, Any]
-
-    def build(self, moved: Any) -> Insert: ...
-
-
 def _cas(
     tool_call_id: str,
     *,
@@ -187,7 +175,7 @@ _BUILT: dict[tuple[Any, ...], Any] = {}
 
 
 def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], make: Callable[[], Any],
-                    event: EventInsert | None = None) -> Row[Any] | None:
+                    event: Event | None = None) -> Row[Any] | None:
     """The hot paths' transition: one statement, a Core row (no ORM entity), or None if it did not apply.
 
     ``make()`` builds the transition's compare-and-set (with the ``P_*`` parameters), once
@@ -226,7 +214,7 @@ def next_event_seq(s: Session, tool_call_id: str) -> int:
 
 
 
-def record_event(s: Executor, tool_call_id: str, event: EventInsert) -> Row[Any]:
+def record_event(s: Executor, tool_call_id: str, event: Event) -> Row[Any]:
     """Insert ``event`` for the call as it is now, in the caller's transaction (after a transition
     that did not insert it itself): one statement takes the call's next event number and
     inserts the event's row from the call's row (see :func:`_transition_row`)."""
@@ -485,7 +473,7 @@ _WITH_OUTPUT = ToolCall.step_outputs.op("||")(func.jsonb_build_object(P_STEP, P_
 
 
 def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress: float,
-                event: EventInsert | None = None) -> Row[Any] | None:
+                event: Event | None = None) -> Row[Any] | None:
     """Store a finished step's output (so a redelivery skips it) and its progress;
     with ``event``, its callback event in the same statement (see :func:`_transition_row`)."""
     def make() -> Any:
@@ -498,7 +486,7 @@ def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress
 
 
 def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
-               event: EventInsert | None = None) -> Row[Any] | None:
+               event: Event | None = None) -> Row[Any] | None:
     """EXECUTING → PREPARED: the chain ends here until resumed. ``output`` (the step's
     preview), when given, is stored as the step's output by the same statement; with
     ``event``, the ``checkpoint`` event is recorded by it too."""
@@ -541,7 +529,7 @@ def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", cal
 
 
 def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_response: str,
-             context_key: str | None = None, event: EventInsert | None = None) -> Row[Any] | None:
+             context_key: str | None = None, event: Event | None = None) -> Row[Any] | None:
     """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement."""
     def make() -> Any:
         extra = {"context_key": P_CONTEXT_KEY} if context_key else {}

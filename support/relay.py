@@ -1,20 +1,21 @@
 """A relay stand-in: a real local HTTP server that receives callbacks.
 
-It checks every request's HMAC signature (a bad one is answered 401 and counted in
-``bad_signatures``), records the events in order, and answers as programmed:
-``relay.answer(lambda event: {...})`` returns the JSON to send back (or an int status,
-or ``None`` for ``{"received": true}``); ``relay.delay`` makes it slow; ``relay.down()``
-closes its port (a connection is refused) and ``relay.up()`` listens on it again.
+It checks every request's signature (``tasks.delivery.signing.verify``: a bad one is
+answered 401 and counted in ``bad_signatures``), records the events in order, and
+answers as programmed: ``relay.answer(lambda event: {...})`` returns the JSON to send
+back (or an int status, or ``None`` for ``{"received": true}``); ``relay.delay`` makes it
+slow; ``relay.down()`` closes its port (a connection is refused) and ``relay.up()``
+listens on it again.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
+
+from tasks.delivery.signing import verify
 
 
 class Relay:
@@ -35,11 +36,7 @@ class Relay:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                timestamp = self.headers.get("X-Voice-Tools-Timestamp", "")
-                expected = "sha256=" + hmac.new(
-                    relay.secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256
-                ).hexdigest()
-                if not hmac.compare_digest(expected, self.headers.get("X-Voice-Tools-Signature", "")):
+                if not verify(relay.secret, self.headers, body):
                     with relay._lock:
                         relay.bad_signatures += 1
                     self._reply(401, {"error": "bad signature"})

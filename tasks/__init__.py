@@ -1,13 +1,26 @@
 """The Celery app with every task: ``celery -A tasks worker|beat|flower`` from the repo root.
 
-The app is made in ``tasks/celery_app.py``; importing the task modules here registers
-their tasks. A module of this package imports ``tasks.celery_app`` for the app, never
-this package's ``app``.
+The app is made in ``tasks/celery_app.py``; ``tasks.app`` (what ``celery -A tasks`` and
+``from tasks import app`` read) imports the task modules first, so it has every task.
+Importing a module of this package imports nothing else: a light process takes
+``tasks.delivery.signing`` without Celery. A module of this package imports
+``tasks.celery_app`` for the app, never this package's ``app``.
 """
-from tasks.celery_app import app
-from tasks import chains
-from tasks.calls import actions
-from tasks.delivery import attempts
-from tasks import sweeps
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from tasks.celery_app import app
+    from tasks import chains  # noqa: F401  (each import registers its tasks)
+    from tasks.calls import actions  # noqa: F401
+    from tasks.delivery import attempts  # noqa: F401
+    from tasks import sweeps  # noqa: F401
+
+    globals()["app"] = app
+    return app

@@ -14,7 +14,6 @@ from celeryconfig import queue
 from models import db
 from tasks import base, tools
 from tasks.worker import beat_thread
-from tasks.delivery import transport
 from tasks.worker import log_context
 from tasks.worker import metrics_thread
 from tasks.worker import groups
@@ -40,7 +39,7 @@ def _freeze_before_fork(**_: object) -> None:
 
 @worker_process_init.connect
 def _fresh_connections_after_fork(**_: object) -> None:
-    """A forked child must not share the parent's database or HTTP connections."""
+    """A forked child must not share the parent's database connections (the HTTP session of
+    callbacks is made again by ``tasks/delivery/transport.py`` itself, at every fork)."""
     db.dispose()
-    transport.reset_http_session()
 

@@ -31,12 +31,12 @@ from redis.exceptions import RedisError
 
 from models import logs
 from celeryconfig import queue
-from models import db, lifecycle, queries
+from models import db, events, lifecycle, queries
 from models.calls import ToolCall
 from tasks import base, tools
 import backends
 from tasks.delivery import attempts
-from tasks.delivery import events
+from tasks.delivery.events import record
 from tasks.worker import metrics
 from tasks.celery_app import app
 from tasks.tools import Message, PermanentError, Step, StepInput, Tool, TransientError
@@ -356,6 +356,6 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None)
         if call is None:
             return None
-        delivery = events.record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
+        delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
     attempts.deliver_inline(delivery)
     return call

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -367,3 +370,26 @@ def test_the_run_command_always_has_a_secret(tmp_path, monkeypatch):
     again, filled = launcher.run_environment(tmp_path)
     assert "VOICE_TOOLS_CALLBACK_SECRET" in filled
     assert again["VOICE_TOOLS_CALLBACK_SECRET"] == env["VOICE_TOOLS_CALLBACK_SECRET"]
+
+
+FORKED = """
+import os
+from tasks.delivery import transport
+parent = transport.http()
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(write, b"fresh" if transport.http() is not parent else b"shared")
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(read, 16).decode(), "parent-kept" if transport.http() is parent else "parent-lost")
+"""
+
+
+def test_a_forked_child_makes_its_own_http_session():
+    """A pool child (or a gunicorn worker) never posts over its parent's pooled connections,
+    whoever forks it: the session is made again after every fork."""
+    done = subprocess.run([sys.executable, "-c", FORKED], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fresh", "parent-kept"]

@@ -6,28 +6,32 @@ import hashlib
 import hmac
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import select, text
 
-from models import db, lifecycle, queries
+from models import db, events, lifecycle, queries
 from models.email import EmailOutbox
 from tasks.calls import actions
 from tasks.delivery import attempts
-from tasks.delivery import transport
+from tasks.delivery import signing
 from tasks.delivery import url_policy
-from tasks.delivery import events
+from tasks.delivery.events import record
 from tasks.worker import metrics
 from tests.helpers import (counted, deliveries, delivery, make_call, progress_event, row, wait_delivered,
                            wait_status)
 from tests.tasklog import TaskLog
 
 SEND = "tools.send_email."
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -102,7 +106,73 @@ def outbox_count() -> int:
 def test_sign_is_hmac_sha256_over_timestamp_dot_body():
     body = b'{"event":"progress"}'
     expected = hmac.new(b"k", b"1700000000." + body, hashlib.sha256).hexdigest()
-    assert transport.sign("k", "1700000000", body) == f"sha256={expected}"
+    assert signing.sign("k", "1700000000", body) == f"sha256={expected}"
+
+
+SIGNED_AT = 1_700_000_000
+BODY = b'{"event":"progress","seq":1}'
+
+
+def _headers(secret: str = "k", at: int = SIGNED_AT, body: bytes = BODY) -> dict[str, str]:
+    return {"X-Voice-Tools-Timestamp": str(at), "X-Voice-Tools-Signature": signing.sign(secret, str(at), body)}
+
+
+def test_verify_accepts_a_good_signature_from_headers_or_values():
+    headers = _headers()
+    assert signing.verify("k", headers, BODY, now=SIGNED_AT)
+    assert signing.verify("k", {name.lower(): value for name, value in headers.items()}, BODY, now=SIGNED_AT)
+    assert signing.verify("k", (headers["X-Voice-Tools-Timestamp"], headers["X-Voice-Tools-Signature"]), BODY,
+                          now=SIGNED_AT)
+    signed_now = _headers(at=int(time.time()))
+    assert signing.verify("k", signed_now, BODY)  # ``now`` defaults to the clock
+
+
+def test_verify_refuses_a_wrong_secret_and_a_tampered_body():
+    assert not signing.verify("not-k", _headers(), BODY, now=SIGNED_AT)
+    assert not signing.verify("k", _headers(), BODY.replace(b"1", b"2"), now=SIGNED_AT)
+    assert not signing.verify("k", _headers(), BODY + b" ", now=SIGNED_AT)
+    assert not signing.verify("", _headers(secret=""), BODY, now=SIGNED_AT)  # an empty secret verifies nothing
+    # the timestamp is signed too: the same signature with another timestamp is refused
+    moved = dict(_headers(), **{"X-Voice-Tools-Timestamp": str(SIGNED_AT + 1)})
+    assert not signing.verify("k", moved, BODY, now=SIGNED_AT)
+
+
+@pytest.mark.parametrize("offset, accepted", [
+    (0, True), (300, True), (-300, True),  # within the window, either side
+    (301, False),  # stale: a replay of an old request
+    (-301, False),  # from the future
+    (86_400, False),
+])
+def test_verify_refuses_a_timestamp_outside_the_window(offset, accepted):
+    assert signing.verify("k", _headers(), BODY, now=SIGNED_AT + offset) is accepted
+    assert signing.verify("k", _headers(), BODY, tolerance_s=10, now=SIGNED_AT + offset) is (offset == 0)
+
+
+@pytest.mark.parametrize("timestamp, signature", [
+    (None, "good"), (str(SIGNED_AT), None), ("", "good"), (str(SIGNED_AT), ""),
+    ("17e8", "good"), ("-1700000000", "good"), (" 1700000000", "good"), ("\u0661\u0667", "good"),
+    (str(SIGNED_AT), "bare"),  # the hex without its ``sha256=``
+    (str(SIGNED_AT), "sha1=" + "0" * 40), (str(SIGNED_AT), "sha256=" + "0" * 64),
+    (str(SIGNED_AT), "sha256=nothex"), (str(SIGNED_AT), "sha256=\u00e9t\u00e9"),
+])
+def test_verify_refuses_a_missing_or_malformed_header(timestamp, signature):
+    good = _headers()["X-Voice-Tools-Signature"]
+    headers = {}
+    if timestamp is not None:
+        headers["X-Voice-Tools-Timestamp"] = timestamp
+    if signature is not None:
+        headers["X-Voice-Tools-Signature"] = {"good": good, "bare": good.removeprefix("sha256=")}.get(
+            signature, signature)
+    assert signing.verify("k", headers, BODY, now=SIGNED_AT) is False
+
+
+def test_signing_is_light_to_import():
+    """A relay's receiver (the demo's) imports it in a process with no Celery and no database."""
+    done = subprocess.run([sys.executable, "-c", "import sys, tasks.delivery.signing; "
+                           "print(sorted({'celery', 'sqlalchemy', 'kombu', 'requests', 'flask'} & set(sys.modules)))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 # CONTRACT section 8: every callback body carries these (null where they do not apply)
@@ -421,13 +491,13 @@ def test_url_error_reads_the_allowed_hosts_from_the_environment(monkeypatch):
 
 def _twin_payloads(tool_call_id: str, transition: Any, name: str, **given: Any) -> tuple[Any, Any]:
     """The event recorded by ``transition(s, event=events.event(name, ...))`` and the one
-    ``events.record`` writes for the row as that transition left it (the next seq)."""
+    ``tasks.delivery.events.record`` writes for the row as that transition left it (the next seq)."""
     progress = given.pop("progress")
     with db.statement() as s:
         moved = transition(s, events.event(name, progress=progress, **given))
     assert moved is not None and moved.delivery_url is not None
     with db.session() as s:
-        events.record(s, queries.get(s, tool_call_id), name, **given)
+        record(s, queries.get(s, tool_call_id), name, **given)
     first, second = deliveries(tool_call_id)[-2:]
     assert first.event_id == moved.delivery_event_id and second.seq == first.seq + 1
     return first, second

@@ -19,8 +19,6 @@ exit status is 0 when every call a scenario makes ends COMPLETED.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import os
 import queue
@@ -32,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import requests
+
+from tasks.delivery.signing import verify
 
 WAIT_S = 30
 
@@ -51,7 +51,7 @@ class CallbackReceiver:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if receiver.secret and not receiver.signed(body, self.headers):
+                if receiver.secret and not verify(receiver.secret, self.headers, body):
                     receiver.bad_signatures += 1
                     self._reply(401, {"error": "bad signature"})
                     return
@@ -71,13 +71,6 @@ class CallbackReceiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callbacks"
-
-    def signed(self, body: bytes, headers: Any) -> bool:
-        timestamp = headers.get("X-Voice-Tools-Timestamp", "")
-        expected = "sha256=" + hmac.new(
-            self.secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256
-        ).hexdigest()
-        return hmac.compare_digest(expected, headers.get("X-Voice-Tools-Signature", ""))
 
     def wait_for(self, event: str, timeout: float, seen: list[dict[str, Any]]) -> dict[str, Any]:
         """Collect events into ``seen`` until one of type ``event`` (or a terminal one) arrives."""

@@ -6,8 +6,7 @@ refuses it, and return a :class:`Started` (the call, its tool, the sentence of w
 next); cancel and expire announce the call's end and return the call with its sentence;
 redrive runs a committed call's chain again, give_up fails one that keeps dying. ``caller``
 (confirm, resume, cancel): only that caller's call, checked by the transition's own
-statement. :func:`tool_of` is the room's one way from a call to its tool. The relay's
-``{"cancel": true}`` comes here too.
+statement. :func:`tool_of` is the room's one way from a call to its tool.
 """
 from __future__ import annotations
 
@@ -186,11 +185,3 @@ def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
         attempts.dispatch(delivery)
     except (KombuOperationalError, RedisError, OSError):
         log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
-
-
-@attempts.on_relay_cancel
-def _cancel_at_relay_request(tool_call_id: str, reason: str) -> None:
-    try:
-        cancel(tool_call_id, reason)
-    except (lifecycle.Refused, queries.NotFound) as exc:
-        log.info("relay asked to cancel %s: %s", tool_call_id, exc)

@@ -31,7 +31,7 @@ from tasks.calls import actions, schemas
 from tasks.calls.callers import Caller, name_of, scope_of
 from tasks.calls.errors import ApiError, validation_error
 from tasks.calls.toolspec import definitions
-from tasks.delivery import events
+from models import events
 
 Answer = tuple[dict[str, Any], int]
 

@@ -16,7 +16,7 @@ from marshmallow import RAISE, Schema, ValidationError, fields, post_load, valid
 
 from tasks import tools
 from tasks.delivery import url_policy
-from tasks.delivery import events
+from models import events
 
 MAX_TEXT = 1000  # message and voice_response (CONTRACT section 5)
 

@@ -1,14 +1,13 @@
-"""Delivering callback events (CONTRACT section 8): one attempt, the inline post, retries,
+"""Delivering callback events: one attempt, the inline post, retries,
 an operator's redelivery and the due events the sweep sends again.
 
 A link delivers its event inline with a short timeout; a failed attempt is retried on the
 ``callbacks`` queue with exponential backoff, and every attempt is recorded on the row.
 Before each attempt the URL is checked again (``tasks/delivery/url_policy.py``); the exchange
-and the signature are ``tasks/delivery/transport.py``'s.
+is ``tasks/delivery/transport.py``'s, the signature ``tasks/delivery/signing.py``'s.
 
-The relay may answer ``{"cancel": true}`` to a cancellable event; the engine
-registers what to do then with :func:`on_relay_cancel` (this floor knows nothing of
-tools or chains).
+The relay's answer is read, and a ``{"cancel": true}`` to a cancellable event acted on, by
+``tasks/delivery/answers.py``, whichever attempt it answers (inline or a retry).
 """
 from __future__ import annotations
 
@@ -28,17 +27,17 @@ from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
-from models import db, settings
+from models import db, events, settings
 from models.calls import CallbackDelivery
-from tasks.delivery import events
 from tasks.worker import metrics
-from tasks.delivery.transport import exchange, sign
+from tasks.delivery import answers
+from tasks.delivery.signing import sign
+from tasks.delivery.transport import exchange
 from tasks.delivery.url_policy import delivery_refusal
 from tasks.celery_app import app
 
 log = logging.getLogger(__name__)
 
-_cancel_handler: Callable[[str, str], None] | None = None
 
 @dataclass(frozen=True)
 class Answer:
@@ -126,16 +125,9 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
     host = (urlsplit(delivery.url).hostname or "").lower()
     code, error, raw, note = exchange(delivery.url, body, headers, timeout, (host, address) if address else None)
     seconds = time.perf_counter() - started
-    answer: Any = None
-    if error is None and raw:
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            answer = None
     delivered = error is None
-    cancel = bool(isinstance(answer, dict) and answer.get("cancel") is True)
-    reason = answer.get("reason") if cancel and isinstance(answer.get("reason"), str) else None
-    relay_cancels = cancel and _is_cancellable(delivery.payload)
+    cancel, reason = answers.read(raw) if delivered else (False, None)
+    relay_cancels = cancel and answers.answers_a_cancel(delivery.payload)
 
     def record_it() -> None:
         state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
@@ -146,7 +138,7 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
     else:
         later(record_it)
     if relay_cancels:
-        _relay_cancel(delivery.tool_call_id, reason or "Cancelled by the relay")
+        _dispatch_quietly(answers.cancel(delivery.tool_call_id, reason))
     return Answer(delivered=delivered, cancel=cancel, reason=reason)
 
 
@@ -182,10 +174,6 @@ _RECORD_ATTEMPT = (
 )
 
 
-def _is_cancellable(payload: dict[str, Any]) -> bool:
-    return bool(payload.get("cancellable")) or payload.get("event") == "checkpoint"
-
-
 def deliver_inline(delivery: CallbackDelivery | None, later: Later | None = None) -> Answer | None:
     """Post a delivery recorded with ``inline=True`` now, with the short timeout;
     on failure hand the retries to the callbacks queue.
@@ -216,6 +204,14 @@ def dispatch(delivery: CallbackDelivery | str | None) -> None:
     if delivery is not None:
         event_id = delivery if isinstance(delivery, str) else delivery.event_id
         deliver.apply_async((event_id,))
+
+
+def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
+    """:func:`dispatch`, leaving the event to the retry sweep when the broker is away."""
+    try:
+        dispatch(delivery)
+    except (KombuOperationalError, RedisError, OSError):
+        log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
 
 
 def redeliver(event_ids: list[str]) -> list[str]:
@@ -271,19 +267,3 @@ def deliver(event_id: str) -> str:
         return "skipped"
     schedule_retry(event_id)
     return "retry"
-
-
-# -- the relay asked to cancel ------------------------------------------------------
-
-def on_relay_cancel(handler: Callable[[str, str], None]) -> Callable[[str, str], None]:
-    """Register what to do when the relay answers ``{"cancel": true}`` (the engine does)."""
-    global _cancel_handler
-    _cancel_handler = handler
-    return handler
-
-
-def _relay_cancel(tool_call_id: str, reason: str) -> None:
-    if _cancel_handler is None:
-        log.warning("relay asked to cancel %s but no handler is registered", tool_call_id)
-        return
-    _cancel_handler(tool_call_id, reason)

@@ -1,17 +1,15 @@
-"""The HTTP side of a callback: one pooled session per process, one attempt's exchange
-bounded as a whole, and the signature.
+"""The HTTP side of a callback: one pooled session per process (made again after a fork), one
+attempt's exchange bounded as a whole.
 
-The body is signed with HMAC-SHA256 over ``"<timestamp>.<body>"``. Redirects are not
-followed. A watchdog ends the exchange at the timeout (a relay that drips a byte a second
-does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the answer are read (a longer
-answer counts as no answer). The connection goes to the address the URL check approved
-(``tasks/delivery/url_policy.py``), with no second DNS answer in between.
+Redirects are not followed. A watchdog ends the exchange at the timeout (a relay that
+drips a byte a second does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the
+answer are read (a longer answer counts as no answer). The connection goes to the
+address the URL check approved (``tasks/delivery/url_policy.py``), with no second DNS
+answer in between.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
 import os
 import socket
 import threading
@@ -67,12 +65,15 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
-def _new_watchdog() -> None:
-    global _watchdog
-    _watchdog = _Watchdog()  # a child never inherits a lock its parent's watchdog thread held
+def _fresh_after_fork() -> None:
+    """A forked child (a Celery pool process, a gunicorn worker) makes its own HTTP session and
+    watchdog: it never shares its parent's connections, nor a lock the parent's watchdog thread held."""
+    global _http, _watchdog
+    _http = None
+    _watchdog = _Watchdog()
 
 
-os.register_at_fork(after_in_child=_new_watchdog)
+os.register_at_fork(after_in_child=_fresh_after_fork)
 
 
 class _Watch:
@@ -178,16 +179,6 @@ def http() -> requests.Session:
         session.headers["User-Agent"] = "voice-tools-callbacks/1"
         _http = session
     return _http
-
-
-def reset_http_session() -> None:
-    global _http
-    _http = None
-
-
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
 
 
 def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,

@@ -1,0 +1,135 @@
+"""A call's callback event: the one builder of its ``callback_deliveries`` row and payload (SQL),
+inserted by the statement of the transition that causes it.
+
+Every event is recorded, with or without a URL (the session's event stream reads the
+same rows). :func:`event` describes one; a transition of ``models/lifecycle.py`` inserts
+it (``event=``, or ``lifecycle.record_event`` after a transition that did not);
+:func:`delivery_of` turns the returned row into the delivery to post
+(``tasks/delivery/``).
+"""
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import Row, bindparam, case, cast, func, insert, literal, null, select
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.types import DateTime, String, Text
+
+from models import settings
+from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery
+
+
+def actions_available(status: str) -> list[str]:
+    """What the caller may do to a call in ``status`` (an event's ``actions_available``, a record's)."""
+    return {
+        PENDING: ["confirm", "modify", "cancel"],
+        EXECUTING: ["cancel"],
+        PREPARED: ["proceed", "cancel"],
+    }.get(status, [])
+
+
+def lease_s(timeout: float) -> float:
+    """How long an attempt holds its row: the request's timeout and some slack."""
+    return timeout + 5
+
+
+class Event:
+    """A callback event to insert by the statement of the transition that causes it; made by :func:`event`.
+
+    ``build(moved)`` is the INSERT of its row from the transition's returned row (a CTE
+    named ``moved`` whose ``event_seq`` is the event's number), the same for every event
+    of one ``shape``, with ``params`` for its bind parameters.
+    """
+
+    def __init__(self, shape: tuple[str, bool, bool], params: dict[str, Any]):
+        self.shape = shape  # (event, requires_confirmation, inline): what the INSERT looks like
+        self.params = params
+
+    def build(self, moved: Any) -> Insert:
+        return _insert(moved, *self.shape)
+
+
+def event(
+    event: str,
+    *,
+    step: str | None,
+    gate: int | None,
+    progress: float | None,
+    message: str = "",
+    cancellable: bool = False,
+    requires_confirmation: bool = False,
+    preview: dict[str, Any] | None = None,
+    context_key: str | None = None,
+    inline: bool = False,
+) -> Event:
+    """The one description of an event's row and payload, for the transition that inserts it.
+
+    The ``INSERT ... SELECT`` takes what Python knows now as parameters and the rest from
+    the call's row as that statement left it (``moved``): its columns, its new
+    ``event_seq`` (the event's ``seq``), its actions and its URL (the call's
+    ``callback_urls[event]`` if it names one, else its ``callback_url``). ``progress`` is
+    the progress the transition sets. ``inline``: the caller posts it at once, so the row
+    is inserted already claimed for that attempt (``next_attempt_at`` a lease ahead).
+    """
+    cfg = settings.load()
+    event_id = uuid.uuid4().hex
+    constant: dict[str, Any] = {
+        "event_id": event_id, "type": "tool_status", "event": event, "step": step, "gate": gate,
+        "progress": progress, "message": message, "cancellable": cancellable,
+        "requires_confirmation": requires_confirmation, "preview": preview,
+        "context_available": context_key is not None, "context_key": context_key,
+    }
+    return Event((event, requires_confirmation, inline), {
+        "ev_id": event_id, "ev_constant": constant, "ev_step": step,
+        "ev_voice": message if event != "progress" else None,
+        "ev_resume": f"{cfg.public_url}/voice-tools/resume/",
+        "ev_lease": datetime.now(timezone.utc) + timedelta(seconds=lease_s(cfg.callback_timeout)),
+    })
+
+
+def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -> Insert:
+    """The INSERT of an :class:`Event`'s row (bind parameters ``ev_*``) from the transition's row ``moved``."""
+    def text_param(name: str) -> Any:
+        return bindparam(name, type_=Text)
+
+    url = func.coalesce(func.nullif(moved.c.callback_urls.op("->>")(event), ""), func.nullif(moved.c.callback_url, ""))
+    resume_url = text_param("ev_resume") + moved.c.tool_call_id if requires_confirmation else null()
+    actions = case({status: cast(bindparam(None, actions_available(status), type_=JSONB), JSONB)
+                    for status in (PENDING, EXECUTING, PREPARED)},
+                   value=moved.c.status, else_=cast(literal("[]"), JSONB))
+    row = func.jsonb_build_object(
+        "tool_call_id", moved.c.tool_call_id, "intent_id", moved.c.intent_id,
+        "session_id", moved.c.session_id, "function_name", moved.c.function_name,
+        "parameters", moved.c.parameters, "status", moved.c.status, "resume_url", resume_url,
+        "actions_available", actions, "result", moved.c.result,
+        "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), text_param("ev_voice")),
+        "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
+    )
+    if event == "checkpoint":  # the names a relay's /tool-checkpoint handler reads
+        row = row.op("||")(func.jsonb_build_object("checkpoint", bindparam("ev_step", type_=String),
+                                                   "resume_webhook", resume_url))
+    payload = bindparam("ev_constant", type_=JSONB).op("||")(row)
+    lease = bindparam("ev_lease", type_=DateTime(timezone=True))
+    chosen = select(
+        bindparam("ev_id", type_=String), moved.c.tool_call_id, moved.c.session_id, literal(event),
+        moved.c.event_seq, payload, url, case((url.is_(None), "none"), else_="pending"), literal(0),
+        case((url.is_not(None), lease), else_=None) if inline else null(),
+    )
+    return insert(CallbackDelivery).from_select(
+        ["event_id", "tool_call_id", "session_id", "event", "seq", "payload", "url", "state", "attempts",
+         "next_attempt_at"], chosen,
+    ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
+                CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
+
+
+def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:
+    """The delivery to post from a transition's row that inserted an :class:`Event`
+    (None: no URL takes the event, or the transition did not apply)."""
+    if row is None or row.delivery_url is None:
+        return None
+    return CallbackDelivery(event_id=row.delivery_event_id, tool_call_id=row.tool_call_id, session_id=row.session_id,
+                            event=row.delivery_event, seq=row.event_seq, payload=row.delivery_payload,
+                            url=row.delivery_url, state="pending", attempts=0)
