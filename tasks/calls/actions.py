@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.utils import uuid
-from kombu.exceptions import OperationalError as KombuOperationalError
-from redis.exceptions import RedisError
 
 from models import db, lifecycle, queries
-from models.calls import PENDING, CallbackDelivery, ToolCall
+from models.calls import PENDING, ToolCall
 from tasks import chains, tools
 from tasks.calls.errors import UnknownTool
 from tasks.delivery import attempts
@@ -118,19 +116,13 @@ def _published_after_all(tool_call_id: str) -> ToolCall:
 
 def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False,
            caller: str | None = None) -> ToolCall:
-    """Cancel before the point of no return and announce it once with a ``cancelled`` event; the
-    call with its ``voice_response`` (``caller``: as confirm's). A call of a tool this process
-    does not run can be cancelled too."""
-    with db.session() as s:
-        call = lifecycle.cancel(s, tool_call_id, reason, caller=caller)
-        tool = tools.get(call.function_name)
-        voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
-        call = lifecycle.set_voice_response(s, tool_call_id, voice)
-        delivery = events.record(s, call, "cancelled", message=voice, inline=deliver_now)
+    """Cancel before the point of no return and announce it once with a ``cancelled`` event
+    (``tasks.delivery.events.cancel``); the call with its ``voice_response``."""
+    call, delivery = events.cancel(tool_call_id, reason, caller=caller, inline=deliver_now)
     if deliver_now:
         attempts.deliver_inline(delivery)
     else:
-        _dispatch_quietly(delivery)
+        attempts.dispatch_quietly(delivery)
     return call
 
 
@@ -176,12 +168,5 @@ def expire(tool_call_id: str, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCa
         voice = expired_sentence(call)
         call = lifecycle.set_voice_response(s, tool_call_id, voice)
         delivery = events.record(s, call, "expired", message=voice)
-    _dispatch_quietly(delivery)
+    attempts.dispatch_quietly(delivery)
     return call
-
-
-def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
-    try:
-        attempts.dispatch(delivery)
-    except (KombuOperationalError, RedisError, OSError):
-        log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)

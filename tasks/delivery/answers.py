@@ -13,9 +13,8 @@ import json
 import logging
 from typing import Any
 
-from models import db, lifecycle, queries
+from models import lifecycle, queries
 from models.calls import CallbackDelivery
-from tasks import tools
 from tasks.delivery import events
 
 log = logging.getLogger(__name__)
@@ -46,13 +45,7 @@ def cancel(tool_call_id: str, reason: str | None) -> CallbackDelivery | None:
     transaction; return that event to send (None: nothing to send, or the call is no longer
     cancellable: it went on, or it ended meanwhile)."""
     try:
-        with db.session() as s:
-            call = lifecycle.cancel(s, tool_call_id, reason or REASON)
-            tool = tools.get(call.function_name)
-            voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
-            call = lifecycle.set_voice_response(s, tool_call_id, voice)
-            delivery = events.record(s, call, "cancelled", message=voice)
+        return events.cancel(tool_call_id, reason or REASON)[1]
     except (lifecycle.Refused, queries.NotFound) as exc:
         log.info("relay asked to cancel %s: %s", tool_call_id, exc)
         return None
-    return delivery

@@ -138,7 +138,7 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
     else:
         later(record_it)
     if relay_cancels:
-        _dispatch_quietly(answers.cancel(delivery.tool_call_id, reason))
+        dispatch_quietly(answers.cancel(delivery.tool_call_id, reason))
     return Answer(delivered=delivered, cancel=cancel, reason=reason)
 
 
@@ -206,7 +206,7 @@ def dispatch(delivery: CallbackDelivery | str | None) -> None:
         deliver.apply_async((event_id,))
 
 
-def _dispatch_quietly(delivery: CallbackDelivery | None) -> None:
+def dispatch_quietly(delivery: CallbackDelivery | None) -> None:
     """:func:`dispatch`, leaving the event to the retry sweep when the broker is away."""
     try:
         dispatch(delivery)

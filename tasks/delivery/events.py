@@ -1,5 +1,6 @@
 """Recording a call's event after a transition that did not insert it itself (a cancel, an
-expiry, a failure), and counting the call's end once that has committed.
+expiry, a failure), and counting the call's end once that has committed; a cancel with its
+sentence and its event, whoever asks for it (a caller, an operator, the relay's answer).
 
 The row and its payload are built by ``models/events.py`` (the one builder, whichever
 statement inserts it); sending them is ``tasks/delivery/attempts.py``'s.
@@ -12,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from models import db, events, lifecycle
 from models.calls import CallbackDelivery, ToolCall
+from tasks import tools
 from tasks.worker import metrics
 
 ENDINGS = ("completed", "failed", "cancelled", "expired")  # the events of a call's final status
@@ -47,3 +49,17 @@ def record(
     if kind in ENDINGS:  # every ending records its event once: counted when it has committed
         db.after_commit(s, metrics.call_ended, call.function_name, call.status)
     return events.delivery_of(row)
+
+
+def cancel(tool_call_id: str, reason: str | None, *, caller: str | None = None,
+           inline: bool = False) -> tuple[ToolCall, CallbackDelivery | None]:
+    """Cancel the call (``lifecycle.cancel``: only before the point of no return; ``caller``: only
+    that caller's call) with the tool's cancelled sentence as its ``voice_response`` and its one
+    ``cancelled`` event, in one transaction; the call and the event to send. A call of a tool this
+    process does not run can be cancelled too. Raises what ``lifecycle.cancel`` raises."""
+    with db.session() as s:
+        call = lifecycle.cancel(s, tool_call_id, reason, caller=caller)
+        tool = tools.get(call.function_name)
+        voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
+        call = lifecycle.set_voice_response(s, tool_call_id, voice)
+        return call, record(s, call, "cancelled", message=voice, inline=inline)
