@@ -1,4 +1,4 @@
-"""Celery settings (CONTRACT section 7).
+"""Celery settings: queues, routes, acknowledgements and beat's schedule.
 
 Queues: one per tool, ``tools.<name>`` (declared from the tool registry by the app in
 ``tasks/celery_app.py``), plus ``callbacks`` (delivery retries) and ``maintenance``
@@ -132,5 +132,6 @@ def route_by_name(name, args, kwargs, options, task=None, **kw):
 
 task_routes = (route_by_name,)
 
-# beat's sweeps, each every so many seconds (models.settings.SWEEPS: VOICE_TOOLS_*_EVERY, README "Configuration")
+# beat's sweeps, each every so many seconds (models.settings.SWEEPS: VOICE_TOOLS_*_EVERY,
+# docs/operations.md "Configuration")
 beat_schedule = {task: {"task": task, "schedule": every} for task, every in _settings.sweep_every_s.items()}

@@ -2,8 +2,8 @@
 
 Blueprints, error handlers, auth and metrics are registered here, in one place.
 The API's one route table is registered twice: at the root and under ``/webhook``
-(the paths the seeds call on n8n), so a relay moving off n8n changes only its base
-URL and adds its token.
+(the paths of the original n8n workflows), so a relay moving off n8n changes only its
+base URL and adds its token (docs/relay-guide.md, 'The legacy aliases and the `/webhook` paths').
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(api.bp, name="n8n", url_prefix=N8N_PREFIX)  # the same table, n8n's paths
     app.add_url_rule(f"{N8N_PREFIX}/resume-execution/<tool_call_id>", endpoint="n8n.resume_execution",
-                     view_func=api.resume, methods=["POST"])  # seed 000's resume_webhook
+                     view_func=api.resume, methods=["POST"])  # the n8n workflows' resume_webhook
     app.register_blueprint(stream.bp)
     app.register_blueprint(health.bp)
     return app

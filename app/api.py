@@ -1,4 +1,4 @@
-"""The REST API a relay calls (CONTRACT section 5), paths as the seed names them.
+"""The REST API a relay calls (docs/relay-guide.md), and the legacy aliases of the n8n workflows.
 
 Every view is one line: it hands the request's path arguments, query and body to the
 operation of the same name in ``tasks.calls.operations`` (shared with the MCP face,
@@ -98,7 +98,7 @@ def tool_list():
     return operations.tool_list(inputs.query())
 
 
-# -- the seed's final endpoint names (seed 000 "FINAL IMPLEMENTATION") ---------------------
+# -- the legacy aliases: the n8n workflows' endpoint names -----------------------------------
 
 def _flat_alias(tool_name: str):
     tool = tools.get(tool_name)
@@ -108,7 +108,7 @@ def _flat_alias(tool_name: str):
         return operations.flat_alias(tool, flat, inputs.body(), inputs.query(), _caller(), _idempotency_header())
 
     alias.__name__ = f"alias_{tool_name}"
-    return doc(f"Seed alias: run {tool_name} as /voice-tools/execute does (flat body)", body=flat,
+    return doc(f"Legacy alias: run {tool_name} as /voice-tools/execute does (flat body)", body=flat,
                query=schemas.WaitQuery, responses={202: schemas.StartAnswer, 200: schemas.CallRecord})(alias)
 
 
@@ -117,7 +117,7 @@ bp.add_url_rule("/query-vector-db", view_func=_flat_alias("query_vector_db"), me
 
 
 @bp.get("/get-session-context")
-@doc("Seed alias of /voice-tools/session-context: {context}", query=schemas.SessionContextQuery,
+@doc("Legacy alias of /voice-tools/session-context: {context}", query=schemas.SessionContextQuery,
      responses={200: schemas.LegacyContextAnswer})
 def legacy_session_context():
     return operations.legacy_session_context(inputs.query(), _caller())

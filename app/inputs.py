@@ -1,4 +1,4 @@
-"""Reading a Flask request: the JSON body (any content type, as the seed's curls send none) and
+"""Reading a Flask request: the JSON body (any content type: a relay's curl may send none) and
 the query string, as plain data for the operations of ``tasks.calls``, which load them with
 their schemas (``tasks.calls.schemas.load``, named ``load`` here too for ``app.stream``)."""
 from __future__ import annotations

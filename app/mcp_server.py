@@ -1,4 +1,4 @@
-"""The MCP face (seed 000 "Option C"; CONTRACT section 11): the REST API's operations as MCP tools.
+"""The MCP face (docs/relay-guide.md, MCP): the REST API's operations as MCP tools.
 
 An MCP client (an assistant runtime that speaks the Model Context Protocol) drives
 tool calls here instead of over REST: ``request_tool`` -> ``modify_tool`` ->
@@ -183,7 +183,7 @@ FACES = (
 # -- running one: the arguments as given, the answer or the error as JSON ------------------
 
 def _bad_arguments(arguments: Arguments) -> ApiError | None:
-    """The REST body's JSON rules (CONTRACT section 5) for arguments: finite numbers, bounded nesting."""
+    """The REST body's JSON rules (docs/relay-guide.md, Errors) for arguments: finite numbers, bounded nesting."""
     if inputs.depth(arguments) > inputs.MAX_DEPTH:
         return ApiError(400, "bad_json", f"The arguments nest deeper than {inputs.MAX_DEPTH} levels.",
                         {"max_depth": inputs.MAX_DEPTH})

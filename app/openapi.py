@@ -108,7 +108,8 @@ def alias_of(endpoint: str, app: Flask) -> str | None:
 def build(app: Flask) -> dict[str, Any]:
     spec = APISpec(
         title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
-        info={"description": f"Runs the tool calls of a voice assistant (see README and CONTRACT). {RULES}"},
+        info={"description": "Runs the tool calls of a voice assistant (how to call it: docs/relay-guide.md; what it "
+                             f"promises: docs/promises.md). {RULES}"},
     )
     for tool in tools.TOOLS.values():
         spec.components.schema(tool.schema.__name__, schema=tool.schema)

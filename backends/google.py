@@ -24,7 +24,7 @@ from googleapiclient.errors import HttpError
 
 from models import settings
 
-# Scopes per API, the narrowest each tool needs (README "Real backends").
+# Scopes per API, the narrowest each tool needs (docs/operations.md, "Real backends").
 SCOPES: dict[str, tuple[str, ...]] = {
     "gmail": ("https://www.googleapis.com/auth/gmail.send", "https://www.googleapis.com/auth/gmail.readonly"),
     "calendar": ("https://www.googleapis.com/auth/calendar.events",

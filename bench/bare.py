@@ -10,7 +10,7 @@ schema, no log context:
   the compare-and-set PENDING → EXECUTING) and one message published (a bare link); with
   a JSON body ``{"links": n, "callback_url": url, "until": event}``, a bare chain of ``n``
   links posting their events to ``url`` (``bench/noop.py``; ``"record": true``: links doing the
-  contract's per-link work), for the chain benchmark;
+  work every link must do), for the chain benchmark;
 - ``GET /voice-tools/status/<id>``: a ``SELECT`` of the row;
 - ``GET /voice-tools/context/<session>``: the context's own statement
   (``queries.session_calls``), its rows as JSON.

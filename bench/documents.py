@@ -18,7 +18,7 @@ the model is prepared once before the timings):
    paragraphs, ~800-character chunks), embedded on every core, as
    ``voice-tools ingest`` does (one text per run, as many at once as threads).
 
-Goals (issue 11): embedding p50 <= 10 ms, search p50 <= 20 ms, ingest >= 200 chunks/s.
+Goals: embedding p50 <= 10 ms, search p50 <= 20 ms, ingest >= 200 chunks/s.
 Prints a markdown table. Run by hand; not part of the test suite.
 """
 from __future__ import annotations

@@ -169,11 +169,11 @@ def report(args: argparse.Namespace, sse: list[float], callback: list[float], mc
     return "\n".join([
         "# voice-tools faces benchmark",
         "",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- measured on {datetime.now(timezone.utc).strftime('%Y-%m-%d')} with "
+        f"`.venv/bin/python bench/faces.py --calls {args.calls} --requests {args.requests}`",
         f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
         f"- {info['versions']}; servers {info['servers']}",
         f"- {info['load']}",
-        f"- command: `cd {ROOT} && .venv/bin/python bench/faces.py --calls {args.calls} --requests {args.requests}`",
         "",
         "## (a) An event's delay from its row to the relay (ms)",
         "",

@@ -8,12 +8,13 @@ one signed event to it over the same pooled HTTP session as the engine's callbac
 (``progress`` from each link but the last, then ``completed`` or ``checkpoint``), so the
 two sides differ only by what the engine does in each link beyond that.
 
-``record=True`` makes a second floor, the per-link work CONTRACT sections 7 and 8 ask
-for, written by hand: read the status; record the link's progress and insert its event
-row (with the call's next ``seq``) in one durable statement; post that row's payload; and
-record the attempt on the row once the chain's next link is sent. A chain's ratio to it is
-what the engine costs beyond the contract's own work: its Python, SQLAlchemy and Celery
-glue, its claim (an ``UPDATE`` where this reads), its step, its metrics and log context.
+``record=True`` makes a second floor, the work every link must do (docs/promises.md,
+'Events and their order'), written by hand: read the status; record the link's progress
+and insert its event row (with the call's next ``seq``) in one durable statement; post
+that row's payload; and record the attempt on the row once the chain's next link is sent.
+A chain's ratio to it is what the engine costs beyond that work: its Python, SQLAlchemy
+and Celery glue, its claim (an ``UPDATE`` where this reads), its step, its metrics and log
+context.
 """
 from __future__ import annotations
 

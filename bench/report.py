@@ -55,10 +55,10 @@ def table(results: dict[str, Any], header: list[str]) -> str:
               "links, each reading the status and posting its event (ms)", "", head]
     for name, pair in results["chains"].items():
         lines.append(_pair_row(name, pair))
-    lines += ["", "The same chains against a second floor, bare links doing by hand the per-link work CONTRACT "
-              "sections 7 and 8 ask for (read the status; record the progress and insert the event row with "
-              "its `seq` in one durable statement; post it; record the attempt after the next link is sent): "
-              "what the engine costs beyond the contract's own work (for reading; no goal is set on it).",
+    lines += ["", "The same chains against a second floor, bare links doing by hand the work every link must do "
+              "(read the status; record the progress and insert the event row with its `seq` in one durable "
+              "statement; post it; record the attempt after the next link is sent): what the engine costs beyond "
+              "that work (for reading; no goal is set on it).",
               "", head]
     for name, pair in results["chains"].items():
         if "bare_recording" in pair:
@@ -68,7 +68,7 @@ def table(results: dict[str, Any], header: list[str]) -> str:
     t = results["throughput"]
     lines += ["", "## Throughput", "", "| what | voice-tools | bare | ratio |", "|---|---|---|---|",
               f"| {t['what']} | {t['api']:.1f}/s | {t['bare']:.1f}/s | **{t['api'] / t['bare']:.2f}x** |",
-              *([f"| the same bare calls, links recording as the contract asks (`bench/noop.py`) "
+              *([f"| the same bare calls, links recording what every link must (`bench/noop.py`) "
                  f"| {t['api']:.1f}/s | {t['bare_recording']:.1f}/s | **{t['api'] / t['bare_recording']:.2f}x** "
                  f"(the recording floor itself: **{t['bare_recording'] / t['bare']:.2f}x** bare) |"]
                 if "bare_recording" in t else []),
@@ -83,7 +83,7 @@ def _cpu_rows(cpu: dict[str, Any]) -> list[str]:
     """CPU time per call by process group (``bench/cpu.py``), the engine beside its floor."""
     api, bare, recording = cpu["api"], cpu["bare"], cpu.get("bare_recording")
     lines = ["", f"## CPU per call, by process group: {cpu['what']} (ms of user + system time; `bench/cpu.py`)", "",
-             "| where | voice-tools | floor | difference | floor recording (the contract's per-link work) |",
+             "| where | voice-tools | floor | difference | floor recording (the work every link must do) |",
              "|---|---|---|---|---|"]
     for group in api:
         extra = f"{recording[group]:.1f}" if recording else ""

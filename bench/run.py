@@ -18,8 +18,8 @@ It measures:
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
     app's confirm sends the bare chain) to the event at a local relay (``support/relay.py``,
     checking signatures); the two sides alternate call by call; and the same chains against
-    a second floor whose links also do by hand the per-link work of CONTRACT 7 and 8 (record
-    the progress with the event row, record the attempt): what the engine costs beyond that;
+    a second floor whose links also do by hand the work every link must do (record the
+    progress with the event row, record the attempt): what the engine costs beyond that;
 (2b) CPU per call of that read tool and of its bare call, by process group (``bench/cpu.py``:
     API, workers, PostgreSQL, Redis, the bench), one side at a time: where the ratio comes from;
 (3) calls/s of that read tool (pending + confirm by 16 clients, until every ``completed``
@@ -144,7 +144,7 @@ class ChainBench:
     def confirm_bare(self, tool_call_id: str, record: bool = False) -> None:
         """POST confirm to the bare app: its compare-and-set, then a bare chain of as many links,
         each reading the call's status and posting its event to the relay (``record``: also
-        recording its progress, event row and attempt, as the contract asks; ``bench/noop.py``)."""
+        recording its progress, event row and attempt, as every link must; ``bench/noop.py``)."""
         load.call("POST", f"{self.bare_api}/voice-tools/confirm/{tool_call_id}", 202, json={
             "links": self.links, "callback_url": self.relay.url, "until": self.until, "record": record})
 
@@ -371,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "python -m bench" + (" --smoke" if args.smoke else " --quick" if args.quick else "")
         header = [
             "# voice-tools benchmark", "",
-            f"- date: {now.strftime('%Y-%m-%d %H:%M UTC')}; command: `.venv/bin/{command}` "
-            f"({time.monotonic() - started:.0f} s)",
+            f"- measured on {now.strftime('%Y-%m-%d')} with `.venv/bin/{command}` ({time.monotonic() - started:.0f} s)",
             f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
             f"- {info['versions']}; servers {info['servers']}",
             f"- {info['load']}",

@@ -1,4 +1,4 @@
-"""The tables of a tool call's life (CONTRACT section 2)."""
+"""The tables of a tool call's life: the call, its session context and its callback events."""
 from __future__ import annotations
 
 import uuid
@@ -38,7 +38,7 @@ TERMINAL = (COMPLETED, FAILED, CANCELLED, EXPIRED)
 OPEN = (PENDING, MODIFIED, EXECUTING, PREPARED)
 ACTION_LEVELS = ("read", "draft", "write")
 # the kind of request that recorded a call (migration 0008): an idempotent replay is the
-# same call only on the same kind (CONTRACT section 5)
+# same call only on the same kind (docs/promises.md, Idempotency)
 REQUEST_KINDS = ("pending", "execute")
 
 
@@ -68,7 +68,7 @@ class ToolCall(Base):
         Index("idx_tool_calls_status", "session_id", "status"),
         Index("idx_tool_calls_open_status", "status", "created_at",
               postgresql_where=text("status IN ('PENDING', 'PREPARED', 'EXECUTING')")),
-        # idempotency keys are per caller (CONTRACT section 5); a call with no caller counts as ''
+        # idempotency keys are per caller (docs/promises.md, Callers); a call with no caller counts as ''
         Index("uq_tool_calls_caller_idempotency_key", func.coalesce(text("caller"), text("''")), "idempotency_key",
               unique=True, postgresql_where=text("idempotency_key IS NOT NULL")),
     )

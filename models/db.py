@@ -142,7 +142,8 @@ def statement(durable: bool = True) -> Iterator[Connection]:
     writer. Only for a statement whose loss is repaired by what the system does anyway and
     that nothing outside the database acts on before a durable commit: a link's gate before
     a step without side effect (the redelivered link claims it again). Not the record of a
-    callback attempt: the relay has acted on it, and every attempt is recorded (CONTRACT 8).
+    callback attempt: the relay has acted on it, and every attempt is recorded (docs/promises.md,
+    'Events and their order').
 
     psycopg2's own ``autocommit`` switch, not SQLAlchemy's ``AUTOCOMMIT`` isolation level:
     that one makes psycopg2 send a ``SET default_transaction_isolation`` each time (a round

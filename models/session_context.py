@@ -1,5 +1,5 @@
 """The session-context store: what one call leaves for a later call of the same session
-(``context_key``; CONTRACT section 9), each value its caller's own, until it expires.
+(``context_key``), each value its caller's own, until it expires.
 
 Values are written by a tool's step (``query_vector_db``), read by another's
 (``send_email``) and by ``GET /voice-tools/context``, and purged by beat.

@@ -1,6 +1,6 @@
 """Configuration read from the environment, in one place.
 
-Every value has a default so a fresh clone runs; the README lists them all.
+Every value has a default so a fresh clone runs; docs/operations.md (Configuration) lists them all.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class Settings:
     max_redrives: int
     max_wait_s: int
     public_url: str
-    # real backends (README "Real backends"); unset: the local ones
+    # real backends (docs/operations.md, "Real backends"); unset: the local ones
     google_credentials: str
     google_subject: str
     google_services: list[str]

@@ -1,4 +1,4 @@
-"""Is a call's chain still alive? The facts the stuck-call sweep judges by (issue 15 point 7).
+"""Is a call's chain still alive? The facts the stuck-call sweep judges by.
 
 While a call's chain lives, one of its links is a message somewhere: waiting in its
 tool's queue (a backlog may hold it there for long), delivered to a worker (running,

@@ -41,7 +41,7 @@ def call_count() -> int:
 
 
 def pending(client, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None):
-    """POST /voice-tools/pending with the seed's step-4 body by default."""
+    """POST /voice-tools/pending with the body of docs/relay-guide.md's first curl by default."""
     payload = body if body is not None else {"session_id": "test_123", "function": "send_email",
                                              "parameters": dict(SEED_EMAIL)}
     return client.post("/voice-tools/pending", json=payload, headers=headers or AUTH)

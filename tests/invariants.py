@@ -16,8 +16,8 @@ returns a :class:`Verdict` whose ``problems`` must be empty:
   CANCELLED (``answered_cancelled``);
 - with a relay: every callback row was delivered, the relay received every event_id
   (and no other), each with the seq of its row, and a call's events, ordered by seq
-  as the contract tells a relay to, are 1, 2, 3 ... with no gap, its terminal event
-  last. Delivery is at least once (CONTRACT section 8): the relay may see an event_id
+  as docs/relay-guide.md tells a relay to, are 1, 2, 3 ... with no gap, its terminal event
+  last. Delivery is at least once (docs/promises.md, 'Events and their order'): the relay may see an event_id
   twice (counted in ``relay_duplicates``) unless the scenario says ``once_at_relay``.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from models.calls import CANCELLED, COMPLETED, EXECUTING, PENDING, PREPARED, TER
 from models.email import EmailOutbox
 from models.lifecycle import REDRIVEN_REASON
 
-# Every status change the contract allows (EXECUTING -> PENDING is the undo of a
+# Every status change docs/promises.md allows (EXECUTING -> PENDING is the undo of a
 # confirm whose chain the broker refused; EXECUTING -> EXECUTING is the stuck-call
 # sweep running a committed chain again, with REDRIVEN_REASON).
 ALLOWED = {

@@ -1,4 +1,4 @@
-"""What RabbitMQ does its own way, shown on RabbitMQ (README "Choosing RabbitMQ").
+"""What RabbitMQ does its own way, shown on RabbitMQ (docs/operations.md, RabbitMQ).
 
 Not collected by a plain ``pytest`` run (its name does not start with ``test_``):
 ``tests/test_rabbitmq_parity.py`` runs it, with the chain, race, worker-loss and API

@@ -1,4 +1,5 @@
-"""The call endpoints' happy paths, and the seed's verification curls (seed 000, steps 4 to 8)."""
+"""The call endpoints' happy paths, first the walkthrough of docs/relay-guide.md's curls
+("Record, correct, confirm" and "Read"): record, correct, cancel, confirm, read."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from tests.conftest import AUTH
 from tests.helpers import make_call, row, wait_status
 
 
-# -- seed 000 "Verification Steps" as written ----------------------------------------------
+# -- the relay guide's walkthrough ----------------------------------------------------------
 
-def test_seed_step4_pending_without_body_field(client):
+def test_guide_pending_without_body_field(client):
     # curl -X POST .../voice-tools/pending -H "Content-Type: application/json" -d '{...}'
     answer = client.post("/voice-tools/pending", headers={**AUTH, "Content-Type": "application/json"},
                          data='{"session_id":"test_123","function":"send_email",'
@@ -30,7 +31,7 @@ def test_seed_step4_pending_without_body_field(client):
     assert stored.parameters["body"] == ""
 
 
-def test_seed_step5_modify_tracks_history(client):
+def test_guide_modify_tracks_history(client):
     tool_call_id = created_id(client)
     answer = client.patch(f"/voice-tools/modify/{tool_call_id}", headers=AUTH,
                           data='{"parameters":{"to":"updated@example.com"}}')
@@ -51,7 +52,7 @@ def test_seed_step5_modify_tracks_history(client):
     assert stored.status_history[1]["fields"] == ["to"]
 
 
-def test_seed_step6_cancel_without_body(client):
+def test_guide_cancel_without_body(client):
     tool_call_id = created_id(client)
     answer = client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=AUTH)
     assert answer.status_code == 200, answer.get_json()
@@ -64,8 +65,8 @@ def test_seed_step6_cancel_without_body(client):
     assert stored.completed_at is not None
 
 
-def test_seed_step7_confirm_runs_to_completed_with_result(client, worker):
-    # the seed's curl sends no Content-Type; our send_email stops at its checkpoint first
+def test_guide_confirm_runs_to_completed_with_result(client, worker):
+    # a body sent with no Content-Type is read as JSON; send_email stops at its checkpoint first
     answer = client.post("/voice-tools/pending", headers=AUTH,
                          data='{"session_id":"test_456","function":"send_email",'
                               '"parameters":{"to":"test@example.com","subject":"Test"}}')
@@ -86,7 +87,7 @@ def test_seed_step7_confirm_runs_to_completed_with_result(client, worker):
     assert stored.status == "COMPLETED" and stored.result == body["result"]
 
 
-def test_seed_step8_context_lists_recent(client, worker):
+def test_guide_context_lists_recent(client, worker):
     tool_call_id = created_id(client, session_id="test_456")
     client.post(f"/voice-tools/confirm/{tool_call_id}?wait=10", headers=AUTH)
     client.post(f"/voice-tools/resume/{tool_call_id}?wait=10", headers=AUTH, json={"action": "proceed"})
@@ -253,7 +254,7 @@ def test_pending_with_reference_context(client):
 
 
 def test_context_bounds_the_pending_list_as_it_bounds_recent(client):
-    """Issue 14 §1.11: a session with many open calls answers at most ``limit`` of them, newest first."""
+    """A session with many open calls answers at most ``limit`` of them, newest first."""
     opened = [make_call(session_id="busy", parameters={"to": f"p{i}@example.com", "subject": "s"})
               for i in range(12)]
     newest_first = [call.tool_call_id for call in reversed(opened)]

@@ -40,7 +40,7 @@ def test_concurrent_confirms_start_the_chain_once(client, worker):
 
 
 def test_concurrent_executes_with_one_key_start_the_call_once_and_replay_the_rest(client, worker):
-    """Issue 14 §1.3: every request but the one that started the call answers the replay (200, its
+    """Every request but the one that started the call answers the replay (200, its
     record), never 409 invalid_status, even those that found the call still PENDING and confirmed too."""
     body = {"session_id": "race", "function": "send_email", "parameters": SEED_EMAIL, "idempotency_key": "ex-race"}
     answers = _together(client.application, lambda c: c.post("/voice-tools/execute", headers=AUTH, json=body))

@@ -86,7 +86,7 @@ LONG_NAME = "n" * 101
 
 
 def test_a_token_named_past_100_characters_is_refused_clearly_and_records_nothing(client, monkeypatch):
-    """Issue 14 §1.7: the caller column holds 100 characters; such a token is a configuration error
+    """The caller column holds 100 characters; such a token is a configuration error
     the presenter is told about (401), never a database error (500) and never a truncated caller."""
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"tests:{API_TOKEN},{LONG_NAME}:long-token,{'m' * 100}:ok-token")
     body = assert_error(pending(client, BODY, headers={"Authorization": "Bearer long-token"}), 401, "unauthorized")
@@ -229,8 +229,8 @@ def test_execute_replay_starts_nothing_new(client, worker):
 
 
 def test_a_key_used_on_pending_then_replayed_on_execute_is_409_and_starts_nothing(client, worker):
-    """Issue 14 §1.3 (CONTRACT section 5, "on the same kind of request"): the /pending call was
-    never confirmed, so an /execute replay of it must not start it."""
+    """A key is bound to the kind of request that first used it (docs/promises.md, Idempotency):
+    the /pending call was never confirmed, so an /execute replay of it must not start it."""
     first = pending(client, {**BODY, "idempotency_key": "kind-1"})
     assert first.status_code == 201
     before = snapshot()
@@ -241,7 +241,7 @@ def test_a_key_used_on_pending_then_replayed_on_execute_is_409_and_starts_nothin
     assert "/pending" in body["message"]
     assert snapshot() == before
     assert row(first.get_json()["tool_call_id"]).request_kind == "pending"
-    # the seed alias is an /execute too
+    # the legacy alias is an /execute too
     flat = {"session_id": "test_123", "to": SEED_EMAIL["to"], "subject": SEED_EMAIL["subject"]}
     answer = client.post("/execute-gmail", headers={**AUTH, "Idempotency-Key": "kind-1"}, json=flat)
     assert_error(answer, 409, "idempotency_conflict")
@@ -453,7 +453,7 @@ def _chunked(data: bytes, size: int = 16 * 1024):
 
 
 def test_a_chunked_body_over_256_kib_is_413_over_real_http(api_url):
-    """Issue 14 §1.8: without Content-Length the body is counted as it comes, never cut silently."""
+    """Without Content-Length the body is counted as it comes, never cut silently."""
     import json
 
     import requests
@@ -506,8 +506,8 @@ def vanished_tool():
 
 
 def test_a_call_of_a_tool_no_longer_run_here_is_refused_and_left_as_it_was(client, vanished_tool):
-    """Issue 14 §1.7: found unknown only after the confirm's transition, it was a 500 leaving the call
-    EXECUTING with no chain; now the transition does not happen: 422 naming the known tools."""
+    """A tool found unknown is refused before the confirm's or resume's transition: 422 naming
+    the known tools, and the call stays as it was (never EXECUTING with no chain)."""
     pending_call, prepared_call = vanished_tool
     before = snapshot()
     for path, body in ((f"/voice-tools/confirm/{pending_call}", None),

@@ -1,4 +1,4 @@
-"""Tools, OpenAPI, health, metrics, session context and the seed's final aliases."""
+"""Tools, OpenAPI, health, metrics, session context and the legacy aliases."""
 from __future__ import annotations
 
 import re
@@ -166,7 +166,7 @@ def test_get_session_context_alias(client):
     assert missing.get_json()["message"] == "Not found or expired"
 
 
-# -- the seed's final aliases ------------------------------------------------------------------
+# -- the legacy aliases ------------------------------------------------------------------------
 
 def test_execute_gmail_flat_body(client, worker, relay):
     body = {"intent_id": "intent_123", "session_id": "sess_abc", "to": "john@example.com",

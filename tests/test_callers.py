@@ -1,4 +1,4 @@
-"""Callers fenced from each other (issue 14 item 12, CONTRACT section 5).
+"""Callers fenced from each other (docs/promises.md, Callers).
 
 A call, its session context and its events belong to the token name that created them:
 another caller's token gets the 404 of an unknown id and nothing changes; a token marked
@@ -36,7 +36,7 @@ def record(client, headers=AUTH, session_id="sess_shared", key: str | None = Non
     return answer
 
 
-# (method, path, json) of every action or read by id, on the contract's paths and the n8n ones
+# (method, path, json) of every action or read by id, on the API's paths and the /webhook ones
 BY_ID = [
     ("GET", "/voice-tools/status/{id}", None),
     ("PATCH", "/voice-tools/modify/{id}", {"parameters": {"to": "bob@example.com"}}),

@@ -1,4 +1,4 @@
-"""The chain engine (CONTRACT sections 4, 6, 7) with a real worker and a real relay:
+"""The chain engine with a real worker and a real relay:
 gates, checkpoint and resume, the point of no return, clean stops, redelivery,
 retries and failures."""
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_query_vector_db_stores_context(worker, relay):
     assert completed["context_available"] is True and completed["context_key"] == "last_query_results"
     assert completed["result"] == done.result
     progress = [e for e in relay.events_for(call.tool_call_id) if e["event"] == "progress"]
-    # once the context is stored the call has had its effect: no longer cancellable (CONTRACT section 6)
+    # once the context is stored the call has had its effect: no longer cancellable (its point of no return)
     assert [(e["step"], e["gate"], e["cancellable"]) for e in progress] == [
         ("QUERYING", 1, True), ("SEARCHING", 2, True), ("STORE_CONTEXT", 3, False)]
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "COMPLETED"]
@@ -338,7 +338,7 @@ def test_cancel_after_the_commit_point_is_too_late(register, gates, relay, task_
     assert deliveries(call.tool_call_id, "cancelled") == []
 
 
-# -- a publish that reached the broker but whose answer was lost (issue 14 §1.1) ------------------
+# -- a publish that reached the broker but whose answer was lost ---------------------------------
 
 def test_a_resume_whose_publish_answer_was_lost_never_undoes_the_committed_call(
         register, gates, relay, client, lost_publish_answer, task_log):

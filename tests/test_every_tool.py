@@ -26,7 +26,7 @@ def demo_data():
     load_demo()
 
 
-def test_the_registry_has_the_nine_tools_of_the_contract():
+def test_the_registry_has_the_nine_tools():
     assert {"send_email", "schedule_meeting", "get_calendar_availability", "search_contacts", "create_task",
             "query_vector_db", "search_documentation", "get_training_progress", "knowledge_check"} <= set(tools.TOOLS)
 

@@ -1,4 +1,4 @@
-"""The fault suite (issue 14): real processes hurt while a stream of calls runs.
+"""The fault suite: real processes hurt while a stream of calls runs.
 
 The Procfile's processes (``support/system.py``: gunicorn, the writes/reads/callbacks
 prefork workers, beat) run on their own Redis and this run's PostgreSQL; relay

@@ -1,4 +1,4 @@
-"""send_email on Gmail (CONTRACT sections 4 and 6): the backend and the tool end to end.
+"""send_email on Gmail: the backend and the tool end to end.
 
 Backend unit tests drive the real google-api-python-client against
 ``HttpMockSequence`` and assert on each request (method, path, query, the decoded raw

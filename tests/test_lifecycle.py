@@ -1,4 +1,4 @@
-"""The state machine (CONTRACT section 3): every transition, every refusal, the
+"""The state machine (docs/promises.md, "Statuses and transitions"): every transition, every refusal, the
 histories, idempotent creation, the TTL sweep, and its behaviour under 50 threads."""
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_create_replay_with_same_key_returns_the_same_call():
 
 
 def test_idempotency_keys_are_per_caller_and_a_tool_call_id_is_not():
-    """Issue 14 item 12: another caller's key is another call; another caller's tool_call_id is
+    """Another caller's key is another call; another caller's tool_call_id is
     IdTaken, which carries nothing of the call that has it."""
     first = make_call(idempotency_key="key-1")
     same = dict(session_id="sess_test", function_name="send_email", action_level="write",
@@ -313,7 +313,7 @@ def test_unconfirm_only_before_any_step():
 
 
 def test_the_undo_of_a_resume_applies_only_before_the_next_link_began_and_never_to_a_committed_call():
-    """Issue 14 §1.1: the undo of a resume whose chain the broker refused; a publish whose answer
+    """The undo of a resume whose chain the broker refused; a publish whose answer
     was lost may have started the chain, and then there is nothing to undo."""
     refused_by_broker, link_began, committed = make_call(), make_call(), make_call()
     for call in (refused_by_broker, link_began):
@@ -335,7 +335,7 @@ def test_the_undo_of_a_resume_applies_only_before_the_next_link_began_and_never_
 
 
 def test_expiry_never_touches_a_committed_call():
-    """Issue 14 §1.1: a call past its point of no return never ends EXPIRED ("not done"), even
+    """A call past its point of no return never ends EXPIRED ("not done"), even
     PREPARED (a tool whose checkpoint follows its side effect)."""
     call = make_call()
     to_committed(call.tool_call_id)

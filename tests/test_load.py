@@ -1,4 +1,4 @@
-"""Load with invariants (issue 14): concurrent relay sessions against gunicorn and the Procfile's workers.
+"""Load with invariants: concurrent relay sessions against gunicorn and the Procfile's workers.
 
 ``SESSIONS`` sessions at once, each of ``OPS`` random operations (pending, modify,
 confirm, resume, cancel, the relay answering cancel: ``tests/traffic.py``), against

@@ -1,4 +1,4 @@
-"""Beat sweeps on the maintenance queue (CONTRACT sections 3 and 7), run by the real worker."""
+"""Beat sweeps on the maintenance queue (docs/promises.md: expiry, stuck calls), run by the real worker."""
 from __future__ import annotations
 
 import time
@@ -83,11 +83,9 @@ def test_expire_stale_expires_pending_and_prepared_past_their_ttl(worker, relay,
 
 def test_each_expiry_and_its_event_are_one_transaction_and_one_bad_call_does_not_stop_the_sweep(
         relay, monkeypatch):
-    """Issue 14 §1.5: the sweep committed EXPIRED for the whole batch, then recorded the events one
-    by one: an error in between (here a tool whose expired sentence raises for one call) left that
-    call EXPIRED with no event and no voice_response, and the calls after it unannounced. Now each
-    call is expired with its event in one transaction: the bad one is left as it was (the next
-    sweep tries again), the others are expired and announced."""
+    """Each call is expired with its event in one transaction: a call that cannot be (here a tool
+    whose expired sentence raises for one call) is left as it was, never EXPIRED without its event
+    and voice_response, and the next sweep tries again; the others are expired and announced."""
     from marshmallow import Schema, fields
 
     from tasks.tools import Step, Tool
@@ -156,8 +154,8 @@ def waiting(queue_name: str) -> int:
 
 
 def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_log):
-    """Issue 15 point 7: a call whose next link waits in its queue (a backlog: no worker takes
-    it yet) is not stuck however long it waits; it was failed once quiet for 15 minutes."""
+    """A call whose next link waits in its queue (a backlog: no worker takes it yet) is not
+    stuck however long it waits."""
     call = make_call(callback_url=relay.url)
     with queues_taken_from_others(app, [QUEUE]):
         actions.confirm(call.tool_call_id)

@@ -1,4 +1,4 @@
-"""The MCP face (issue 12 section 2, CONTRACT section 11), through the SDK's own client.
+"""The MCP face (docs/relay-guide.md, MCP), through the SDK's own client.
 
 One real server for the module (``create_mcp_app()`` under uvicorn in a thread, on a
 free port), spoken to over streamable HTTP by ``mcp.Client``; the in-process worker
@@ -230,7 +230,7 @@ async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp
 
 async def test_over_mcp_another_callers_call_and_context_are_unknown_and_an_admin_sees_them(mcp_url, client,
                                                                                               monkeypatch):
-    """Issue 14 item 12 on the MCP face: the tests' token's call is not_found to mcp-client, as an
+    """Callers fenced on the MCP face: the tests' token's call is not_found to mcp-client, as an
     unknown id, and nothing of it changes; an ``:admin`` token over MCP sees and cancels it."""
     from models import db, session_context
 
@@ -310,7 +310,7 @@ async def test_without_a_known_token_the_mcp_endpoint_refuses_at_the_http_level(
 
 
 async def test_a_token_named_past_100_characters_is_refused_clearly_over_mcp_too(mcp_url, monkeypatch):
-    """Issue 14 §1.7 on the MCP face: the same 401 as REST, not a database error later."""
+    """On the MCP face, the same 401 as REST, not a database error later."""
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},{'n' * 101}:long-token")
     listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     async with httpx2.AsyncClient() as http:

@@ -1,4 +1,4 @@
-"""Queues declared right (CONTRACT section 7): each with an exchange and a routing key of its own.
+"""Queues declared right: each with an exchange and a routing key of its own.
 
 A message routed to one tool's queue lands in that queue only, on Redis (the broker the
 suite runs on) and on RabbitMQ (127.0.0.1:5672 where it runs, as on these machines).

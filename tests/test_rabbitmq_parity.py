@@ -1,7 +1,7 @@
-"""RabbitMQ parity (issue 14 section 2): the chain, race, worker-loss and API tests on RabbitMQ.
+"""RabbitMQ parity: the chain, race, worker-loss and API tests on RabbitMQ.
 
 The suite runs on Redis. This module re-runs a chosen subset of it with RabbitMQ as the
-broker (quorum queues, README "Choosing RabbitMQ"), plus ``tests/rabbitmq_cases.py``
+broker (quorum queues, docs/operations.md, RabbitMQ), plus ``tests/rabbitmq_cases.py``
 (what RabbitMQ does its own way: a lost worker's message back in its queue at once,
 delayed retries in the broker's delay queues, the races on a smaller batch):
 

@@ -1,4 +1,4 @@
-"""The point of no return under fire (CONTRACT section 4, issue 3 point 4).
+"""The point of no return under fire (docs/promises.md, "The point of no return").
 
 Hundreds of send_email calls wait at their checkpoint (PREPARED). For each one we
 race the two operations a relay can send at that moment, from two threads released

@@ -1,4 +1,4 @@
-"""A retry the broker cannot take (issue 14 item 6; CONTRACT sections 6 and 7).
+"""A retry the broker cannot take (docs/promises.md, "Surviving faults").
 
 A link whose step fails transiently asks Celery to retry it: ``Task.retry`` publishes
 a new message (with a countdown) and the running one is then acknowledged. When that

@@ -1,4 +1,4 @@
-"""send_email with ``reference_context`` (CONTRACT section 6): the email carries what the
+"""send_email with ``reference_context``: the email carries what the
 session's context holds, e.g. the last query's top results, in its draft and in its
 checkpoint preview; a context that expired before the call ran fails it before the
 point of no return (nothing is sent).

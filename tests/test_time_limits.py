@@ -1,4 +1,4 @@
-"""Per-tool soft time limits, in a real prefork worker (CONTRACT section 7; issue 3 point 1).
+"""Per-tool soft time limits, in a real prefork worker (docs/promises.md, "Surviving faults").
 
 Each link task carries ``soft_time_limit`` = the tool's ``time_limit`` (and a hard
 limit 10 s later). A step that outlasts it gets Celery's ``SoftTimeLimitExceeded``

@@ -1,4 +1,4 @@
-"""search_contacts (CONTRACT section 6): the local contacts table with its demo data, the
+"""search_contacts: the local contacts table with its demo data, the
 People API through the real google-api-python-client (``HttpMockSequence`` for the
 requests' shape, the ``google_api`` HTTP double end to end through a worker), the
 three spoken answers (one, several, none) and the 422s."""

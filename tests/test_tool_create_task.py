@@ -1,4 +1,4 @@
-"""create_task (CONTRACT sections 4, 6, 7): the local ``todo_tasks`` table, Google Tasks
+"""create_task: the local ``todo_tasks`` table, Google Tasks
 through the real google-api-python-client (``HttpMockSequence`` for the requests'
 shape, the ``google_api`` HTTP double end to end through a worker), idempotency on
 ``tool_call_id`` (the marker found on redelivery: no second insert), a transient 503

@@ -1,4 +1,4 @@
-"""get_training_progress and knowledge_check (CONTRACT section 6: read tools over the local
+"""get_training_progress and knowledge_check (read tools over the local
 training tables and their demo data), end to end through the API, a real worker and a
 real relay: results, sentences, callbacks, not-found answers, 422s, a permanent failure
 and a database outage in the middle of a step."""

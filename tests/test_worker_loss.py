@@ -1,4 +1,4 @@
-"""A worker dies in the middle of a link (issue 3 point 8; CONTRACT section 7).
+"""A worker dies in the middle of a link (docs/promises.md, "Surviving faults").
 
 Real ``celery -A tasks worker --pool prefork -c 2 -Q tools.send_email`` subprocesses
 (see ``support/worker_process.py``) run a send_email call; the test kills them with

@@ -1,4 +1,4 @@
-"""The workers' Prometheus series (issue 15 point 4), from a real prefork worker.
+"""The workers' Prometheus series (docs/operations.md, Metrics), from a real prefork worker.
 
 A ``celery -A tasks worker --pool prefork`` subprocess writes into a multiprocess
 folder of its own (``PROMETHEUS_MULTIPROC_DIR``, as the Procfile's worker lines set it

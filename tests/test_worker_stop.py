@@ -1,4 +1,4 @@
-"""A worker stopped while its broker is gone stops quietly (issue 15: ~3,400 traceback lines).
+"""A worker stopped while its broker is gone stops quietly, with no flood of tracebacks.
 
 A real ``celery -A tasks worker`` on a Redis of its own: the Redis is killed, the worker
 notices and waits to reconnect, then SIGTERM. Celery 5.7's consumer steps close their

@@ -10,7 +10,7 @@ call has the relay's URL as ``callback_url``.
 Every answer is recorded (operation, HTTP status, when the request started); an
 answer outside :data:`EXPECTED` (a 5xx, a 4xx other than a lost race's 409, a request
 that got no answer) is a problem, except a 503 inside a fault's window (the database
-or the broker down: the API says so, CONTRACT section 5). The calls whose cancel
+or the broker down: the API says so, docs/relay-guide.md, Errors). The calls whose cancel
 answered 200 are kept for :func:`tests.invariants.check`.
 """
 from __future__ import annotations

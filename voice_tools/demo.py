@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", help="an API token (default: the first of VOICE_TOOLS_API_TOKENS,"
                                         " else the one `voice-tools run` made)")
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="email",
-                        help="which conversation to play (default: email, seed 000's 'updating email')")
+                        help="which conversation to play (default: email, the caller correcting an email's "
+                             "address before it is sent)")
     args = parser.parse_args(argv)
     local = _local_secrets()
     url = args.url or os.environ.get("VOICE_TOOLS_PUBLIC_URL") or \

@@ -1,7 +1,7 @@
 """Per-event callback URLs: tool_calls.callback_urls
 
-A call may name a URL per event (``{"checkpoint": ..., "completed": ...}``), as seed
-000's relay has ``/tool-progress``, ``/tool-checkpoint`` and ``/tool-complete``; the
+A call may name a URL per event (``{"checkpoint": ..., "completed": ...}``), as a relay
+written for the n8n workflows has ``/tool-progress``, ``/tool-checkpoint`` and ``/tool-complete``; the
 events it does not name go to ``callback_url``.
 
 Revision ID: 0006

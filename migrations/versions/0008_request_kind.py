@@ -1,9 +1,9 @@
 """The kind of request that recorded a call: tool_calls.request_kind
 
 ``pending`` (POST /voice-tools/pending: the caller will confirm it) or ``execute``
-(POST /voice-tools/execute and its seed aliases: the relay already confirmed it). An
-idempotent replay is the same call only on the same kind of request (CONTRACT section
-5): a key first used on ``/pending`` and replayed on ``/execute`` would start a call
+(POST /voice-tools/execute and its legacy aliases: the relay already confirmed it). An
+idempotent replay is the same call only on the same kind of request (docs/promises.md,
+Idempotency): a key first used on ``/pending`` and replayed on ``/execute`` would start a call
 nobody confirmed, so it is 409 ``idempotency_conflict``.
 
 Rows recorded before this revision are classified by the reason of their first

@@ -1,7 +1,7 @@
 """Callers fenced from each other: idempotency keys and session context per caller
 
 A call, its session context and its events belong to the token name that created them
-(CONTRACT section 5). ``tool_calls.idempotency_key`` was unique over everyone: it becomes
+(docs/promises.md, Callers). ``tool_calls.idempotency_key`` was unique over everyone: it becomes
 unique per ``caller`` (a call recorded without a caller counts as ''). ``session_context``
 gains ``caller`` and is keyed by (caller, session_id, context_key); the rows already
 stored are given the caller of the call that stored them (``context_value.tool_call_id``),

@@ -272,7 +272,7 @@ def session_context(query: dict[str, Any], caller: Caller | None = None) -> Answ
 
 
 def legacy_session_context(query: dict[str, Any], caller: Caller | None = None) -> Answer:
-    """GET /get-session-context (seed 000): ``{context}``."""
+    """GET /get-session-context (a legacy alias): ``{context}``."""
     found = _stored_context(query, caller)
     return schemas.instance(schemas.LegacyContextAnswer).dump({"context": found.context_value}), 200
 
@@ -285,7 +285,7 @@ def tool_list(query: dict[str, Any]) -> Answer:
 
 def flat_alias(tool: tools.Tool, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
                caller: Caller | None, idempotency_header: str | None = None) -> Answer:
-    """A seed alias (/execute-gmail, /query-vector-db): /voice-tools/execute with ``tool``'s flat body."""
+    """A legacy alias (/execute-gmail, /query-vector-db): /voice-tools/execute with ``tool``'s flat body."""
     wait = _wait_seconds(query)
     loaded = schemas.load(flat, body)
     return _execute_loaded(schemas.split_flat(loaded, tool), wait, caller, idempotency_header)

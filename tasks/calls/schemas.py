@@ -18,7 +18,7 @@ from tasks import tools
 from tasks.delivery import url_policy
 from models import events
 
-MAX_TEXT = 1000  # message and voice_response (CONTRACT section 5)
+MAX_TEXT = 1000  # message and voice_response (docs/relay-guide.md, "A call's life")
 
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff]")
 _FORBIDDEN_MESSAGE = "Must not hold NUL or other control characters."
@@ -96,7 +96,7 @@ def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
 
 
 class CallbackUrls(Strict):
-    """A URL per event (seed 000's relay: /tool-progress, /tool-checkpoint, /tool-complete)."""
+    """A URL per event (a relay written for the n8n workflows: /tool-progress, /tool-checkpoint, /tool-complete)."""
 
     progress = CallbackUrl()
     checkpoint = CallbackUrl()
@@ -125,7 +125,7 @@ class PendingRequest(Strict):
     """Body of POST /voice-tools/pending and /voice-tools/execute."""
 
     session_id = Identifier(required=True, metadata={"description": "The relay's session"})
-    function = ShortText(metadata={"description": "The tool's name (seed name; or function_name)"})
+    function = ShortText(metadata={"description": "The tool's name (or function_name)"})
     function_name = ShortText(metadata={"description": "The tool's name"})
     parameters = fields.Dict(keys=fields.String(), load_default=dict,
                              metadata={"description": "The tool's arguments, checked against its schema"})
@@ -162,7 +162,7 @@ ENVELOPE_FIELDS = ("session_id", "intent_id", "callback_url", "callback_urls", "
 
 
 def flat_request_schema(tool: tools.Tool) -> type[Strict]:
-    """The seed's flat body for a tool's alias endpoint: envelope fields and the tool's arguments side by side."""
+    """The flat body of a tool's legacy alias endpoint: envelope fields and the tool's arguments side by side."""
     declared = dict(PendingRequest._declared_fields)
     envelope = {name: declared[name] for name in ENVELOPE_FIELDS}
     arguments = dict(tool.schema._declared_fields)
@@ -341,7 +341,7 @@ class SessionContextAnswer(Schema):
 
 
 class LegacyContextAnswer(Schema):
-    """GET /get-session-context (seed 000): ``{context}``."""
+    """GET /get-session-context (a legacy alias): ``{context}``."""
 
     context = fields.Dict()
 

@@ -62,13 +62,13 @@ class StepInput:
 
 @dataclass(frozen=True)
 class Step:
-    """One link of a tool's chain; its name is the seed's gate name.
+    """One link of a tool's chain; its name is its events' ``step`` and its task's ``tools.<tool>.<STEP>``.
 
     ``run`` returns a JSON-able output stored on the call (``step_outputs``) so a
     redelivered link skips a step already done. A ``checkpoint`` step has no ``run``:
     it sets PREPARED and ends the chain until resumed; its ``preview`` says what will
-    happen. A ``side_effect`` step is the point of no return (CONTRACT section 4).
-    ``message`` is the sentence of its progress callback.
+    happen. A ``side_effect`` step is the point of no return (docs/promises.md, 'The
+    point of no return'). ``message`` is the sentence of its progress callback.
     """
 
     name: str
@@ -103,10 +103,10 @@ class Tool:
     # the Procfile worker line that consumes this tool's queue (``--group``); by
     # default ``writes`` for tools with a side effect, ``reads`` for the others
     group: str = ""
-    # parameters a caller might give: the README, the OpenAPI examples and the tests
-    # that run every tool end to end use them
+    # parameters a caller might give: the benchmark and the tests that run every tool end
+    # to end use them
     example: Mapping[str, Any] = field(default_factory=dict)
-    # the stated shape of ``result`` (CONTRACT section 6), checked by the tests
+    # the stated shape of ``result`` (docs/relay-guide.md, 'The tools'), checked by the tests
     result_schema: type[Schema] | None = None
 
     @property

@@ -122,7 +122,8 @@ TOOL = Tool(
         Step("QUERYING", run=plan, message="Looking up {user_query}."),
         Step("SEARCHING", run=search, message="Searching the documents."),
         # storing the results is the call's effect: once it is done the call can no longer be
-        # cancelled (CONTRACT section 6), so it is the point of no return (an upsert: idempotent)
+        # cancelled, so it is the point of no return (an upsert: idempotent; docs/promises.md,
+        # 'The point of no return')
         Step("STORE_CONTEXT", run=store_context, side_effect=True, message="Keeping the results for this conversation."),
         Step("COMPLETED", message="Search finished."),
     ),

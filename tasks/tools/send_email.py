@@ -1,4 +1,4 @@
-"""send_email: write, with a checkpoint before the send (seed 000 "Send Gmail").
+"""send_email: write, with a checkpoint before the send.
 
 Backends: the local outbox (default) or Gmail (``settings.load().uses_google("gmail")``),
 both idempotent on the tool_call_id through a fixed ``Message-ID``.

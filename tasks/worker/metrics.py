@@ -1,4 +1,4 @@
-"""The workers' Prometheus series (the README lists them all).
+"""The workers' Prometheus series (docs/operations.md, Metrics, lists them all).
 
 They live in a registry of their own (:data:`REGISTRY`), never in prometheus-client's
 default one, so the API's ``/metrics`` (which renders the default registry, or the

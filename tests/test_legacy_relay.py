@@ -1,6 +1,7 @@
-"""A relay written from seed 000, unchanged but for its base URL and token (issue 12, CONTRACT 5 and 8).
+"""The legacy relay, written for the n8n workflows, unchanged but for its base URL and token
+(docs/relay-guide.md, 'The legacy aliases and the `/webhook` paths' and 'A URL per event').
 
-Seed 000's relay has one endpoint per kind of event (``/tool-progress``,
+The legacy relay has one endpoint per kind of event (``/tool-progress``,
 ``/tool-checkpoint``, ``/tool-complete``), calls n8n's ``/webhook/...`` paths, and at
 the checkpoint keeps the event's ``resume_webhook`` to POST ``{action}`` to it when
 the caller says "send it". These tests play that relay over HTTP against the API and
@@ -16,14 +17,14 @@ from tests.conftest import AUTH
 from tests.helpers import deliveries, row, wait_status
 
 
-def seed_urls(relay) -> dict[str, str]:
+def legacy_urls(relay) -> dict[str, str]:
     return {"progress": f"{relay.base}/tool-progress", "checkpoint": f"{relay.base}/tool-checkpoint",
             "completed": f"{relay.base}/tool-complete"}
 
 
-def test_the_seed_relay_plays_the_updating_email_walkthrough_on_n8n_paths_with_per_event_urls(client, worker, relay):
+def test_the_legacy_relay_plays_the_updating_email_walkthrough_on_n8n_paths_with_per_event_urls(client, worker, relay):
     created = client.post("/webhook/voice-tools/pending", headers=AUTH, json={
-        "session_id": "sess_seed", "function": "send_email", "intent_id": "intent_1",
+        "session_id": "sess_legacy", "function": "send_email", "intent_id": "intent_1",
         "parameters": {"to": "john@example.com", "subject": "Meeting Tomorrow"}})
     assert created.status_code == 201, created.get_json()
     tool_call_id = created.get_json()["tool_call_id"]
@@ -32,10 +33,10 @@ def test_the_seed_relay_plays_the_updating_email_walkthrough_on_n8n_paths_with_p
     assert modified.status_code == 200 and modified.get_json()["status"] == "PENDING"
 
     confirmed = client.post(f"/webhook/voice-tools/confirm/{tool_call_id}", headers=AUTH,
-                            json={"callback_urls": seed_urls(relay)})
+                            json={"callback_urls": legacy_urls(relay)})
     assert confirmed.status_code == 202, confirmed.get_json()
     checkpoint = relay.wait_for(tool_call_id, "checkpoint")
-    # the names the seed's /tool-checkpoint handler reads
+    # the names the legacy relay's /tool-checkpoint handler reads
     assert checkpoint["checkpoint"] == "READY_TO_SEND" and checkpoint["status"] == "PREPARED"
     assert checkpoint["resume_webhook"] == checkpoint["resume_url"]
     assert checkpoint["resume_webhook"].endswith(f"/voice-tools/resume/{tool_call_id}")
@@ -53,13 +54,13 @@ def test_the_seed_relay_plays_the_updating_email_walkthrough_on_n8n_paths_with_p
     assert [path for path, event in at if event == "completed"] == ["/tool-complete"]
     assert [d.seq for d in deliveries(tool_call_id)] == list(range(1, len(at) + 1))
 
-    context = client.get("/webhook/voice-tools/context/sess_seed", headers=AUTH).get_json()
+    context = client.get("/webhook/voice-tools/context/sess_legacy", headers=AUTH).get_json()
     assert [c["tool_call_id"] for c in context["recent"]] == [tool_call_id]
 
 
-def test_resume_execution_is_the_seeds_resume_webhook_path(client, worker, relay):
+def test_resume_execution_is_the_legacy_resume_webhook_path(client, worker, relay):
     created = client.post("/voice-tools/pending", headers=AUTH, json={
-        "session_id": "sess_seed", "function": "send_email", "parameters": SEED_EMAIL,
+        "session_id": "sess_legacy", "function": "send_email", "parameters": SEED_EMAIL,
         "callback_urls": {"checkpoint": f"{relay.base}/tool-checkpoint"}})
     tool_call_id = created.get_json()["tool_call_id"]
     client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
@@ -77,7 +78,7 @@ def test_resume_execution_is_the_seeds_resume_webhook_path(client, worker, relay
 
 def test_events_not_named_in_callback_urls_go_to_callback_url(client, worker, relay):
     created = client.post("/execute-gmail", headers=AUTH, json={
-        "session_id": "sess_seed", "intent_id": "intent_9", "to": "a@example.com", "subject": "Hi",
+        "session_id": "sess_legacy", "intent_id": "intent_9", "to": "a@example.com", "subject": "Hi",
         "callback_url": f"{relay.base}/tool-progress",
         "callback_urls": {"checkpoint": f"{relay.base}/tool-checkpoint"}})
     assert created.status_code == 202, created.get_json()
@@ -127,15 +128,15 @@ def test_every_api_path_answers_under_webhook_too_and_openapi_marks_the_aliases(
     assert "x-alias-of" not in paths["/voice-tools/pending"]["post"]
 
 
-def test_the_seed_relay_searches_then_emails_the_results_on_its_final_endpoints(client, worker, relay):
-    """Seed 000's FINAL IMPLEMENTATION: /query-vector-db, /get-session-context, /execute-gmail, on n8n paths."""
+def test_the_legacy_relay_searches_then_emails_the_results_on_the_legacy_aliases(client, worker, relay):
+    """The legacy aliases end to end: /query-vector-db, /get-session-context, /execute-gmail, on n8n paths."""
     from backends import documents
 
     documents.load_demo()
     searched = client.post("/webhook/query-vector-db", headers=AUTH, json={
         "intent_id": "intent_9", "session_id": "sess_final", "user_query": "Q3 sales northwest",
         "structured_query": {"semantic_query": "quarterly sales northwest", "filters": {"region": "northwest"}},
-        "callback_urls": seed_urls(relay)})
+        "callback_urls": legacy_urls(relay)})
     assert searched.status_code == 202, searched.get_json()
     search_id = searched.get_json()["tool_call_id"]
     done = relay.wait_for(search_id, "completed")
@@ -150,7 +151,7 @@ def test_the_seed_relay_searches_then_emails_the_results_on_its_final_endpoints(
     sent = client.post("/webhook/execute-gmail", headers=AUTH, json={
         "intent_id": "intent_10", "session_id": "sess_final", "to": "john.smith@example.com",
         "subject": "Q3 sales", "body": "The numbers you asked for.", "reference_context": "last_query_results",
-        "callback_urls": seed_urls(relay)})
+        "callback_urls": legacy_urls(relay)})
     assert sent.status_code == 202, sent.get_json()
     email_id = sent.get_json()["tool_call_id"]
     checkpoint = relay.wait_for(email_id, "checkpoint")
