@@ -12,7 +12,7 @@ listener; a client that reconnects with ``Last-Event-ID`` (the header, or the
 ``last_event_id`` query parameter for clients that cannot set headers) gets exactly what
 it missed: no loss, no duplicate. A call's own events are also in ``seq`` order. A
 keep-alive comment is written every ``KEEPALIVE_S`` seconds. Each open stream holds one
-gunicorn thread (README "Event stream").
+gunicorn thread (docs/operations.md, "Event streams, waits and threads").
 """
 from __future__ import annotations
 

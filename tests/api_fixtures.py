@@ -14,7 +14,7 @@ from sqlalchemy import text
 from models import db
 from tests.conftest import AUTH
 
-SEED_EMAIL = {"to": "test@example.com", "subject": "Test"}
+GUIDE_EMAIL = {"to": "test@example.com", "subject": "Test"}
 
 
 @pytest.fixture
@@ -43,12 +43,12 @@ def call_count() -> int:
 def pending(client, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None):
     """POST /voice-tools/pending with the body of docs/relay-guide.md's first curl by default."""
     payload = body if body is not None else {"session_id": "test_123", "function": "send_email",
-                                             "parameters": dict(SEED_EMAIL)}
+                                             "parameters": dict(GUIDE_EMAIL)}
     return client.post("/voice-tools/pending", json=payload, headers=headers or AUTH)
 
 
 def created_id(client, **body: Any) -> str:
-    payload = {"session_id": "test_123", "function": "send_email", "parameters": dict(SEED_EMAIL)}
+    payload = {"session_id": "test_123", "function": "send_email", "parameters": dict(GUIDE_EMAIL)}
     payload.update(body)
     answer = pending(client, payload)
     assert answer.status_code == 201, answer.get_json()

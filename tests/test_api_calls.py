@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from models.calls import PENDING
-from tests.api_fixtures import SEED_EMAIL, call_count, created_id, pending
+from tests.api_fixtures import GUIDE_EMAIL, call_count, created_id, pending
 from tests.conftest import AUTH
 from tests.helpers import make_call, row, wait_status
 
@@ -107,7 +107,7 @@ def test_guide_context_lists_recent(client, worker):
 # -- each endpoint -----------------------------------------------------------------------
 
 def test_pending_keeps_relay_ids_and_callback_url(client, relay):
-    answer = pending(client, {"session_id": "s1", "function_name": "send_email", "parameters": SEED_EMAIL,
+    answer = pending(client, {"session_id": "s1", "function_name": "send_email", "parameters": GUIDE_EMAIL,
                               "tool_call_id": "call_ABC.123", "connection_id": "conn-1", "intent_id": "intent_9",
                               "callback_url": relay.url})
     assert answer.status_code == 201, answer.get_json()
@@ -157,7 +157,7 @@ def test_confirm_answers_202_and_enqueues(client, worker, relay):
 
 def test_execute_records_and_starts(client, worker):
     answer = client.post("/voice-tools/execute?wait=10", headers=AUTH,
-                         json={"session_id": "s2", "function": "send_email", "parameters": SEED_EMAIL})
+                         json={"session_id": "s2", "function": "send_email", "parameters": GUIDE_EMAIL})
     assert answer.status_code == 200, answer.get_json()
     body = answer.get_json()
     assert body["status"] == "PREPARED"  # a write tool with a checkpoint still stops there
@@ -167,7 +167,7 @@ def test_execute_records_and_starts(client, worker):
 
 def test_execute_without_wait_is_202(client, worker):
     answer = client.post("/voice-tools/execute", headers=AUTH,
-                         json={"session_id": "s2", "function": "send_email", "parameters": SEED_EMAIL})
+                         json={"session_id": "s2", "function": "send_email", "parameters": GUIDE_EMAIL})
     assert answer.status_code == 202
     assert answer.get_json()["status"] == "EXECUTING"
     wait_status(answer.get_json()["tool_call_id"], "PREPARED")
@@ -246,7 +246,7 @@ def test_pending_with_reference_context(client):
 
     with db.session() as s:
         session_context.put_context(s, "test_123", "last_query_results", {"summary": "Q3"}, 3600, caller="tests")
-    params = {**SEED_EMAIL, "reference_context": "last_query_results"}
+    params = {**GUIDE_EMAIL, "reference_context": "last_query_results"}
     answer = pending(client, {"session_id": "test_123", "function": "send_email", "parameters": params})
     assert answer.status_code == 201, answer.get_json()
     assert row(answer.get_json()["tool_call_id"]).status == PENDING

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.api_fixtures import SEED_EMAIL, call_count, created_id
+from tests.api_fixtures import GUIDE_EMAIL, call_count, created_id
 from tests.conftest import AUTH
 from tests.helpers import row, wait_status
 
@@ -20,7 +20,7 @@ def _together(app, request):
 
 
 def test_concurrent_replays_make_one_row(client):
-    body = {"session_id": "race", "function": "send_email", "parameters": SEED_EMAIL, "idempotency_key": "same"}
+    body = {"session_id": "race", "function": "send_email", "parameters": GUIDE_EMAIL, "idempotency_key": "same"}
     answers = _together(client.application, lambda c: c.post("/voice-tools/pending", headers=AUTH, json=body))
     codes = sorted(code for code, _ in answers)
     assert codes == [200] * (THREADS - 1) + [201]
@@ -42,7 +42,7 @@ def test_concurrent_confirms_start_the_chain_once(client, worker):
 def test_concurrent_executes_with_one_key_start_the_call_once_and_replay_the_rest(client, worker):
     """Every request but the one that started the call answers the replay (200, its
     record), never 409 invalid_status, even those that found the call still PENDING and confirmed too."""
-    body = {"session_id": "race", "function": "send_email", "parameters": SEED_EMAIL, "idempotency_key": "ex-race"}
+    body = {"session_id": "race", "function": "send_email", "parameters": GUIDE_EMAIL, "idempotency_key": "ex-race"}
     answers = _together(client.application, lambda c: c.post("/voice-tools/execute", headers=AUTH, json=body))
     codes = sorted(code for code, _ in answers)
     assert codes == [200] * (THREADS - 1) + [202], answers

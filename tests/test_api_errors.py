@@ -5,11 +5,11 @@ import pytest
 
 from models import db, lifecycle
 from tasks import tools
-from tests.api_fixtures import SEED_EMAIL, call_count, created_id, pending, snapshot
+from tests.api_fixtures import GUIDE_EMAIL, call_count, created_id, pending, snapshot
 from tests.conftest import API_TOKEN, AUTH
 from tests.helpers import row
 
-BODY = {"session_id": "test_123", "function": "send_email", "parameters": SEED_EMAIL}
+BODY = {"session_id": "test_123", "function": "send_email", "parameters": GUIDE_EMAIL}
 
 
 def assert_error(answer, status: int, error: str) -> dict:
@@ -242,7 +242,7 @@ def test_a_key_used_on_pending_then_replayed_on_execute_is_409_and_starts_nothin
     assert snapshot() == before
     assert row(first.get_json()["tool_call_id"]).request_kind == "pending"
     # the legacy alias is an /execute too
-    flat = {"session_id": "test_123", "to": SEED_EMAIL["to"], "subject": SEED_EMAIL["subject"]}
+    flat = {"session_id": "test_123", "to": GUIDE_EMAIL["to"], "subject": GUIDE_EMAIL["subject"]}
     answer = client.post("/execute-gmail", headers={**AUTH, "Idempotency-Key": "kind-1"}, json=flat)
     assert_error(answer, 409, "idempotency_conflict")
     assert snapshot() == before
@@ -263,7 +263,7 @@ def test_a_key_used_on_execute_then_replayed_on_pending_is_409(client, broker_do
 
 def test_body_over_256_kib_is_413(client, existing):
     _, before = existing
-    big = {**BODY, "parameters": {**SEED_EMAIL, "body": "x" * (256 * 1024)}}
+    big = {**BODY, "parameters": {**GUIDE_EMAIL, "body": "x" * (256 * 1024)}}
     body = assert_error(pending(client, big), 413, "too_large")
     assert body["details"]["max_bytes"] == 256 * 1024
     assert snapshot() == before
@@ -298,12 +298,12 @@ def test_unknown_tool_lists_the_known_ones(client, existing):
     ({"surprise": 1}, "surprise"),
     ({"parameters": {"to": "not-an-email", "subject": "Test"}}, "parameters"),
     ({"parameters": {"to": "a@example.com"}}, "parameters"),
-    ({"parameters": {**SEED_EMAIL, "bcc": "x@example.com"}}, "parameters"),
-    ({"parameters": {**SEED_EMAIL, "body": "hello\x00world"}}, "parameters"),
-    ({"parameters": {**SEED_EMAIL, "body": "bell\x07"}}, "parameters"),
-    ({"parameters": {**SEED_EMAIL, "body": "lone \ud800 surrogate"}}, "parameters"),
-    ({"parameters": {**SEED_EMAIL, "cc": ["a@example.com", "b\x1b@example.com"]}}, "parameters"),
-    ({"parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "bcc": "x@example.com"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "body": "hello\x00world"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "body": "bell\x07"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "body": "lone \ud800 surrogate"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "cc": ["a@example.com", "b\x1b@example.com"]}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "reference_context": "last_query_results"}}, "parameters"),
     ({"parameters": "not an object"}, "parameters"),
     ({"function": "send_email", "function_name": "query_vector_db"}, "function_name"),
 ])
@@ -327,7 +327,7 @@ def test_nested_control_character_names_the_nested_field(client, existing):
 
 
 def test_tabs_and_newlines_are_allowed(client):
-    answer = pending(client, {**BODY, "parameters": {**SEED_EMAIL, "body": "Hi,\n\tline two\r\n"}})
+    answer = pending(client, {**BODY, "parameters": {**GUIDE_EMAIL, "body": "Hi,\n\tline two\r\n"}})
     assert answer.status_code == 201
     assert row(answer.get_json()["tool_call_id"]).parameters["body"] == "Hi,\n\tline two\r\n"
 
@@ -458,7 +458,7 @@ def test_a_chunked_body_over_256_kib_is_413_over_real_http(api_url):
 
     import requests
 
-    big = json.dumps({**BODY, "parameters": {**SEED_EMAIL, "body": "x" * 300_000}}).encode()
+    big = json.dumps({**BODY, "parameters": {**GUIDE_EMAIL, "body": "x" * 300_000}}).encode()
     answer = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, data=_chunked(big), timeout=30)
     assert answer.request.headers.get("Transfer-Encoding") == "chunked"
     assert "Content-Length" not in answer.request.headers

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 from models import db, session_context
-from tests.api_fixtures import SEED_EMAIL, snapshot
+from tests.api_fixtures import GUIDE_EMAIL, snapshot
 from tasks import tools
 from tests.conftest import AUTH
 from tests.helpers import row, wait_status
@@ -206,11 +206,11 @@ def test_query_vector_db_then_email_references_its_context(client, worker, relay
     assert stored.get_json()["context"]["query"] == "Q3 sales northwest"
     email = client.post("/voice-tools/pending", headers=AUTH, json={
         "session_id": "sess_q", "function": "send_email",
-        "parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}})
+        "parameters": {**GUIDE_EMAIL, "reference_context": "last_query_results"}})
     assert email.status_code == 201, email.get_json()
     elsewhere = client.post("/voice-tools/pending", headers=AUTH, json={
         "session_id": "other_session", "function": "send_email",
-        "parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}})
+        "parameters": {**GUIDE_EMAIL, "reference_context": "last_query_results"}})
     assert elsewhere.status_code == 422
     assert "reference_context" in elsewhere.get_json()["details"]["fields"]["parameters"]
     assert wait_status(record["tool_call_id"]).status == "COMPLETED"

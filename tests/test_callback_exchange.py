@@ -1,4 +1,4 @@
-"""One delivery attempt, hardened (issue 14 items 4 and 9): the whole exchange is bounded
+"""One delivery attempt, hardened: the whole exchange is bounded
 in time and bytes, so a slow-drip relay never fails a call; the URL is checked again at
 delivery (the allowlist of the moment, never this system's own ports on a local address,
 a host name resolved and refused if it points inside); nothing is sent unsigned."""
@@ -341,7 +341,7 @@ def test_localhost_listed_admits_loopback_but_not_the_own_ports(servers, monkeyp
     ("http://[::1]:8001/cb", ["::1"], "own MCP port"),
     ("http://[::ffff:127.0.0.1]:8000/cb", ["::ffff:127.0.0.1"], "own API port"),
     ("http://0.0.0.0:8000/cb", ["0.0.0.0"], "own API port"),
-    ("http://127.0.0.1:9000/cb", ["127.0.0.1"], None),  # a bare host admits any other port (CONTRACT section 1)
+    ("http://127.0.0.1:9000/cb", ["127.0.0.1"], None),  # a bare host admits any other port (docs/operations.md, Configuration)
     ("https://relay.example.com:8000/cb", ["relay.example.com"], None),  # not a local address
 ])
 def test_the_own_ports_are_never_a_callback_on_a_local_address(monkeypatch, url, allowed, error):

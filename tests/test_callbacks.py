@@ -1,4 +1,4 @@
-"""Callbacks to the relay (CONTRACT section 8): signing, ordering, retries recorded
+"""Callbacks to the relay (docs/relay-guide.md, Callbacks): signing, ordering, retries recorded
 on the row, the relay's answers, slow relays, allowed hosts, no redirects."""
 from __future__ import annotations
 
@@ -175,8 +175,8 @@ def test_signing_is_light_to_import():
     assert done.stdout.strip() == "[]"
 
 
-# CONTRACT section 8: every callback body carries these (null where they do not apply)
-CONTRACT_FIELDS = {
+# docs/relay-guide.md, Event fields: every callback body carries these (null where they do not apply)
+EVENT_FIELDS = {
     "event_id", "type", "event", "tool_call_id", "intent_id", "session_id", "function_name", "parameters",
     "status", "step", "gate", "progress", "message", "cancellable", "requires_confirmation", "preview",
     "resume_url", "actions_available", "result", "voice_response", "execution_time_ms", "context_available",
@@ -204,7 +204,7 @@ def test_every_event_is_signed_ordered_and_identified(worker, relay):
         assert event["type"] == "tool_status" and event["tool_call_id"] == call.tool_call_id
         assert event["session_id"] == "sess_test" and event["function_name"] == "send_email"
         assert datetime.fromisoformat(event["sent_at"])
-        assert CONTRACT_FIELDS <= set(event), CONTRACT_FIELDS - set(event)
+        assert EVENT_FIELDS <= set(event), EVENT_FIELDS - set(event)
     seqs = [e["seq"] for e in received]
     assert all(a < b for a, b in zip(seqs, seqs[1:])), seqs
     assert len({e["event_id"] for e in received}) == 4

@@ -13,7 +13,7 @@ import requests
 
 from models import db, session_context
 from tasks.tools import StepInput
-from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
+from tests.api_fixtures import GUIDE_EMAIL, call_count, snapshot
 from tests.conftest import API_TOKEN, AUTH
 from tests.helpers import deliveries, row, wait_status
 from support.sse_client import Stream
@@ -31,7 +31,7 @@ def three_tokens(monkeypatch):
 def record(client, headers=AUTH, session_id="sess_shared", key: str | None = None, **extra):
     """POST /voice-tools/pending of a send_email as ``headers``' caller (``key``: its Idempotency-Key)."""
     answer = client.post("/voice-tools/pending", headers={**headers, **({"Idempotency-Key": key} if key else {})},
-                         json={"session_id": session_id, "function": "send_email", "parameters": SEED_EMAIL, **extra})
+                         json={"session_id": session_id, "function": "send_email", "parameters": GUIDE_EMAIL, **extra})
     assert answer.status_code in (200, 201), answer.get_json()
     return answer
 
@@ -127,10 +127,10 @@ def test_session_context_is_the_callers_own_on_every_path(client):
     before = snapshot()
     refused = client.post("/voice-tools/pending", headers=AUTH, json={
         "session_id": "sess_shared", "function": "send_email",
-        "parameters": {**SEED_EMAIL, "reference_context": "last_query_results"}})
+        "parameters": {**GUIDE_EMAIL, "reference_context": "last_query_results"}})
     assert refused.status_code == 422 and "reference_context" in refused.get_json()["details"]["fields"]["parameters"]
     assert snapshot() == before
-    assert record(client, headers=BOB, parameters={**SEED_EMAIL, "reference_context": "last_query_results"})
+    assert record(client, headers=BOB, parameters={**GUIDE_EMAIL, "reference_context": "last_query_results"})
     with pytest.raises(Exception, match="expired"):  # and the link reads its own caller's only
         send_email.referenced("sess_shared", "last_query_results", "tests")
     assert send_email.referenced("sess_shared", "last_query_results", "bob")[1]["context_key"] == "last_query_results"
@@ -159,7 +159,7 @@ def test_another_callers_tool_call_id_is_a_conflict_that_tells_nothing_of_its_ca
     assert ours.status_code == 201
     before = snapshot()
     taken = client.post(path, headers=BOB, json={"session_id": "sess_shared", "function": "send_email",
-                                                 "tool_call_id": "tc_relaygiven01", "parameters": SEED_EMAIL})
+                                                 "tool_call_id": "tc_relaygiven01", "parameters": GUIDE_EMAIL})
     assert taken.status_code == 409
     assert taken.get_json() == {
         "error": "idempotency_conflict",
@@ -171,7 +171,7 @@ def test_another_callers_tool_call_id_is_a_conflict_that_tells_nothing_of_its_ca
 def test_the_event_stream_of_a_shared_session_id_shows_only_ones_own_calls(api_url, worker, monkeypatch):
     def start(headers) -> str:
         created = requests.post(f"{api_url}/voice-tools/pending", headers=headers, timeout=10, json={
-            "session_id": "sess_sse_shared", "function": "send_email", "parameters": SEED_EMAIL})
+            "session_id": "sess_sse_shared", "function": "send_email", "parameters": GUIDE_EMAIL})
         assert created.status_code == 201, created.text
         tool_call_id = created.json()["tool_call_id"]
         assert requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}", headers=headers,

@@ -1,4 +1,4 @@
-"""GET /voice-tools/events/<session_id>: the session's events as Server-Sent Events (CONTRACT section 11).
+"""GET /voice-tools/events/<session_id>: the session's events as Server-Sent Events (docs/relay-guide.md, The event stream).
 
 The API runs in a real threaded HTTP server (the ``api_url`` fixture) so the stream is
 read over HTTP as a relay would (``support/sse_client.py``); calls run on the in-process worker.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import requests
 
-from tests.api_fixtures import SEED_EMAIL
+from tests.api_fixtures import GUIDE_EMAIL
 from tests.conftest import AUTH
 from tests.helpers import deliveries, wait_status
 from support.sse_client import Stream
@@ -15,7 +15,7 @@ from support.sse_client import Stream
 
 def start_email(api_url: str, session_id: str) -> str:
     created = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, timeout=10,
-                            json={"session_id": session_id, "function": "send_email", "parameters": SEED_EMAIL})
+                            json={"session_id": session_id, "function": "send_email", "parameters": GUIDE_EMAIL})
     assert created.status_code == 201, created.text
     tool_call_id = created.json()["tool_call_id"]
     assert requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}", headers=AUTH, timeout=10).status_code == 202

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from app.openapi import build
-from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
+from tests.api_fixtures import GUIDE_EMAIL, call_count, snapshot
 from tests.conftest import AUTH
 from tests.helpers import deliveries, row, wait_status
 
@@ -60,7 +60,7 @@ def test_the_legacy_relay_plays_the_updating_email_walkthrough_on_n8n_paths_with
 
 def test_resume_execution_is_the_legacy_resume_webhook_path(client, worker, relay):
     created = client.post("/voice-tools/pending", headers=AUTH, json={
-        "session_id": "sess_legacy", "function": "send_email", "parameters": SEED_EMAIL,
+        "session_id": "sess_legacy", "function": "send_email", "parameters": GUIDE_EMAIL,
         "callback_urls": {"checkpoint": f"{relay.base}/tool-checkpoint"}})
     tool_call_id = created.get_json()["tool_call_id"]
     client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
@@ -102,7 +102,7 @@ def test_events_not_named_in_callback_urls_go_to_callback_url(client, worker, re
 def test_bad_callback_urls_are_422_naming_the_field_and_change_nothing(client, body, field):
     before = snapshot()
     answer = client.post("/voice-tools/pending", headers=AUTH,
-                         json={"session_id": "s", "function": "send_email", "parameters": SEED_EMAIL, **body})
+                         json={"session_id": "s", "function": "send_email", "parameters": GUIDE_EMAIL, **body})
     assert answer.status_code == 422, answer.get_json()
     assert field in answer.get_json()["details"]["fields"], answer.get_json()
     if "secret" in str(body):

@@ -26,7 +26,7 @@ from mcp.shared.exceptions import MCPError
 
 from tasks.calls import toolspec
 from app.mcp_server import create_mcp_app
-from tests.api_fixtures import SEED_EMAIL, call_count, snapshot
+from tests.api_fixtures import GUIDE_EMAIL, call_count, snapshot
 from tests.conftest import API_TOKEN, AUTH
 from tests.helpers import deliveries, row
 from tasks import tools
@@ -139,7 +139,7 @@ async def test_the_updating_email_walkthrough_entirely_over_mcp(mcp_url, worker,
 async def test_execute_then_cancel_at_the_checkpoint_over_mcp(mcp_url, worker):
     async with connected(mcp_url) as mcp:
         prepared = await answer(mcp, "execute_tool", {"session_id": "sess_mcp", "function": "send_email",
-                                                      "parameters": SEED_EMAIL, "wait": 15})
+                                                      "parameters": GUIDE_EMAIL, "wait": 15})
         assert prepared["status"] == "PREPARED", prepared
         cancelled = await answer(mcp, "cancel_tool", {"tool_call_id": prepared["tool_call_id"],
                                                       "reason": "Changed my mind"})
@@ -151,7 +151,7 @@ async def test_execute_then_cancel_at_the_checkpoint_over_mcp(mcp_url, worker):
 
 async def test_bad_input_over_mcp_is_the_rest_apis_error_json_and_changes_nothing(mcp_url, client):
     created = client.post("/voice-tools/pending", headers=MCP_AUTH,
-                          json={"session_id": "s", "function": "send_email", "parameters": SEED_EMAIL})
+                          json={"session_id": "s", "function": "send_email", "parameters": GUIDE_EMAIL})
     tool_call_id = created.get_json()["tool_call_id"]
     assert client.delete(f"/voice-tools/cancel/{tool_call_id}", headers=MCP_AUTH).status_code == 200
     before = snapshot()
@@ -193,7 +193,7 @@ async def test_a_rest_call_and_an_mcp_call_on_one_session_each_see_the_other(mcp
     """One caller (the mcp-client token) on both faces sees the same calls; another caller
     (the tests' token) on the same session id sees none of them and its key is its own."""
     rest = client.post("/voice-tools/pending", headers=MCP_AUTH, json={
-        "session_id": "sess_both", "function": "send_email", "parameters": SEED_EMAIL})
+        "session_id": "sess_both", "function": "send_email", "parameters": GUIDE_EMAIL})
     assert rest.status_code == 201
     async with connected(mcp_url) as mcp:
         over_mcp = await answer(mcp, "request_tool", {
@@ -236,7 +236,7 @@ async def test_over_mcp_another_callers_call_and_context_are_unknown_and_an_admi
 
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},ops:ops-mcp:admin")
     theirs = client.post("/voice-tools/pending", headers=AUTH, json={
-        "session_id": "sess_fenced", "function": "send_email", "parameters": SEED_EMAIL}).get_json()["tool_call_id"]
+        "session_id": "sess_fenced", "function": "send_email", "parameters": GUIDE_EMAIL}).get_json()["tool_call_id"]
     with db.session() as s:
         session_context.put_context(s, "sess_fenced", "last_query_results", {"summary": "theirs"}, 3600, caller="tests")
     before = snapshot()
@@ -255,7 +255,7 @@ async def test_over_mcp_another_callers_call_and_context_are_unknown_and_an_admi
                                                           "context_key": "last_query_results"})
         assert hidden["error"] == "not_found"
         taken = await error(mcp, "request_tool", {"session_id": "sess_fenced", "function": "send_email",
-                                                  "tool_call_id": theirs, "parameters": SEED_EMAIL})
+                                                  "tool_call_id": theirs, "parameters": GUIDE_EMAIL})
         assert taken == {"error": "idempotency_conflict", "details": {"tool_call_id": theirs},
                          "message": f"The tool_call_id '{theirs}' is already in use; give another one (or none)."}
     assert snapshot() == before
@@ -328,7 +328,7 @@ async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_canc
     stream = Stream(f"{api_url}/voice-tools/events/sess_mcp_sse", MCP_AUTH)
     async with connected(mcp_url) as mcp:
         pending = await answer(mcp, "request_tool", {"session_id": "sess_mcp_sse", "function": "send_email",
-                                                     "parameters": SEED_EMAIL})
+                                                     "parameters": GUIDE_EMAIL})
         tool_call_id = pending["tool_call_id"]
         started = await answer(mcp, "confirm_tool", {"tool_call_id": tool_call_id})
         assert started["status"] == "EXECUTING"

@@ -1,6 +1,6 @@
 """``voice-tools demo``: conversations played against the running system as a relay would.
 
-``--scenario email`` (the default) is seed 000's "updating email": the caller asks
+``--scenario email`` (the default) is the "updating email" conversation: the caller asks
 for an email to john@example.com, corrects the address to john.smith@example.com,
 confirms; voice-tools prepares the email and stops at its checkpoint
 (READY_TO_SEND), the caller says "send it", the email is sent.
@@ -122,7 +122,7 @@ def assistant(text: str | None) -> None:
 
 
 def play_email(base_url: str, token: str, secret: str | None) -> list[dict[str, Any]]:
-    """Seed 000's "updating email"; return the final status record of the call."""
+    """The "updating email" conversation; return the final status record of the call."""
     relay = Relay(base_url, token)
     session_id = f"sess_demo_{uuid.uuid4().hex[:8]}"
     with CallbackReceiver(secret) as receiver:

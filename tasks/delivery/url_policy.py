@@ -1,4 +1,4 @@
-"""Which callback URLs may be called (CONTRACT section 8): the allowlist, checked when a URL
+"""Which callback URLs may be called (docs/relay-guide.md, Callbacks): the allowlist, checked when a URL
 is given (:func:`url_error`) and again before every attempt (:func:`delivery_refusal`).
 
 A URL's host must be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``; this system's own ports on
