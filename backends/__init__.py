@@ -26,6 +26,12 @@ class Unavailable(Exception):
     connection): the engine retries the step with backoff."""
 
 
+class Unconfirmed(Exception):
+    """The service's answers leave it unknown whether the effect happened (an earlier attempt
+    may have acted and nothing shows that it did or did not): the engine ends the call FAILED
+    with the outcome "unconfirmed" and the tool's unconfirmed sentence, never "not sent"."""
+
+
 def load_demo() -> dict[str, int]:
     """Run every backend's ``load_demo``; ``{backend: rows added}``."""
     added: dict[str, int] = {}

@@ -58,6 +58,9 @@ class StepInput:
     parameters: Mapping[str, Any]
     outputs: Mapping[str, Any]
     caller: str = ""  # whose call: session context is the caller's own ('' for a call without one)
+    # a side-effect step only: an earlier attempt of this step may have acted (its claim had
+    # lapsed), so the step must find out what it did before acting again
+    earlier_attempt: bool = False
 
 
 @dataclass(frozen=True)
