@@ -247,6 +247,8 @@ def test_the_facts_read_a_long_backlog_from_its_oldest_end_only(worker, monkeypa
     monkeypatch.setattr(liveness, "SCAN_LIMIT", 1)
     older, newer = make_call(), make_call()
     with queues_taken_from_others(app, [QUEUE]):
+        with app.connection_for_write() as conn:  # an earlier test's message must not be the oldest
+            conn.default_channel.queue_purge(QUEUE)
         for call in (older, newer):
             actions.confirm(call.tool_call_id)
         facts = liveness.read(app, [QUEUE])
