@@ -152,6 +152,60 @@ def test_the_request_goes_to_the_address_checked_not_a_pooled_one(receivers, nam
     assert len(first.seen) == 1
 
 
+def _certificate(tmp_path: Path, name: str) -> tuple[str, str]:
+    """A self-signed certificate for ``name`` (its own CA): (certificate file, key file)."""
+    from datetime import datetime, timedelta, timezone
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_https_to_a_pinned_address_keeps_the_name_for_sni_and_the_certificate(receivers, names, monkeypatch, tmp_path):
+    import ssl
+
+    from tasks.delivery import transport
+
+    table, _ = names
+    table["secure.test"] = ["127.0.0.1"]
+    cert, key = _certificate(tmp_path, "secure.test")
+    relay = receivers()
+    served_names: list[str | None] = []
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda sock, name, ctx: served_names.append(name)
+    relay.httpd.socket = context.wrap_socket(relay.httpd.socket, server_side=True)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", cert)  # trusted by the callback session made next
+    monkeypatch.setattr(transport, "_http", None)
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "secure.test,127.0.0.1")
+    _, event_id = progress_event(f"https://secure.test:{relay.port}/cb")
+    assert attempts.attempt(event_id).delivered, delivery(event_id).last_error
+    assert relay.seen == [(f"secure.test:{relay.port}", "/cb")]
+    assert served_names == ["secure.test"]
+    # A certificate for another name fails the check, though the address is the same.
+    table["elsewhere.test"] = ["127.0.0.1"]
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_HOSTS", "secure.test,elsewhere.test,127.0.0.1")
+    _, wrong = progress_event(f"https://elsewhere.test:{relay.port}/cb")
+    assert not attempts.attempt(wrong).delivered
+    assert "SSLError" in delivery(wrong).last_error and len(relay.seen) == 1
+
+
 # -- no proxy from the environment -----------------------------------------------------------
 
 def _environment_proxy(monkeypatch: pytest.MonkeyPatch, proxy: Receiver) -> None:
