@@ -9,11 +9,10 @@ name table put in front of ``socket.getaddrinfo`` (the one resolver both our che
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
