@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
 
 def _int(name: str, default: int) -> int:
@@ -32,6 +33,7 @@ class Settings:
     api_tokens: list[str]
     callback_secret: str
     callback_hosts: list[str]
+    callback_proxy: str
     callback_timeout: float
     callback_max_attempts: int
     callback_retry_timeout: float
@@ -74,6 +76,35 @@ SWEEPS = {  # beat's sweeps (tasks/sweeps.py): task -> (the variable that sets i
 }
 
 
+# The ports this system listens on (docs/operations.md, Configuration): the variable, its default
+# (the Procfiles' and ``voice-tools run``'s), and the face. ``VOICE_TOOLS_API_PORT`` is the API's
+# port as ``voice-tools run`` passes it to every process: honcho sets each process's own ``PORT``.
+OWN_PORTS = (
+    ("VOICE_TOOLS_API_PORT", None, "API"),
+    ("PORT", 8000, "API"),
+    ("MCP_PORT", 8001, "MCP"),
+    ("WORKER_METRICS_PORT", 9101, "worker metrics"),
+    ("FLOWER_PORT", 5555, "Flower"),
+)
+
+
+def own_ports(environ: Mapping[str, str] | None = None) -> dict[int, str]:
+    """Every port this system listens on, by face: the API (``VOICE_TOOLS_API_PORT`` and ``PORT``),
+    MCP, the workers' metrics and Flower (each its default when unset), and ``VOICE_TOOLS_OWN_PORTS``
+    (any other: an event stream or a proxy on a port of its own)."""
+    environ = os.environ if environ is None else environ
+    found: dict[int, str] = {}
+    for name, default, face in OWN_PORTS:
+        raw = environ.get(name, "").strip()
+        port = int(raw) if raw.isdigit() else default
+        if port is not None:
+            found.setdefault(port, face)
+    for part in environ.get("VOICE_TOOLS_OWN_PORTS", "").split(","):
+        if part.strip().isdigit():
+            found.setdefault(int(part.strip()), "")
+    return found
+
+
 def api_tokens() -> list[str]:
     """``VOICE_TOOLS_API_TOKENS`` alone (every request reads it: not the whole of :func:`load`)."""
     return _list("VOICE_TOOLS_API_TOKENS")
@@ -87,6 +118,7 @@ def load() -> Settings:
         api_tokens=api_tokens(),
         callback_secret=os.environ.get("VOICE_TOOLS_CALLBACK_SECRET", ""),
         callback_hosts=_list("VOICE_TOOLS_CALLBACK_HOSTS"),
+        callback_proxy=os.environ.get("VOICE_TOOLS_CALLBACK_PROXY", "").strip(),
         callback_timeout=_float("VOICE_TOOLS_CALLBACK_TIMEOUT", 2.0),
         callback_max_attempts=_int("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", 8),
         callback_retry_timeout=_float("VOICE_TOOLS_CALLBACK_RETRY_TIMEOUT", 10.0),

@@ -71,6 +71,9 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
     # Read by celeryconfig: silences Celery's superuser warning for this run only (see there).
     env["VOICE_TOOLS_LOCAL_RUN"] = "1"
     env.setdefault("PORT", "8000")
+    # honcho gives each process its own PORT (8000, 8100, ...): every process learns the API's here
+    # (the callbacks' own-ports guard, docs/operations.md, Configuration).
+    env["VOICE_TOOLS_API_PORT"] = env["PORT"]
     env.setdefault("FLOWER_PORT", "5555")
     env.setdefault("MCP_PORT", "8001")
     env.setdefault("VOICE_TOOLS_PUBLIC_URL", f"http://127.0.0.1:{env['PORT']}")

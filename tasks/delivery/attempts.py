@@ -33,7 +33,7 @@ from tasks.worker import metrics
 from tasks.delivery import answers
 from tasks.delivery.signing import sign
 from tasks.delivery.transport import exchange
-from tasks.delivery.url_policy import delivery_refusal
+from tasks.delivery.url_policy import delivery_route
 from tasks.celery_app import app
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,12 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
     timeout = cfg.callback_timeout if timeout is None else timeout
     event_id = delivery.event_id
     started = time.perf_counter()
-    refusal, address = delivery_refusal(delivery.url, cfg)
-    if refusal is not None:  # no request is made; retrying would be refused the same way
-        state = _record_attempt(event_id, delivery.attempts, None, refusal, cfg.callback_max_attempts, final=True)
+    route = delivery_route(delivery.url, cfg)
+    if route.refusal is not None:  # no request is made; a final refusal is not retried
+        state = _record_attempt(event_id, delivery.attempts, None, route.refusal, cfg.callback_max_attempts,
+                                final=route.final)
         metrics.callback_attempt(delivery.event, state, time.perf_counter() - started)
-        log.warning("callback %s not sent: %s", event_id, refusal)
+        log.warning("callback %s not sent: %s", event_id, route.refusal)
         return Answer(delivered=False)
     payload = dict(delivery.payload, sent_at=datetime.now(timezone.utc).isoformat())
     body = json.dumps(payload, separators=(",", ":"), default=str).encode()
@@ -123,7 +124,8 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
         "X-Voice-Tools-Event-Id": delivery.event_id,
     }
     host = (urlsplit(delivery.url).hostname or "").lower()
-    code, error, raw, note = exchange(delivery.url, body, headers, timeout, (host, address) if address else None)
+    code, error, raw, note = exchange(delivery.url, body, headers, timeout,
+                                      (host, route.address) if route.address else None, route.proxy)
     seconds = time.perf_counter() - started
     delivered = error is None
     cancel, reason = answers.read(raw) if delivered else (False, None)

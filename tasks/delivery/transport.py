@@ -5,7 +5,9 @@ Redirects are not followed. A watchdog ends the exchange at the timeout (a relay
 drips a byte a second does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the
 answer are read (a longer answer counts as no answer). The connection goes to the
 address the URL check approved (``tasks/delivery/url_policy.py``), with no second DNS
-answer in between.
+answer in between: the name stays in the Host header and, for https, in SNI and the
+certificate check; a pooled connection to another address is not reused. The environment's
+proxies (``HTTP_PROXY``, ...) are not read; ``VOICE_TOOLS_CALLBACK_PROXY`` is the only one.
 """
 from __future__ import annotations
 
@@ -126,7 +128,20 @@ class _Watched:
         watch = getattr(_local, "watch", None)
         if watch is not None:
             watch.attach(self)  # type: ignore[arg-type]
+        pin = getattr(_local, "pin", None)
+        if pin is not None and pin[0] == self._dns_host and self._peer() not in (None, pin[1]):  # type: ignore[attr-defined]
+            self.close()  # type: ignore[attr-defined]  # kept alive to another address: connect again, to the pin
         return super().request(*args, **kwargs)  # type: ignore[misc]
+
+    def _peer(self) -> str | None:
+        """The address this pooled connection is connected to, or None if it is not connected."""
+        sock = getattr(self, "sock", None)
+        if sock is None:
+            return None
+        try:
+            return sock.getpeername()[0].split("%")[0]
+        except OSError:
+            return ""  # connected once, gone now: connect again
 
     def _new_conn(self) -> socket.socket:
         pin = getattr(_local, "pin", None)
@@ -162,7 +177,8 @@ class _Adapter(HTTPAdapter):
         self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
 
     def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
-        """Through an HTTP proxy (``HTTP_PROXY``) the watchdog still bounds the attempt (the proxy resolves the name)."""
+        """Through the callback proxy (``VOICE_TOOLS_CALLBACK_PROXY``) the watchdog still bounds the attempt
+        (the proxy resolves the name)."""
         manager = super().proxy_manager_for(proxy, **proxy_kwargs)
         if type(manager) is ProxyManager:  # a SOCKS manager keeps its own connections
             manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
@@ -173,6 +189,8 @@ def http() -> requests.Session:
     global _http
     if _http is None:
         session = requests.Session()
+        session.trust_env = False  # no HTTP(S)_PROXY, NO_PROXY or .netrc from the environment
+        session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
         adapter = _Adapter(pool_connections=20, pool_maxsize=20, max_retries=0)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
@@ -182,8 +200,11 @@ def http() -> requests.Session:
 
 
 def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
-              pin: tuple[str, str] | None) -> tuple[int | None, str | None, bytes, str | None]:
+             pin: tuple[str, str] | None, proxy: str | None = None) -> tuple[int | None, str | None, bytes, str | None]:
     """One request and its answer, all of it within ``timeout`` seconds and ``MAX_ANSWER_BYTES``.
+
+    ``pin``: (host name, the address checked for it) to connect to; ``proxy``: the callback
+    proxy, the only hop when set.
 
     Returns (status code, error or None, the answer's bytes of a 2xx, a note). A 2xx
     whose answer is longer than the limit is delivered with no answer (noted).
@@ -197,7 +218,8 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
         with _Watch(timeout) as watch:
             try:
                 response = http().post(url, data=body, headers=headers, timeout=(timeout, timeout),
-                                       allow_redirects=False, stream=True)
+                                       allow_redirects=False, stream=True,
+                                       proxies={"http": proxy, "https": proxy} if proxy else {})
                 try:
                     code = response.status_code
                     if 200 <= code < 300:

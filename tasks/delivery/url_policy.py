@@ -1,40 +1,57 @@
-"""Which callback URLs may be called (docs/relay-guide.md, Callbacks): the allowlist, checked when a URL
-is given (:func:`url_error`) and again before every attempt (:func:`delivery_refusal`).
+"""Which callback URLs may be called (docs/relay-guide.md, Callbacks, "Delivery: what is refused and
+why"): the allowlist, checked when a URL is given (:func:`url_error`) and again before every attempt
+(:func:`delivery_route`).
 
-A URL's host must be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``; this system's own ports on
-a local address are never called; a host name is resolved before each attempt and
-refused if it points inside unless that address is listed, and the attempt connects to
-the address that was checked. Without a signing secret nothing is sent.
+A URL's host must be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``; no port this system listens on is
+called on a local address; no address of the IANA special-purpose registries is called unless it is
+listed itself. A host name is resolved once before each attempt, refused if any of its addresses is
+not allowed, and the attempt connects to the address checked; a name that does not resolve is not
+sent (the attempt fails and is retried). Without a signing secret nothing is sent.
 """
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from models import settings
 
-OWN_PORTS = (("PORT", 8000, "API"), ("MCP_PORT", 8001, "MCP"), ("FLOWER_PORT", 5555, "Flower"))
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# The IANA IPv4 and IPv6 special-purpose address registries, every entry (whether or not marked
+# globally reachable: no relay sits on an anycast of AS112, AMT, PCP or TURN), with multicast and
+# the deprecated site-local and IPv4-compatible ranges. The prefixes that carry an IPv4 address
+# (IPv4-mapped, the NAT64 well-known prefix, 6to4) are judged by the address they carry.
+SPECIAL_PURPOSE = tuple(ipaddress.ip_network(net) for net in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.0.2.0/24", "192.31.196.0/24", "192.52.193.0/24", "192.88.99.0/24",
+    "192.168.0.0/16", "192.175.48.0/24", "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24",
+    "224.0.0.0/4", "240.0.0.0/4",
+    "::/96", "64:ff9b:1::/48", "100::/64", "100:0:0:1::/64", "2001::/23", "2001:2::/48", "2001:3::/32",
+    "2001:4:112::/48", "2001:10::/28", "2001:20::/28", "2001:30::/28", "2001:db8::/32",
+    "2620:4f:8000::/48", "3fff::/20", "5f00::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
+))
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+SIX_TO_FOUR = ipaddress.ip_network("2002::/16")
 
 
-def own_ports() -> dict[int, str]:
-    """This system's own ports (the API, MCP and Flower; ``voice-tools run``'s defaults when unset)."""
-    found = {}
-    for name, default, face in OWN_PORTS:
-        raw = os.environ.get(name, "").strip()
-        found[int(raw) if raw.isdigit() else default] = face
-    return found
+def _own(port: int) -> str | None:
+    """``"API port"`` (MCP, worker metrics, Flower; ``"port"`` for another) if this system listens on ``port``."""
+    ports = settings.own_ports()
+    if port not in ports:
+        return None
+    return f"{ports[port]} port".lstrip()
 
 
 def url_error(url: str, allowed: list[str] | None = None) -> str | None:
     """Why ``url`` may not be a callback_url, or None if it may.
 
     Its host (and port, when the entry names one; a bare host admits any port) must
-    be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP literal in a private,
-    loopback or link-local range is refused unless it is listed itself. This
-    system's own API, MCP and Flower ports on a local address are refused whatever
-    is listed.
+    be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP literal of a special-purpose
+    range (private, loopback, link-local, shared, documentation, ...) is refused unless it
+    is listed itself. The ports this system listens on (``settings.own_ports``) on a
+    local address are refused whatever is listed.
     """
     allowed = settings.load().callback_hosts if allowed is None else allowed
     try:
@@ -48,9 +65,9 @@ def url_error(url: str, allowed: list[str] | None = None) -> str | None:
         return "must not hold credentials (user:password@); callbacks are signed instead"
     host = parts.hostname.lower()
     port = port or (443 if parts.scheme == "https" else 80)
-    own = own_ports().get(port)
+    own = _own(port)
     if own is not None and _is_local(host):
-        return f"port {port} on {host} is this system's own {own} port"
+        return f"port {port} on {host} is this system's own {own}"
     if _listed(host, port, allowed):
         return None
     try:
@@ -75,12 +92,27 @@ def _has_port(entry: str) -> bool:
     return bool(sep) and tail.isdigit() and (not head.count(":") or head.endswith("]"))
 
 
-def _inside(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Not a public address: private, loopback, link-local (cloud metadata), reserved, unspecified, multicast."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved or ip.is_unspecified
+def _inside(ip: IPAddress) -> bool:
+    """Not a public address: in a special-purpose registry (private, loopback, link-local = cloud
+    metadata, shared, documentation, ...), reserved, unspecified or multicast; an address that
+    carries an IPv4 address (IPv4-mapped, NAT64, 6to4) is judged by the one it carries."""
+    carried = _carried(ip)
+    if carried is not None:
+        return _inside(carried)
+    return (any(ip in net for net in SPECIAL_PURPOSE if net.version == ip.version)
+            or ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved or ip.is_unspecified
             or ip.is_multicast)
+
+
+def _carried(ip: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address stands for: IPv4-mapped, the NAT64 well-known prefix, 6to4."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.sixtofour  # 2002::/16, else None
 
 
 def _is_local(host: str) -> bool:
@@ -91,8 +123,9 @@ def _is_local(host: str) -> bool:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    carried = _carried(ip)
+    if carried is not None:
+        ip = carried
     return ip.is_loopback or ip.is_unspecified or str(ip) in _own_addresses()
 
 
@@ -105,44 +138,63 @@ def _own_addresses() -> set[str]:
             if a.family in (socket.AF_INET, socket.AF_INET6)}
 
 
-def delivery_refusal(url: str, cfg: settings.Settings | None = None) -> tuple[str | None, str | None]:
-    """Checked again before every attempt: ``(why not, None)`` or ``(None, address to connect to)``.
+@dataclass(frozen=True)
+class Route:
+    """Where an attempt goes, decided just before it: nowhere (``refusal``, ``final`` when retrying
+    would be refused the same way), or the URL with the name pinned to ``address`` (None: an IP
+    literal, or the name is the callback proxy's to resolve), through ``proxy`` if one is set."""
+
+    refusal: str | None = None
+    final: bool = True
+    address: str | None = None
+    proxy: str | None = None
+
+
+def delivery_route(url: str, cfg: settings.Settings | None = None) -> Route:
+    """Checked again before every attempt (docs/relay-guide.md, Callbacks, "Delivery: what is refused and why").
 
     The URL must pass :func:`url_error` with the allowlist of the moment (a host
     removed since the call was recorded is not posted to), and the signing secret
-    must be set. A host name is resolved now: if any of its addresses is not public
-    (private, loopback, link-local, ...) the address itself must be listed (a listed
-    name does not admit an inside address, except ``localhost``, which is loopback by
-    definition), and no address may be this system's own port. The attempt then
-    connects to the address checked here. A name that does not resolve is left to the
-    request (an ordinary failed attempt, retried). ``cfg``: the settings already read by the caller.
+    must be set. A host name is resolved now, once: if any of its addresses is not
+    public the address itself must be listed (a listed name does not admit an inside
+    address, except ``localhost``, which is loopback by definition), and no address may
+    be this system's own port; the attempt then connects to the first address checked
+    here, never to a second DNS answer. A name that does not resolve is not sent: the
+    attempt fails (not final: retried like any failure). With ``VOICE_TOOLS_CALLBACK_PROXY``
+    the proxy is the only hop and resolves the name itself: a name that resolves here is
+    still checked, one that does not is left to the proxy. ``cfg``: the settings already read.
     """
     cfg = cfg or settings.load()
+    proxy = cfg.callback_proxy or None
     if not cfg.callback_secret.strip():
-        return "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent", None
+        return Route("refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent")
     reason = url_error(url, cfg.callback_hosts)
     if reason is not None:
-        return f"refused: the callback URL {reason}", None
+        return Route(f"refused: the callback URL {reason}")
     parts = urlsplit(url)
     host = parts.hostname.lower()
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         ipaddress.ip_address(host)
-        return None, None  # an IP literal: url_error has judged it
+        return Route(proxy=proxy)  # an IP literal: url_error has judged it
     except ValueError:
         pass
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return None, None
+    except (OSError, UnicodeError) as exc:
+        if proxy:
+            return Route(proxy=proxy)
+        return Route(f"{host} does not resolve: {exc}"[:500], final=False)
     addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
-    own = own_ports().get(port)
+    if not addresses:
+        return Route(f"{host} does not resolve: no address", final=False)
     loopback_name = host == "localhost" or host.endswith(".localhost")
+    own = _own(port)
     for address in addresses:
         ip = ipaddress.ip_address(address)
         if own is not None and _is_local(address):
-            return f"refused: {host} resolves to {address}, and port {port} is this system's own {own} port", None
+            return Route(f"refused: {host} resolves to {address}, and port {port} is this system's own {own}")
         if _inside(ip) and not _listed(address, port, cfg.callback_hosts) and not (loopback_name and ip.is_loopback):
-            return (f"refused: {host} resolves to {address}, a private address that is not itself in "
-                    f"VOICE_TOOLS_CALLBACK_HOSTS"), None
-    return None, addresses[0] if addresses else None
+            return Route(f"refused: {host} resolves to {address}, a private address that is not itself in "
+                         "VOICE_TOOLS_CALLBACK_HOSTS")
+    return Route(address=None if proxy else addresses[0], proxy=proxy)
