@@ -20,7 +20,7 @@ from models.contacts import Contact
 from models.email import EmailOutbox
 from models.task_list import TodoTask
 from models.training import KnowledgeQuestion, Learner, TrainingModule, TrainingProgress
-from backends import calendar, documents, training
+from backends import calendar, contacts, documents, training
 from tasks import tools
 from tasks.tools import StepInput
 from tests.conftest import API_TOKEN, AUTH
@@ -200,6 +200,19 @@ def test_the_same_file_ingested_for_two_callers_is_two_documents(tmp_path):
         ["Bob's notes about the quarterly plan."]
 
 
+def test_voice_tools_ingest_owner_stores_a_callers_documents_and_without_it_shared_ones(tmp_path, capsys):
+    from models.documents import DocumentChunk
+    from voice_tools import launcher
+
+    (tmp_path / "own.md").write_text("# Own\n\nAlice's own notes.\n")
+    (tmp_path / "shared.md").write_text("# Shared\n\nEveryone's notes.\n")
+    assert launcher.main(["ingest", "--owner", "alice", str(tmp_path / "own.md")]) == 0
+    assert launcher.main(["ingest", str(tmp_path / "shared.md")]) == 0
+    with db.session() as s:
+        assert dict(s.execute(select(DocumentChunk.title, DocumentChunk.owner)).tuples().all()) == \
+            {"Own": "alice", "Shared": ""}
+
+
 # -- Google credentials per caller ---------------------------------------------------------------------
 
 def authorized_user(path, token: str) -> str:
@@ -218,14 +231,19 @@ def test_each_caller_with_a_credentials_file_uses_its_own_and_the_others_the_sha
         monkeypatch.setenv("VOICE_TOOLS_GOOGLE_CREDENTIALS", shared)
         monkeypatch.setenv("VOICE_TOOLS_GOOGLE_CREDENTIALS_DIR", str(folder))
         monkeypatch.setenv("VOICE_TOOLS_GOOGLE_API_ENDPOINT", api.url + "/")
-        monkeypatch.setenv("VOICE_TOOLS_GOOGLE_SERVICES", "calendar")
+        monkeypatch.setenv("VOICE_TOOLS_GOOGLE_SERVICES", "calendar,people")
         api.answer("POST", r"/freeBusy$",
                    {"calendars": {"primary": {"busy": []}}}, times=None)
+        api.answer("GET", r"/v1/people:searchContacts$", {}, times=None)
         start = ten_tomorrow()
         for who in ("alice", "bob", "alice"):
             assert calendar.busy(start, start + timedelta(hours=1), caller=who) == []
+            assert contacts.search("ann", caller=who) == []
         tokens = [r.headers["authorization"] for r in api.requests_to("POST", r"/freeBusy$")]
-    assert tokens == ["Bearer alice-access-token", "Bearer shared-access-token", "Bearer alice-access-token"]
+        searches = [r.headers["authorization"] for r in api.requests_to("GET", r"/v1/people:searchContacts$")
+                    if r.query.get("query") == ["ann"]]
+    assert tokens == searches == ["Bearer alice-access-token", "Bearer shared-access-token",
+                                  "Bearer alice-access-token"]
 
 
 def test_a_caller_name_that_is_not_a_plain_file_name_uses_the_shared_credentials(tmp_path, monkeypatch):
@@ -271,3 +289,33 @@ def test_the_migration_gives_every_owned_table_its_owner_and_the_reads_an_index_
     assert "UNIQUE" in indexes["uq_learners_owner_email_lower"]
     for name in ("ix_todo_tasks_owner", "ix_email_outbox_owner", "ix_training_modules_owner"):
         assert "(owner)" in indexes[name]
+
+
+def test_rows_stored_before_the_migration_become_shared_and_its_downgrade_keeps_one_row_per_address():
+    """Down to 0010 (two owners' contacts with one address become one row, the shared one) and up again
+    (a contact stored without an owner is shared)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sqlalchemy import text
+
+    def alembic(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "alembic", *args], cwd=Path(__file__).resolve().parents[1],
+                              env=dict(os.environ), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+
+    with db.session() as s:
+        s.add_all([Contact(name="Ann Shared", email="ann@example.com", owner=""),
+                   Contact(name="Ann of Alice", email="ann@example.com", owner="alice")])
+    db.dispose()  # no pooled connection of ours in the way of ALTER TABLE
+    alembic("downgrade", "0010")
+    with db.engine().begin() as conn:
+        assert conn.execute(text("SELECT name FROM contacts")).scalars().all() == ["Ann Shared"]
+        conn.execute(text("INSERT INTO contacts (name, email) VALUES ('Old Row', 'old@example.com')"))
+    db.dispose()
+    alembic("upgrade", "head")
+    with db.engine().connect() as conn:
+        assert dict(conn.execute(text("SELECT name, owner FROM contacts")).tuples().all()) == \
+            {"Ann Shared": "", "Old Row": ""}
