@@ -91,7 +91,9 @@ def credentials(scopes: Sequence[str], conf: settings.Settings | None = None, pa
         from google.oauth2 import service_account
 
         creds = service_account.Credentials.from_service_account_info(info, scopes=list(scopes))
-        return creds.with_subject(conf.google_subject) if conf.google_subject else creds
+        # the subject is the shared account's user: a caller's own service-account file acts as itself
+        shared = path == conf.google_credentials
+        return creds.with_subject(conf.google_subject) if conf.google_subject and shared else creds
     if kind == "authorized_user":
         from google.oauth2.credentials import Credentials
 
