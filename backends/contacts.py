@@ -1,9 +1,9 @@
 """The caller's contacts, searched by search_contacts.
 
 Local (default): the ``contacts`` table, the caller's own rows and the shared (demo) ones,
-searched case-insensitively (ILIKE) on name, email and organization; every word of the query must match one of them. Ranked: the
-exact name first, then names starting with the query, then names with a word starting
-with it, then the rest; alphabetical within a rank.
+searched case-insensitively (ILIKE) on name, email and organization; every word of the
+query must match one of them. Ranked: the exact name first, then names starting with the
+query, then names with a word starting with it, then the rest; alphabetical within a rank.
 
 Google (``settings.uses_google("people")``): the People API's
 ``people.searchContacts`` over the user's own contacts (scope ``contacts.readonly``), with the

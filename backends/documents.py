@@ -450,7 +450,8 @@ def _reembed(model: str, dim: int) -> int:
         vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
         with db.session() as s:
             for row, vector in zip(rows, vectors):
-                s.execute(update(DocumentChunk).where(DocumentChunk.owner == row["owner"], DocumentChunk.id == row["id"])
+                s.execute(update(DocumentChunk)
+                          .where(DocumentChunk.owner == row["owner"], DocumentChunk.id == row["id"])
                           .values(embedding=vector, embedding_model=model, embedding_dim=dim))
         done += len(rows)
         after = (page[-1].owner, page[-1].id)
