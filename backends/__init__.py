@@ -5,15 +5,28 @@ what it may (429, 5xx and timeouts from a client library are recognised as they 
 the engine in ``tasks/chains.py`` turns them into a failed call or a retry, so tools need
 not translate them.
 
+A local backend's rows belong to a caller (``owner``: the token name of the call that
+wrote them) or to the shared set (``SHARED``, ''), which every caller sees; a read sees
+:func:`seen_by` its caller only (docs/promises.md, Callers).
+
 A backend module that has a demo data set defines ``load_demo() -> int``: it adds
-the rows it is missing (safe to run twice) and says how many it added.
-``voice-tools load-demo`` runs them all; ``voice-tools run`` does on a database
-that has never had a call.
+the rows it is missing (safe to run twice) and says how many it added; the demo set
+is shared. ``voice-tools load-demo`` runs them all; ``voice-tools run`` does on a
+database that has never had a call.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Any
+
+SHARED = ""  # the owner of the rows every caller sees (the demo data set)
+
+
+def seen_by(owner: Any, caller: str | None) -> Any:
+    """The condition on an ``owner`` column that a read for ``caller`` keeps: its own rows and the shared ones
+    (a call without a caller, '', sees the shared rows alone)."""
+    return owner.in_(sorted({caller or SHARED, SHARED}))
 
 
 class Refused(Exception):

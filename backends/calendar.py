@@ -8,6 +8,10 @@ Two implementations behind the same two calls, :func:`busy` and :func:`book`:
   and ``events.insert`` on the calendar named by ``VOICE_TOOLS_GOOGLE_CALENDAR_ID``
   (default ``primary``); scopes ``calendar.freebusy`` + ``calendar.events``.
 
+Locally a meeting belongs to the caller whose call booked it (``owner``) and a caller's
+:func:`busy` sees only its own meetings and the shared demo ones; on Google each caller
+uses its own credentials where they are configured (``backends/google.py``).
+
 Never twice for one call: the event id is derived from the tool_call_id
 (:func:`event_id_for`: ``vt`` + the SHA-256 hex of the id, valid for Google, whose
 ids are base32hex characters a-v0-9, 5 to 1024 long). Locally the INSERT does nothing
@@ -33,14 +37,14 @@ from typing import Any, Iterable
 from zoneinfo import ZoneInfo
 
 from google.auth.exceptions import RefreshError
-from sqlalchemy import DateTime, bindparam, select
+from sqlalchemy import DateTime, String, bindparam, select
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db, settings
 from models.calendar import CalendarEvent
 from backends import google
 from backends.google import HttpError
-from backends import Refused, Unavailable
+from backends import SHARED, Refused, Unavailable
 
 CALENDAR_ID_VARIABLE = "VOICE_TOOLS_GOOGLE_CALENDAR_ID"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404, 410})
@@ -69,23 +73,25 @@ def uses_google() -> bool:
 
 # -- the two calls -------------------------------------------------------------------------
 
-def busy(start: datetime, end: datetime) -> list[dict[str, Any]]:
-    """The busy periods overlapping ``[start, end)``, clipped to it, in order.
+def busy(start: datetime, end: datetime, caller: str = "") -> list[dict[str, Any]]:
+    """``caller``'s busy periods overlapping ``[start, end)``, clipped to it, in order.
 
     Each is ``{start, end, title}`` (aware UTC datetimes; ``title`` is None on Google,
     whose freebusy says only when).
     """
-    periods = GoogleCalendar().busy(start, end) if uses_google() else LocalCalendar().busy(start, end)
+    periods = (GoogleCalendar(caller=caller).busy(start, end) if uses_google()
+               else LocalCalendar().busy(start, end, caller))
     return clip_and_merge(periods, start, end)
 
 
-def book(meeting: dict[str, Any]) -> dict[str, Any]:
-    """Book ``meeting`` once; return ``{event_id, start, end, html_link}`` (ISO times in its time zone).
+def book(meeting: dict[str, Any], caller: str = "") -> dict[str, Any]:
+    """Book ``meeting`` once in ``caller``'s calendar; return ``{event_id, start, end, html_link}`` (ISO
+    times in its time zone).
 
     ``meeting``: ``event_id``, ``tool_call_id``, ``title``, ``start``, ``end`` (ISO 8601
     with offset), ``timezone``, ``attendees``, ``description``.
     """
-    return GoogleCalendar().book(meeting) if uses_google() else LocalCalendar().book(meeting)
+    return GoogleCalendar(caller=caller).book(meeting) if uses_google() else LocalCalendar().book(meeting, caller)
 
 
 def clip_and_merge(periods: Iterable[dict[str, Any]], start: datetime, end: datetime) -> list[dict[str, Any]]:
@@ -104,25 +110,27 @@ def clip_and_merge(periods: Iterable[dict[str, Any]], start: datetime, end: date
 
 # -- local: the calendar_events table ------------------------------------------------------
 
-# built once: the events overlapping [b_start, b_end), in order
+# built once: the events of b_caller (and the shared ones) overlapping [b_start, b_end), in order
 _BUSY = (select(CalendarEvent.starts_at, CalendarEvent.ends_at, CalendarEvent.title)
-         .where(CalendarEvent.starts_at < bindparam("b_end", type_=DateTime(timezone=True)),
+         .where(CalendarEvent.owner.in_([bindparam("b_caller", type_=String()), SHARED]),
+                CalendarEvent.starts_at < bindparam("b_end", type_=DateTime(timezone=True)),
                 CalendarEvent.ends_at > bindparam("b_start", type_=DateTime(timezone=True)))
          .order_by(CalendarEvent.starts_at, CalendarEvent.id))
 
 
 class LocalCalendar:
-    def busy(self, start: datetime, end: datetime) -> list[dict[str, Any]]:
+    def busy(self, start: datetime, end: datetime, caller: str = "") -> list[dict[str, Any]]:
         with db.statement() as conn:  # one SELECT, one round trip (no BEGIN/COMMIT), Core rows
             return [{"start": e.starts_at.astimezone(UTC), "end": e.ends_at.astimezone(UTC), "title": e.title}
-                    for e in conn.execute(_BUSY, {"b_start": start, "b_end": end})]
+                    for e in conn.execute(_BUSY, {"b_caller": caller or "", "b_start": start, "b_end": end})]
 
-    def book(self, meeting: dict[str, Any]) -> dict[str, Any]:
+    def book(self, meeting: dict[str, Any], caller: str = "") -> dict[str, Any]:
         with db.session() as s:
             s.execute(
                 insert(CalendarEvent)
                 .values(
                     id=meeting["event_id"],
+                    owner=caller or "",
                     title=meeting["title"],
                     starts_at=parse_datetime(meeting["start"]),
                     ends_at=parse_datetime(meeting["end"]),
@@ -133,8 +141,9 @@ class LocalCalendar:
                 )
                 .on_conflict_do_nothing()
             )
-            event = s.get(CalendarEvent, meeting["event_id"])
-            if event is None:  # another row holds this call's tool_call_id: impossible with derived ids
+            event = s.scalars(select(CalendarEvent).where(CalendarEvent.id == meeting["event_id"],
+                                                          CalendarEvent.owner == (caller or ""))).one_or_none()
+            if event is None:  # another row holds this call's id or tool_call_id: impossible with derived ids
                 raise Refused(f"event {meeting['event_id']} could not be stored")
             tz = zone(event.timezone)
             return {"event_id": event.id, "start": event.starts_at.astimezone(tz).isoformat(),
@@ -151,18 +160,19 @@ class GoogleCalendar:
     """``freebusy.query`` and ``events.insert`` on one calendar.
 
     ``service`` (a ``calendar`` v3 client, e.g. built on an ``HttpMockSequence``)
-    defaults to this thread's client from the settings; ``calendar`` to
+    defaults to this thread's client for ``caller`` from the settings; ``calendar`` to
     :func:`calendar_id`.
     """
 
-    def __init__(self, service: Any = None, calendar: str | None = None) -> None:
+    def __init__(self, service: Any = None, calendar: str | None = None, caller: str = "") -> None:
         self._service = service
         self.calendar = calendar or calendar_id()
+        self.caller = caller
 
     @property
     def service(self) -> Any:
         if self._service is None:
-            self._service = google.service("calendar", "v3")
+            self._service = google.service("calendar", "v3", caller=self.caller)
         return self._service
 
     def busy(self, start: datetime, end: datetime) -> list[dict[str, Any]]:

@@ -1,12 +1,13 @@
 """The caller's contacts, searched by search_contacts.
 
-Local (default): the ``contacts`` table, searched case-insensitively (ILIKE) on name,
-email and organization; every word of the query must match one of them. Ranked: the
-exact name first, then names starting with the query, then names with a word starting
-with it, then the rest; alphabetical within a rank.
+Local (default): the ``contacts`` table, the caller's own rows and the shared (demo) ones,
+searched case-insensitively (ILIKE) on name, email and organization; every word of the
+query must match one of them. Ranked: the exact name first, then names starting with the
+query, then names with a word starting with it, then the rest; alphabetical within a rank.
 
 Google (``settings.uses_google("people")``): the People API's
-``people.searchContacts`` over the user's own contacts (scope ``contacts.readonly``).
+``people.searchContacts`` over the user's own contacts (scope ``contacts.readonly``), with the
+caller's own credentials where they are configured (``backends/google.py``).
 People asks clients to send a warm-up request with an empty query first, to refresh
 its search cache: it is sent once per process (per configured endpoint).
 
@@ -27,7 +28,7 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, settings
 from models.contacts import Contact
 from backends import google
-from backends import Refused, Unavailable
+from backends import Refused, Unavailable, seen_by
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,16 @@ DEMO_CONTACTS = [
 
 
 
-def search(query: str, limit: int = 5) -> list[dict[str, Any]]:
-    """Up to ``limit`` contacts matching ``query``, best first, from the configured backend."""
+def search(query: str, limit: int = 5, caller: str = "") -> list[dict[str, Any]]:
+    """Up to ``limit`` of ``caller``'s contacts matching ``query``, best first, from the configured backend."""
     if settings.load().uses_google("people"):
         try:
-            svc = google.service("people", "v1")
+            svc = google.service("people", "v1", caller=caller)
         except google.CredentialsError as exc:
             raise Refused(str(exc)) from exc
         warm_up_once(svc)
         return google_search(svc, query, limit)
-    return local_search(query, limit)
+    return local_search(query, limit, caller)
 
 
 # -- local ------------------------------------------------------------------------------
@@ -73,7 +74,7 @@ def _like(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def local_search(query: str, limit: int = 5) -> list[dict[str, Any]]:
+def local_search(query: str, limit: int = 5, caller: str = "") -> list[dict[str, Any]]:
     query = " ".join(query.split())
     words = query.split(" ") if query else []
     if not words:
@@ -91,19 +92,20 @@ def local_search(query: str, limit: int = 5) -> list[dict[str, Any]]:
         (Contact.email.ilike(f"{_like(query)}%"), 3),
         else_=4,
     )
-    stmt = select(Contact).where(*matches).order_by(rank, func.lower(name), Contact.id).limit(limit)
+    stmt = (select(Contact).where(seen_by(Contact.owner, caller), *matches)
+            .order_by(rank, func.lower(name), Contact.id).limit(limit))
     with db.statement() as conn:  # one SELECT, one round trip (no BEGIN/COMMIT), Core rows
         rows = conn.execute(stmt).all()
     return [{"name": c.name, "email": c.email, "phone": c.phone, "organization": c.organization} for c in rows]
 
 
 def load_demo() -> int:
-    """Add the demo contacts that are missing (by email); return how many were added."""
+    """Add the shared demo contacts that are missing (by email); return how many were added."""
     rows = [{"name": n, "email": e, "phone": p, "organization": o, "notes": notes}
             for n, e, p, o, notes in DEMO_CONTACTS]
     with db.session() as s:
         added = s.execute(
-            insert(Contact).values(rows).on_conflict_do_nothing(index_elements=["email"])
+            insert(Contact).values(rows).on_conflict_do_nothing(index_elements=["owner", "email"])
             .returning(Contact.id.cast(String))
         ).all()
     return len(added)

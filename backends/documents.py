@@ -6,13 +6,15 @@ and stored in ``documents`` (``models/documents.py``) with the model's name and 
 vector's size. A search embeds the question with the same embedder and ranks chunks
 by cosine similarity in PostgreSQL (pgvector, HNSW index).
 
-- ``ingest(paths, reembed=False)``: ``.md`` / ``.txt`` files and folders; a file
-  ingested again replaces its chunks; ``reembed`` re-embeds every stored chunk with
-  the active model (after a change of embedder).
-- ``search(text, top_k, filters)``: ``[{id, title, snippet, score, metadata}]``, best
-  first; ``filters`` must match metadata keys exactly (JSON containment); chunks
-  scoring below ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
-- ``load_demo()``: ten short demo documents, embedded; safe to run twice.
+- ``ingest(paths, reembed=False, owner="")``: ``.md`` / ``.txt`` files and folders, for
+  one caller (``owner``) or shared by every caller (''); a file ingested again for the
+  same owner replaces its chunks; ``reembed`` re-embeds every stored chunk with the
+  active model (after a change of embedder).
+- ``search(text, top_k, filters, caller="")``: ``[{id, title, snippet, score, metadata}]``
+  of the caller's own and the shared documents, best first; ``filters`` must match
+  metadata keys exactly (JSON containment); chunks scoring below
+  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
+- ``load_demo()``: ten short shared demo documents, embedded; safe to run twice.
 
 Models are never mixed: a search or an ingest with an embedder other than the one
 the stored chunks were made with is refused (:class:`ModelMismatch`) until
@@ -28,14 +30,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import delete, or_, select, text, update
+from sqlalchemy import delete, or_, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from models import db, settings
 from models.documents import EMBEDDING_DIM, DocumentChunk
-from backends import embeddings
+from backends import SHARED, embeddings, seen_by
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,15 +123,18 @@ def _mismatch(stored: str, active: str) -> ModelMismatch:
 
 # -- search -------------------------------------------------------------------------------------
 
-def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The chunks most similar to ``query`` (see the module's doc)."""
+def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None,
+           caller: str = "") -> list[dict[str, Any]]:
+    """The chunks most similar to ``query`` that ``caller`` sees (see the module's doc)."""
     model, _ = embeddings.active_model()
-    return search_vector(embeddings.embed_query(query), model, top_k, filters)
+    return search_vector(embeddings.embed_query(query), model, top_k, filters, caller=caller)
 
 
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
-                  filters: dict[str, Any] | None = None, floor: float | None = None) -> list[dict[str, Any]]:
-    """The chunks nearest to ``vector`` (made by ``model``), best first, above the relevance floor."""
+                  filters: dict[str, Any] | None = None, floor: float | None = None,
+                  caller: str = "") -> list[dict[str, Any]]:
+    """The chunks of ``caller``'s own and the shared documents nearest to ``vector`` (made by ``model``),
+    best first, above the relevance floor."""
     import numpy as np
 
     floor = min_score() if floor is None else floor
@@ -138,7 +143,7 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
         raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
     distance = DocumentChunk.embedding.cosine_distance(vector)
     stmt = select(DocumentChunk.id, DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
-                  distance.label("distance"))
+                  distance.label("distance")).where(seen_by(DocumentChunk.owner, caller))
     if filters:
         stmt = stmt.where(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
     stmt = stmt.order_by(distance, DocumentChunk.id).limit(top_k)
@@ -147,10 +152,10 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
             stored = _other_model(s, model)
             if stored is not None:
                 raise _mismatch(stored, model)
-            # the HNSW scan looks at ef_search candidates; a filter drops some of them afterwards
+            # the HNSW scan looks at ef_search candidates; a filter (and the owner: other callers'
+            # chunks) drops some of them afterwards, so the scan goes on until top_k pass
             s.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, top_k * (10 if filters else 2)))}"))
-            if filters:
-                _iterative_scan(s)
+            _iterative_scan(s)
             rows = s.execute(stmt).all()
     except ProgrammingError as exc:
         _explain_database_error(exc)
@@ -382,10 +387,11 @@ def _files(paths: Iterable[str]) -> list[Path]:
     return list(unique)
 
 
-def ingest(paths: list[str], reembed: bool = False) -> dict[str, Any]:
-    """Chunk, embed and store ``.md`` / ``.txt`` files (folders are walked; hidden ones skipped).
+def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict[str, Any]:
+    """Chunk, embed and store ``.md`` / ``.txt`` files (folders are walked; hidden ones skipped) as
+    ``owner``'s documents ('' : shared by every caller).
 
-    A file ingested again replaces its chunks (in one transaction per file). With
+    A file ingested again for the same owner replaces its chunks (in one transaction per file). With
     ``reembed`` every chunk already stored is embedded again with the active model
     first. Returns ``{files, chunks, model, seconds, reembedded}``.
     """
@@ -405,44 +411,50 @@ def ingest(paths: list[str], reembed: bool = False) -> dict[str, Any]:
     for index, path in enumerate(files):
         group.append((path, read_document(path)))
         if sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1:
-            chunks += _store(group, model, dim)
+            chunks += _store(group, model, dim, owner)
             group = []
     return {"files": len(files), "chunks": chunks, "model": model, "seconds": round(time.perf_counter() - started, 3),
             "reembedded": reembedded}
 
 
-def _store(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int) -> int:
-    """Embed a group of files' chunks, then replace each file's chunks (one transaction)."""
+def _store(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> int:
+    """Embed a group of files' chunks, then replace each file's chunks of ``owner`` (one transaction)."""
     rows = [row for _, file_rows in group for row in file_rows]
     vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
     for row, vector in zip(rows, vectors):
-        row.update(embedding=vector, embedding_model=model, embedding_dim=dim)
+        row.update(owner=owner, embedding=vector, embedding_model=model, embedding_dim=dim)
     with db.session() as s:
         for path, file_rows in group:
-            s.execute(delete(DocumentChunk).where(DocumentChunk.document_id == str(path)))
+            s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
+                                                  DocumentChunk.document_id == str(path)))
             if file_rows:
                 s.execute(insert(DocumentChunk), file_rows)
     return len(rows)
 
 
 def _reembed(model: str, dim: int) -> int:
-    """Embed every stored chunk again with ``model`` (keyset pages, one transaction per page)."""
-    done, after = 0, ""
+    """Embed every stored chunk (of every owner) again with ``model`` (keyset pages, one transaction per page)."""
+    done, after = 0, (SHARED, "")
+    key = tuple_(DocumentChunk.owner, DocumentChunk.id)
     while True:
         with db.session() as s:
             page = s.execute(
-                select(DocumentChunk.id, DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata)
-                .where(DocumentChunk.id > after).order_by(DocumentChunk.id).limit(WRITE_BATCH)).all()
+                select(DocumentChunk.owner, DocumentChunk.id, DocumentChunk.title, DocumentChunk.content,
+                       DocumentChunk.doc_metadata)
+                .where(key > tuple_(*after)).order_by(DocumentChunk.owner, DocumentChunk.id)
+                .limit(WRITE_BATCH)).all()
         if not page:
             return done
-        rows = [{"id": r.id, "title": r.title, "content": r.content, "doc_metadata": r.doc_metadata} for r in page]
+        rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content,
+                 "doc_metadata": r.doc_metadata} for r in page]
         vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
         with db.session() as s:
             for row, vector in zip(rows, vectors):
-                s.execute(update(DocumentChunk).where(DocumentChunk.id == row["id"])
+                s.execute(update(DocumentChunk)
+                          .where(DocumentChunk.owner == row["owner"], DocumentChunk.id == row["id"])
                           .values(embedding=vector, embedding_model=model, embedding_dim=dim))
         done += len(rows)
-        after = page[-1].id
+        after = (page[-1].owner, page[-1].id)
 
 
 # -- demo data ------------------------------------------------------------------------------
@@ -505,7 +517,8 @@ def load_demo() -> int:
         if stored is not None:
             log.warning("demo documents not loaded: %s", _mismatch(stored, model))
             return 0
-        have = set(s.scalars(select(DocumentChunk.id).where(DocumentChunk.id.in_([r["id"] for r in rows]))))
+        have = set(s.scalars(select(DocumentChunk.id).where(DocumentChunk.owner == SHARED,
+                                                            DocumentChunk.id.in_([r["id"] for r in rows]))))
     missing = [row for row in rows if row["id"] not in have]
     if not missing:
         return 0
@@ -514,5 +527,5 @@ def load_demo() -> int:
         row.update(embedding=vector, embedding_model=model, embedding_dim=dim)
     with db.session() as s:
         added = s.scalars(insert(DocumentChunk).values(missing)
-                          .on_conflict_do_nothing(index_elements=["id"]).returning(DocumentChunk.id)).all()
+                          .on_conflict_do_nothing(index_elements=["owner", "id"]).returning(DocumentChunk.id)).all()
     return len(added)

@@ -1,4 +1,4 @@
-"""Sending email: the local outbox (default; one row per call, never two).
+"""Sending email: the local outbox (default; one row per call, never two, its ``owner`` the call's caller).
 
 The message id is derived from the tool_call_id, so a redelivered SENDING link finds
 the message it already sent instead of sending it again.
@@ -23,8 +23,8 @@ def thread_id_for(tool_call_id: str) -> str:
     return "thr_" + hashlib.sha256(tool_call_id.encode()).hexdigest()[:16]
 
 
-def send(tool_call_id: str, draft: dict[str, Any]) -> dict[str, Any]:
-    """Put the message in the outbox once; return ``{message_id, thread_id, to}``."""
+def send(tool_call_id: str, draft: dict[str, Any], caller: str = "") -> dict[str, Any]:
+    """Put ``caller``'s message in the outbox once; return ``{message_id, thread_id, to}``."""
     headers = {
         "To": draft["to"],
         "Cc": ", ".join(draft.get("cc") or []),
@@ -36,6 +36,7 @@ def send(tool_call_id: str, draft: dict[str, Any]) -> dict[str, Any]:
             insert(EmailOutbox)
             .values(
                 tool_call_id=tool_call_id,
+                owner=caller or "",
                 message_id=draft["message_id"],
                 thread_id=thread_id_for(tool_call_id),
                 headers=headers,
@@ -43,5 +44,6 @@ def send(tool_call_id: str, draft: dict[str, Any]) -> dict[str, Any]:
             )
             .on_conflict_do_nothing(index_elements=["tool_call_id"])
         )
-        row = s.scalars(select(EmailOutbox).where(EmailOutbox.tool_call_id == tool_call_id)).one()
+        row = s.scalars(select(EmailOutbox).where(EmailOutbox.tool_call_id == tool_call_id,
+                                                  EmailOutbox.owner == (caller or ""))).one()
         return {"message_id": row.message_id, "thread_id": row.thread_id, "to": row.headers["To"]}

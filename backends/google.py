@@ -5,7 +5,12 @@ Credentials come from ``VOICE_TOOLS_GOOGLE_CREDENTIALS`` (or
 for a user through domain-wide delegation (``VOICE_TOOLS_GOOGLE_SUBJECT``), or an
 authorized-user token file (``{"type": "authorized_user", "client_id", "client_secret",
 "refresh_token", ...}``, as ``gcloud auth application-default login`` or an OAuth
-consent flow writes it). Services are built from the discovery documents the library
+consent flow writes it). Each caller may have its own: with ``VOICE_TOOLS_GOOGLE_CREDENTIALS_DIR``
+set, the file ``<caller>.json`` in that folder is the credentials of the caller (a token's
+name) and a caller without one uses the shared file (docs/operations.md, "Real backends").
+A backend asks for the client of its call's caller (``service(..., caller=)``); code that
+does not pass one gets the caller set by :func:`acting_for` (e.g. around a step), else the
+shared credentials. Services are built from the discovery documents the library
 ships (no discovery request). ``VOICE_TOOLS_GOOGLE_API_ENDPOINT`` replaces the API's
 root URL (a proxy, a private endpoint, or the tests' local HTTP double).
 
@@ -15,9 +20,12 @@ answers it understands (404, 409, 400) into what they mean.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from google.auth.exceptions import TransportError
 from googleapiclient.errors import HttpError
@@ -34,16 +42,45 @@ SCOPES: dict[str, tuple[str, ...]] = {
 }
 
 _local = threading.local()  # httplib2.Http is not thread-safe: one client per thread
+_acting_for: contextvars.ContextVar[str] = contextvars.ContextVar("google_acting_for", default="")
 
 
 class CredentialsError(RuntimeError):
     """The credentials file is missing or not one Google's libraries can use."""
 
 
-def credentials(scopes: Sequence[str], conf: settings.Settings | None = None) -> Any:
-    """Credentials for ``scopes`` from the configured file (service account or authorized user)."""
+@contextlib.contextmanager
+def acting_for(caller: str | None) -> Iterator[None]:
+    """Within the block, :func:`service` called without a caller builds ``caller``'s client."""
+    token = _acting_for.set(caller or "")
+    try:
+        yield
+    finally:
+        _acting_for.reset(token)
+
+
+def credentials_file(caller: str | None = None, conf: settings.Settings | None = None) -> str:
+    """The credentials file of ``caller``: ``<caller>.json`` in ``VOICE_TOOLS_GOOGLE_CREDENTIALS_DIR`` when
+    that file exists, else the shared ``VOICE_TOOLS_GOOGLE_CREDENTIALS``. A name that is not a plain
+    file name (a path separator, a leading dot, empty) never picks a file of the folder."""
     conf = conf or settings.load()
-    path = conf.google_credentials
+    folder = conf.google_credentials_dir
+    name = caller or ""
+    plain = name and not name.startswith(".") and "/" not in name and "\\" not in name and "\0" not in name
+    if folder and plain:
+        own = os.path.join(folder, f"{name}.json")
+        if os.path.isfile(own):
+            return own
+    return conf.google_credentials
+
+
+def credentials(scopes: Sequence[str], conf: settings.Settings | None = None, path: str | None = None) -> Any:
+    """Credentials for ``scopes`` from ``path`` (default: the shared file), a service account or an authorized user."""
+    conf = conf or settings.load()
+    path = path or conf.google_credentials
+    if not path:
+        raise CredentialsError("no Google credentials file is configured for this caller "
+                               "(VOICE_TOOLS_GOOGLE_CREDENTIALS or VOICE_TOOLS_GOOGLE_CREDENTIALS_DIR)")
     try:
         with open(path, encoding="utf-8") as f:
             info = json.load(f)
@@ -54,7 +91,9 @@ def credentials(scopes: Sequence[str], conf: settings.Settings | None = None) ->
         from google.oauth2 import service_account
 
         creds = service_account.Credentials.from_service_account_info(info, scopes=list(scopes))
-        return creds.with_subject(conf.google_subject) if conf.google_subject else creds
+        # the subject is the shared account's user: a caller's own service-account file acts as itself
+        shared = path == conf.google_credentials
+        return creds.with_subject(conf.google_subject) if conf.google_subject and shared else creds
     if kind == "authorized_user":
         from google.oauth2.credentials import Credentials
 
@@ -62,8 +101,10 @@ def credentials(scopes: Sequence[str], conf: settings.Settings | None = None) ->
     raise CredentialsError(f"{path!r} is neither a service_account nor an authorized_user file (type {kind!r})")
 
 
-def build_service(api: str, version: str, http: Any = None, conf: settings.Settings | None = None) -> Any:
-    """A client for ``api`` ``version``; ``http`` (e.g. an ``HttpMockSequence``) replaces the authorised transport."""
+def build_service(api: str, version: str, http: Any = None, conf: settings.Settings | None = None,
+                  credentials_path: str | None = None) -> Any:
+    """A client for ``api`` ``version`` with the credentials of ``credentials_path`` (default: the shared
+    file); ``http`` (e.g. an ``HttpMockSequence``) replaces the authorised transport."""
     # Imported here, not at the top: every process imports the tools, few build a client
     # (the discovery client and httplib2 with pyparsing are ~25 MB per process).
     import httplib2
@@ -73,20 +114,23 @@ def build_service(api: str, version: str, http: Any = None, conf: settings.Setti
     conf = conf or settings.load()
     if http is None:
         scopes = SCOPES.get(api if api != "gmail" else "gmail", ())
-        http = AuthorizedHttp(credentials(scopes, conf), http=httplib2.Http(timeout=conf.google_timeout_s))
+        http = AuthorizedHttp(credentials(scopes, conf, credentials_path),
+                              http=httplib2.Http(timeout=conf.google_timeout_s))
     options = {"api_endpoint": conf.google_api_endpoint} if conf.google_api_endpoint else None
     return build(api, version, http=http, cache_discovery=False, static_discovery=True, client_options=options)
 
 
-def service(api: str, version: str) -> Any:
-    """This thread's client for ``api`` ``version``, made once with the current settings."""
+def service(api: str, version: str, caller: str | None = None) -> Any:
+    """This thread's client for ``api`` ``version`` with ``caller``'s credentials (None: the caller of
+    :func:`acting_for`), made once per credentials file with the current settings."""
     conf = settings.load()
-    key = (api, version, conf.google_credentials, conf.google_subject, conf.google_api_endpoint)
+    path = credentials_file(_acting_for.get() if caller is None else caller, conf)
+    key = (api, version, path, conf.google_subject, conf.google_api_endpoint)
     cache = getattr(_local, "services", None)
     if cache is None:
         cache = _local.services = {}
     if key not in cache:
-        cache[key] = build_service(api, version, conf=conf)
+        cache[key] = build_service(api, version, conf=conf, credentials_path=path)
     return cache[key]
 
 
@@ -121,5 +165,5 @@ def reason_of(exc: HttpError) -> str:
         return exc.reason or f"HTTP {exc.resp.status}"
 
 
-__all__ = ["SCOPES", "CredentialsError", "HttpError", "TransportError", "build_service", "credentials",
-           "reason_of", "reset", "service", "status_of", "transport_errors"]
+__all__ = ["SCOPES", "CredentialsError", "HttpError", "TransportError", "acting_for", "build_service", "credentials",
+           "credentials_file", "reason_of", "reset", "service", "status_of", "transport_errors"]

@@ -1,7 +1,9 @@
 """The caller's task list, written by create_task.
 
 Local (default): the ``todo_tasks`` table, one row per call (``tool_call_id`` unique,
-``id`` derived from it), so a redelivered CREATING link finds the task it added.
+``id`` derived from it), so a redelivered CREATING link finds the task it added; the row
+belongs to the call's caller (``owner``). On Google, the caller's own credentials where
+they are configured (``backends/google.py``).
 
 Google (``settings.uses_google("tasks")``): the Tasks API's ``tasks.insert`` on the
 list ``VOICE_TOOLS_GOOGLE_TASKLIST`` (default ``@default``, the user's default list;
@@ -51,33 +53,35 @@ def marker_for(tool_call_id: str) -> str:
     return MARKER_PREFIX + tool_call_id
 
 
-def create(tool_call_id: str, draft: dict[str, Any]) -> dict[str, Any]:
-    """Add the task of ``draft`` (``title``, ``notes``, ``due`` ISO date or None, ``priority``) once.
+def create(tool_call_id: str, draft: dict[str, Any], caller: str = "") -> dict[str, Any]:
+    """Add the task of ``draft`` (``title``, ``notes``, ``due`` ISO date or None, ``priority``) once, to
+    ``caller``'s list.
 
     Returns ``{task_id, title, due, priority, web_link}``; called again for the same
     ``tool_call_id`` it returns the task already added.
     """
     if settings.load().uses_google("tasks"):
         try:
-            svc = google.service("tasks", "v1")
+            svc = google.service("tasks", "v1", caller=caller)
         except google.CredentialsError as exc:
             raise Refused(str(exc)) from exc
         return google_create(svc, tool_call_id, draft, tasklist())
-    return local_create(tool_call_id, draft)
+    return local_create(tool_call_id, draft, caller)
 
 
 # -- local ------------------------------------------------------------------------------
 
-def local_create(tool_call_id: str, draft: dict[str, Any]) -> dict[str, Any]:
+def local_create(tool_call_id: str, draft: dict[str, Any], caller: str = "") -> dict[str, Any]:
     due = date.fromisoformat(draft["due"]) if draft.get("due") else None
     with db.session() as s:
         s.execute(
             insert(TodoTask)
-            .values(id=task_id_for(tool_call_id), tool_call_id=tool_call_id, title=draft["title"],
+            .values(id=task_id_for(tool_call_id), tool_call_id=tool_call_id, owner=caller or "", title=draft["title"],
                     notes=draft.get("notes") or "", due=due, priority=draft["priority"])
             .on_conflict_do_nothing(index_elements=["tool_call_id"])
         )
-        row = s.scalars(select(TodoTask).where(TodoTask.tool_call_id == tool_call_id)).one()
+        row = s.scalars(select(TodoTask).where(TodoTask.tool_call_id == tool_call_id,
+                                               TodoTask.owner == (caller or ""))).one()
         return {"task_id": row.id, "title": row.title, "due": row.due.isoformat() if row.due else None,
                 "priority": row.priority, "web_link": None}
 

@@ -2,7 +2,9 @@
 
 Local only (PostgreSQL tables of ``models/training.py``); there is no remote training
 service. Every function is a read but ``load_demo``. A learner is found by email
-(case-insensitive) or id; a module by slug or title (case-insensitive).
+(case-insensitive) or id; a module by slug or title (case-insensitive). A read for a caller
+sees the caller's own learners and modules and the shared ones (the demo set), its own first;
+never another caller's (docs/promises.md, Callers).
 """
 from __future__ import annotations
 
@@ -13,26 +15,33 @@ from sqlalchemy.dialects.postgresql import insert
 
 from models import db
 from models.training import KnowledgeQuestion, Learner, TrainingModule, TrainingProgress
+from backends import SHARED, seen_by
 
 
-def find_learner(who: str) -> dict[str, Any] | None:
-    """``{id, name, email}`` of the learner with this email or id, or None."""
+def find_learner(who: str, caller: str = "") -> dict[str, Any] | None:
+    """``{id, name, email}`` of ``caller``'s learner with this email or id, or None."""
     who = who.strip()
-    stmt = select(Learner).where(or_(func.lower(Learner.email) == who.lower(), Learner.id == who))
+    stmt = select(Learner).where(seen_by(Learner.owner, caller),
+                                 or_(func.lower(Learner.email) == who.lower(), Learner.id == who))
     with db.session() as s:
-        learner = s.scalars(stmt.order_by(Learner.id).limit(1)).first()
+        learner = s.scalars(stmt.order_by(Learner.owner.desc(), Learner.id).limit(1)).first()
     return None if learner is None else {"id": learner.id, "name": learner.name, "email": learner.email}
 
 
-def _module_matches(what: str):
+def _module_matches(what: str, caller: str):
     what = what.strip().lower()
-    return or_(func.lower(TrainingModule.id) == what, func.lower(TrainingModule.title) == what)
+    return seen_by(TrainingModule.owner, caller) & or_(func.lower(TrainingModule.id) == what,
+                                                      func.lower(TrainingModule.title) == what)
 
 
-def find_module(what: str) -> dict[str, Any] | None:
-    """``{module, title, description, lessons_total}`` of the module with this slug or title, or None."""
+def _own_first() -> tuple[Any, ...]:
+    return (TrainingModule.owner.desc(), TrainingModule.id)
+
+
+def find_module(what: str, caller: str = "") -> dict[str, Any] | None:
+    """``{module, title, description, lessons_total}`` of ``caller``'s module with this slug or title, or None."""
     with db.session() as s:
-        module = s.scalars(select(TrainingModule).where(_module_matches(what)).order_by(TrainingModule.id)
+        module = s.scalars(select(TrainingModule).where(_module_matches(what, caller)).order_by(*_own_first())
                            .limit(1)).first()
     return None if module is None else _module(module)
 
@@ -53,8 +62,8 @@ def _entry(module: TrainingModule, progress: TrainingProgress | None) -> dict[st
     }
 
 
-def progress(learner_id: str, module: str | None = None) -> dict[str, Any]:
-    """The learner's progress: ``{module_found, modules: [{module, title, status,
+def progress(learner_id: str, module: str | None = None, caller: str = "") -> dict[str, Any]:
+    """The progress of ``caller``'s learner: ``{module_found, modules: [{module, title, status,
     lessons_completed, lessons_total, score}]}``.
 
     Without ``module``: every module assigned to the learner (one with a progress
@@ -63,35 +72,43 @@ def progress(learner_id: str, module: str | None = None) -> dict[str, Any]:
     module has that slug or title.
     """
     joined = TrainingProgress.module_id == TrainingModule.id
+    learner = TrainingProgress.learner_id.in_(
+        select(Learner.id).where(Learner.id == learner_id, seen_by(Learner.owner, caller)))
     with db.session() as s:
         if module is None:
             rows = s.execute(
                 select(TrainingModule, TrainingProgress).join(TrainingProgress, joined)
-                .where(TrainingProgress.learner_id == learner_id).order_by(TrainingModule.title)
+                .where(learner, seen_by(TrainingModule.owner, caller)).order_by(TrainingModule.title)
             ).all()
             return {"module_found": True, "modules": [_entry(m, p) for m, p in rows]}
         found = s.execute(
             select(TrainingModule, TrainingProgress)
-            .outerjoin(TrainingProgress, joined & (TrainingProgress.learner_id == learner_id))
-            .where(_module_matches(module)).order_by(TrainingModule.id).limit(1)
+            .outerjoin(TrainingProgress, joined & learner)
+            .where(_module_matches(module, caller)).order_by(*_own_first()).limit(1)
         ).first()
     if found is None:
         return {"module_found": False, "modules": []}
     return {"module_found": True, "modules": [_entry(*found)]}
 
 
-def questions(module_id: str) -> list[dict[str, Any]]:
-    """The module's questions in order, without their answers: ``[{number, question, choices}]``."""
+def _of_module(module_id: str, caller: str) -> Any:
+    """The questions of ``module_id`` when it is one of ``caller``'s modules (or a shared one)."""
+    return KnowledgeQuestion.module_id.in_(
+        select(TrainingModule.id).where(TrainingModule.id == module_id, seen_by(TrainingModule.owner, caller)))
+
+
+def questions(module_id: str, caller: str = "") -> list[dict[str, Any]]:
+    """The questions of ``caller``'s module in order, without their answers: ``[{number, question, choices}]``."""
     stmt = (select(KnowledgeQuestion.number, KnowledgeQuestion.question, KnowledgeQuestion.choices)
-            .where(KnowledgeQuestion.module_id == module_id).order_by(KnowledgeQuestion.number))
+            .where(_of_module(module_id, caller)).order_by(KnowledgeQuestion.number))
     with db.session() as s:
         return [{"number": n, "question": q, "choices": list(c)} for n, q, c in s.execute(stmt)]
 
 
-def answer_key(module_id: str) -> list[dict[str, Any]]:
-    """The module's answers in question order: ``[{number, answer, choices}]``."""
+def answer_key(module_id: str, caller: str = "") -> list[dict[str, Any]]:
+    """The answers of ``caller``'s module in question order: ``[{number, answer, choices}]``."""
     stmt = (select(KnowledgeQuestion.number, KnowledgeQuestion.answer, KnowledgeQuestion.choices)
-            .where(KnowledgeQuestion.module_id == module_id).order_by(KnowledgeQuestion.number))
+            .where(_of_module(module_id, caller)).order_by(KnowledgeQuestion.number))
     with db.session() as s:
         return [{"number": n, "answer": a, "choices": list(c)} for n, a, c in s.execute(stmt)]
 
@@ -174,7 +191,7 @@ DEMO_QUESTIONS = {
 
 
 def load_demo() -> int:
-    """Add the demo learners, modules, progress and questions that are missing; rows added.
+    """Add the shared demo learners, modules, progress and questions that are missing; rows added.
 
     Safe to run twice: each insert skips rows whose natural key (email or id, slug,
     learner + module, module + number) is already there, and never changes them.
@@ -190,11 +207,11 @@ def load_demo() -> int:
         # the learners as they are stored (an address already there keeps its own id)
         emails = [e for _, e, _ in DEMO_LEARNERS]
         ids = dict(s.execute(select(func.lower(Learner.email), Learner.id)
-                             .where(func.lower(Learner.email).in_(emails))).tuples().all())
+                             .where(Learner.owner == SHARED, func.lower(Learner.email).in_(emails))).tuples().all())
         added += s.execute(insert(TrainingProgress).values([
             {"learner_id": ids[email], "module_id": module, "lessons_completed": done, "status": status,
              "score": score}
-            for email, module, done, status, score in DEMO_PROGRESS]
+            for email, module, done, status, score in DEMO_PROGRESS if email in ids]
         ).on_conflict_do_nothing(index_elements=["learner_id", "module_id"])).rowcount
         added += s.execute(insert(KnowledgeQuestion).values([
             {"module_id": module, "number": number, "question": q, "choices": choices, "answer": answer}

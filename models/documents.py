@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from pgvector.sqlalchemy import Vector
-from sqlalchemy import DateTime, Index, Integer, Text, func
+from sqlalchemy import DateTime, Index, Integer, String, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -22,10 +22,12 @@ EMBEDDING_DIM = 384
 
 
 class DocumentChunk(Base):
-    """A chunk of a document: ``id`` is ``<document_id>#<chunk_index>``."""
+    """A chunk of a document of ``owner`` ('' for the shared documents every caller searches): ``id`` is
+    ``<document_id>#<chunk_index>``, unique within an owner's documents."""
 
     __tablename__ = "documents"
 
+    owner: Mapped[str] = mapped_column(String(100), primary_key=True, server_default="")
     id: Mapped[str] = mapped_column(Text, primary_key=True)
     document_id: Mapped[str] = mapped_column(Text, nullable=False)
     source: Mapped[str] = mapped_column(Text, nullable=False)
@@ -39,7 +41,7 @@ class DocumentChunk(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
 
     __table_args__ = (
-        Index("ix_documents_document_id", "document_id"),
+        Index("ix_documents_owner_document_id", "owner", "document_id"),
         Index("ix_documents_embedding_model", "embedding_model"),
         Index("ix_documents_metadata", "metadata", postgresql_using="gin"),
         Index("ix_documents_embedding_hnsw", "embedding", postgresql_using="hnsw",

@@ -46,6 +46,7 @@ class Settings:
     public_url: str
     # real backends (docs/operations.md, "Real backends"); unset: the local ones
     google_credentials: str
+    google_credentials_dir: str  # a folder of <caller>.json files, one caller's credentials each
     google_subject: str
     google_services: list[str]
     google_api_endpoint: str
@@ -65,7 +66,7 @@ class Settings:
 
     def uses_google(self, service: str) -> bool:
         """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
-        return bool(self.google_credentials) and service in self.google_services
+        return bool(self.google_credentials or self.google_credentials_dir) and service in self.google_services
 
 
 SWEEPS = {  # beat's sweeps (tasks/sweeps.py): task -> (the variable that sets its period, its default in seconds)
@@ -131,6 +132,7 @@ def load() -> Settings:
         public_url=os.environ.get("VOICE_TOOLS_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/"),
         google_credentials=(os.environ.get("VOICE_TOOLS_GOOGLE_CREDENTIALS")
                             or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")),
+        google_credentials_dir=os.environ.get("VOICE_TOOLS_GOOGLE_CREDENTIALS_DIR", "").strip(),
         google_subject=os.environ.get("VOICE_TOOLS_GOOGLE_SUBJECT", ""),
         google_services=_list("VOICE_TOOLS_GOOGLE_SERVICES") or list(GOOGLE_SERVICES),
         google_api_endpoint=os.environ.get("VOICE_TOOLS_GOOGLE_API_ENDPOINT", ""),

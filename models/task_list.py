@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from sqlalchemy import CheckConstraint, Date, DateTime, String, Text, func
+from sqlalchemy import CheckConstraint, Date, DateTime, Index, String, Text, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.calls import Base
@@ -15,16 +15,19 @@ PRIORITIES = ("low", "medium", "high")
 
 
 class TodoTask(Base):
-    """One to-do; ``tool_call_id`` unique so a call never adds two (its ``id`` is derived from it too)."""
+    """One to-do of ``owner`` (the caller of the call that added it); ``tool_call_id`` unique so a call
+    never adds two (its ``id`` is derived from it too)."""
 
     __tablename__ = "todo_tasks"
     __table_args__ = (
         CheckConstraint("priority IN ('low', 'medium', 'high')", name="ck_todo_tasks_priority"),
         CheckConstraint("status IN ('needsAction', 'completed')", name="ck_todo_tasks_status"),
+        Index("ix_todo_tasks_owner", "owner"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tool_call_id: Mapped[str] = mapped_column(String(100), unique=True, nullable=False)
+    owner: Mapped[str] = mapped_column(String(100), nullable=False, server_default="")  # docs/promises.md, Callers
     title: Mapped[str] = mapped_column(String(500), nullable=False)
     notes: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
     due: Mapped[date | None] = mapped_column(Date)

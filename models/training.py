@@ -3,7 +3,9 @@
 A learner's ``training_progress`` rows are the modules assigned to them (a module
 with no row for a learner is not assigned; asked about it by name, it counts as not
 started). ``knowledge_questions`` hold each module's multiple-choice questions; the
-answer is a letter, A for the first choice.
+answer is a letter, A for the first choice. Learners and modules belong to an ``owner`` (a
+caller; '' for the shared demo set every caller sees); a progress row belongs to its learner's
+owner and a question to its module's.
 """
 from __future__ import annotations
 
@@ -23,20 +25,23 @@ ANSWER_LETTERS = ("A", "B", "C", "D")
 class Learner(Base):
     __tablename__ = "learners"
     __table_args__ = (
-        # the lookup is case-insensitive, so two spellings of one address are one learner
-        Index("uq_learners_email_lower", text("lower(email)"), unique=True),
+        # the lookup is case-insensitive, so two spellings of one address are one learner (of an owner)
+        Index("uq_learners_owner_email_lower", "owner", text("lower(email)"), unique=True),
     )
 
     id: Mapped[str] = mapped_column(String(50), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(100), nullable=False, server_default="")  # docs/promises.md, Callers
     email: Mapped[str] = mapped_column(String(254), nullable=False)  # unique, case-insensitively (above)
     name: Mapped[str] = mapped_column(String(200), nullable=False)
 
 
 class TrainingModule(Base):
     __tablename__ = "training_modules"
-    __table_args__ = (CheckConstraint("lesson_count > 0", name="training_modules_lessons_positive"),)
+    __table_args__ = (CheckConstraint("lesson_count > 0", name="training_modules_lessons_positive"),
+                      Index("ix_training_modules_owner", "owner"))
 
     id: Mapped[str] = mapped_column(String(100), primary_key=True)  # the slug, e.g. security-awareness
+    owner: Mapped[str] = mapped_column(String(100), nullable=False, server_default="")  # docs/promises.md, Callers
     title: Mapped[str] = mapped_column(String(200), nullable=False)
     description: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
     lesson_count: Mapped[int] = mapped_column(Integer, nullable=False)

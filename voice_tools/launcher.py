@@ -266,11 +266,11 @@ def _describe(added: dict[str, int]) -> str:
     return ", ".join(f"{name} +{count}" for name, count in added.items()) or "nothing to load"
 
 
-def ingest(paths: list[str], reembed: bool = False) -> int:
+def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
     from backends import documents
 
     try:
-        report = documents.ingest(paths, reembed=reembed)
+        report = documents.ingest(paths, reembed=reembed, owner=owner)
     except documents.PERMANENT_ERRORS as exc:
         print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
     ingest_parser.add_argument("--reembed", action="store_true",
                                help="first re-embed every stored chunk with the active model (after changing it)")
+    ingest_parser.add_argument("--owner", default="", metavar="CALLER",
+                               help="the caller (a token's name) whose documents these are; "
+                                    "default: shared, every caller searches them")
     args, rest = parser.parse_known_args(argv)
     command = args.command or "run"
     if command == "demo":
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.paths and not args.reembed:
             parser.error("ingest needs a PATH (or --reembed)")
         migrate()
-        return ingest(args.paths, args.reembed)
+        return ingest(args.paths, args.reembed, args.owner.strip())
     urls = ensure_servers()
     for key, value in urls.items():
         print(f"export {key}='{value}'", flush=True)

@@ -123,7 +123,7 @@ def _planned(step: StepInput) -> tuple[datetime, datetime, Any, dict[str, Any]]:
 
 def check_calendar(step: StepInput) -> dict[str, Any]:
     start, end, tz, _ = _planned(step)
-    periods = calendar.busy(start, end)
+    periods = calendar.busy(start, end, step.caller)
     return {"busy": [{"start": p["start"].astimezone(tz).isoformat(), "end": p["end"].astimezone(tz).isoformat()}
                      for p in periods]}
 

@@ -57,14 +57,14 @@ class GetTrainingProgressResult(Schema):
 
 
 def find_learner(step: StepInput) -> dict[str, Any]:
-    return {"learner": training.find_learner(step.parameters["learner"])}
+    return {"learner": training.find_learner(step.parameters["learner"], step.caller)}
 
 
 def read_progress(step: StepInput) -> dict[str, Any]:
     learner = step.outputs["FINDING_LEARNER"]["learner"]
     if learner is None:
         return {"module_found": True, "modules": []}
-    return training.progress(learner["id"], step.parameters.get("module"))
+    return training.progress(learner["id"], step.parameters.get("module"), step.caller)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -76,11 +76,11 @@ class KnowledgeCheckResult(Schema):
 
 
 def load_questions(step: StepInput) -> dict[str, Any]:
-    module = training.find_module(step.parameters["module"])
+    module = training.find_module(step.parameters["module"], step.caller)
     if module is None:
         return {"module": None, "asked": step.parameters["module"], "questions": []}
     return {"module": {"module": module["module"], "title": module["title"]},
-            "questions": training.questions(module["module"])}
+            "questions": training.questions(module["module"], step.caller)}
 
 
 def score(key: list[Mapping[str, Any]], answers: list[str]) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def check_answers(step: StepInput) -> dict[str, Any]:
     loaded = step.outputs["LOADING_QUESTIONS"]
     if not answers or loaded["module"] is None:
         return {"scored": False}
-    key = training.answer_key(loaded["module"]["module"])
+    key = training.answer_key(loaded["module"]["module"], step.caller)
     if not key:
         raise PermanentError(f"{loaded['module']['title']} has no questions yet")
     if len(answers) != len(key):

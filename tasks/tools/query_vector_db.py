@@ -62,9 +62,11 @@ def embed_query(text: str) -> dict[str, Any]:
     return {"model": model, "vector": [round(float(x), 7) for x in vector]}
 
 
-def find(text: str, query: Mapping[str, Any], top_k: int, filters: Mapping[str, Any] | None) -> dict[str, Any]:
+def find(text: str, query: Mapping[str, Any], top_k: int, filters: Mapping[str, Any] | None,
+         caller: str = "") -> dict[str, Any]:
+    """The caller's own and the shared documents nearest to the question, and a sentence about them."""
     with store_errors():
-        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}))
+        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}), caller=caller)
     return {"documents": found, "summary": documents.summarise(text, found)}
 
 
@@ -82,7 +84,7 @@ def plan(step: StepInput) -> dict[str, Any]:
 
 def search(step: StepInput) -> dict[str, Any]:
     q = step.outputs["QUERYING"]
-    return find(step.parameters["user_query"], q, q["top_k"], q["filters"])
+    return find(step.parameters["user_query"], q, q["top_k"], q["filters"], step.caller)
 
 
 def store_context(step: StepInput) -> dict[str, Any]:

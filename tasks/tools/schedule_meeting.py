@@ -62,7 +62,7 @@ def slot(parameters: Mapping[str, Any]) -> tuple[datetime, datetime, Any]:
 def check_availability(step: StepInput) -> dict[str, Any]:
     p = step.parameters
     start, end, tz = slot(p)
-    taken = calendar.busy(start, end)
+    taken = calendar.busy(start, end, step.caller)  # the caller's own meetings only: its sentence names one
     if taken:
         first = taken[0]
         if first["title"]:
@@ -87,7 +87,7 @@ def preview(step: StepInput) -> dict[str, Any]:
 
 def book(step: StepInput) -> dict[str, Any]:
     meeting = {**step.outputs["CHECKING_AVAILABILITY"], "tool_call_id": step.tool_call_id}
-    return calendar.book(meeting)
+    return calendar.book(meeting, step.caller)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

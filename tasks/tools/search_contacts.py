@@ -39,7 +39,7 @@ def search(step: StepInput) -> dict[str, Any]:
     query = " ".join(str(p["query"]).split())
     if not query:
         raise PermanentError("the search was empty")
-    found = contacts.search(query, int(p.get("limit") or 5))
+    found = contacts.search(query, int(p.get("limit") or 5), step.caller)
     return {"contacts": found}
 
 

@@ -30,7 +30,7 @@ def understand(step: StepInput) -> dict[str, Any]:
 
 def search(step: StepInput) -> dict[str, Any]:
     q = step.outputs["QUERYING"]
-    return find(step.parameters["query"], q, q["top_k"], None)
+    return find(step.parameters["query"], q, q["top_k"], None, step.caller)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

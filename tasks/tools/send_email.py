@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, fields, validate
 
 from models import db, session_context, settings
-from backends import email, gmail
+from backends import email, gmail, google
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 MAX_REFERENCED = 5  # results quoted in the body
@@ -134,8 +134,9 @@ def preview(step: StepInput) -> dict[str, Any]:
 def send(step: StepInput) -> dict[str, Any]:
     draft = step.outputs["PREPARING"]
     if not settings.load().uses_google("gmail"):
-        return email.send(step.tool_call_id, draft)
-    return gmail.send(step.tool_call_id, draft)
+        return email.send(step.tool_call_id, draft, step.caller)
+    with google.acting_for(step.caller):  # the caller's own Gmail credentials, where configured
+        return gmail.send(step.tool_call_id, draft)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
