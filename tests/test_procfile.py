@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from voice_tools.servers import ROOT
+from support.procs import ROOT
 from tasks import app as celery_app
 from tasks import tools
 from tasks.worker import groups

@@ -20,9 +20,8 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from models import db
-from voice_tools.servers import ROOT
 from tests.helpers import make_call
-from support.procs import bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
+from support.procs import ROOT, bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
 
 def python(code: str, data_dir: Path, timeout: float = 90) -> dict:
     """Run ``code`` in a fresh interpreter without the server variables; return its JSON line."""
