@@ -1,7 +1,7 @@
 """Test set-up: real PostgreSQL and Redis, real Celery workers.
 
 Each embedded server starts once per run (under the system temp folder), in the session
-fixture ``servers`` that every test uses, so collecting the tests starts nothing; when
+fixture ``database_and_broker`` that every test uses, so collecting the tests starts nothing; when
 ``DATABASE_URL`` / ``REDIS_URL`` are set those servers are used instead (the tests
 create and migrate their own database ``voice_tools_test`` there). The Celery app reads
 its broker from ``CELERY_BROKER_URL`` when it connects, so the test modules may import it
@@ -58,7 +58,7 @@ def _no_fsync(url: str) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def servers():
+def database_and_broker():
     """This run's PostgreSQL and Redis (embedded, unless the variables name servers), migrated;
     stopped and removed when the run ends."""
     from voice_tools import servers as embedded
@@ -90,7 +90,7 @@ def tables() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def schema_tables(servers) -> tuple[str, ...]:
+def schema_tables(database_and_broker) -> tuple[str, ...]:
     """The tables of the migrated schema, read once."""
     return tuple(tables())
 
@@ -108,7 +108,7 @@ def clean_database(schema_tables):
 
 
 @pytest.fixture(scope="session")
-def celery_app_instance(servers):
+def celery_app_instance(database_and_broker):
     from tasks import app
 
     return app
