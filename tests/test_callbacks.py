@@ -278,6 +278,7 @@ def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
     assert deliveries(call.tool_call_id, "cancelled") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status, body", [
     (200, b'{"continue": true}'),
     (200, b'{"received": true}'),
@@ -359,6 +360,7 @@ def test_a_slow_relay_does_not_hold_the_chain(worker, relay, monkeypatch):
     assert outbox_count() == 1
 
 
+@pytest.mark.slow
 def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(worker, relay, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.2")
     relay.delay = 0.6

@@ -1,4 +1,4 @@
-"""The Procfile and the two README commands stay in step with the code and CI."""
+"""The Procfile, the lock files and the README's commands (run, quick and full tests) stay in step with the code and CI."""
 from __future__ import annotations
 
 import re
