@@ -156,6 +156,7 @@ def seconds_to_first_attempt(found: CallbackDelivery) -> float:
 
 # -- item 4: a slow-drip relay ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["status", "body"])
 def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatch, where):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
@@ -180,6 +181,7 @@ def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatc
     assert drip.requests == 2
 
 
+@pytest.mark.slow
 def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, servers, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_RETRY_TIMEOUT", "5")
@@ -202,6 +204,7 @@ def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, s
         assert wait_delivered(later.event_id).attempts == 1
 
 
+@pytest.mark.slow
 def test_a_drip_through_an_http_proxy_is_cut_too(servers, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     proxy = servers(DripServer, "status")  # the proxy drips its answer

@@ -436,6 +436,7 @@ def test_permanent_error_fails_and_says_what_did_not_happen(register, relay, tas
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "FAILED"]
 
 
+@pytest.mark.slow
 def test_transient_errors_past_max_retries_fail(register, task_log):
     def down(step):
         raise TransientError("connection refused")
