@@ -207,7 +207,7 @@ def load_demo() -> int:
         # the learners as they are stored (an address already there keeps its own id)
         emails = [e for _, e, _ in DEMO_LEARNERS]
         ids = dict(s.execute(select(func.lower(Learner.email), Learner.id)
-                             .where(Learner.owner == SHARED, func.lower(Learner.email).in_(emails))).tuples().all())
+                             .where(Learner.owner == SHARED, func.lower(Learner.email).in_(emails))).all())
         added += s.execute(insert(TrainingProgress).values([
             {"learner_id": ids[email], "module_id": module, "lessons_completed": done, "status": status,
              "score": score}

@@ -28,11 +28,11 @@ def client():
 
 def snapshot() -> dict[str, list[dict[str, Any]]]:
     """Every row of every table (the backends' too), in a stable order."""
-    from tests.conftest import TABLES
+    from tests.conftest import tables
 
     with db.engine().connect() as conn:
         return {name: sorted((dict(r._mapping) for r in conn.execute(text(f"SELECT * FROM {name}"))), key=repr)
-                for name in TABLES}
+                for name in tables()}
 
 
 def call_count() -> int:

@@ -1,10 +1,12 @@
 """Test set-up: real PostgreSQL and Redis, real Celery workers.
 
-Each embedded server starts once per run (under the system temp folder); when
+Each embedded server starts once per run (under the system temp folder), in the session
+fixture ``database_and_broker`` that every test uses, so collecting the tests starts nothing; when
 ``DATABASE_URL`` / ``REDIS_URL`` are set those servers are used instead (the tests
-create and migrate their own database ``voice_tools_test`` there). Every test gets
-clean tables; tests that need a worker take the ``worker`` fixture (an in-process
-Celery worker consuming every queue).
+create and migrate their own database ``voice_tools_test`` there). The Celery app reads
+its broker from ``CELERY_BROKER_URL`` when it connects, so the test modules may import it
+before the servers start. Every test gets clean tables; tests that need a worker take the
+``worker`` fixture (an in-process Celery worker consuming every queue).
 """
 from __future__ import annotations
 
@@ -26,9 +28,6 @@ os.environ.setdefault("VOICE_TOOLS_API_TOKENS", f"tests:{API_TOKEN}")
 os.environ.setdefault("VOICE_TOOLS_CALLBACK_SECRET", "test-callback-secret")
 os.environ.setdefault("VOICE_TOOLS_CALLBACK_HOSTS", "127.0.0.1,localhost")
 os.environ.setdefault("VOICE_TOOLS_CALLBACK_TIMEOUT", "2")
-
-_data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-tests-", dir=tempfile.gettempdir()))
-
 
 def _point_at_test_database(url: str) -> str:
     """Create ``voice_tools_test`` on the server of ``url``; return its URL."""
@@ -58,28 +57,27 @@ def _no_fsync(url: str) -> None:
         conn.close()
 
 
-def _start_servers() -> None:
-    from voice_tools import servers
+@pytest.fixture(scope="session", autouse=True)
+def database_and_broker():
+    """This run's PostgreSQL and Redis (embedded, unless the variables name servers), migrated;
+    stopped and removed when the run ends."""
+    from voice_tools import servers as embedded
 
-    if os.environ.get("DATABASE_URL"):
-        os.environ["DATABASE_URL"] = _point_at_test_database(os.environ["DATABASE_URL"])
-    else:
-        os.environ["DATABASE_URL"] = servers.start_postgres(_data_dir, TEST_DATABASE)
-        _no_fsync(os.environ["DATABASE_URL"])
-    if not (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
-        os.environ["REDIS_URL"] = servers.start_redis(_data_dir / "redis")
-    os.environ.setdefault("CELERY_BROKER_URL", os.environ.get("REDIS_URL", ""))
-    servers.migrate()
-
-
-_start_servers()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    from voice_tools import servers
-
-    servers.stop_servers()
-    shutil.rmtree(_data_dir, ignore_errors=True)
+    data_dir = Path(tempfile.mkdtemp(prefix="voice-tools-tests-", dir=tempfile.gettempdir()))
+    try:
+        if os.environ.get("DATABASE_URL"):
+            os.environ["DATABASE_URL"] = _point_at_test_database(os.environ["DATABASE_URL"])
+        else:
+            os.environ["DATABASE_URL"] = embedded.start_postgres(data_dir, TEST_DATABASE)
+            _no_fsync(os.environ["DATABASE_URL"])
+        if not (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
+            os.environ["REDIS_URL"] = embedded.start_redis(data_dir / "redis")
+        os.environ.setdefault("CELERY_BROKER_URL", os.environ.get("REDIS_URL", ""))
+        embedded.migrate()
+        yield
+    finally:
+        embedded.stop_servers()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def tables() -> list[str]:
@@ -91,23 +89,26 @@ def tables() -> list[str]:
     return [t for t in inspect(db.engine()).get_table_names() if t != "alembic_version"]
 
 
-TABLES = tuple(tables())
+@pytest.fixture(scope="session")
+def schema_tables(database_and_broker) -> tuple[str, ...]:
+    """The tables of the migrated schema, read once."""
+    return tuple(tables())
 
 
 @pytest.fixture(autouse=True)
-def clean_database():
+def clean_database(schema_tables):
     """Every test starts with empty tables."""
     from sqlalchemy import text
 
     from models import db
 
     with db.engine().begin() as conn:
-        conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+        conn.execute(text(f"TRUNCATE {', '.join(schema_tables)} RESTART IDENTITY CASCADE"))
     yield
 
 
 @pytest.fixture(scope="session")
-def celery_app_instance():
+def celery_app_instance(database_and_broker):
     from tasks import app
 
     return app

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+import pytest
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import Status, events, from_schema
@@ -31,6 +32,8 @@ from models import db
 
 from tests.conftest import AUTH
 from tests.web_server import gunicorn_web
+
+pytestmark = pytest.mark.slow  # gunicorn and schemathesis's generated requests
 
 SEED = 20261124
 MAX_EXAMPLES = 10

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from sqlalchemy import event
 
 from models.listen import until_settled
@@ -45,6 +46,7 @@ def test_wait_on_a_call_already_settled_answers_at_once():
     assert settled is True and found.status == "CANCELLED"
 
 
+@pytest.mark.slow
 def test_confirm_wait_times_out_with_202_and_current_status(client, worker, relay):
     # The relay holds the PREPARING progress callback for 1.5 s, so the checkpoint
     # cannot be reached within the 0.3 s wait.

@@ -10,8 +10,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench.cpu import GROUPS
 from support.procs import ROOT, bare_env
+
+pytestmark = pytest.mark.slow  # the benchmark's processes, end to end
 
 
 def test_the_benchmark_runs_end_to_end(tmp_path):

@@ -157,8 +157,9 @@ def seconds_to_first_attempt(found: CallbackDelivery) -> float:
     return (datetime.fromisoformat(found.attempt_log[0]["at"]) - found.created_at).total_seconds()
 
 
-# -- item 4: a slow-drip relay ---------------------------------------------------------------
+# -- a slow-drip relay ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["status", "body"])
 def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatch, where):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
@@ -183,6 +184,7 @@ def test_a_drip_is_cut_at_the_timeout_and_the_retry_delivers(servers, monkeypatc
     assert drip.requests == 2
 
 
+@pytest.mark.slow
 def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, servers, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_RETRY_TIMEOUT", "5")
@@ -205,6 +207,7 @@ def test_a_drip_relay_never_fails_the_call_and_gets_its_event_by_retry(worker, s
         assert wait_delivered(later.event_id).attempts == 1
 
 
+@pytest.mark.slow
 def test_a_drip_through_the_callback_proxy_is_cut_too(servers, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
     proxy = servers(DripServer, "status")  # the proxy drips its answer
@@ -238,7 +241,7 @@ def test_the_same_cancel_under_64_kib_cancels(servers):
     assert "note" not in delivery(event_id).attempt_log[0]
 
 
-# -- item 9: the URL checked again at delivery ---------------------------------------------------
+# -- the URL checked again at delivery ---------------------------------------------------
 
 def refused(event_id: str) -> CallbackDelivery:
     found = delivery(event_id)

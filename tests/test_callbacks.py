@@ -223,6 +223,7 @@ def test_the_relay_catches_a_wrong_signature(relay, monkeypatch):
 
 # -- retries ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_failed_delivery_is_retried_on_the_callbacks_queue(worker, relay, task_log):
     answered: list[str] = []
 
@@ -318,6 +319,7 @@ def test_cancel_answer_to_the_checkpoint_cancels(worker, relay):
     assert len(deliveries(call.tool_call_id, "cancelled")) == 1 and outbox_count() == 0
 
 
+@pytest.mark.slow
 def test_cancel_answer_to_a_retried_delivery_cancels_while_still_cancellable(worker, relay):
     seen: list[str] = []
 
@@ -348,6 +350,7 @@ def test_cancel_answer_to_a_non_cancellable_event_is_ignored(worker, relay):
     assert deliveries(call.tool_call_id, "cancelled") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status, body", [
     (200, b'{"continue": true}'),
     (200, b'{"received": true}'),
@@ -403,6 +406,7 @@ def test_the_cancelled_event_is_sent_once_however_many_cancel(worker, relay):
 
 # -- slow relays ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_slow_relay_does_not_hold_the_chain(worker, relay, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.3")
     held, release = [], threading.Event()
@@ -429,6 +433,7 @@ def test_a_slow_relay_does_not_hold_the_chain(worker, relay, monkeypatch):
     assert outbox_count() == 1
 
 
+@pytest.mark.slow
 def test_a_relay_always_slower_than_the_inline_timeout_still_gets_every_event(worker, relay, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "0.2")
     relay.delay = 0.6

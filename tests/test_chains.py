@@ -388,6 +388,7 @@ def test_a_confirm_whose_publish_answer_was_lost_answers_what_is_true(
     assert_no_link_failed(task_log, call.tool_call_id)
 
 
+@pytest.mark.slow
 def test_transient_errors_retry_with_backoff_then_succeed(register, relay, task_log):
     tries = itertools.count(1)
 
@@ -435,6 +436,7 @@ def test_permanent_error_fails_and_says_what_did_not_happen(register, relay, tas
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "FAILED"]
 
 
+@pytest.mark.slow
 def test_transient_errors_past_max_retries_fail(register, task_log):
     def down(step):
         raise TransientError("connection refused")
@@ -451,6 +453,7 @@ def test_transient_errors_past_max_retries_fail(register, task_log):
     assert_no_link_failed(task_log, call.tool_call_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, error, said", [
     ("APPLY", PermanentError("the bank refused it"), "The transfer did not happen: the bank refused it."),
     ("APPLY", TransientError("no answer"),
@@ -499,6 +502,7 @@ class ServiceAnswered(Exception):
         self.status_code = status_code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("error, transient", [
     (ServiceAnswered(429), True), (ServiceAnswered(503), True), (ServiceAnswered(400), False),
     (ConnectionRefusedError("refused"), True), (KeyError("x"), False),
@@ -531,6 +535,7 @@ def _embedded_postgres():
     return server
 
 
+@pytest.mark.slow
 def test_a_database_outage_mid_link_is_retried_and_the_call_ends_right(register, gates, relay, task_log):
     from embedded_postgres._commands import pg_ctl
 

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from sqlalchemy import update
 
@@ -323,6 +324,7 @@ def test_redeliver_needs_a_selection_and_a_known_call():
 
 # -- a second terminal with no exports ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_from_a_second_terminal_with_no_exports_it_joins_the_running_servers_and_leaves_them_up():
     """A process holds a data dir's servers (as ``voice-tools run`` does); ``celery -A tasks calls``
     run with only VOICE_TOOLS_DATA_DIR finds them, lists and cancels, and leaves them running."""

@@ -348,6 +348,7 @@ def test_query_vector_db_with_filters_end_to_end(worker, relay, demo):
     assert empty.voice_response == "I couldn't find any documents about chocolate cake recipes."
 
 
+@pytest.mark.slow
 def test_openai_429_is_retried_by_the_engine_and_the_summary_is_spoken(worker, relay, openai_api, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_SUMMARY_MODEL", "gpt-test")
     monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "0.2")  # the double's bag-of-words vectors score lower

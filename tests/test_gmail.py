@@ -173,6 +173,7 @@ def test_send_email_on_gmail_checkpoint_resume_completed(worker, relay, google_a
     assert outbox_count() == 0, "Gmail, not the local outbox"
 
 
+@pytest.mark.slow
 def test_a_503_whose_send_went_through_is_found_on_retry_and_not_sent_twice(worker, relay, google_api):
     # The first send answers 503 although Gmail did send it: from then on the lookup finds it.
     google_api.answer("GET", LIST, lambda request: (

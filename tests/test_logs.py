@@ -116,6 +116,7 @@ def procfile_system(tmp_path):
                 process.stop()
 
 
+@pytest.mark.slow
 def test_one_send_email_call_is_followed_by_its_ids_through_the_api_and_worker_logs(procfile_system):
     url, processes = procfile_system
     auth = {"Authorization": f"Bearer {TOKEN}"}

@@ -125,6 +125,7 @@ def test_each_expiry_and_its_event_are_one_transaction_and_one_bad_call_does_not
     assert deliveries(bad.tool_call_id) == []
 
 
+@pytest.mark.slow
 def test_fail_stuck_fails_a_call_executing_with_no_progress(worker, relay, task_log):
     stuck, busy = make_call(callback_url=relay.url), make_call(callback_url=relay.url)
     with db.session() as s:  # confirmed, but their chains never ran (the worker died)
@@ -153,6 +154,7 @@ def waiting(queue_name: str) -> int:
         return conn.default_channel.queue_declare(queue=queue_name, passive=True).message_count
 
 
+@pytest.mark.slow
 def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_log):
     """A call whose next link waits in its queue (a backlog: no worker takes it yet) is not
     stuck however long it waits."""
@@ -173,6 +175,7 @@ def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_l
     relay.wait_for(call.tool_call_id, "checkpoint")
 
 
+@pytest.mark.slow
 def test_fail_stuck_fails_a_call_whose_chain_was_lost_past_its_time_limit(worker, relay, task_log):
     """No message of the call anywhere (the broker lost it) and quiet past its links' time limit:
     stuck, long before the old 15-minute quiet period. A call as lost but still within its time
@@ -196,6 +199,7 @@ def test_fail_stuck_fails_a_call_whose_chain_was_lost_past_its_time_limit(worker
     assert row(young.tool_call_id).status == "EXECUTING"
 
 
+@pytest.mark.slow
 def test_fail_stuck_leaves_a_committed_call_whose_link_runs(worker, relay, task_log):
     """A link running on a worker (here held inside its send, past the point of no return) keeps
     its call alive past the old quiet period: it is not run a second time beside itself."""
@@ -221,6 +225,7 @@ def test_fail_stuck_leaves_a_committed_call_whose_link_runs(worker, relay, task_
         assert s.scalar(select(func.count()).select_from(EmailOutbox)) == 1
 
 
+@pytest.mark.slow
 def test_fail_stuck_leaves_a_call_whose_link_waits_for_its_eta(worker, relay, task_log):
     """A link published with a countdown (as a retry is) is held by a worker until its ETA: seen
     by ``inspect scheduled`` and, on Redis, in ``unacked``. Its call is alive."""
@@ -279,6 +284,7 @@ def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatc
     assert relay.wait_for(call.tool_call_id, "failed")["status"] == "FAILED"
 
 
+@pytest.mark.slow
 def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log):
     """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
     call = make_call(callback_url=relay.url)
@@ -307,6 +313,7 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
     assert sweep(task_log, sweeps.fail_stuck) == 0
 
 
+@pytest.mark.slow
 def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outcome_is_unconfirmed(
         worker, relay, task_log, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_MAX_REDRIVES", "2")

@@ -1,4 +1,4 @@
-"""The Procfile and the two README commands stay in step with the code and CI."""
+"""The Procfile, the lock files and the README's commands (run, quick and full tests) stay in step with the code and CI."""
 from __future__ import annotations
 
 import re
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from voice_tools.servers import ROOT
+from support.procs import ROOT
 from tasks import app as celery_app
 from tasks import tools
 from tasks.worker import groups
@@ -130,20 +130,57 @@ def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_and_metric
         assert same == production[name], name
 
 
-def readme_command(section: str) -> str:
-    block = re.search(rf"## {section}\n.*?```sh\n(.+?)\n```", README, re.S)
-    assert block, f"no command under '## {section}'"
-    return block.group(1).strip()
+# The README's commands: install from the lock files (exact versions, with hashes), then this tree.
+RUN = ("python3 -m venv .venv && .venv/bin/pip install --require-hashes -r requirements.lock"
+       " && .venv/bin/pip install --no-deps -e . && .venv/bin/voice-tools run")
+TESTS_FULL = ("python3 -m venv .venv && .venv/bin/pip install --require-hashes -r requirements-dev.lock"
+              " && .venv/bin/pip install --no-deps -e . && .venv/bin/python -m pytest")
+TESTS_QUICK = '.venv/bin/python -m pytest -m "not slow and not fault"'
+
+
+def readme_commands(section: str) -> list[str]:
+    """Every line of the ``sh`` blocks under ``## section``."""
+    body = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0] if f"\n## {section}\n" in README else ""
+    lines = [line.strip() for block in re.findall(r"```sh\n(.+?)\n```", body, re.S) for line in block.splitlines()]
+    assert lines, f"no command under '## {section}'"
+    return lines
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    run, test = readme_command("Run it"), readme_command("Test it")
-    assert run == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/voice-tools run"
-    assert test == "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/python -m pytest"
+    assert RUN in readme_commands("Run it")
+    assert TESTS_FULL in readme_commands("Test it") and TESTS_QUICK in readme_commands("Test it")
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith("#")]
-    assert ci == ["set -euo pipefail", 'cd "$(dirname "${BASH_SOURCE[0]}")/.."', test]
-    assert "## API" in README
+    assert ci == ["set -euo pipefail", 'cd "$(dirname "${BASH_SOURCE[0]}")/.."', TESTS_FULL]
+    assert "docs/relay-guide.md" in README and "docs/operations.md" in README
+
+
+def test_the_lock_files_pin_every_requirement_with_hashes_and_agree():
+    """requirements.lock (the product) and requirements-dev.lock (with the tests' extras) pin one version
+    of each package, with hashes, and the same version where both have it; every range of setup.cfg
+    is met by its pin."""
+    import configparser
+
+    from packaging.requirements import Requirement
+
+    def pins(name: str) -> dict[str, str]:
+        text = (ROOT / name).read_text()
+        found = re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+) \\\n    --hash=sha256:", text, re.M)
+        assert len(found) == len(re.findall(r"^[A-Za-z0-9]", text, re.M)), f"{name}: a line is not a hashed pin"
+        return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v in found}
+
+    product, dev = pins("requirements.lock"), pins("requirements-dev.lock")
+    assert {name: dev.get(name) for name in product} == product
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    declared = {"product": cfg["options"]["install_requires"], "dev": cfg["options.extras_require"]["dev"]}
+    for side, text in declared.items():
+        lock = product if side == "product" else dev
+        for line in text.splitlines():
+            if line.strip() and not line.strip().startswith("#"):
+                req = Requirement(line.strip())
+                pinned = lock.get(re.sub(r"[-_.]+", "-", req.name).lower())
+                assert pinned and req.specifier.contains(pinned, prereleases=True), (side, str(req), pinned)
 
 
 def test_flask_cli_finds_the_app_factory():

@@ -65,6 +65,7 @@ class FlakyDuringOutage:
             return self.runs
 
 
+@pytest.mark.slow
 def test_a_retry_the_broker_cannot_take_keeps_the_link_and_the_call_completes(register, relay, task_log):
     step = FlakyDuringOutage()
     tool = register(make_tool("outage_retry", (Step("FETCH", run=step), Step("COMPLETED"))))

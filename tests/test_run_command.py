@@ -29,6 +29,8 @@ from tasks import tools
 from support.procs import (ROOT, bare_env, describe, free_port, running, stop_process, voice_tools, wait_listening,
                          wait_none_running)
 
+pytestmark = pytest.mark.slow  # the whole system, started once for the module
+
 TOKEN = "run-command-test-token"
 SECRET = "run-command-test-secret"
 FLOWER_AUTH = ("ops", "flower-test-password")

@@ -20,9 +20,8 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from models import db
-from voice_tools.servers import ROOT
 from tests.helpers import make_call
-from support.procs import bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
+from support.procs import ROOT, bare_env, hold_servers, running, server_answers, stop_process, voice_tools, wait_none_running
 
 def python(code: str, data_dir: Path, timeout: float = 90) -> dict:
     """Run ``code`` in a fresh interpreter without the server variables; return its JSON line."""
@@ -62,6 +61,7 @@ ENSURE_AND_WRITE = """
 """
 
 
+@pytest.mark.slow
 def test_ensure_servers_starts_embedded_servers_that_keep_rows_across_a_restart(data_dir):
     first = python(ENSURE_AND_WRITE, data_dir)
     assert first["urls"]["DATABASE_URL"].startswith("postgresql://")
@@ -81,6 +81,7 @@ def test_ensure_servers_starts_embedded_servers_that_keep_rows_across_a_restart(
     assert wait_none_running(data_dir) == []
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_embedded_servers(data_dir):
     code = """
         import json, signal
@@ -107,6 +108,7 @@ def test_sigterm_stops_the_embedded_servers(data_dir):
     assert wait_none_running(data_dir) == []
 
 
+@pytest.mark.slow
 def test_a_killed_owner_does_not_keep_the_server_running_for_ever(data_dir):
     """After a SIGKILLed run the next run joins the server left behind, and stops it."""
     code = """
@@ -224,6 +226,7 @@ def _env_command(data_dir: Path) -> tuple[subprocess.Popen, dict]:
     return proc, exports
 
 
+@pytest.mark.slow
 def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_dir):
     """``voice-tools migrate`` and ``voice-tools env`` join the servers another process started
     and, when they end, leave them to it; the first process's servers still answer."""
@@ -259,6 +262,7 @@ def test_env_and_migrate_beside_a_running_system_leave_its_servers_running(data_
     assert wait_none_running(data_dir) == []  # the last user stopped both
 
 
+@pytest.mark.slow
 def test_the_last_user_stops_the_servers_also_when_it_only_joined_them(data_dir):
     from voice_tools import servers
 

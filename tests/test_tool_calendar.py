@@ -223,6 +223,7 @@ def google_error(status: int, message: str, reason: str) -> dict:
     return {"error": {"code": status, "message": message, "errors": [{"reason": reason, "message": message}]}}
 
 
+@pytest.mark.slow
 def test_google_503_on_insert_is_retried_then_booked_once(google_api, worker, relay):
     google_api.answer("POST", r"/freeBusy$", FREE)
     google_api.answer("POST", r"/calendars/primary/events$", google_error(503, "Backend Error", "backendError"),

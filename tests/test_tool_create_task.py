@@ -205,6 +205,7 @@ def test_google_refusals_are_refused(answers, message):
 
 # -- Google Tasks end to end: the worker's real client against the google_api double ------------
 
+@pytest.mark.slow
 def test_google_transient_503_is_retried_then_created_once(client, worker, google_api, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_GOOGLE_TASKLIST", "work-list")
     google_api.answer("GET", TASKS, {"items": []}, times=None)

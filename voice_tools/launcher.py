@@ -6,6 +6,11 @@ worker for every queue with beat and the workers' metrics inside it, Flower) unt
 interrupted; on SIGINT or SIGTERM it stops honcho's processes first and the embedded
 servers last. ``Procfile`` keeps production's process groups
 (``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
+
+Both Procfiles ship inside this package (in a checkout, links to the top-level files), so
+an installed wheel runs from any folder: the processes work in the data dir (nothing there
+shadows the installed ``app``, ``tasks`` or ``celeryconfig``), and honcho reads ``.env``
+from the current directory.
 """
 from __future__ import annotations
 
@@ -21,9 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from models import logs
-from voice_tools.servers import LOCAL_SECRETS, ROOT, _started, default_data_dir, ensure_servers, migrate, stop_servers
+from voice_tools.servers import LOCAL_SECRETS, _started, default_data_dir, ensure_servers, migrate, stop_servers
 
+PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
+
+
+def procfile_path(name: str) -> Path:
+    """The Procfile ``name`` names: a path to one (absolute, or from the current directory), else
+    the shipped Procfile of that name (``Procfile`` or ``Procfile.local``)."""
+    given = Path(name)
+    if given.is_absolute() or given.exists() or not (PROCFILES / given).is_file():
+        return given.resolve()
+    return PROCFILES / given
 
 
 def local_defaults(data_dir: Path) -> dict[str, str]:
@@ -171,9 +186,9 @@ def run(procfile: str | None = None) -> int:
     honcho = None
     try:
         urls = ensure_servers(data_dir)
-        _prepare_in_child()
+        _prepare_in_child(data_dir)
         env, filled = run_environment(data_dir)
-        procfile = procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or str(ROOT / LOCAL_PROCFILE)
+        procfile_file = procfile_path(procfile or os.environ.get("VOICE_TOOLS_PROCFILE") or LOCAL_PROCFILE)
         _say(f"database {_redact(urls['DATABASE_URL'])}, broker {_redact(urls['REDIS_URL'])}")
         _say(f"data in {data_dir}")
         for line in banner(env, filled, data_dir):
@@ -182,7 +197,8 @@ def run(procfile: str | None = None) -> int:
             token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
             _say(f"API token: {token}   (try: voice-tools demo)")
         honcho = subprocess.Popen(
-            [sys.executable, "-m", "honcho", "start", "-f", procfile, "-d", str(ROOT)], env=env
+            [sys.executable, "-m", "honcho", "start", "-f", str(procfile_file), "-d", str(data_dir),
+             "-e", str(Path.cwd() / ".env")], env=env
         )
         return honcho.wait()
     except _Stop as stop:
@@ -205,11 +221,12 @@ def prepare() -> int:
     return 0
 
 
-def _prepare_in_child() -> None:
+def _prepare_in_child(data_dir: Path) -> None:
     """``prepare`` in a child process, so this one (which lives as long as the run) never holds
-    what migrating and loading the demo import (Alembic, the embedding model for the documents)."""
+    what migrating and loading the demo import (Alembic, the embedding model for the documents).
+    It works in the data dir, as the Procfile's processes do: ``-c`` puts its folder first on the path."""
     done = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; sys.exit(launcher.prepare())"],
-                          cwd=ROOT, env=dict(os.environ))
+                          cwd=data_dir, env=dict(os.environ))
     if done.returncode != 0:
         raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
 

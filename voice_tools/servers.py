@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+# Alembic's scripts: in a checkout a link to the top-level migrations/, in the wheel the files.
+MIGRATIONS = Path(__file__).parent / "migrations"
 DATABASE_NAME = "voice_tools"
 
 log = logging.getLogger("voice_tools.servers")
@@ -35,8 +36,8 @@ _started: dict[str, Any] = {}
 
 
 def default_data_dir() -> Path:
-    """``VOICE_TOOLS_DATA_DIR``, or ``.voice-tools`` beside this file."""
-    return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ROOT / ".voice-tools").resolve()
+    """``VOICE_TOOLS_DATA_DIR``, or ``.voice-tools`` in the current directory."""
+    return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ".voice-tools").resolve()
 
 
 LOCAL_SECRETS = "local-secrets.json"  # in the data dir: the secrets ``voice-tools run`` made (mode 0600)
@@ -360,9 +361,18 @@ def _stop_then_die(signum: int, _frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
+def alembic_config() -> Any:
+    """Alembic's configuration, made here (no ini file): the scripts shipped with this package."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("path_separator", "os")
+    return config
+
+
 def migrate(revision: str = "head") -> None:
     """``alembic upgrade head`` on ``DATABASE_URL``."""
     from alembic import command
-    from alembic.config import Config
 
-    command.upgrade(Config(str(ROOT / "alembic.ini")), revision)
+    command.upgrade(alembic_config(), revision)

@@ -1,0 +1,209 @@
+"""The wheel runs outside a checkout: it carries the Procfiles and the migrations, and ``voice-tools run``
+works from an empty folder with nothing of the checkout on the path.
+
+``voice_tools/`` holds links to the top-level ``Procfile``, ``Procfile.local`` and ``migrations/``
+(one copy of each, read through the links in a checkout and an editable install); the wheel
+holds the files themselves. The slow test builds the wheel, installs it with the exact versions of
+``requirements.lock`` into a new virtualenv, and runs the system from an empty temporary folder:
+migrations, the demo data, the API, ``voice-tools demo``, and SIGTERM leaving no process behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from support.procs import ROOT, describe, free_port, running, wait_none_running
+from voice_tools import launcher, servers
+
+SHIPPED = ("Procfile", "Procfile.local", "migrations")
+START_TIMEOUT = 240
+
+
+def test_the_package_links_to_the_top_level_procfiles_and_migrations():
+    """One copy of each: the package's names are links to the files operators and Alembic's CLI use."""
+    package = Path(launcher.__file__).parent
+    for name in SHIPPED:
+        assert (package / name).is_symlink(), f"voice_tools/{name} must be a link to ../{name}, not a copy"
+        assert (package / name).resolve() == (ROOT / name).resolve()
+    assert servers.MIGRATIONS == package / "migrations"
+    assert launcher.PROCFILES == package
+
+
+def test_the_default_data_dir_is_dot_voice_tools_in_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("VOICE_TOOLS_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert servers.default_data_dir() == tmp_path.resolve() / ".voice-tools"
+    monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path / "elsewhere"))
+    assert servers.default_data_dir() == tmp_path.resolve() / "elsewhere"
+
+
+def test_a_procfile_is_the_named_file_else_the_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert launcher.procfile_path("Procfile.local") == launcher.PROCFILES / "Procfile.local"
+    assert launcher.procfile_path("Procfile") == launcher.PROCFILES / "Procfile"
+    (tmp_path / "Procfile").write_text("web: true\n")  # an operator's own Procfile, where they run
+    assert launcher.procfile_path("Procfile") == tmp_path.resolve() / "Procfile"
+    assert launcher.procfile_path(str(tmp_path / "mine")) == tmp_path.resolve() / "mine"
+
+
+def test_alembic_is_configured_in_code_with_the_shipped_scripts():
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(servers.alembic_config())
+    assert Path(scripts.dir) == servers.MIGRATIONS
+    versions = sorted(p.name for p in (ROOT / "migrations" / "versions").glob("*.py"))
+    assert len(scripts.get_heads()) == 1 and len(list(scripts.walk_revisions())) == len(versions)
+
+
+# -- the wheel, installed and run outside the checkout -------------------------------------------------
+
+def _shipped_files() -> dict[str, Path]:
+    """Each file the wheel must carry under ``voice_tools/`` → the checkout's file."""
+    files = {f"voice_tools/{name}": ROOT / name for name in ("Procfile", "Procfile.local")}
+    for path in sorted((ROOT / "migrations").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            files[f"voice_tools/{path.relative_to(ROOT).as_posix()}"] = path
+    return files
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """What a person's shell has: no PYTHONPATH, no server or secret variables, no virtualenv."""
+    kept = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR", "TERM")
+    env = {name: os.environ[name] for name in kept if name in os.environ}
+    env.update(extra)
+    return env
+
+
+def _processes_of(venv: Path) -> list[psutil.Process]:
+    """Live processes running the new virtualenv's programs."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and any(str(venv) in part for part in proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def outside():
+    """A temporary folder outside the checkout (removed afterwards)."""
+    folder = Path(tempfile.mkdtemp(prefix="voice-tools-wheel-", dir=tempfile.gettempdir())).resolve()
+    assert not folder.is_relative_to(ROOT.resolve())
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(outside):
+    source, dist, venv, work = outside / "source", outside / "dist", outside / "venv", outside / "work"
+    work.mkdir()
+
+    # Built from a copy of the tree, as from a fresh clone: setuptools' build/ folder in a checkout
+    # keeps files its sources no longer have.
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".voice-tools", "bench"))
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), "."], cwd=source)
+    (wheel,) = dist.glob("voice_tools-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        for name, source in _shipped_files().items():
+            assert name in names, f"{name} is not in the wheel"
+            assert archive.read(name) == source.read_bytes(), f"{name} differs from {source}"
+        tops = {name.split("/")[0].removesuffix(".py") for name in names if ".dist-info/" not in name}
+    assert tops == {"app", "backends", "celeryconfig", "models", "tasks", "voice_tools"}
+
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    _run([*pip, "--require-hashes", "-r", str(ROOT / "requirements.lock")], cwd=outside)
+    _run([*pip, "--no-deps", str(wheel)], cwd=outside)
+
+    env = _clean_env(PORT=str(free_port()), MCP_PORT=str(free_port()), FLOWER_PORT=str(free_port()),
+                     WORKER_METRICS_PORT=str(free_port()), VOICE_TOOLS_WORKER_CONCURRENCY="1")
+    where = json.loads(_run([str(venv / "bin" / "python"), "-c", (
+        "import json, app, tasks, models, backends, celeryconfig, voice_tools;"
+        "print(json.dumps({m.__name__: m.__file__ for m in (app, tasks, models, backends, celeryconfig, voice_tools)}))")],
+        cwd=work, env=env))
+    site = venv / "lib"
+    assert all(Path(path).is_relative_to(site) for path in where.values()), where
+
+    data_dir = work / ".voice-tools"
+    url = f"http://127.0.0.1:{env['PORT']}"
+    log_path = outside / "run.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(venv / "bin" / "voice-tools"), "run"], cwd=work, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait_healthy(proc, url, log_path)
+        out = log_path.read_text(errors="replace")
+        assert f"data in {data_dir}" in out
+        assert "demo data loaded: " in out, out[-3000:]  # migrated, then loaded the demo into the new database
+
+        secrets = json.loads((data_dir / "local-secrets.json").read_text())
+        auth = {"Authorization": f"Bearer {secrets['api_token']}"}
+        assert requests.get(f"{url}/voice-tools/tools", timeout=10).status_code == 401
+        listed = requests.get(f"{url}/voice-tools/tools", headers=auth, timeout=10)
+        assert listed.status_code == 200 and "send_email" in listed.text, listed.text
+        assert requests.get(f"{url}/readyz", headers=auth, timeout=10).status_code == 200
+
+        played = subprocess.run([str(venv / "bin" / "voice-tools"), "demo"], cwd=work, env=env,
+                                capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+        assert played.returncode == 0, played.stdout[-3000:] + played.stderr[-3000:]
+        assert "PENDING -> MODIFIED -> PENDING -> EXECUTING -> PREPARED -> EXECUTING -> COMPLETED" in played.stdout
+
+        before = running(data_dir)
+        commands = " ".join(" ".join(p.cmdline()) for p in before if p.is_running())
+        for part in ("postgres", "redis-server", "gunicorn", "celery -A tasks worker", "honcho"):
+            assert part in commands, f"{part} not running: {describe(before)}"
+        assert str(ROOT) not in commands, describe(before)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+        assert wait_none_running(data_dir) == [], describe(running(data_dir))
+        left = _processes_of(venv)
+        assert left == [], describe(left)
+        out = log_path.read_text(errors="replace")
+        assert out.splitlines()[-1].endswith("stopped") and "Traceback" not in out, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for leftover in running(data_dir) + _processes_of(venv):  # only ours: this test's folder
+            try:
+                leftover.kill()
+            except psutil.Error:
+                pass
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"voice-tools run exited {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"/healthz did not answer 200 in {START_TIMEOUT}s:\n{log_path.read_text(errors='replace')[-4000:]}")
