@@ -184,7 +184,7 @@ def test_the_lock_files_pin_every_requirement_with_hashes_and_agree():
 
 
 def test_flask_cli_finds_the_app_factory():
-    """``flask --app app`` (as CONTRACT section 1 and the README promise) loads ``create_app``."""
+    """``flask --app app`` (as docs/operations.md says) loads ``create_app``."""
     flask = Path(sys.executable).with_name("flask")
     done = subprocess.run([str(flask), "--app", "app", "routes"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
@@ -213,7 +213,7 @@ def test_metrics_folders_are_each_sides_own():
 
 
 def test_the_readme_reports_the_local_runs_footprint_and_the_command_that_measures_it():
-    """Issue 15 point 8: a local run idles under 350 MB PSS, as measured by ``voice-tools footprint``
+    """A local run idles under 350 MB PSS, as measured by ``voice-tools footprint``
     (measured by hand, idle, and written down: a memory bound asserted here would be flaky)."""
     section = README.split("## Run it", 1)[1].split("\n## ", 1)[0]
     assert "```sh\n.venv/bin/voice-tools footprint\n```" in section

@@ -1,7 +1,7 @@
 """``voice-tools run`` as a user starts it: embedded servers, migrations, ``Procfile.local``
 under honcho (gunicorn, MCP loaded at its first connection, one worker for every queue with
 beat and the workers' /metrics inside it, Flower); the API answers, Flower asks for its password and shows the tools' tasks and queues, the demo
-plays the seed's scenarios through the real worker, ``voice-tools env`` and ``migrate``
+plays its scenarios through the real worker, ``voice-tools env`` and ``migrate``
 come and go beside it, ``voice-tools footprint`` measures it, and SIGTERM leaves no process
 behind.
 

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="start what is missing, migrate, run the Procfile (default)")
     sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
-    sub.add_parser("demo", add_help=False, help="play seed 000's 'updating email' scenario against a running system")
+    sub.add_parser("demo", add_help=False, help="play a conversation (the updating-email one by default) against a running system")
     sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001; --lazy)")
     sub.add_parser("worker-metrics", add_help=False,
                    help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
