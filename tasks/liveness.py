@@ -28,7 +28,9 @@ The facts, read cheaply (only when some call is overdue, and only its tools' que
   completely when nothing waits in it and every worker consuming it answered (as many
   answering workers consume it, by ``inspect().active_queues()``, as RabbitMQ counts
   consumers), never because one worker answered. A backlog, or a silent consumer, makes
-  only its own queue "cannot tell".
+  only its own queue "cannot tell". A link waiting for its countdown (a retry) waits in the
+  broker's delay queues (Celery's native delayed delivery), where nothing says which queue it
+  is for: while any message waits there, no queue is known completely.
 
 A call seen nowhere whose queue is not known completely (the broker unreachable, a
 backlog longer than ``SCAN_LIMIT``, or, on a broker whose messages cannot be read, a
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from kombu.serialization import prepare_accept_content
+from kombu.transport.native_delayed_delivery import MAX_NUMBER_OF_BITS_TO_USE, level_name
 from kombu.utils.json import loads
 
 from models import db, queries
@@ -60,6 +63,8 @@ INSPECT_TIMEOUT_S = 1.0
 RECHECK_AFTER_S = 1.0
 # at most this many waiting messages of a queue are read per sweep (a huge backlog is not copied)
 SCAN_LIMIT = 10_000
+# where RabbitMQ keeps a message published with a countdown until it is due (Celery's native delayed delivery)
+DELAY_QUEUES = tuple(level_name(level) for level in range(MAX_NUMBER_OF_BITS_TO_USE))
 
 
 @dataclass(frozen=True)
@@ -111,23 +116,29 @@ def read(app: Any, queues: Iterable[str]) -> Facts:
         return Facts({}, frozenset(), 0)
     consumed = _ask_workers(app, seen, ask_queues=not on_redis)
     if not on_redis:  # delivered messages are seen only through the workers: all of a queue's must answer
-        complete = {q for q, (ready, consumers) in depths.items()
-                    if ready == 0 and sum(q in queues_of for queues_of in consumed.values()) >= consumers}
+        complete = {q for q in queues if q in depths and depths[q][0] == 0
+                    and sum(q in queues_of for queues_of in consumed.values()) >= depths[q][1]}
+        if any(depths.get(q, (1, 0))[0] for q in DELAY_QUEUES):  # a countdown waits, for a queue not named
+            complete = set()
     return Facts({k: frozenset(v) for k, v in seen.items()}, frozenset(complete), len(consumed))
 
 
 def _read_depths(conn: Any, queues: list[str]) -> dict[str, tuple[int, int]]:
-    """``queue -> (ready messages, consumers)`` as the broker counts them, each queue asked on its own
-    (a passive declare of a queue the broker does not have closes the channel: that queue is left
-    out, unknown, and the next is asked on a new channel)."""
+    """``queue -> (ready messages, consumers)`` as the broker counts them, for ``queues`` and the
+    delay queues, each asked on its own (a passive declare of a queue the broker does not have
+    closes the channel: a tool queue is then left out, unknown; a delay queue that is not there
+    holds nothing; the next is asked on a new channel)."""
     depths = {}
     channel = conn.channel()
     try:
-        for queue in queues:
+        for queue in [*queues, *DELAY_QUEUES]:
             try:
                 declared = channel.queue_declare(queue=queue, passive=True)
             except conn.channel_errors as exc:
-                log.warning("stuck-call facts: queue %s cannot be read (%s)", queue, exc)
+                if queue in DELAY_QUEUES:
+                    depths[queue] = (0, 0)
+                else:
+                    log.warning("stuck-call facts: queue %s cannot be read (%s)", queue, exc)
                 channel = conn.channel()
                 continue
             depths[queue] = (declared.message_count, declared.consumer_count)

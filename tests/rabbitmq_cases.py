@@ -15,7 +15,8 @@ for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
   queues (Celery's native delayed delivery), not in a worker's memory;
 - the cancel/resume races of ``tests/test_race.py`` in smaller batches;
 - the stuck-call sweep's facts: a queue is seen whole only when every worker consuming it
-  answered, and a backlog makes only its own queue "cannot tell".
+  answered and no countdown waits in the delay queues, and a backlog makes only its own queue
+  "cannot tell".
 """
 from __future__ import annotations
 
@@ -355,6 +356,8 @@ def test_a_backlog_in_another_queue_leaves_a_lost_call_judged_by_its_own_queue(w
     from tasks import liveness
 
     other = "tools.create_task"
+    wait_until(lambda: not any(ready_messages(q) for q in liveness.DELAY_QUEUES),
+               "earlier tests' countdowns to leave the delay queues")
     lost = make_call()
     waiting = make_call("create_task", {"title": "Call the bank"})
     with queues_taken_from_others(app, [QUEUE, other]):
@@ -366,3 +369,22 @@ def test_a_backlog_in_another_queue_leaves_a_lost_call_judged_by_its_own_queue(w
         facts = liveness.read(app, [QUEUE, other])
     assert facts.lost(lost.tool_call_id, QUEUE) is True
     assert facts.lost(waiting.tool_call_id, other) is None
+
+
+def test_a_link_waiting_for_its_countdown_in_the_delay_queues_is_never_taken_for_lost(worker, own_queue):
+    """A retry's countdown waits in the broker's delay queues, where no worker and no tool queue
+    shows it: while anything waits there, no tool queue counts as seen whole."""
+    from tasks import liveness
+
+    call = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    chains.LINKS["send_email"][0].si(call.tool_call_id).apply_async(countdown=120)  # as a retry is
+    try:
+        assert ready_messages(QUEUE) == 0
+        facts = liveness.read(app, [QUEUE])
+        assert facts.lost(call.tool_call_id, QUEUE) is None, "it may wait for its countdown: cannot tell"
+    finally:
+        with app.connection_for_write() as conn:  # the countdown is not left for later tests
+            for delay_queue in liveness.DELAY_QUEUES:
+                conn.default_channel.queue_purge(delay_queue)

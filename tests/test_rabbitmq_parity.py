@@ -66,6 +66,7 @@ PARITY = (
     # the stuck-call sweep's facts: every consumer of a queue must answer; a backlog spoils only its queue
     "tests/rabbitmq_cases.py::test_a_link_held_by_a_worker_that_does_not_answer_is_never_taken_for_lost",
     "tests/rabbitmq_cases.py::test_a_backlog_in_another_queue_leaves_a_lost_call_judged_by_its_own_queue",
+    "tests/rabbitmq_cases.py::test_a_link_waiting_for_its_countdown_in_the_delay_queues_is_never_taken_for_lost",
 )
 
 
