@@ -44,30 +44,30 @@ class EventsQuery(Schema):
         unknown = RAISE
 
 
-def _cursor_after(session_id: str, last_event_id: str | None, caller: str | None = None) -> tuple[str, int]:
+def _cursor_after(session_id: str, last_event_id: str | None, caller: str | None = None) -> int:
     """Where to start: after ``last_event_id`` (which must be one of the session's events, of the
     caller's calls when ``caller`` is given), or the beginning."""
     if not last_event_id:
-        return "0", 0
+        return 0
     found = None
     if EVENT_ID.fullmatch(last_event_id):  # anything else names no event (and a NUL must not reach the driver)
         found = listen.event_position(last_event_id, caller)
     if found is None or found.session_id != session_id:
         raise validation_error({"last_event_id": [f"No event {last_event_id!r} in session {session_id}."]})
-    return found.xid, found.position
+    return found.commit_seq
 
 
 def _frame(event_id: str, payload: dict[str, Any]) -> str:
     return f"id: {event_id}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def stream(session_id: str, xid: str, position: int, keepalive_s: float = KEEPALIVE_S,
+def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
            caller: str | None = None) -> Iterator[str]:
-    """The session's events after ``(xid, position)`` as frames, then new ones as they are recorded,
+    """The session's events numbered after ``after`` (``models/listen.py``) as frames, then new ones as they are recorded,
     with keep-alive comments; only those of ``caller``'s calls when it is given (None: an
     operator's, every event)."""
     yield ": voice-tools event stream\n\n"
-    with closing(listen.session_events(session_id, xid, position, keepalive_s, caller)) as events:
+    with closing(listen.session_events(session_id, after, keepalive_s, caller)) as events:
         for event in events:  # a client gone closes this generator, and so the listener's subscription
             yield ": keep-alive\n\n" if event is None else _frame(event.event_id, event.payload)
 
@@ -83,8 +83,8 @@ def events(session_id: str):
     query = schemas.load(EventsQuery, inputs.query())
     last = request.headers.get("Last-Event-ID") or query.get("last_event_id")
     scope = g.who.scope  # a caller sees the events of its own calls only; an admin, all of them
-    xid, position = _cursor_after(session_id, last, scope)
-    response = Response(stream_with_context(stream(session_id, xid, position, caller=scope)),
+    after = _cursor_after(session_id, last, scope)
+    response = Response(stream_with_context(stream(session_id, after, caller=scope)),
                         mimetype="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # no proxy buffering

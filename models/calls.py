@@ -11,7 +11,6 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
-    Identity,
     Index,
     Integer,
     String,
@@ -22,7 +21,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import UserDefinedType
 
 PENDING = "PENDING"
 MODIFIED = "MODIFIED"
@@ -40,15 +38,6 @@ ACTION_LEVELS = ("read", "draft", "write")
 # the kind of request that recorded a call (migration 0008): an idempotent replay is the
 # same call only on the same kind (docs/promises.md, Idempotency)
 REQUEST_KINDS = ("pending", "execute")
-
-
-class XID8(UserDefinedType[str]):
-    """PostgreSQL's 64-bit transaction id (``pg_current_xact_id()``), read as its text."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return "xid8"
 
 
 class Base(DeclarativeBase):
@@ -110,6 +99,8 @@ class ToolCall(Base):
     executed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     prepared_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     resumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # when the current link passed its gate (every begin_step): the stuck-call sweep's sign of life
+    step_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     execution_time_ms: Mapped[int | None] = mapped_column(Integer)
 
@@ -140,7 +131,7 @@ class CallbackDelivery(Base):
         UniqueConstraint("tool_call_id", "seq", name="uq_callback_seq"),
         CheckConstraint("state IN ('pending', 'delivered', 'failed', 'none')", name="valid_delivery_state"),
         Index("idx_callback_due", "next_attempt_at", postgresql_where=text("state = 'pending'")),
-        Index("idx_callback_session_order", "session_id", "xid", "position"),
+        Index("idx_callback_session_order", "session_id", "commit_seq"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(
@@ -156,9 +147,9 @@ class CallbackDelivery(Base):
     # null (state "none"): no URL takes this event; it is recorded for the session's event stream
     url: Mapped[str | None] = mapped_column(Text)
     session_id: Mapped[str] = mapped_column(String(100), nullable=False)
-    # the stream's order (migration 0007): the inserting transaction, then insertion order
-    xid: Mapped[str] = mapped_column(XID8, nullable=False, server_default=text("pg_current_xact_id()"))
-    position: Mapped[int] = mapped_column(BigInteger, Identity(always=False), nullable=False)
+    # the stream's order (migration 0012): numbered when the inserting transaction commits, in
+    # commit order (null until then; models/listen.py says why the order has no gaps a reader can miss)
+    commit_seq: Mapped[int | None] = mapped_column(BigInteger)
     state: Mapped[str] = mapped_column(String(10), nullable=False, server_default="pending")
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     last_error: Mapped[str | None] = mapped_column(Text)

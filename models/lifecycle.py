@@ -445,7 +445,7 @@ def begin_step(s: Executor, tool_call_id: str, step: str, progress: float,
         return _cas(
             P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
             current_step=P_STEP, progress=P_PROGRESS,
-            executed_at=func.coalesce(ToolCall.executed_at, func.now()),
+            executed_at=func.coalesce(ToolCall.executed_at, func.now()), step_started_at=func.now(),
             attempts=ToolCall.attempts + 1, **values,
         )
 

@@ -12,12 +12,20 @@ that raw connection is wrapped as SQLAlchemy wraps any other (a lost server is a
 The event stream: a trigger NOTIFYs channel ``voice_tools_events`` with the session id
 when an event is recorded (migration 0007); one listener thread per process (one database
 connection of its own) wakes the streams of that session. The events are the callback
-rows themselves, read in a stable order: ``(xid, position)``, where ``xid`` is the
-transaction that recorded the event, and a row is given only once every older
-transaction has ended. So an event committed late never sorts before one a reader already
-has, and a reader that resumes after an event gets exactly what it missed: no loss, no
-duplicate. A stream borrows a pooled connection only to read new rows and holds none
-while it waits.
+rows themselves, read in ``commit_seq`` order: a number each row takes when its
+transaction commits (migration 0012: a deferred constraint trigger takes a transaction-scoped
+advisory lock of this database, then ``nextval``; the lock is released only after the
+commit is visible). Why that order has no gap a reader can miss: two transactions that
+number events hold the lock one after the other, so the one that took the smaller number
+was visible before the other took its number; a reader whose snapshot sees event ``n``
+therefore sees every committed event numbered below ``n``, and a number it never sees
+belongs to a transaction that rolled back. Nothing else is waited for: a transaction
+left open in this database or in any other of the server delays no stream. A reader that
+resumes after an event gets exactly what it missed (no loss, no duplicate), and a call's
+events are in ``seq`` order (the transition that records event ``k + 1`` waits on the
+call's row until the one that recorded ``k`` committed). A stream borrows a pooled
+connection only to read new rows, holds none while it waits, and reads again only when
+NOTIFY wakes it or its keep-alive interval has passed.
 """
 from __future__ import annotations
 
@@ -40,8 +48,6 @@ SETTLED = (PREPARED, *TERMINAL)
 STATUS_CHANNEL = "tool_call_status"
 EVENTS_CHANNEL = "voice_tools_events"
 BATCH = 200  # rows read at a time
-# an event committed while an older transaction is still open waits for it; look again this soon
-UNSETTLED_RETRY_S = 0.05
 
 
 # -- ?wait: until a call is PREPARED or terminal ---------------------------------------
@@ -93,18 +99,17 @@ def until_settled(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
 # -- the event stream: a session's events, as they are recorded --------------------------
 
 _READ = text(f"""
-    SELECT event_id, payload, xid::text AS xid, position,
-           xid < pg_snapshot_xmin(pg_current_snapshot()) AS settled
+    SELECT event_id, payload, commit_seq
     FROM callback_deliveries
-    WHERE session_id = :session_id AND (xid, position) > (CAST(:xid AS xid8), :position)
+    WHERE session_id = :session_id AND commit_seq > :after
       AND (CAST(:caller AS text) IS NULL OR EXISTS (
            SELECT 1 FROM tool_calls t WHERE t.tool_call_id = callback_deliveries.tool_call_id
                                         AND t.caller = CAST(:caller AS text)))
-    ORDER BY xid, position
+    ORDER BY commit_seq
     LIMIT {BATCH}
 """)
 _POSITION = text("""
-    SELECT d.session_id, d.xid::text AS xid, d.position FROM callback_deliveries d
+    SELECT d.session_id, d.commit_seq FROM callback_deliveries d
     JOIN tool_calls t ON t.tool_call_id = d.tool_call_id
     WHERE d.event_id = :event_id AND (CAST(:caller AS text) IS NULL OR t.caller = CAST(:caller AS text))
 """)
@@ -190,19 +195,20 @@ LISTENER = Listener()
 
 
 def event_position(event_id: str, caller: str | None = None) -> Row | None:
-    """Where an event sorts in its session's stream: ``(session_id, xid, position)``; None if there
+    """Where an event sorts in its session's stream: ``(session_id, commit_seq)``; None if there
     is no such event (of ``caller``'s calls, when given)."""
     with db.engine().connect() as conn:
         return conn.execute(_POSITION, {"event_id": event_id, "caller": caller}).one_or_none()
 
 
-def session_events(session_id: str, xid: str, position: int, keepalive_s: float,
+def session_events(session_id: str, after: int, keepalive_s: float,
                    caller: str | None = None) -> Iterator[Row | None]:
-    """The session's events after ``(xid, position)``, then new ones as they are recorded, until the
+    """The session's events numbered after ``after``, then new ones as they are recorded, until the
     database is away; only those of ``caller``'s calls when it is given (None: every event).
 
-    Each event is a row (``event_id``, ``payload``, ``xid``, ``position``); None when
-    ``keepalive_s`` seconds passed with nothing new. No connection is held between reads.
+    Each event is a row (``event_id``, ``payload``, ``commit_seq``); None when ``keepalive_s``
+    seconds passed with nothing new. No connection is held between reads, and nothing is
+    read again until NOTIFY wakes the stream or ``keepalive_s`` has passed.
     """
     woken = LISTENER.subscribe(session_id)
     try:
@@ -210,21 +216,16 @@ def session_events(session_id: str, xid: str, position: int, keepalive_s: float,
             woken.clear()
             try:
                 with db.engine().connect() as conn:  # borrowed for the read only
-                    rows = conn.execute(_READ, {"session_id": session_id, "xid": xid, "position": position,
-                                                "caller": caller}).all()
+                    rows = conn.execute(_READ, {"session_id": session_id, "after": after, "caller": caller}).all()
             except (OperationalError, InterfaceError):  # the database is away: end; the reader resumes later
                 log.warning("event stream of %s ended: database unavailable", session_id)
                 return
-            unsettled = False
             for row in rows:
-                if not row.settled:  # an older transaction may still record an event that sorts first
-                    unsettled = True
-                    break
-                xid, position = row.xid, row.position
+                after = row.commit_seq
                 yield row
-            if len(rows) == BATCH and not unsettled:
+            if len(rows) == BATCH:
                 continue
-            if not woken.wait(UNSETTLED_RETRY_S if unsettled else keepalive_s) and not unsettled:
+            if not woken.wait(keepalive_s):
                 yield None
     finally:
         LISTENER.unsubscribe(session_id, woken)

@@ -88,9 +88,11 @@ def stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[str]:
 
 
 def quiet_for(older_than_s: int) -> ColumnElement[bool]:
-    # the latest sign of life (GREATEST skips NULLs): a call resumed after a long
-    # checkpoint wait is not stuck because its first step ran long ago
-    return (func.greatest(ToolCall.executed_at, ToolCall.resumed_at, ToolCall.confirmed_at)
+    """The call's latest sign of life is older than ``older_than_s``: the moment its current link
+    passed its gate (``step_started_at``, every ``begin_step``), or a confirm, resume or redrive
+    after it (GREATEST skips NULLs); never its first link (``executed_at``), so a call whose first
+    step ran long ago is not taken for stuck while a later link runs."""
+    return (func.greatest(ToolCall.step_started_at, ToolCall.resumed_at, ToolCall.confirmed_at)
             < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s))
 
 

@@ -7,9 +7,10 @@ prefetched, or held until the ETA of a retry), or unacknowledged by a worker tha
 retry) was published, so a running chain never has a moment with no message; the
 moment between a confirm (or a resume, or a redrive) and its publish is far shorter
 than a time limit. A call EXECUTING with no link message anywhere, quiet past its links'
-hard time limit, has lost its chain: that, and not a quiet period, is "stuck". A link
-seen running is left to its own time limits (Celery's soft and hard limits and
-``Link.on_failure``), never failed from here.
+hard time limit (quiet since its current link passed its gate, ``step_started_at``, or a
+later confirm, resume or redrive: ``queries.quiet_for``), has lost its chain: that, and
+not a quiet period, is "stuck". A link seen running is left to its own time limits
+(Celery's soft and hard limits and ``Link.on_failure``), never failed from here.
 
 The facts, read cheaply (only when some call is overdue, and only its tools' queues):
 
@@ -20,14 +21,20 @@ The facts, read cheaply (only when some call is overdue, and only its tools' que
   and the ``unacked`` hash (every message delivered and not acknowledged, by any
   worker, live or dead), decoded with kombu's own message class: that sees every
   message there is, so a queue read there is known completely (up to ``SCAN_LIMIT``
-  waiting messages, read from the oldest end; past that it is not). On other transports a
-  waiting message cannot be read without taking it, only counted: the queue is known
-  completely when it is empty and some worker answered (delivered messages are seen
-  only through the workers).
+  waiting messages, read from the oldest end; past that it is not). On other transports
+  (RabbitMQ) a waiting message cannot be read without taking it, only counted, and a
+  delivered one is seen only through the worker holding it: each queue is asked on its own
+  (``queue_declare(passive=True)``: its ready messages and its consumers), and it is known
+  completely when nothing waits in it and every worker consuming it answered (as many
+  answering workers consume it, by ``inspect().active_queues()``, as RabbitMQ counts
+  consumers), never because one worker answered. A backlog, or a silent consumer, makes
+  only its own queue "cannot tell". A link waiting for its countdown (a retry) waits in the
+  broker's delay queues (Celery's native delayed delivery), where nothing says which queue it
+  is for: while any message waits there, no queue is known completely.
 
 A call seen nowhere whose queue is not known completely (the broker unreachable, a
 backlog longer than ``SCAN_LIMIT``, or, on a broker whose messages cannot be read, a
-backlog or no worker answering) is judged by the generous bound
+backlog or a consumer that did not answer) is judged by the generous bound
 ``VOICE_TOOLS_STUCK_EXECUTING_AFTER`` alone. A Redis worker moves a message from the
 queue to ``unacked`` in two steps; a call seen nowhere is read a second time a moment
 later before it is judged stuck.
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from kombu.serialization import prepare_accept_content
+from kombu.transport.native_delayed_delivery import MAX_NUMBER_OF_BITS_TO_USE, level_name
 from kombu.utils.json import loads
 
 from models import db, queries
@@ -55,11 +63,14 @@ INSPECT_TIMEOUT_S = 1.0
 RECHECK_AFTER_S = 1.0
 # at most this many waiting messages of a queue are read per sweep (a huge backlog is not copied)
 SCAN_LIMIT = 10_000
+# where RabbitMQ keeps a message published with a countdown until it is due (Celery's native delayed delivery)
+DELAY_QUEUES = tuple(level_name(level) for level in range(MAX_NUMBER_OF_BITS_TO_USE))
 
 
 @dataclass(frozen=True)
 class Facts:
-    """Where links were seen, by ``tool_call_id``; which queues were seen completely; how many workers answered."""
+    """Where links were seen, by ``tool_call_id``; which queues were seen completely; how many workers answered
+    every question."""
 
     seen: Mapping[str, frozenset[str]]
     complete: frozenset[str]
@@ -99,14 +110,41 @@ def read(app: Any, queues: Iterable[str]) -> Facts:
             if on_redis:
                 complete = _read_redis(channel, queues, prepare_accept_content(app.conf.accept_content), seen)
             else:
-                complete = {q for q in queues if channel.queue_declare(queue=q, passive=True).message_count == 0}
+                depths = _read_depths(conn, queues)
     except Exception as exc:  # the broker cannot be read: nothing is known
         log.warning("stuck-call facts: the broker cannot be read (%s)", exc)
         return Facts({}, frozenset(), 0)
-    workers = _ask_workers(app, seen)
-    if not workers and not on_redis:  # delivered messages are seen only through the workers
-        complete = set()
-    return Facts({k: frozenset(v) for k, v in seen.items()}, frozenset(complete), workers)
+    consumed = _ask_workers(app, seen, ask_queues=not on_redis)
+    if not on_redis:  # delivered messages are seen only through the workers: all of a queue's must answer
+        complete = {q for q in queues if q in depths and depths[q][0] == 0
+                    and sum(q in queues_of for queues_of in consumed.values()) >= depths[q][1]}
+        if any(depths.get(q, (1, 0))[0] for q in DELAY_QUEUES):  # a countdown waits, for a queue not named
+            complete = set()
+    return Facts({k: frozenset(v) for k, v in seen.items()}, frozenset(complete), len(consumed))
+
+
+def _read_depths(conn: Any, queues: list[str]) -> dict[str, tuple[int, int]]:
+    """``queue -> (ready messages, consumers)`` as the broker counts them, for ``queues`` and the
+    delay queues, each asked on its own (a passive declare of a queue the broker does not have
+    closes the channel: a tool queue is then left out, unknown; a delay queue that is not there
+    holds nothing; the next is asked on a new channel)."""
+    depths = {}
+    channel = conn.channel()
+    try:
+        for queue in [*queues, *DELAY_QUEUES]:
+            try:
+                declared = channel.queue_declare(queue=queue, passive=True)
+            except conn.channel_errors as exc:
+                if queue in DELAY_QUEUES:
+                    depths[queue] = (0, 0)
+                else:
+                    log.warning("stuck-call facts: queue %s cannot be read (%s)", queue, exc)
+                channel = conn.channel()
+                continue
+            depths[queue] = (declared.message_count, declared.consumer_count)
+    finally:
+        channel.close()
+    return depths
 
 
 def _is_redis(channel: Any) -> bool:
@@ -153,17 +191,21 @@ def _call_of(channel: Any, payload: dict[str, Any], accept: Any) -> str | None:
         return None
 
 
-def _ask_workers(app: Any, seen: dict[str, set[str]]) -> int:
-    """Add the links the workers hold (running, prefetched, waiting for an ETA); how many workers answered.
+def _ask_workers(app: Any, seen: dict[str, set[str]], ask_queues: bool = False) -> dict[str, frozenset[str]]:
+    """Add the links the workers hold (running, prefetched, waiting for an ETA); the workers that
+    answered every question, each with the queues it consumes (``ask_queues``; else none).
 
     An inspect waits its whole timeout for replies (it cannot know how many workers there are), so
-    the three are asked at once, each from a thread of its own (kombu gives each thread its own
-    reply queue): one timeout per sweep, not three."""
+    the questions are asked at once, each from a thread of its own (kombu gives each thread its own
+    reply queue): one timeout per sweep, not one per question."""
     inspect = app.control.inspect(timeout=INSPECT_TIMEOUT_S)
     asks = {"active": inspect.active, "reserved": inspect.reserved, "scheduled": inspect.scheduled}
+    if ask_queues:
+        asks["queues"] = inspect.active_queues
     with ThreadPoolExecutor(max_workers=len(asks), thread_name_prefix="inspect") as pool:
         pending = {where: pool.submit(ask) for where, ask in asks.items()}
-    answered: set[str] = set()
+    answers: dict[str, int] = defaultdict(int)
+    consumes: dict[str, frozenset[str]] = {}
     for where, future in pending.items():
         try:
             replies = future.result() or {}
@@ -171,13 +213,16 @@ def _ask_workers(app: Any, seen: dict[str, set[str]]) -> int:
             log.warning("stuck-call facts: inspect %s failed (%s)", where, exc)
             continue
         for worker, requests in replies.items():
-            answered.add(worker)
+            answers[worker] += 1
+            if where == "queues":
+                consumes[worker] = frozenset(q.get("name") for q in requests or () if isinstance(q, dict))
+                continue
             for request in requests or ():
                 request = request.get("request", request)  # scheduled entries wrap the request
                 args = request.get("args") or ()
                 if str(request.get("name", "")).startswith("tools.") and args and isinstance(args, (list, tuple)):
                     seen[str(args[0])].add(where)
-    return len(answered)
+    return {worker: consumes.get(worker, frozenset()) for worker, n in answers.items() if n == len(asks)}
 
 
 # -- the judgement -------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ for that run (``CELERY_BROKER_URL=amqp://...``). Run by hand on Redis it skips.
   worker runs it (on Redis it waits out ``VOICE_TOOLS_VISIBILITY_TIMEOUT``);
 - delayed retries (a link's countdown, a callback's eta) wait in the broker's delay
   queues (Celery's native delayed delivery), not in a worker's memory;
-- the cancel/resume races of ``tests/test_race.py`` in smaller batches.
+- the cancel/resume races of ``tests/test_race.py`` in smaller batches;
+- the stuck-call sweep's facts: a queue is seen whole only when every worker consuming it
+  answered and no countdown waits in the delay queues, and a backlog makes only its own queue
+  "cannot tell".
 """
 from __future__ import annotations
 
@@ -306,3 +309,82 @@ def test_cancel_races_the_sending_link_on_rabbitmq(worker):
     answers = race_batches("cancel vs SENDING link", lambda: (0.0, random.uniform(0, spread)),
                            resume_first=True, batch=CANCEL_VS_LINK, at_most=3 * CANCEL_VS_LINK)
     assert all(resumed.ok for resumed, _ in answers.values()), "every resume came first and must have applied"
+
+
+# -- the stuck-call sweep's facts -------------------------------------------------------------
+
+
+def test_a_link_held_by_a_worker_that_does_not_answer_is_never_taken_for_lost(own_queue, tmp_path):
+    """docs/operations.md, VOICE_TOOLS_STUCK_EXECUTING_AFTER: on RabbitMQ a delivered link is seen
+    only through the worker holding it, so a queue counts as seen whole only when every worker
+    consuming it answered (RabbitMQ's consumer count), not when one did."""
+    import os
+    import signal
+
+    from tasks import liveness
+
+    workers = [WorkerProcess(app, [QUEUE], concurrency=2, log_dir=tmp_path, name=f"rabbit-facts-{n}")
+               for n in (1, 2)]
+    try:
+        for w in workers:
+            w.start()
+        tool_call_id = prepared_call("rabbit_facts")
+        with outbox_row_held(tool_call_id):
+            actions.resume(tool_call_id)
+            wait_until(lambda: any(r["name"] == SENDING and list(r["args"]) == [tool_call_id]
+                                   for w in workers for r in w.active()), "SENDING to run on a worker")
+            [holder] = [w for w in workers if any(list(r["args"]) == [tool_call_id] for r in w.active())]
+            [other] = [w for w in workers if w is not holder]
+            facts = liveness.read(app, [QUEUE])
+            assert facts.lost(tool_call_id, QUEUE) is False, "both workers answer: the link is seen"
+            os.kill(holder.pid, signal.SIGSTOP)  # its main process answers no inspect; its child still runs
+            try:
+                assert other.active(timeout=1.0) == []
+                facts = liveness.read(app, [QUEUE])
+                assert facts.lost(tool_call_id, QUEUE) is None, "one worker did not answer: cannot tell"
+            finally:
+                os.kill(holder.pid, signal.SIGCONT)
+        assert_sent_once(tool_call_id)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_a_backlog_in_another_queue_leaves_a_lost_call_judged_by_its_own_queue(worker):
+    """A backlog makes only its own queue "cannot tell": a call whose queue is empty and whose
+    link is nowhere is lost, whatever waits in another tool's queue."""
+    from tasks import liveness
+
+    other = "tools.create_task"
+    wait_until(lambda: not any(ready_messages(q) for q in liveness.DELAY_QUEUES),
+               "earlier tests' countdowns to leave the delay queues")
+    lost = make_call()
+    waiting = make_call("create_task", {"title": "Call the bank"})
+    with queues_taken_from_others(app, [QUEUE, other]):
+        actions.confirm(lost.tool_call_id)
+        with app.connection_for_write() as conn:  # the broker loses its link
+            celeryconfig.queue(QUEUE).bind(conn.default_channel).purge()
+        actions.confirm(waiting.tool_call_id)
+        assert ready_messages(other) == 1
+        facts = liveness.read(app, [QUEUE, other])
+    assert facts.lost(lost.tool_call_id, QUEUE) is True
+    assert facts.lost(waiting.tool_call_id, other) is None
+
+
+def test_a_link_waiting_for_its_countdown_in_the_delay_queues_is_never_taken_for_lost(worker, own_queue):
+    """A retry's countdown waits in the broker's delay queues, where no worker and no tool queue
+    shows it: while anything waits there, no tool queue counts as seen whole."""
+    from tasks import liveness
+
+    call = make_call()
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+    chains.LINKS["send_email"][0].si(call.tool_call_id).apply_async(countdown=120)  # as a retry is
+    try:
+        assert ready_messages(QUEUE) == 0
+        facts = liveness.read(app, [QUEUE])
+        assert facts.lost(call.tool_call_id, QUEUE) is None, "it may wait for its countdown: cannot tell"
+    finally:
+        with app.connection_for_write() as conn:  # the countdown is not left for later tests
+            for delay_queue in liveness.DELAY_QUEUES:
+                conn.default_channel.queue_purge(delay_queue)

@@ -5,11 +5,15 @@ read over HTTP as a relay would (``support/sse_client.py``); calls run on the in
 """
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 import requests
 
 from tests.api_fixtures import GUIDE_EMAIL
 from tests.conftest import AUTH
-from tests.helpers import deliveries, wait_status
+from tests.helpers import deliveries, make_call, wait_status
 from support.sse_client import Stream
 
 
@@ -95,8 +99,108 @@ def test_an_idle_stream_sends_keep_alive_comments_and_holds_no_connection(api_ur
 
     monkeypatch.setattr(stream, "KEEPALIVE_S", 0.2)
     checked_out_before = db.engine().pool.checkedout()
-    gen = stream.stream("sess_idle", "0", 0, keepalive_s=0.2)
+    gen = stream.stream("sess_idle", 0, keepalive_s=0.2)
     assert next(gen).startswith(":")
     assert next(gen) == ": keep-alive\n\n"  # nothing to send: a comment after the keep-alive interval
     assert db.engine().pool.checkedout() == checked_out_before  # idle: no connection held
     gen.close()
+
+
+@pytest.fixture
+def open_transaction_elsewhere():
+    """A session idle in a transaction (one that holds a transaction id) in ANOTHER database of the
+    same PostgreSQL server, as an unrelated application or a forgotten psql would leave it."""
+    import os
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg2
+
+    from voice_tools import servers
+
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    servers.create_database(urlunsplit(parts._replace(path="/postgres")), "voice_tools_unrelated")
+    conn = psycopg2.connect(urlunsplit(parts._replace(path="/voice_tools_unrelated")))
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_current_xact_id()")  # the transaction now holds an id, and stays open
+    yield conn
+    conn.rollback()
+    conn.close()
+
+
+def record_progress(session_id: str) -> str:
+    """A new call of ``session_id`` and its first event, committed; the event's id."""
+    return record_progress_of(make_call(session_id=session_id).tool_call_id)
+
+
+def test_an_open_transaction_in_another_database_does_not_stall_the_stream(api_url, open_transaction_elsewhere):
+    """docs/promises.md, Events and their order: no unrelated transaction delays the stream."""
+    event_id = record_progress("sess_unrelated")  # recorded while the other database's transaction is open
+    stream = Stream(f"{api_url}/voice-tools/events/sess_unrelated", AUTH)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(stream.next_event)
+        try:
+            got = first.result(timeout=3)
+        finally:
+            open_transaction_elsewhere.rollback()  # so a stalled reader ends either way
+            stream.close()
+    assert got[0] == event_id
+
+
+def test_a_stream_with_nothing_new_reads_no_more_often_than_its_keep_alive(api_url, open_transaction_elsewhere):
+    """docs/operations.md, Event streams, waits and threads: woken by NOTIFY, not a polling loop,
+    also while a transaction of another database is open."""
+    from sqlalchemy import event
+
+    from models import db
+
+    reads = []
+
+    def count(conn, cursor, statement, *args):
+        if "FROM callback_deliveries" in statement and "session_id" in statement:
+            reads.append(time.monotonic())
+
+    record_progress("sess_quiet")
+    event.listen(db.engine(), "before_cursor_execute", count)
+    try:
+        stream = Stream(f"{api_url}/voice-tools/events/sess_quiet", AUTH)
+        time.sleep(2.0)  # nothing changes meanwhile
+        open_transaction_elsewhere.rollback()
+        stream.close()
+    finally:
+        event.remove(db.engine(), "before_cursor_execute", count)
+    assert len(reads) <= 2, f"{len(reads)} reads in 2 s with nothing new (keep-alive 15 s)"
+
+
+def test_an_event_that_commits_after_a_later_one_is_never_skipped(api_url):
+    """docs/promises.md, Events and their order: an event recorded first but committed last comes
+    after the ones a reader already has, live and on resume: no loss, no duplicate."""
+    from sqlalchemy.orm import Session
+
+    from models import db, events, lifecycle
+
+    slow, quick = make_call(session_id="sess_late"), make_call(session_id="sess_late")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_late", AUTH)
+    with Session(db.engine()) as open_one:
+        lifecycle.record_event(open_one, slow.tool_call_id, events.event("progress", step="PREPARING", gate=1,
+                                                                          progress=0.1))
+        quick_id = record_progress_of(quick.tool_call_id)  # recorded later, committed first
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(stream.next_event).result(timeout=5)[0] == quick_id
+        open_one.commit()
+    slow_id = deliveries(slow.tool_call_id)[0].event_id
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(stream.next_event).result(timeout=5)[0] == slow_id
+    stream.close()
+    again = Stream(f"{api_url}/voice-tools/events/sess_late", {**AUTH, "Last-Event-ID": quick_id})
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(again.next_event).result(timeout=5)[0] == slow_id
+    again.close()
+
+
+def record_progress_of(tool_call_id: str) -> str:
+    from models import events, lifecycle
+    from models.db import session
+
+    with session() as s:
+        lifecycle.record_event(s, tool_call_id, events.event("progress", step="PREPARING", gate=1, progress=0.1))
+    return deliveries(tool_call_id)[0].event_id

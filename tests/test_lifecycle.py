@@ -443,11 +443,18 @@ def test_expire_stale_uses_each_statuses_ttl():
 
 
 def test_stuck_executing_counts_from_the_latest_activity():
-    stuck, resumed = make_call(), make_call()
+    stuck, resumed, later = make_call(), make_call(), make_call()
     to_executing(stuck.tool_call_id)
     apply(lifecycle.begin_step, stuck.tool_call_id, "PREPARING", 0.0)
     backdate(stuck.tool_call_id, "executed_at", 1000)
+    backdate(stuck.tool_call_id, "step_started_at", 1000)
     backdate(stuck.tool_call_id, "confirmed_at", 1001)
+    # Its first link ran long ago, its current link passed its gate just now: it is not stuck.
+    to_executing(later.tool_call_id)
+    apply(lifecycle.begin_step, later.tool_call_id, "PREPARING", 0.0)
+    for column in ("executed_at", "step_started_at", "confirmed_at"):
+        backdate(later.tool_call_id, column, 1000)
+    apply(lifecycle.begin_step, later.tool_call_id, "SENDING", 0.5)
     to_prepared(resumed.tool_call_id)
     apply(lifecycle.resume, resumed.tool_call_id)
     # Waited long at its checkpoint, resumed just now: it is not stuck.

@@ -211,7 +211,7 @@ def test_fail_stuck_leaves_a_committed_call_whose_link_runs(worker, relay, task_
         wait_until(lambda: inserts_waiting() >= 1, "the SENDING link's INSERT to wait on the held row")
         assert row(call.tool_call_id).committed_at is not None
         assert {"unacked", "active"} <= liveness.read(app, [QUEUE]).seen[call.tool_call_id]
-        for column in ("confirmed_at", "executed_at", "resumed_at"):
+        for column in ("confirmed_at", "executed_at", "resumed_at", "step_started_at"):
             backdate(call.tool_call_id, column, 1000)
 
         assert sweep(task_log, sweeps.fail_stuck) == 0
@@ -285,6 +285,33 @@ def test_fail_stuck_without_facts_waits_for_the_generous_bound(relay, monkeypatc
 
 
 @pytest.mark.slow
+def test_fail_stuck_judges_a_call_by_when_its_current_link_began(relay, monkeypatch):
+    """docs/operations.md, VOICE_TOOLS_STUCK_EXECUTING_AFTER: a call is quiet from the moment its
+    current link passed its gate, not from its first link. Here the first link ran long ago, the
+    current one began just now, and the facts cannot tell (the broker cannot be read): the call
+    is left until its current link has been quiet past the bound."""
+    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "600")
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        assert lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0) is not None  # the first link
+    for column in ("confirmed_at", "executed_at"):
+        backdate(call.tool_call_id, column, 1000)
+    with db.session() as s:  # the current link (a later step) passes its gate now
+        assert lifecycle.begin_step(s, call.tool_call_id, "SENDING", 0.5) is not None
+    monkeypatch.setenv("CELERY_BROKER_READ_URL", CLOSED_PORT_BROKER)
+    down = BrokerDown(app)
+    try:
+        assert sweeps.fail_stuck() == 0
+        assert row(call.tool_call_id).status == "EXECUTING"
+        backdate(call.tool_call_id, "step_started_at", 600)
+        assert sweeps.fail_stuck() == 1
+    finally:
+        down.restore()
+    assert row(call.tool_call_id).status == "FAILED"
+
+
+@pytest.mark.slow
 def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, relay, task_log):
     """Its email may have gone out: it is run again (idempotently), never told "not sent"."""
     call = make_call(callback_url=relay.url)
@@ -294,7 +321,7 @@ def test_fail_stuck_finishes_a_call_stuck_past_its_point_of_no_return(worker, re
         lifecycle.resume(s, call.tool_call_id)
         lifecycle.begin_step(s, call.tool_call_id, "SENDING", 0.5)
         lifecycle.commit_point(s, call.tool_call_id, "SENDING")
-    for column in ("confirmed_at", "executed_at", "resumed_at"):
+    for column in ("confirmed_at", "executed_at", "resumed_at", "step_started_at"):
         backdate(call.tool_call_id, column, 120)
     redrives_before = counted("voice_tools_redrives_total", tool="send_email")
 
@@ -323,7 +350,7 @@ def test_fail_stuck_gives_up_a_committed_call_after_its_redrives_saying_the_outc
         lifecycle.begin_step(s, call.tool_call_id, "SENDING", 0.5)
         lifecycle.commit_point(s, call.tool_call_id, "SENDING")
         s.execute(text("UPDATE tool_calls SET redrives = 2 WHERE tool_call_id = :id"), {"id": call.tool_call_id})
-    for column in ("confirmed_at", "executed_at"):
+    for column in ("confirmed_at", "executed_at", "step_started_at"):
         backdate(call.tool_call_id, column, 120)
 
     assert sweep(task_log, sweeps.fail_stuck) == 1
