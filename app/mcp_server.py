@@ -212,9 +212,16 @@ def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolRes
         if bad is not None:
             raise bad
         path, query, body = face.split(arguments)
-        waits = face.query is schemas.WaitQuery and shares.asks_to_wait(query)
-        with shares.holding(caller.name if caller is not None and waits else None, "wait"):
-            answer, status = face.run(path, query, body, caller)  # a wait holds a slot of the caller's share
+        slot = None
+        if face.query is schemas.WaitQuery and shares.asks_to_wait(query) and caller is not None:
+            slot = shares.wait_slot(caller.name, query["wait"])  # a wait holds a slot of the caller's share
+            if slot is None:  # the share is full: no wait, the answer at once
+                query = {key: value for key, value in query.items() if key != "wait"}
+        try:
+            answer, status = face.run(path, query, body, caller)
+        finally:
+            if slot is not None:
+                slot.release()
     except Exception as exc:  # every error is answered as the REST API answers it
         err = errors.api_error(exc)
         if err is None:

@@ -8,7 +8,8 @@ process's memory where no Redis is configured. The rate is the `limits` library'
 counter (the library beneath Flask-Limiter, which serves Flask only: the MCP face is Starlette). A
 long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
 renewed while the request lasts, so a process killed while holding one leaks it only until the lease
-lapses. Past either share: :class:`ApiError` 429 with ``Retry-After``. A Redis that does not answer
+lapses. Past the rate, and for an event stream past the open share: :class:`ApiError` 429 with
+``Retry-After``; a ``?wait`` past the open share is not held (:func:`wait_slot`). A Redis that does not answer
 lets requests through (logged): the limits protect the service, they must not stop it.
 """
 from __future__ import annotations
@@ -19,9 +20,8 @@ import os
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import redis
 from limits import parse
@@ -68,8 +68,16 @@ class Share:
 
 
 def share_of(name: str) -> Share:
-    rate, opened = settings.caller_limits().get(name, (None, None))
-    return Share(rate or settings.rate_limit(), opened or settings.open_per_caller())
+    """Caller ``name``'s share: its own (``VOICE_TOOLS_CALLER_LIMITS``), else the defaults; settings
+    that cannot be read are logged and the built-in defaults used (never a 500 on every request)."""
+    try:
+        rate, opened = settings.caller_limits().get(name, (None, None))
+        share = Share(rate or settings.rate_limit(), opened or settings.open_per_caller())
+        parse(share.rate)
+        return share
+    except ValueError as exc:
+        log.error("fair share settings not readable (%s): the built-in defaults apply", exc)
+        return Share(settings.RATE_LIMIT, 4)
 
 
 # -- where the counts live: one per process, made after the fork --------------------------------------
@@ -203,28 +211,30 @@ def take_slot(name: str, kind: str, limit: int | None = None, lease_s: float = L
                    {"Retry-After": str(OPEN_RETRY_AFTER_S)})
 
 
-@contextmanager
-def holding(name: str | None, kind: str) -> Iterator[Slot | None]:
-    """Hold a slot of caller ``name``'s open share while the block runs (no caller: nothing to hold)."""
-    if name is None:
-        yield None
-        return
-    slot = take_slot(name, kind)
-    try:
-        yield slot
-    finally:
-        slot.release()
-
-
 def asks_to_wait(query: Any) -> bool:
     """Does a request's query (or an MCP tool's arguments) ask to wait (a ``wait`` given, not empty)?"""
     return isinstance(query, dict) and query.get("wait") not in (None, "", 0)
 
 
+def wait_slot(name: str, wait: Any) -> Slot | None:
+    """A slot for a request that asks to wait ``wait`` seconds (checked first: 422 if it is not a valid
+    wait), or None when caller ``name``'s open share is full: then the request does not wait. It still
+    acts and answers at once what it started, as a wait whose time ran out does (202): its action is
+    what the relay needs, and a refused action (a 429) would only make it send the request again."""
+    from tasks.calls import schemas
+
+    schemas.load(schemas.WaitQuery, {"wait": wait})
+    try:
+        return take_slot(name, "wait")
+    except ApiError as full:
+        log.info("a wait of %s not held: %s", name, full.message)
+        return None
+
+
 def register(app: Any) -> None:
     """The REST face's hooks (after ``app.auth``'s): every request with a caller counts against its
-    rate; one that asks to wait, on a view that waits, holds a slot until it is answered. ``/healthz``
-    names no caller and is never limited."""
+    rate; one that asks to wait, on a view that waits, holds a slot until it is answered (or, its
+    caller's share full, does not wait). ``/healthz`` names no caller and is never limited."""
     from flask import g, request
 
     from tasks.calls import schemas
@@ -240,7 +250,8 @@ def register(app: Any) -> None:
             return
         check_rate(who.name)
         if asks_to_wait(request.args) and waits(request.endpoint):
-            g.share_slot = take_slot(who.name, "wait")
+            g.share_slot = wait_slot(who.name, request.args.get("wait"))
+            g.wait_not_held = g.share_slot is None  # app.inputs.query() leaves the wait out
 
     @app.teardown_request
     def _release_share(_exc: BaseException | None) -> None:
