@@ -18,7 +18,8 @@ Only what the command line does not say:
   ``/metrics`` stops counting its live gauges;
 - each worker knows the threads and workers it runs with (``GUNICORN_THREADS``,
   ``WEB_CONCURRENCY``, as the command line set them): a caller's default open share is
-  derived from them (docs/operations.md, "Fair shares").
+  derived from them, and the worker keeps 2 threads from long-held requests
+  (docs/operations.md, "Fair shares").
 """
 from __future__ import annotations
 
@@ -117,3 +118,6 @@ def child_exit(server, worker):
 def post_fork(server, worker):
     os.environ["GUNICORN_THREADS"] = str(server.cfg.threads)
     os.environ["WEB_CONCURRENCY"] = str(server.cfg.workers)
+    from app import shares  # the worker's own, after the fork (the master never loads the app)
+
+    shares.serve_with_threads(server.cfg.threads)

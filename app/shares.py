@@ -8,7 +8,8 @@ process's memory where no Redis is configured. The rate is the `limits` library'
 counter (the library beneath Flask-Limiter, which serves Flask only: the MCP face is Starlette). A
 long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
 renewed while the request lasts, so a process killed while holding one leaks it only until the lease
-lapses. Past the rate, and for an event stream past the open share: :class:`ApiError` 429 with
+lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
+long-held requests, whoever holds them. Past the rate, and for an event stream past the open share: :class:`ApiError` 429 with
 ``Retry-After``; a ``?wait`` past the open share is not held (:func:`wait_slot`). A Redis that does not answer
 lets requests through (logged): the limits protect the service, they must not stop it.
 """
@@ -135,15 +136,55 @@ def check_rate(name: str) -> None:
 
 # -- long-held requests: slots -------------------------------------------------------------------------------
 
+# -- this process's threads: under gunicorn (app/gunicorn_conf.py), long-held requests of all callers
+# together leave ``settings.RESERVED_THREADS`` of each worker's threads to /healthz and short requests
+
+_process_threads: int | None = None
+_process_held = 0
+_process_lock = threading.Lock()
+
+
+def serve_with_threads(threads: int | None) -> None:
+    """This process answers on ``threads`` threads (None: not known, no guard)."""
+    global _process_threads, _process_held
+    with _process_lock:
+        _process_threads, _process_held = threads, 0
+
+
+def _enter_process(kind: str) -> bool:
+    """Count a long-held request in this process (False: no guard here); 429 when it is full."""
+    global _process_held
+    with _process_lock:
+        if _process_threads is None:
+            return False
+        most = max(1, _process_threads - settings.RESERVED_THREADS)
+        if _process_held < most:
+            _process_held += 1
+            return True
+    raise ApiError(429, "too_many_open",
+                   f"This server already holds {most} waits and event streams open, all it keeps for them; "
+                   f"try again in {OPEN_RETRY_AFTER_S} s.",
+                   {"kind": kind, "scope": "server", "open": most, "limit": most, "retry_after": OPEN_RETRY_AFTER_S},
+                   {"Retry-After": str(OPEN_RETRY_AFTER_S)})
+
+
+def _leave_process() -> None:
+    global _process_held
+    with _process_lock:
+        _process_held = max(0, _process_held - 1)
+
+
 @dataclass
 class Slot:
-    """One long-held request's place in its caller's open share; :meth:`renew` while it lasts,
-    :meth:`release` once (again is harmless)."""
+    """One long-held request's place in its caller's open share (and in this process's); :meth:`renew`
+    while it lasts, :meth:`release` once (again is harmless)."""
 
     caller: str
     member: str
     lease_s: float
     renewed: float = 0.0
+    in_process: bool = False
+    released: bool = False
 
     def renew(self) -> None:
         where = counts()
@@ -165,6 +206,11 @@ class Slot:
             self.renew()
 
     def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.in_process:
+            _leave_process()
         where = counts()
         if where.client is None:
             with where.lock:
@@ -184,7 +230,16 @@ def take_slot(name: str, kind: str, limit: int | None = None, lease_s: float = L
     """A slot of caller ``name``'s open share for a long-held request (``kind``: ``wait`` or
     ``stream``); :class:`ApiError` 429 ``too_many_open`` when it holds ``limit`` (its share) already."""
     limit = limit if limit is not None else share_of(name).open
-    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic())
+    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic(), in_process=_enter_process(kind))
+    try:
+        return _take_share(slot, name, kind, limit, lease_s)
+    except BaseException:
+        if slot.in_process:
+            _leave_process()
+        raise
+
+
+def _take_share(slot: Slot, name: str, kind: str, limit: int, lease_s: float) -> Slot:
     where = counts()
     if where.client is None:
         with where.lock:

@@ -213,3 +213,29 @@ def test_fifty_made_up_methods_add_no_metric_label(api_url):
     labels = _method_labels(requests.get(f"{api_url}/metrics", headers=AUTH, timeout=10).text)
     assert "other" in labels
     assert labels <= STANDARD_METHODS | {"other"}, labels
+
+
+def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker):
+    """Each caller within its share, two callers' streams together would fill the worker's 8 threads:
+    each gunicorn worker keeps 2 threads from long-held requests, so ``/healthz`` and short
+    requests are still answered at once."""
+    a, b, c = ({"Authorization": f"Bearer token-{x}"} for x in "abc")
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b,c:token-c", WEB_CONCURRENCY="1",
+                      GUNICORN_THREADS="8", CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+        def stream(auth: dict[str, str], i: int):
+            try:
+                return requests.get(f"{url}/voice-tools/events/s{i}", headers=auth, stream=True, timeout=(3, 3))
+            except requests.RequestException as exc:
+                return exc
+
+        opened = [stream(a, i) for i in range(4)] + [stream(b, i) for i in range(4)]
+        started = time.monotonic()
+        assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+        assert requests.get(f"{url}/voice-tools/context/sc", headers=c, timeout=5).status_code == 200
+        assert time.monotonic() - started < 2.0
+        codes = [r.status_code if isinstance(r, requests.Response) else None for r in opened]
+        assert codes == [200] * 6 + [429] * 2, codes
+        assert opened[-1].json()["details"]["scope"] == "server"
+        for r in opened:
+            if isinstance(r, requests.Response):
+                r.close()
