@@ -9,9 +9,10 @@ counter (the library beneath Flask-Limiter, which serves Flask only: the MCP fac
 long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
 renewed while the request lasts, so a process killed while holding one leaks it only until the lease
 lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
-long-held requests, whoever holds them. Past the rate, and for an event stream past the open share: :class:`ApiError` 429 with
-``Retry-After``; a ``?wait`` past the open share is not held (:func:`wait_slot`). A Redis that does not answer
-lets requests through (logged): the limits protect the service, they must not stop it.
+long-held requests, whoever holds them. Past the rate, and for an event stream past the open share:
+:class:`ApiError` 429 with ``Retry-After``; a ``?wait`` past the open share is not held
+(:func:`wait_slot`). A Redis that does not answer lets requests through (logged): the limits protect
+the service, they must not stop it.
 """
 from __future__ import annotations
 
@@ -258,10 +259,9 @@ def _take_share(slot: Slot, name: str, kind: str, limit: int, lease_s: float) ->
             return slot
     if taken > 0:
         return slot
-    what = "waits and event streams"
     raise ApiError(429, "too_many_open",
-                   f"This caller already holds {-taken} {what} open, its share at once; close one or try again "
-                   f"in {OPEN_RETRY_AFTER_S} s.",
+                   f"This caller already holds {-taken} waits and event streams open, its share at once; "
+                   f"close one or try again in {OPEN_RETRY_AFTER_S} s.",
                    {"kind": kind, "open": -taken, "limit": limit, "retry_after": OPEN_RETRY_AFTER_S},
                    {"Retry-After": str(OPEN_RETRY_AFTER_S)})
 
