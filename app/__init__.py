@@ -20,7 +20,7 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, errors, health, metrics, request_log, stream
+    from app import api, auth, errors, health, metrics, request_log, shares, stream
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
@@ -30,6 +30,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     request_log.register(app)  # first: a refused request has its id and context too
     metrics.register(app)  # then, so refused requests are counted and timed too
     auth.register(app)
+    shares.register(app)  # after the token: each caller's rate and open share (app/shares.py)
     errors.register(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(api.bp, name="n8n", url_prefix=N8N_PREFIX)  # the same table, n8n's paths

@@ -15,7 +15,11 @@ Only what the command line does not say:
   the app left in the WSGI environ (``app.request_log``): ``request_id``,
   ``tool_call_id``, ``session_id``. Never a header's value, a query string or a body.
 - when a worker exits, its Prometheus multiprocess files are marked dead so
-  ``/metrics`` stops counting its live gauges.
+  ``/metrics`` stops counting its live gauges;
+- each worker knows the threads and workers it runs with (``GUNICORN_THREADS``,
+  ``WEB_CONCURRENCY``, as the command line set them): a caller's default open share is
+  derived from them, and the worker keeps 2 threads from long-held requests
+  (docs/operations.md, "Fair shares").
 """
 from __future__ import annotations
 
@@ -109,3 +113,11 @@ def child_exit(server, worker):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
+
+
+def post_fork(server, worker):
+    os.environ["GUNICORN_THREADS"] = str(server.cfg.threads)
+    os.environ["WEB_CONCURRENCY"] = str(server.cfg.workers)
+    from app import shares  # the worker's own, after the fork (the master never loads the app)
+
+    shares.serve_with_threads(server.cfg.threads)

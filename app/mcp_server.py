@@ -50,7 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import inputs
+from app import inputs, shares
 from app.limits import MAX_BODY_BYTES
 from models import logs
 from tasks import tools
@@ -212,7 +212,16 @@ def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolRes
         if bad is not None:
             raise bad
         path, query, body = face.split(arguments)
-        answer, status = face.run(path, query, body, caller)
+        slot = None
+        if face.query is schemas.WaitQuery and shares.asks_to_wait(query) and caller is not None:
+            slot = shares.wait_slot(caller.name, query["wait"])  # a wait holds a slot of the caller's share
+            if slot is None:  # the share is full: no wait, the answer at once
+                query = {key: value for key, value in query.items() if key != "wait"}
+        try:
+            answer, status = face.run(path, query, body, caller)
+        finally:
+            if slot is not None:
+                slot.release()
     except Exception as exc:  # every error is answered as the REST API answers it
         err = errors.api_error(exc)
         if err is None:
@@ -268,8 +277,9 @@ def create_mcp_server() -> MCPServer:
 # -- HTTP: the token, then the streamable-HTTP endpoint --------------------------------------
 
 class BearerToken:
-    """Refuse (401, the REST API's JSON) a request without a token of ``VOICE_TOOLS_API_TOKENS``;
-    keep who it is (:class:`tasks.calls.callers.Caller`: its name, admin or not) in ``request.state.caller``."""
+    """Refuse (401, the REST API's JSON) a request without a token of ``VOICE_TOOLS_API_TOKENS``, and
+    (429) one past its caller's rate (``app/shares.py``, shared with the REST API); keep who it is
+    (:class:`tasks.calls.callers.Caller`: its name, admin or not) in ``request.state.caller``."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -280,6 +290,7 @@ class BearerToken:
             return
         try:
             caller = callers.identify(Headers(scope=scope).get("authorization", ""))
+            shares.check_rate(caller.name)
         except ApiError as refused_here:
             refused = refused_here
         else:

@@ -1,4 +1,7 @@
-"""Prometheus metrics of the API: request count and latency by endpoint and status.
+"""Prometheus metrics of the API: request count and latency by method, endpoint and status.
+
+A method outside HTTP's standard ones is counted as ``other``: any token a client sends
+is a method name to gunicorn, and each would otherwise be a new label value.
 
 Under gunicorn with several workers set ``PROMETHEUS_MULTIPROC_DIR`` (an empty
 folder) so ``/metrics`` adds up every worker's numbers (prometheus-client's
@@ -19,6 +22,13 @@ LATENCY = Histogram("voice_tools_http_request_duration_seconds", "Time to answer
                     ["method", "endpoint"])
 
 
+STANDARD_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+def _method() -> str:
+    return request.method if request.method in STANDARD_METHODS else "other"
+
+
 def _endpoint() -> str:
     rule = request.url_rule
     return rule.rule if rule is not None else "unmatched"
@@ -33,9 +43,10 @@ def register(app: Flask) -> None:
     def _count(response):
         started = g.pop("metrics_started", None)
         endpoint = _endpoint()
-        REQUESTS.labels(request.method, endpoint, str(response.status_code)).inc()
+        method = _method()
+        REQUESTS.labels(method, endpoint, str(response.status_code)).inc()
         if started is not None:
-            LATENCY.labels(request.method, endpoint).observe(time.perf_counter() - started)
+            LATENCY.labels(method, endpoint).observe(time.perf_counter() - started)
         return response
 
 

@@ -31,6 +31,14 @@ _ERRORS = {
     "422": "Invalid fields", "431": f"A header over {MAX_HEADER_BYTES} bytes, or more than {MAX_HEADER_FIELDS} headers",
     "503": "Database or broker unavailable",
 }
+# every operation but /healthz: the caller's fair share (app/shares.py)
+_LIMITED = {
+    "description": "Past the caller's share: `rate_limited` (its requests per period) or `too_many_open` (an "
+                   "event stream past the ?wait requests and streams it may hold at once; a ?wait past it is not "
+                   "held: answered at once); try again after Retry-After",
+    "headers": {"Retry-After": {"description": "Seconds to wait before trying again",
+                                "schema": {"type": "integer", "minimum": 1}}},
+}
 
 # What every request string must match: no NUL nor other C0 control character but tab,
 # newline and carriage return (schemas.Strict refuses them anywhere in a request).
@@ -45,7 +53,10 @@ RULES = (
     "session context stored for the session; the dates, times and time zones of tool parameters must be "
     f"readable (ISO 8601, IANA names). The request line is at most {MAX_REQUEST_LINE} bytes (414), a header "
     f"at most {MAX_HEADER_BYTES} bytes and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB "
-    "(413). Every error is JSON {error, message, details}; OPTIONS is a 405 naming the allowed methods."
+    "(413). Every error is JSON {error, message, details}; OPTIONS is a 405 naming the allowed methods. Each caller "
+    "has a share (429 past it, with Retry-After): a rate of requests, and a number of ?wait requests and event "
+    "streams held at once (past it a ?wait answers at once, without waiting; docs/relay-guide.md, Limits and "
+    "small rules)."
 )
 
 
@@ -90,6 +101,9 @@ def _operation(meta: dict[str, Any], path_args: list[str]) -> dict[str, Any]:
     for status, description in _ERRORS.items():
         responses.setdefault(status, {"description": description,
                                       "content": {"application/json": {"schema": schemas.ErrorAnswer}}})
+    if not meta.get("public"):
+        responses.setdefault("429", {**copy.deepcopy(_LIMITED),
+                                     "content": {"application/json": {"schema": schemas.ErrorAnswer}}})
     operation["responses"] = responses
     if not meta.get("public"):
         operation["security"] = [{"bearer": []}]

@@ -12,7 +12,8 @@ listener; a client that reconnects with ``Last-Event-ID`` (the header, or the
 ``last_event_id`` query parameter for clients that cannot set headers) gets exactly what
 it missed: no loss, no duplicate. A call's own events are also in ``seq`` order. A
 keep-alive comment is written every ``KEEPALIVE_S`` seconds. Each open stream holds one
-gunicorn thread (docs/operations.md, "Event streams, waits and threads").
+gunicorn thread (docs/operations.md, "Event streams, waits and threads"), and so one slot of its
+caller's open share (``app/shares.py``) until it closes: past the share, 429.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Iterator
 from flask import Blueprint, Response, g, request, stream_with_context
 from marshmallow import RAISE, Schema, fields
 
-from app import inputs
+from app import inputs, shares
 from app.openapi import doc
 from models import listen
 from tasks.calls import schemas
@@ -62,13 +63,15 @@ def _frame(event_id: str, payload: dict[str, Any]) -> str:
 
 
 def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
-           caller: str | None = None) -> Iterator[str]:
+           caller: str | None = None, slot: shares.Slot | None = None) -> Iterator[str]:
     """The session's events numbered after ``after`` (``models/listen.py``) as frames, then new ones as they are recorded,
     with keep-alive comments; only those of ``caller``'s calls when it is given (None: an
-    operator's, every event)."""
+    operator's, every event). The stream's ``slot`` of its caller's open share is renewed as it goes."""
     yield ": voice-tools event stream\n\n"
     with closing(listen.session_events(session_id, after, keepalive_s, caller)) as events:
         for event in events:  # a client gone closes this generator, and so the listener's subscription
+            if slot is not None:
+                slot.renew_now_and_then()
             yield ": keep-alive\n\n" if event is None else _frame(event.event_id, event.payload)
 
 
@@ -84,8 +87,10 @@ def events(session_id: str):
     last = request.headers.get("Last-Event-ID") or query.get("last_event_id")
     scope = g.who.scope  # a caller sees the events of its own calls only; an admin, all of them
     after = _cursor_after(session_id, last, scope)
-    response = Response(stream_with_context(stream(session_id, after, caller=scope)),
+    slot = shares.take_slot(g.who.name, "stream")  # 429 past the caller's open share
+    response = Response(stream_with_context(stream(session_id, after, caller=scope, slot=slot)),
                         mimetype="text/event-stream")
+    response.call_on_close(slot.release)  # when the server closes the answer, begun or not
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # no proxy buffering
     return response

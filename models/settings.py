@@ -106,6 +106,46 @@ def own_ports(environ: Mapping[str, str] | None = None) -> dict[int, str]:
     return found
 
 
+# Each caller's fair share of the API (docs/operations.md, "Fair shares"; app/shares.py)
+RATE_LIMIT = "6000/minute"  # requests per caller, in the notation of the `limits` library
+RESERVED_THREADS = 2  # of each API process's threads, never taken by one caller's long-held requests
+
+
+def rate_limit() -> str:
+    """``VOICE_TOOLS_RATE_LIMIT``: every caller's rate (a caller's own in ``VOICE_TOOLS_CALLER_LIMITS``)."""
+    return os.environ.get("VOICE_TOOLS_RATE_LIMIT", "").strip() or RATE_LIMIT
+
+
+def open_per_caller() -> int:
+    """``VOICE_TOOLS_OPEN_PER_CALLER``: how many ``?wait`` requests and event streams one caller may hold
+    at once; by default half the API's threads (``GUNICORN_THREADS`` x ``WEB_CONCURRENCY``), and never
+    more than one process's threads but ``RESERVED_THREADS``, wherever its requests land."""
+    raw = os.environ.get("VOICE_TOOLS_OPEN_PER_CALLER", "").strip()
+    if raw:
+        return max(int(raw), 1)
+    threads, workers = max(_int("GUNICORN_THREADS", 8), 1), max(_int("WEB_CONCURRENCY", 1), 1)
+    return max(1, min(threads - RESERVED_THREADS, threads * workers // 2))
+
+
+def caller_limits() -> dict[str, tuple[str | None, int | None]]:
+    """``VOICE_TOOLS_CALLER_LIMITS``: ``name:rate:open`` per caller, comma-separated; a blank part
+    keeps the default (``relay:20000/minute:``, ``batch::2``)."""
+    found: dict[str, tuple[str | None, int | None]] = {}
+    for entry in _list("VOICE_TOOLS_CALLER_LIMITS"):
+        name, _, rest = entry.partition(":")
+        rate, _, opened = rest.partition(":")
+        found[name.strip()] = (rate.strip() or None, max(int(opened), 1) if opened.strip() else None)
+    return found
+
+
+def redis_url() -> str:
+    """The Redis the API processes share (``REDIS_URL``, else a Redis broker's URL); empty: none."""
+    for url in (os.environ.get("REDIS_URL", ""), os.environ.get("CELERY_BROKER_URL", "")):
+        if url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
+            return url
+    return ""
+
+
 def api_tokens() -> list[str]:
     """``VOICE_TOOLS_API_TOKENS`` alone (every request reads it: not the whole of :func:`load`)."""
     return _list("VOICE_TOOLS_API_TOKENS")

@@ -97,14 +97,27 @@ def schema_tables(database_and_broker) -> tuple[str, ...]:
 
 @pytest.fixture(autouse=True)
 def clean_database(schema_tables):
-    """Every test starts with empty tables."""
+    """Every test starts with empty tables (and no caller's fair share used)."""
     from sqlalchemy import text
 
     from models import db
 
     with db.engine().begin() as conn:
         conn.execute(text(f"TRUNCATE {', '.join(schema_tables)} RESTART IDENTITY CASCADE"))
+    clear_shares()
     yield
+
+
+def clear_shares() -> None:
+    """Every test starts with no caller's share used (app/shares.py): a stream an earlier test dropped
+    holds its slot until its server writes to it again (or, its server stopped, until its lease lapses)."""
+    from app import shares
+
+    counts = shares.counts()
+    if counts.client is not None:
+        keys = list(counts.client.scan_iter(match=f"{shares.KEY_PREFIX}:*", count=1000))
+        if keys:
+            counts.client.delete(*keys)
 
 
 @pytest.fixture(scope="session")

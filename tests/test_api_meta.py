@@ -124,6 +124,21 @@ def test_openapi_states_the_rules_the_server_enforces(client):
     assert "VOICE_TOOLS_CALLBACK_HOSTS" in spec["info"]["description"]
 
 
+def test_openapi_documents_the_429_of_the_fair_shares(client):
+    """Every operation but /healthz may answer 429 (docs/relay-guide.md, "Limits and small rules"):
+    the JSON error body, with Retry-After."""
+    spec = client.get("/openapi.json", headers=AUTH).get_json()
+    for path, item in spec["paths"].items():
+        for method, operation in item.items():
+            if path == "/healthz":
+                assert "429" not in operation["responses"]
+                continue
+            limited = operation["responses"]["429"]
+            assert limited["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorAnswer"}
+            assert "Retry-After" in limited["headers"], (method, path)
+            assert "rate_limited" in limited["description"] and "too_many_open" in limited["description"]
+
+
 def test_healthz_and_readyz(client):
     assert client.get("/healthz").get_json() == {"status": "ok"}
     ready = client.get("/readyz", headers=AUTH)

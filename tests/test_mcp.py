@@ -411,3 +411,41 @@ def test_the_lazy_command_listens_at_once_and_loads_the_face_at_its_first_connec
         proc.wait(timeout=30)
         rest = proc.stdout.read()
         assert "Application shutdown complete." in rest and "Traceback" not in rest, rest
+
+
+async def test_mcp_shares_the_callers_limits_a_wait_past_its_open_share_and_a_rate_past_its_own(mcp_url, api_url,
+                                                                                            monkeypatch):
+    """The fair shares of the REST API hold on the MCP face too (docs/relay-guide.md, "Limits and small
+    rules"): a tool's ``wait`` counts against the caller's open share (an event stream open on REST
+    fills it here: the wait is not held), and past its rate the HTTP request is a JSON 429 with
+    ``Retry-After``. A caller of
+    its own: a stream another test dropped holds its slot until the server writes to it again."""
+    import asyncio
+    import uuid
+
+    import requests
+
+    name, token = f"mcp-share-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    auth = {"Authorization": f"Bearer {token}"}
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},{name}:{token}")
+    monkeypatch.setenv("VOICE_TOOLS_CALLER_LIMITS", f"{name}::1")
+    async with connected(mcp_url, token=token) as mcp:
+        created = await answer(mcp, "request_tool", {"session_id": "mcp_share", "function": "send_email",
+                                                     "parameters": GUIDE_EMAIL})
+        stream = await asyncio.to_thread(requests.get, f"{api_url}/voice-tools/events/mcp_share", headers=auth,
+                                         stream=True, timeout=(5, 20))
+        try:
+            assert stream.status_code == 200
+            started = time.monotonic()
+            not_held = await mcp.call_tool("confirm_tool", {"tool_call_id": created["tool_call_id"], "wait": 5})
+            assert time.monotonic() - started < 2  # answered at once: the wait was not held
+            assert not not_held.is_error and not_held.meta["voice-tools/http_status"] == 202
+            assert not_held.structured_content["status"] == "EXECUTING"
+        finally:
+            stream.close()
+    monkeypatch.setenv("VOICE_TOOLS_CALLER_LIMITS", f"{name}:2/minute:")
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    async with httpx2.AsyncClient(headers={**auth, "Accept": "application/json, text/event-stream"}) as http:
+        codes = [(await http.post(mcp_url, json=listing)) for _ in range(3)]
+    assert [c.status_code != 429 for c in codes] == [True, True, False], [c.status_code for c in codes]
+    assert codes[2].json()["error"] == "rate_limited" and int(codes[2].headers["retry-after"]) >= 1

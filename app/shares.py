@@ -1,0 +1,315 @@
+"""Each caller's fair share of the API, on every face (REST, the event stream, MCP): a rate of requests
+and a number of long-held requests at once (``?wait`` and open event streams), so that no caller takes
+every thread (docs/operations.md, "Fair shares"; docs/relay-guide.md, "Limits and small rules").
+
+Both are counted per caller name in the Redis the API processes share (``models.settings.redis_url``:
+``REDIS_URL`` or a Redis broker), so they hold across gunicorn workers, hosts and faces; in this
+process's memory where no Redis is configured. The rate is the `limits` library's sliding window
+counter (the library beneath Flask-Limiter, which serves Flask only: the MCP face is Starlette). A
+long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
+renewed while the request lasts, so a process killed while holding one leaks it only until the lease
+lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
+long-held requests, whoever holds them. Past the rate, and for an event stream past the open share:
+:class:`ApiError` 429 with ``Retry-After``; a ``?wait`` past the open share is not held
+(:func:`wait_slot`). A Redis that does not answer lets requests through (logged): the limits protect
+the service, they must not stop it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from limits import parse
+from limits.storage import MemoryStorage, RedisStorage, Storage
+from limits.strategies import SlidingWindowCounterRateLimiter
+
+from models import settings
+from tasks.calls.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 60.0  # a slot not renewed for this long is free again (its process was killed)
+RENEW_EVERY_S = 15.0  # an event stream renews its slot at most this often (at its keep-alive)
+OPEN_RETRY_AFTER_S = 5  # a slot frees when a wait ends (at most 30 s) or a stream closes
+KEY_PREFIX = "voice-tools:shares"
+
+# Take a slot if the caller holds fewer than ARGV[1] live ones: drop the lapsed, count, add.
+# Redis's own clock, so that every host counts leases alike.
+_TAKE = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t)
+local held = redis.call('ZCARD', KEYS[1])
+if held >= tonumber(ARGV[1]) then return -held end
+redis.call('ZADD', KEYS[1], t + tonumber(ARGV[2]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
+return held + 1
+"""
+_RENEW = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
+redis.call('ZADD', KEYS[1], 'XX', t + tonumber(ARGV[1]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Share:
+    """A caller's share: its rate (``limits`` notation) and how many long-held requests it may hold."""
+
+    rate: str
+    open: int
+
+
+def share_of(name: str) -> Share:
+    """Caller ``name``'s share: its own (``VOICE_TOOLS_CALLER_LIMITS``), else the defaults; settings
+    that cannot be read are logged and the built-in defaults used (never a 500 on every request)."""
+    try:
+        rate, opened = settings.caller_limits().get(name, (None, None))
+        share = Share(rate or settings.rate_limit(), opened or settings.open_per_caller())
+        parse(share.rate)
+        return share
+    except ValueError as exc:
+        log.error("fair share settings not readable (%s): the built-in defaults apply", exc)
+        return Share(settings.RATE_LIMIT, 4)
+
+
+# -- where the counts live: one per process, made after the fork --------------------------------------
+
+class _Counts:
+    def __init__(self) -> None:
+        url = settings.redis_url()
+        self.client: redis.Redis | None = None
+        self.storage: Storage
+        if url:
+            url = url.replace("redis+socket://", "unix://", 1)
+            self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+            self.storage = RedisStorage("redis://", connection_pool=self.client.connection_pool,
+                                        key_prefix=f"{KEY_PREFIX}:rate")
+            self.take = self.client.register_script(_TAKE)
+            self.renew = self.client.register_script(_RENEW)
+        else:
+            self.storage = MemoryStorage()
+        self.limiter = SlidingWindowCounterRateLimiter(self.storage)
+        self.local: dict[str, dict[str, float]] = {}  # without Redis: caller -> {slot: lease end}
+        self.lock = threading.Lock()
+
+
+_counts: tuple[int, str, _Counts] | None = None
+_counts_lock = threading.Lock()
+
+
+def counts() -> _Counts:
+    global _counts
+    key = (os.getpid(), settings.redis_url())
+    with _counts_lock:
+        if _counts is None or _counts[:2] != key:
+            _counts = (*key, _Counts())
+        return _counts[2]
+
+
+# -- the rate ---------------------------------------------------------------------------------------------
+
+def check_rate(name: str) -> None:
+    """Count one request of caller ``name``; :class:`ApiError` 429 ``rate_limited`` past its rate."""
+    item = parse(share_of(name).rate)
+    where = counts()
+    try:
+        if where.limiter.hit(item, "caller", name):
+            return
+        stats = where.limiter.get_window_stats(item, "caller", name)
+    except redis.RedisError as exc:
+        log.warning("rate limit not counted (Redis: %s)", exc)
+        return
+    retry_after = max(1, math.ceil(stats.reset_time - time.time()))
+    raise ApiError(429, "rate_limited",
+                   f"Too many requests from this caller: at most {item}. Try again in {retry_after} s.",
+                   {"limit": str(item), "retry_after": retry_after}, {"Retry-After": str(retry_after)})
+
+
+# -- long-held requests: slots -------------------------------------------------------------------------------
+
+# -- this process's threads: under gunicorn (app/gunicorn_conf.py), long-held requests of all callers
+# together leave ``settings.RESERVED_THREADS`` of each worker's threads to /healthz and short requests
+
+_process_threads: int | None = None
+_process_held = 0
+_process_lock = threading.Lock()
+
+
+def serve_with_threads(threads: int | None) -> None:
+    """This process answers on ``threads`` threads (None: not known, no guard)."""
+    global _process_threads, _process_held
+    with _process_lock:
+        _process_threads, _process_held = threads, 0
+
+
+def _enter_process(kind: str) -> bool:
+    """Count a long-held request in this process (False: no guard here); 429 when it is full."""
+    global _process_held
+    with _process_lock:
+        if _process_threads is None:
+            return False
+        most = max(1, _process_threads - settings.RESERVED_THREADS)
+        if _process_held < most:
+            _process_held += 1
+            return True
+    raise ApiError(429, "too_many_open",
+                   f"This server already holds {most} waits and event streams open, all it keeps for them; "
+                   f"try again in {OPEN_RETRY_AFTER_S} s.",
+                   {"kind": kind, "scope": "server", "open": most, "limit": most, "retry_after": OPEN_RETRY_AFTER_S},
+                   {"Retry-After": str(OPEN_RETRY_AFTER_S)})
+
+
+def _leave_process() -> None:
+    global _process_held
+    with _process_lock:
+        _process_held = max(0, _process_held - 1)
+
+
+@dataclass
+class Slot:
+    """One long-held request's place in its caller's open share (and in this process's); :meth:`renew`
+    while it lasts, :meth:`release` once (again is harmless)."""
+
+    caller: str
+    member: str
+    lease_s: float
+    renewed: float = 0.0
+    in_process: bool = False
+    released: bool = False
+
+    def renew(self) -> None:
+        where = counts()
+        self.renewed = time.monotonic()
+        if where.client is None:
+            with where.lock:
+                held = where.local.get(self.caller, {})
+                if self.member in held:
+                    held[self.member] = time.monotonic() + self.lease_s
+            return
+        try:
+            where.renew(keys=[_open_key(self.caller)], args=[self.lease_s, self.member])
+        except redis.RedisError as exc:
+            log.warning("open slot not renewed (Redis: %s)", exc)
+
+    def renew_now_and_then(self) -> None:
+        """Renew if it was last renewed ``RENEW_EVERY_S`` ago (a stream calls it at every frame)."""
+        if time.monotonic() - self.renewed >= RENEW_EVERY_S:
+            self.renew()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.in_process:
+            _leave_process()
+        where = counts()
+        if where.client is None:
+            with where.lock:
+                where.local.get(self.caller, {}).pop(self.member, None)
+            return
+        try:
+            where.client.zrem(_open_key(self.caller), self.member)
+        except redis.RedisError as exc:
+            log.warning("open slot not released, its lease will lapse (Redis: %s)", exc)
+
+
+def _open_key(name: str) -> str:
+    return f"{KEY_PREFIX}:open:{name}"
+
+
+def take_slot(name: str, kind: str, limit: int | None = None, lease_s: float = LEASE_S) -> Slot:
+    """A slot of caller ``name``'s open share for a long-held request (``kind``: ``wait`` or
+    ``stream``); :class:`ApiError` 429 ``too_many_open`` when it holds ``limit`` (its share) already."""
+    limit = limit if limit is not None else share_of(name).open
+    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic(), in_process=_enter_process(kind))
+    try:
+        return _take_share(slot, name, kind, limit, lease_s)
+    except BaseException:
+        if slot.in_process:
+            _leave_process()
+        raise
+
+
+def _take_share(slot: Slot, name: str, kind: str, limit: int, lease_s: float) -> Slot:
+    where = counts()
+    if where.client is None:
+        with where.lock:
+            held = where.local.setdefault(name, {})
+            now = time.monotonic()
+            for member in [m for m, end in held.items() if end <= now]:
+                del held[member]
+            taken = len(held) + 1 if len(held) < limit else -len(held)
+            if taken > 0:
+                held[slot.member] = now + lease_s
+    else:
+        try:
+            taken = int(where.take(keys=[_open_key(name)], args=[limit, lease_s, slot.member]))
+        except redis.RedisError as exc:
+            log.warning("open slot not counted (Redis: %s)", exc)
+            return slot
+    if taken > 0:
+        return slot
+    raise ApiError(429, "too_many_open",
+                   f"This caller already holds {-taken} waits and event streams open, its share at once; "
+                   f"close one or try again in {OPEN_RETRY_AFTER_S} s.",
+                   {"kind": kind, "open": -taken, "limit": limit, "retry_after": OPEN_RETRY_AFTER_S},
+                   {"Retry-After": str(OPEN_RETRY_AFTER_S)})
+
+
+def asks_to_wait(query: Any) -> bool:
+    """Does a request's query (or an MCP tool's arguments) ask to wait (a ``wait`` given, not empty)?"""
+    return isinstance(query, dict) and query.get("wait") not in (None, "", 0)
+
+
+def wait_slot(name: str, wait: Any) -> Slot | None:
+    """A slot for a request that asks to wait ``wait`` seconds (checked first: 422 if it is not a valid
+    wait), or None when caller ``name``'s open share is full: then the request does not wait. It still
+    acts and answers at once what it started, as a wait whose time ran out does (202): its action is
+    what the relay needs, and a refused action (a 429) would only make it send the request again."""
+    from tasks.calls import schemas
+
+    schemas.load(schemas.WaitQuery, {"wait": wait})
+    try:
+        return take_slot(name, "wait")
+    except ApiError as full:
+        log.info("a wait of %s not held: %s", name, full.message)
+        return None
+
+
+def register(app: Any) -> None:
+    """The REST face's hooks (after ``app.auth``'s): every request with a caller counts against its
+    rate; one that asks to wait, on a view that waits, holds a slot until it is answered (or, its
+    caller's share full, does not wait). ``/healthz`` names no caller and is never limited."""
+    from flask import g, request
+
+    from tasks.calls import schemas
+
+    def waits(endpoint: str | None) -> bool:
+        view = app.view_functions.get(endpoint) if endpoint else None
+        return getattr(view, "openapi", {}).get("query") is schemas.WaitQuery
+
+    @app.before_request
+    def _count_share() -> None:
+        who = g.get("who")
+        if who is None:
+            return
+        check_rate(who.name)
+        if asks_to_wait(request.args) and waits(request.endpoint):
+            g.share_slot = wait_slot(who.name, request.args.get("wait"))
+            g.wait_not_held = g.share_slot is None  # app.inputs.query() leaves the wait out
+
+    @app.teardown_request
+    def _release_share(_exc: BaseException | None) -> None:
+        slot = g.pop("share_slot", None)
+        if slot is not None:
+            slot.release()

@@ -1,0 +1,241 @@
+"""Each caller's fair share of the API (docs/relay-guide.md, "Limits and small rules"; docs/operations.md,
+"Fair shares"): a rate of requests, and a number of long-held requests at once (``?wait`` and open
+event streams), so that no caller takes every thread; past the rate, or for a stream past the open
+share, 429 with ``Retry-After`` and the JSON error body; a wait past it is not held. ``/healthz`` is
+never limited. And a method name nobody uses is one metric label.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from support.brokers import RedisServer
+from support.procs import ROOT
+from tests.api_fixtures import GUIDE_EMAIL
+from tests.conftest import AUTH
+from tests.helpers import row
+from tests.web_server import gunicorn_web
+
+STANDARD_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
+
+
+def a_caller(monkeypatch, admin: bool = False) -> tuple[str, dict[str, str]]:
+    """A caller of its own (its name and its Authorization header): no other test's counts are its."""
+    name = f"share-{uuid.uuid4().hex[:10]}"
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS",
+                       f"{os.environ['VOICE_TOOLS_API_TOKENS']},{name}:{token}{':admin' if admin else ''}")
+    return name, {"Authorization": f"Bearer {token}"}
+
+
+def limit(monkeypatch, *entries: str) -> None:
+    """Per-caller limits (``VOICE_TOOLS_CALLER_LIMITS``: ``name:rate:open``, a blank part keeps the default)."""
+    monkeypatch.setenv("VOICE_TOOLS_CALLER_LIMITS", ",".join(entries))
+
+
+def assert_429(answer: requests.Response | object, error: str) -> dict:
+    status = getattr(answer, "status_code")
+    body = answer.json() if isinstance(answer, requests.Response) else answer.get_json()  # type: ignore[attr-defined]
+    assert status == 429, (status, body)
+    assert set(body) == {"error", "message", "details"} and body["error"] == error, body
+    assert int(answer.headers["Retry-After"]) >= 1  # type: ignore[attr-defined]
+    return body
+
+
+# -- the rate ---------------------------------------------------------------------------------
+
+def test_a_caller_past_its_rate_gets_429_with_retry_after_and_no_one_else_does(client, monkeypatch):
+    name, auth = a_caller(monkeypatch)
+    _, other = a_caller(monkeypatch)
+    limit(monkeypatch, f"{name}:3/minute:")
+    for _ in range(3):
+        assert client.get("/voice-tools/context/s1", headers=auth).status_code == 200
+    refused = client.get("/voice-tools/context/s1", headers=auth)
+    body = assert_429(refused, "rate_limited")
+    assert body["details"]["limit"] == "3 per 1 minute" and body["details"]["retry_after"] >= 1
+    assert client.get("/voice-tools/context/s1", headers=other).status_code == 200  # its own share
+    for _ in range(20):
+        assert client.get("/healthz").status_code == 200  # never limited
+
+
+def test_a_refused_request_changes_nothing(client, monkeypatch):
+    name, auth = a_caller(monkeypatch)
+    limit(monkeypatch, f"{name}:1/minute:")
+    body = {"session_id": "s1", "function": "send_email", "parameters": GUIDE_EMAIL}
+    assert client.post("/voice-tools/pending", headers=auth, json=body).status_code == 201
+    assert_429(client.post("/voice-tools/pending", headers=auth, json=body), "rate_limited")
+    assert len(client.get("/voice-tools/context/s1", headers=AUTH).get_json()["pending"]) == 0  # another caller's
+    from tests.api_fixtures import call_count
+    assert call_count() == 1
+
+
+def test_an_admin_token_is_limited_too(client, monkeypatch):
+    name, auth = a_caller(monkeypatch, admin=True)
+    limit(monkeypatch, f"{name}:2/minute:")
+    assert [client.get("/metrics", headers=auth).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_the_default_rate_is_set_for_every_caller(client, monkeypatch):
+    _, auth = a_caller(monkeypatch)
+    monkeypatch.setenv("VOICE_TOOLS_RATE_LIMIT", "2/minute")
+    assert [client.get("/voice-tools/tools", headers=auth).status_code for _ in range(3)] == [200, 200, 429]
+
+
+# -- the open share: ?wait and event streams -----------------------------------------------------
+
+def test_past_the_callers_open_share_a_stream_is_429_and_a_wait_is_not_held(api_url, monkeypatch):
+    """A stream past the share is refused; a ``?wait`` past it still acts and answers at once what it
+    started (202), as a wait whose time ran out does: it holds no thread."""
+    name, auth = a_caller(monkeypatch)
+    _, other = a_caller(monkeypatch)
+    limit(monkeypatch, f"{name}::1")
+    created = requests.post(f"{api_url}/voice-tools/pending", headers=auth, timeout=10,
+                            json={"session_id": "s1", "function": "send_email", "parameters": GUIDE_EMAIL})
+    tool_call_id = created.json()["tool_call_id"]
+    stream = requests.get(f"{api_url}/voice-tools/events/s1", headers=auth, stream=True, timeout=(5, 20))
+    try:
+        assert stream.status_code == 200  # the caller's one long-held request
+        second = requests.get(f"{api_url}/voice-tools/events/s2", headers=auth, timeout=10)
+        body = assert_429(second, "too_many_open")
+        assert body["details"]["limit"] == 1 and body["details"]["kind"] == "stream"
+        started = time.monotonic()
+        waited = requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}?wait=5", headers=auth, timeout=10)
+        assert time.monotonic() - started < 2
+        assert waited.status_code == 202, waited.text
+        assert waited.json()["status"] == "EXECUTING" and "status_history" not in waited.json()
+        assert requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}?wait=soon", headers=auth,
+                             timeout=10).status_code == 422  # a wait not held is still checked
+        others = requests.get(f"{api_url}/voice-tools/events/s1", headers=other, stream=True, timeout=(5, 20))
+        assert others.status_code == 200  # another caller's share is its own
+        others.close()
+    finally:
+        stream.close()
+
+
+def test_an_open_slot_of_a_killed_process_frees_itself_when_its_lease_lapses(monkeypatch):
+    """The open share is counted in Redis across processes; a process killed while holding a slot
+    (no release) leaks it only until its lease lapses."""
+    from app import shares
+
+    name = f"share-{uuid.uuid4().hex[:10]}"
+    held = subprocess.run(
+        [sys.executable, "-c", "import os, sys\nfrom app import shares\n"
+         f"shares.take_slot({name!r}, 'stream', limit=2, lease_s=2.0)\n"
+         f"shares.take_slot({name!r}, 'stream', limit=2, lease_s=2.0)\nos._exit(0)"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert held.returncode == 0, held.stderr
+    with pytest.raises(shares.ApiError) as refused:
+        shares.take_slot(name, "stream", limit=2)
+    assert refused.value.status == 429 and refused.value.error == "too_many_open"
+    time.sleep(2.5)
+    slot = shares.take_slot(name, "stream", limit=2)  # the killed process's slots have lapsed
+    slot.release()
+
+
+# -- one caller cannot starve the others ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def own_broker(tmp_path_factory):
+    """A Redis no worker consumes: a confirm's ``?wait`` there holds its request for the whole wait."""
+    server = RedisServer(tmp_path_factory.mktemp("shares-redis")).start()
+    try:
+        yield server.url
+    finally:
+        server.kill()
+
+
+def test_one_caller_cannot_take_every_thread_of_the_local_run(own_broker):
+    """``voice-tools run``'s web line (one gunicorn worker of 8 threads): caller a opens as many event
+    streams and ``?wait`` requests as it can; past its share a stream is told 429 and a wait answers at
+    once, and caller b's requests and ``/healthz`` still answer at once."""
+    a, b = {"Authorization": "Bearer token-a"}, {"Authorization": "Bearer token-b"}
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b", WEB_CONCURRENCY="1", GUNICORN_THREADS="8",
+                      CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+        calls = [requests.post(f"{url}/voice-tools/pending", headers=a, timeout=10,
+                               json={"session_id": "sa", "function": "send_email", "parameters": GUIDE_EMAIL})
+                 .json()["tool_call_id"] for _ in range(8)]
+
+        def stream(i: int):
+            try:
+                return requests.get(f"{url}/voice-tools/events/sa{i}", headers=a, stream=True, timeout=(3, 3))
+            except requests.RequestException as exc:
+                return exc
+
+        def wait(tool_call_id: str):
+            try:
+                return requests.post(f"{url}/voice-tools/confirm/{tool_call_id}?wait=8", headers=a, timeout=(3, 3))
+            except requests.RequestException as exc:  # held past the client's patience
+                return exc
+
+        pool = ThreadPoolExecutor(16)
+        streams = [pool.submit(stream, i) for i in range(8)]
+        waits = [pool.submit(wait, c) for c in calls]
+        time.sleep(1.5)  # a's requests all arrived: those admitted hold their threads
+        started = time.monotonic()
+        answered = requests.get(f"{url}/voice-tools/context/sb", headers=b, timeout=5)
+        health = requests.get(f"{url}/healthz", timeout=5)
+        took = time.monotonic() - started
+        assert answered.status_code == 200 and health.status_code == 200
+        assert took < 2.0, took
+        opened = [f.result() for f in streams]
+        waited = [f.result() for f in waits]
+        refused = [r for r in opened if isinstance(r, requests.Response) and r.status_code == 429]
+        for answer in refused:
+            assert answer.json()["error"] == "too_many_open" and int(answer.headers["Retry-After"]) >= 1
+        not_held = [r for r in waited if isinstance(r, requests.Response) and r.status_code == 202]
+        assert all(r.json()["status"] == "EXECUTING" for r in not_held)
+        held = len(opened) - len(refused) + len(waited) - len(not_held)
+        assert refused and not_held and 1 <= held <= 4, (opened, waited)  # 4: half of 8 threads
+        for r in opened + waited:
+            if isinstance(r, requests.Response):
+                r.close()
+        pool.shutdown(wait=False)
+
+
+# -- metrics -------------------------------------------------------------------------------------------------
+
+def _method_labels(text: str) -> set[str]:
+    return set(re.findall(r'^voice_tools_http_requests_total\{[^}]*method="([^"]*)"', text, re.M))
+
+
+def test_fifty_made_up_methods_add_no_metric_label(api_url):
+    for i in range(50):
+        answer = requests.request(f"MADEUP{i}", f"{api_url}/voice-tools/tools", timeout=10)
+        assert answer.status_code in (401, 405)
+    labels = _method_labels(requests.get(f"{api_url}/metrics", headers=AUTH, timeout=10).text)
+    assert "other" in labels
+    assert labels <= STANDARD_METHODS | {"other"}, labels
+
+
+def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker):
+    """Each caller within its share, two callers' streams together would fill the worker's 8 threads:
+    each gunicorn worker keeps 2 threads from long-held requests, so ``/healthz`` and short
+    requests are still answered at once."""
+    a, b, c = ({"Authorization": f"Bearer token-{x}"} for x in "abc")
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b,c:token-c", WEB_CONCURRENCY="1",
+                      GUNICORN_THREADS="8", CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+        def stream(auth: dict[str, str], i: int):
+            try:
+                return requests.get(f"{url}/voice-tools/events/s{i}", headers=auth, stream=True, timeout=(3, 3))
+            except requests.RequestException as exc:
+                return exc
+
+        opened = [stream(a, i) for i in range(4)] + [stream(b, i) for i in range(4)]
+        started = time.monotonic()
+        assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+        assert requests.get(f"{url}/voice-tools/context/sc", headers=c, timeout=5).status_code == 200
+        assert time.monotonic() - started < 2.0
+        codes = [r.status_code if isinstance(r, requests.Response) else None for r in opened]
+        assert codes == [200] * 6 + [429] * 2, codes
+        assert opened[-1].json()["details"]["scope"] == "server"
+        for r in opened:
+            if isinstance(r, requests.Response):
+                r.close()
