@@ -202,6 +202,28 @@ def test_send_email_on_gmail_after_a_503_whose_send_went_through_sends_once(work
     assert mail.message_id_of(mail.sent[0]["raw"]) == local_email.message_id_for(call.tool_call_id)
 
 
+def test_send_email_on_gmail_a_503_then_refusals_says_unconfirmed_not_not_sent(worker, relay, google_api,
+                                                                                monkeypatch):
+    """The send went through but answered 503; the retry's answers are refusals (403): the call
+    cannot say "not sent", and no second email goes out."""
+    monkeypatch.setenv("VOICE_TOOLS_GOOGLE_CONFIRM_WAIT", "1")
+    mail = GmailDouble(google_api)
+    mail.after["send"] = [(503, 0.0)]
+    mail.refuse["search"] = [403] * 50
+    call = make_call(callback_url=relay.url, parameters=dict(EMAIL))
+    actions.confirm(call.tool_call_id)
+    wait_status(call.tool_call_id, "PREPARED")
+    mail.refuse["send"] = [None, 403]  # the first send goes through (then 503), the retry's is refused
+    actions.resume(call.tool_call_id)
+    failed = relay.wait_for(call.tool_call_id, "failed")
+    done = wait_status(call.tool_call_id, timeout=30)
+    assert done.status == "FAILED"
+    said = tools.TOOLS["send_email"].say(tools.TOOLS["send_email"].unconfirmed_response, EMAIL)
+    assert done.voice_response == said == failed["voice_response"]
+    assert "not sent" not in done.voice_response
+    assert len(mail.sent) == 1, "one email"
+
+
 # -- Google Tasks --------------------------------------------------------------------------------
 
 def create_task(tool_call_id: str, earlier_attempt: bool = False) -> dict:
