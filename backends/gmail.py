@@ -97,7 +97,8 @@ def prepare(draft: dict[str, Any], service: Any = None) -> str:
     return _translated(make)
 
 
-def send(tool_call_id: str, draft: dict[str, Any], service: Any = None, earlier_attempt: bool = False) -> dict[str, Any]:
+def send(tool_call_id: str, draft: dict[str, Any], service: Any = None,
+         earlier_attempt: bool = False) -> dict[str, Any]:
     """Send the call's draft once; return ``{message_id, thread_id, to}`` (``message_id``: Gmail's message id).
 
     ``draft`` is PREPARING's output (``gmail_draft_id``: the draft :func:`prepare` made; a call

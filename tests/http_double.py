@@ -14,10 +14,10 @@ A test scripts answers per route, in order, and reads back what was asked::
         assert api.requests_to("POST", r"/events")[0].json["id"] == ...
 
 A body function may return a :class:`Reply` to choose the status as well (a stateful
-double: ``tests/google_fixtures.py``). Each ``answer`` is used once, in the order given for its route; the last one given for
-a route repeats (``times=None`` makes it repeat from the start). A request that no
-route matches is answered 599 and recorded, so a test sees it. ``delay`` holds an
-answer back (a slow or hung service).
+double: ``tests/google_fixtures.py``). Each ``answer`` is used once, in the order given for
+its route; the last one given for a route repeats (``times=None`` makes it repeat from the
+start). A request that no route matches is answered 599 and recorded, so a test sees it.
+``delay`` holds an answer back (a slow or hung service).
 """
 from __future__ import annotations
 
