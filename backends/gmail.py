@@ -19,7 +19,8 @@ A refusal of the send (400, 401, 403, 404) means "not sent" only when nothing ea
 have sent it: no earlier attempt (``earlier_attempt``) and the draft still in the
 mailbox (``users.drafts.get``). Scopes: ``gmail.compose`` (drafts) and ``gmail.readonly``
 (the search; ``gmail.metadata`` does not allow ``q``); see ``backends.google.SCOPES``.
-A call cancelled or expired at its checkpoint leaves its draft in the user's Drafts.
+A call cancelled or expired at its checkpoint leaves its draft in the user's Drafts; once the
+draft is sent, any other draft with its Message-ID (two PREPARING copies at once) is deleted.
 
 Errors: :class:`Refused` when Google refused the request and nothing was sent;
 :class:`Unavailable` for a 403 rate limit or a transport failure: worth retrying. 429 and
@@ -109,16 +110,29 @@ def send(tool_call_id: str, draft: dict[str, Any], service: Any = None,
         svc = service or google.service("gmail", "v1")
         draft_id = draft.get("gmail_draft_id") or prepare(draft, svc)
         try:
-            return svc.users().drafts().send(userId=USER, body={"id": draft_id}).execute()
+            sent = svc.users().drafts().send(userId=USER, body={"id": draft_id}).execute()
         except HttpError as exc:
             if google.status_of(exc) not in REFUSED_STATUSES or _reasons(exc) & RATE_LIMIT_REASONS:
                 raise  # a 5xx, 429 or rate limit: retried, and the retry's send finds the draft gone if it went
             if not earlier_attempt and _draft_present(svc, draft_id):
                 raise  # refused, and the draft is still there: nothing was sent
             return _confirm_sent(svc, draft, exc)
+        _remove_strays(svc, draft["message_id"])
+        return sent
 
     sent = _translated(attempt)
     return {"message_id": sent["id"], "thread_id": sent.get("threadId") or "", "to": draft["to"]}
+
+
+def _remove_strays(service: Any, message_id: str) -> None:
+    """Delete the drafts left with this call's Message-ID once its draft is sent (two PREPARING copies
+    at once, whose look-up had not shown the other's draft yet, each made one); best effort."""
+    try:
+        found = service.users().drafts().list(userId=USER, q=search_query(message_id)).execute()
+        for stray in found.get("drafts") or []:
+            service.users().drafts().delete(userId=USER, id=stray["id"]).execute()
+    except (HttpError, *google.transport_errors()):
+        pass  # a stray draft stays in the user's Drafts, where it harms nothing
 
 
 def _draft_present(service: Any, draft_id: str) -> bool:

@@ -109,6 +109,7 @@ class GmailDouble(_Service):
         api.answer("GET", rf"^{b}/drafts$", self._list_drafts, times=None)
         api.answer("GET", rf"^{b}/drafts/[^/]+$", self._get_draft, times=None)
         api.answer("PUT", rf"^{b}/drafts/[^/]+$", self._update, times=None)
+        api.answer("DELETE", rf"^{b}/drafts/[^/]+$", self._delete_draft, times=None)
         api.answer("GET", rf"^{b}/messages$", self._search, times=None)
         api.answer("POST", rf"^{b}/messages/send$", self._send_raw, times=None)
 
@@ -164,6 +165,13 @@ class GmailDouble(_Service):
             if draft_id not in self.drafts:
                 return Reply(404, google_error(404, "Requested entity was not found.", "notFound"))
         return self._draft_view(draft_id)
+
+    def _delete_draft(self, request: Any) -> Any:
+        draft_id = request.path.rsplit("/", 1)[1]
+        with self._lock:
+            if self.drafts.pop(draft_id, None) is None:
+                return Reply(404, google_error(404, "Requested entity was not found.", "notFound"))
+        return b""
 
     def _send(self, request: Any) -> Any:
         refused = self._refused("send")

@@ -94,12 +94,14 @@ def test_prepare_updates_the_draft_it_finds_instead_of_making_a_second():
 
 
 def test_send_sends_the_recorded_draft():
-    http = mock((200, {"id": "18c9f", "threadId": "18c9e", "labelIds": ["SENT"]}))
+    http = mock((200, {"id": "18c9f", "threadId": "18c9e", "labelIds": ["SENT"]}), (200, {"resultSizeEstimate": 0}))
     sent = gmail.send("tc_0123456789ab", {**DRAFT, "gmail_draft_id": "r-7"}, service=gmail_client(http))
     assert sent == {"message_id": "18c9f", "thread_id": "18c9e", "to": "john@example.com"}
-    [(send_uri, send_method, send_body, _)] = http.request_sequence
+    (send_uri, send_method, send_body, _), (strays_uri, strays_method, _, _) = http.request_sequence
     assert (send_method, urlsplit(send_uri).path) == ("POST", "/gmail/v1/users/me/drafts/send")
     assert json.loads(send_body) == {"id": "r-7"}
+    # then no other draft with its Message-ID is left behind
+    assert (strays_method, urlsplit(strays_uri).path) == ("GET", "/gmail/v1/users/me/drafts")
 
 
 def test_mime_message_encodes_non_ascii_and_leaves_out_an_empty_cc():
@@ -189,8 +191,9 @@ def test_send_email_on_gmail_checkpoint_resume_completed(worker, relay, google_a
     tools.TOOLS["send_email"].result_schema().load(done.result)  # the stated shape
     assert mail.drafts == {}, "the draft became the sent message"
 
-    [lookup] = google_api.requests_to("GET", r"/drafts$")
-    assert lookup.query["q"] == [f"rfc822msgid:{id_}@{settings.load().deployment}.voice-tools.local"]
+    lookup, strays = google_api.requests_to("GET", r"/drafts$")  # at PREPARING, and once the draft is sent
+    assert lookup.query["q"] == strays.query["q"] == [
+        f"rfc822msgid:{id_}@{settings.load().deployment}.voice-tools.local"]
     assert lookup.headers["authorization"] == "Bearer test-access-token"
     [send] = google_api.requests_to("POST", r"/drafts/send$")
     assert send.json == {"id": draft_id}

@@ -105,6 +105,17 @@ def test_gmail_prepares_one_draft_and_a_redelivered_prepare_updates_it(google_ap
     assert mail.sent == [], "nothing is sent before the checkpoint"
 
 
+def test_gmail_a_second_draft_made_by_a_lagging_look_up_is_deleted_once_the_call_is_sent(google_api,
+                                                                                          quick_confirm):
+    mail = GmailDouble(google_api, lag=0.5)
+    prepared = prepared_email("tc_gm_strays")
+    prepared_email("tc_gm_strays")  # another PREPARING copy: the first draft does not show yet
+    assert len(mail.drafts) == 2
+    time.sleep(0.6)
+    send_email("tc_gm_strays", prepared)
+    assert len(mail.sent) == 1 and mail.drafts == {}, "the stray draft is gone"
+
+
 def test_gmail_send_sends_the_draft_and_a_second_send_finds_it_instead(google_api, quick_confirm):
     mail = GmailDouble(google_api)
     prepared = prepared_email("tc_gm_twice")
