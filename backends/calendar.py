@@ -13,10 +13,10 @@ Never twice for one call: the event id is derived from the tool_call_id
 ids are base32hex characters a-v0-9, 5 to 1024 long). Locally the INSERT does nothing
 on a conflict and the row is read back; on Google an ``events.insert`` answered 409
 ("already exists") means an earlier run of the same link booked it, and the event is
-read back with ``events.get``. When an earlier attempt may have acted
-(``earlier_attempt``) and the insert is refused, ``events.get`` of the id says which:
-the event (booked by that attempt), 404 (nothing booked: the refusal stands), or no
-answer (:class:`Unconfirmed`, never "not booked").
+read back with ``events.get``. A refused insert is checked the same way (an earlier
+request, a 5xx that booked or a lost answer, may have booked it): the event (booked), 404
+(nothing booked: the refusal stands), or no answer: :class:`Unconfirmed` when an earlier
+attempt may have acted (``earlier_attempt``), never "not booked".
 
 Errors: :class:`Refused` when the service refused the request (400, 401, 403 other
 than a rate limit, 404, a calendar freebusy cannot read, unusable credentials):
@@ -202,25 +202,22 @@ class GoogleCalendar:
                 raise
             # "The requested identifier already exists": an earlier run of this link booked it
             event = _call(lambda: events().get(calendarId=self.calendar, eventId=body["id"]).execute())
-        except Refused as refused:
-            if not earlier_attempt:
-                raise  # this request was refused and no earlier one can have booked it
-            event = self._booked_earlier(body["id"], refused)
+        except Refused as refused:  # an earlier request (a 5xx that booked, a lost answer) may have booked it
+            event = self._booked_earlier(body["id"], refused, earlier_attempt)
         tz = zone(meeting["timezone"])
         return {"event_id": event["id"], "start": _event_time(event, "start", tz),
                 "end": _event_time(event, "end", tz), "html_link": event.get("htmlLink") or ""}
 
 
-    def _booked_earlier(self, event_id: str, refused: Refused) -> dict[str, Any]:
-        """After a refused insert, the event an earlier attempt booked; Refused again when the calendar
-        has no event with its id (nothing was booked); Unconfirmed when the calendar will not say."""
+    def _booked_earlier(self, event_id: str, refused: Refused, earlier_attempt: bool) -> dict[str, Any]:
+        """After a refused insert, the event an earlier request booked; Refused again when the calendar
+        has no event with its id (nothing was booked); when the calendar will not say, Unconfirmed
+        if an earlier attempt may have acted, else the refusal (this request did nothing)."""
         try:
             return self.service.events().get(calendarId=self.calendar, eventId=event_id).execute()
-        except HttpError as exc:
-            if google.status_of(exc) in (404, 410):
+        except (HttpError, *google.transport_errors()) as exc:
+            if google.status_of(exc) in (404, 410) or not earlier_attempt:
                 raise refused from exc
-            raise Unconfirmed(f"Google Calendar did not show whether it was booked ({refused})") from exc
-        except google.transport_errors() as exc:
             raise Unconfirmed(f"Google Calendar did not show whether it was booked ({refused})") from exc
 
 

@@ -320,6 +320,16 @@ def test_calendar_a_503_whose_insert_went_through_books_once(google_api, quick_c
     assert list(cal.events) == [booked["event_id"]] == [calendar.event_id_for("tc_cal_503")]
 
 
+def test_calendar_a_503_that_booked_then_a_refused_retry_reads_the_event_not_not_booked(google_api, quick_confirm):
+    cal = CalendarDouble(google_api)
+    cal.after["insert"] = [(503, 0.0)]
+    with pytest.raises(google.HttpError):
+        book("tc_cal_503_403")
+    cal.refuse["insert"] = [403]
+    booked = book("tc_cal_503_403")  # the retry is refused; the calendar has the event the first made
+    assert list(cal.events) == [booked["event_id"]]
+
+
 def test_calendar_an_earlier_attempt_then_a_refusal_reads_the_event_it_booked(google_api, quick_confirm):
     cal = CalendarDouble(google_api)
     booked = book("tc_cal_found")
