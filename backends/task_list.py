@@ -174,10 +174,19 @@ def _create_once(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_id
                        or google.status_of(exc) in UNKNOWN_STATUSES)
             if not unknown:
                 raise
-            found = google.within_bound(look)  # it may have been added: Google's list lags behind its inserts
-            if found is None:
-                raise
-            return _result(found, draft)
+            answered: list[bool] = []
+
+            def look_answered() -> dict[str, Any] | None:
+                found = look()
+                answered.append(True)
+                return found
+
+            found = google.within_bound(look_answered)  # it may have been added: the list lags behind inserts
+            if found is not None:
+                return _result(found, draft)
+            if not answered:  # the list never answered: nobody can say whether it was added
+                raise Unconfirmed("Google Tasks did not show whether the task was added") from exc
+            raise  # the list answered and does not have it: the engine retries the insert
     except google.HttpError as exc:
         status = google.status_of(exc)
         if status == 404:

@@ -251,6 +251,16 @@ def test_tasks_a_503_whose_insert_went_through_and_a_lagging_list_insert_once(go
     assert len(board.tasks) == 1
 
 
+def test_tasks_a_503_then_a_list_that_refuses_is_unconfirmed_not_a_retry_told_not_created(google_api,
+                                                                                          quick_confirm):
+    board = TasksDouble(google_api)
+    board.after["insert"] = [(503, 0.0)]
+    board.refuse["list"] = [None] + [403] * 50  # the first look answers; after the insert, none does
+    with pytest.raises(Unconfirmed):
+        create_task("tc_task_503_403")
+    assert len(board.tasks) == 1
+
+
 def test_tasks_an_earlier_attempt_finds_its_task_in_a_lagging_list(google_api, quick_confirm):
     board = TasksDouble(google_api, lag=2.0)
     made = create_task("tc_task_earlier")
