@@ -17,7 +17,10 @@ Never twice for one call: the event id is derived from the tool_call_id
 ids are base32hex characters a-v0-9, 5 to 1024 long). Locally the INSERT does nothing
 on a conflict and the row is read back; on Google an ``events.insert`` answered 409
 ("already exists") means an earlier run of the same link booked it, and the event is
-read back with ``events.get``.
+read back with ``events.get``. A refused insert is checked the same way (an earlier
+request, a 5xx that booked or a lost answer, may have booked it): the event (booked), 404
+(nothing booked: the refusal stands), or no answer: :class:`Unconfirmed` when an earlier
+attempt may have acted (``earlier_attempt``), never "not booked".
 
 Errors: :class:`Refused` when the service refused the request (400, 401, 403 other
 than a rate limit, 404, a calendar freebusy cannot read, unusable credentials):
@@ -44,7 +47,7 @@ from models import db, settings
 from models.calendar import CalendarEvent
 from backends import google
 from backends.google import HttpError
-from backends import SHARED, Refused, Unavailable
+from backends import SHARED, Refused, Unavailable, Unconfirmed
 
 CALENDAR_ID_VARIABLE = "VOICE_TOOLS_GOOGLE_CALENDAR_ID"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404, 410})
@@ -84,14 +87,17 @@ def busy(start: datetime, end: datetime, caller: str = "") -> list[dict[str, Any
     return clip_and_merge(periods, start, end)
 
 
-def book(meeting: dict[str, Any], caller: str = "") -> dict[str, Any]:
+def book(meeting: dict[str, Any], caller: str = "", earlier_attempt: bool = False) -> dict[str, Any]:
     """Book ``meeting`` once in ``caller``'s calendar; return ``{event_id, start, end, html_link}`` (ISO
     times in its time zone).
 
     ``meeting``: ``event_id``, ``tool_call_id``, ``title``, ``start``, ``end`` (ISO 8601
-    with offset), ``timezone``, ``attendees``, ``description``.
+    with offset), ``timezone``, ``attendees``, ``description``. ``earlier_attempt``: an earlier
+    attempt of the booking may have acted (Google: a refusal is then checked against the event id).
     """
-    return GoogleCalendar(caller=caller).book(meeting) if uses_google() else LocalCalendar().book(meeting, caller)
+    if uses_google():
+        return GoogleCalendar(caller=caller).book(meeting, earlier_attempt=earlier_attempt)
+    return LocalCalendar().book(meeting, caller)
 
 
 def clip_and_merge(periods: Iterable[dict[str, Any]], start: datetime, end: datetime) -> list[dict[str, Any]]:
@@ -193,7 +199,7 @@ class GoogleCalendar:
         return [{"start": parse_datetime(p["start"]).astimezone(UTC), "end": parse_datetime(p["end"]).astimezone(UTC),
                  "title": None} for p in found.get("busy") or []]
 
-    def book(self, meeting: dict[str, Any]) -> dict[str, Any]:
+    def book(self, meeting: dict[str, Any], earlier_attempt: bool = False) -> dict[str, Any]:
         body = insert_body(meeting)
         kwargs: dict[str, Any] = {"calendarId": self.calendar, "body": body}
         if body.get("attendees"):
@@ -206,9 +212,23 @@ class GoogleCalendar:
                 raise
             # "The requested identifier already exists": an earlier run of this link booked it
             event = _call(lambda: events().get(calendarId=self.calendar, eventId=body["id"]).execute())
+        except Refused as refused:  # an earlier request (a 5xx that booked, a lost answer) may have booked it
+            event = self._booked_earlier(body["id"], refused, earlier_attempt)
         tz = zone(meeting["timezone"])
         return {"event_id": event["id"], "start": _event_time(event, "start", tz),
                 "end": _event_time(event, "end", tz), "html_link": event.get("htmlLink") or ""}
+
+
+    def _booked_earlier(self, event_id: str, refused: Refused, earlier_attempt: bool) -> dict[str, Any]:
+        """After a refused insert, the event an earlier request booked; Refused again when the calendar
+        has no event with its id (nothing was booked); when the calendar will not say, Unconfirmed
+        if an earlier attempt may have acted, else the refusal (this request did nothing)."""
+        try:
+            return self.service.events().get(calendarId=self.calendar, eventId=event_id).execute()
+        except (HttpError, *google.transport_errors()) as exc:
+            if google.status_of(exc) in (404, 410) or not earlier_attempt:
+                raise refused from exc
+            raise Unconfirmed(f"Google Calendar did not show whether it was booked ({refused})") from exc
 
 
 def insert_body(meeting: dict[str, Any]) -> dict[str, Any]:

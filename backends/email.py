@@ -11,12 +11,13 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 
-from models import db
+from models import db, settings
 from models.email import EmailOutbox
 
 
 def message_id_for(tool_call_id: str) -> str:
-    return f"<{tool_call_id}@voice-tools.local>"
+    """The call's fixed ``Message-ID``, namespaced by the deployment (``VOICE_TOOLS_DEPLOYMENT``)."""
+    return f"<{tool_call_id}@{settings.load().deployment}.voice-tools.local>"
 
 
 def thread_id_for(tool_call_id: str) -> str:

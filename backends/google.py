@@ -25,7 +25,8 @@ import contextvars
 import json
 import os
 import threading
-from typing import Any, Iterator, Sequence
+import time
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from google.auth.exceptions import TransportError
 from googleapiclient.errors import HttpError
@@ -34,13 +35,14 @@ from models import settings
 
 # Scopes per API, the narrowest each tool needs (docs/operations.md, "Real backends").
 SCOPES: dict[str, tuple[str, ...]] = {
-    "gmail": ("https://www.googleapis.com/auth/gmail.send", "https://www.googleapis.com/auth/gmail.readonly"),
+    "gmail": ("https://www.googleapis.com/auth/gmail.compose", "https://www.googleapis.com/auth/gmail.readonly"),
     "calendar": ("https://www.googleapis.com/auth/calendar.events",
                  "https://www.googleapis.com/auth/calendar.freebusy"),
     "people": ("https://www.googleapis.com/auth/contacts.readonly",),
     "tasks": ("https://www.googleapis.com/auth/tasks",),
 }
 
+T = TypeVar("T")
 _local = threading.local()  # httplib2.Http is not thread-safe: one client per thread
 _acting_for: contextvars.ContextVar[str] = contextvars.ContextVar("google_acting_for", default="")
 
@@ -150,6 +152,26 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     return (TransportError, httplib2.HttpLib2Error)
 
 
+def within_bound(look: Callable[[], T | None], bound_s: float | None = None) -> T | None:
+    """``look()`` again with backoff (0.25 s doubling, at most 2 s apart) until it finds something or
+    ``bound_s`` (``VOICE_TOOLS_GOOGLE_CONFIRM_WAIT``) has passed; a look that fails counts as not found."""
+    bound = settings.load().google_confirm_s if bound_s is None else bound_s
+    deadline = time.monotonic() + bound
+    pause = 0.25
+    while True:
+        try:
+            found = look()
+        except (HttpError, *transport_errors()):
+            found = None
+        if found is not None:
+            return found
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 2.0)
+
+
 def status_of(exc: BaseException) -> int | None:
     """The HTTP status of a Google API error, or None."""
     if isinstance(exc, HttpError):
@@ -166,4 +188,4 @@ def reason_of(exc: HttpError) -> str:
 
 
 __all__ = ["SCOPES", "CredentialsError", "HttpError", "TransportError", "acting_for", "build_service", "credentials",
-           "credentials_file", "reason_of", "reset", "service", "status_of", "transport_errors"]
+           "credentials_file", "reason_of", "reset", "service", "status_of", "transport_errors", "within_bound"]

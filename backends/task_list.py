@@ -21,19 +21,22 @@ a 429 / 5xx ``HttpError`` or a timeout goes through as it is (retried by the eng
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from datetime import date, datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Iterator
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db, settings
 from models.task_list import TodoTask
 from backends import google
-from backends import Refused, Unavailable
+from backends import Refused, Unavailable, Unconfirmed
 
 DEFAULT_TASKLIST = "@default"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})
+LOCK_SPACE = 0x7654  # this module's advisory locks (the first key of the pair)
+UNKNOWN_STATUSES = frozenset({408, 500, 502, 503, 504})  # the insert may have been done
 MARKER_PREFIX = "voice-tools:"
 LOOKBACK = timedelta(days=1)
 MAX_PAGES = 20  # 2,000 tasks updated in a day is more than any person's list
@@ -53,7 +56,7 @@ def marker_for(tool_call_id: str) -> str:
     return MARKER_PREFIX + tool_call_id
 
 
-def create(tool_call_id: str, draft: dict[str, Any], caller: str = "") -> dict[str, Any]:
+def create(tool_call_id: str, draft: dict[str, Any], caller: str = "", earlier_attempt: bool = False) -> dict[str, Any]:
     """Add the task of ``draft`` (``title``, ``notes``, ``due`` ISO date or None, ``priority``) once, to
     ``caller``'s list.
 
@@ -65,7 +68,7 @@ def create(tool_call_id: str, draft: dict[str, Any], caller: str = "") -> dict[s
             svc = google.service("tasks", "v1", caller=caller)
         except google.CredentialsError as exc:
             raise Refused(str(exc)) from exc
-        return google_create(svc, tool_call_id, draft, tasklist())
+        return google_create(svc, tool_call_id, draft, tasklist(), earlier_attempt=earlier_attempt)
     return local_create(tool_call_id, draft, caller)
 
 
@@ -132,13 +135,62 @@ def _result(task: dict[str, Any], draft: dict[str, Any]) -> dict[str, Any]:
 
 
 def google_create(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_id: str = DEFAULT_TASKLIST,
-                  now: datetime | None = None) -> dict[str, Any]:
-    """Find this call's task by its marker, or ``tasks.insert`` it; never insert twice for a call."""
+                  now: datetime | None = None, earlier_attempt: bool = False) -> dict[str, Any]:
+    """Find this call's task by its marker, or ``tasks.insert`` it; never insert twice for a call.
+
+    ``earlier_attempt`` (an earlier attempt may have inserted it): the list is asked again until
+    the task shows or the bound passes (``VOICE_TOOLS_GOOGLE_CONFIRM_WAIT``), then
+    :class:`Unconfirmed`, never a second insert. An insert whose answer leaves it unknown (a 5xx,
+    a timeout) is looked for the same way before the error goes to the engine to retry.
+    """
+    with one_copy_at_a_time(tool_call_id) as another_went_first:
+        return _create_once(svc, tool_call_id, draft, tasklist_id, now, earlier_attempt or another_went_first)
+
+
+@contextmanager
+def one_copy_at_a_time(tool_call_id: str) -> Iterator[bool]:
+    """Hold this call's lock (a PostgreSQL advisory lock, for one transaction) while the task is looked
+    for and inserted; yields True when another copy of the step held it first, which may have inserted it."""
+    with db.session() as s:
+        key = {"space": LOCK_SPACE, "call": tool_call_id}
+        free = s.scalar(text("SELECT pg_try_advisory_xact_lock(:space, hashtext(:call))"), key)
+        if not free:
+            s.execute(text("SELECT pg_advisory_xact_lock(:space, hashtext(:call))"), key)
+        yield not free
+
+
+def _create_once(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_id: str, now: datetime | None,
+                 earlier_attempt: bool) -> dict[str, Any]:
+    look = lambda: find_marked(svc, tool_call_id, tasklist_id, now)  # noqa: E731
+    if earlier_attempt:
+        found = google.within_bound(look)
+        if found is None:
+            raise Unconfirmed("Google Tasks did not show whether the task was added")
+        return _result(found, draft)
     try:
-        found = find_marked(svc, tool_call_id, tasklist_id, now)
+        found = look()
         if found is not None:
             return _result(found, draft)
-        created = svc.tasks().insert(tasklist=tasklist_id, body=google_body(tool_call_id, draft)).execute()
+        try:
+            created = svc.tasks().insert(tasklist=tasklist_id, body=google_body(tool_call_id, draft)).execute()
+        except Exception as exc:
+            unknown = (isinstance(exc, google.transport_errors() + (TimeoutError, OSError))
+                       or google.status_of(exc) in UNKNOWN_STATUSES)
+            if not unknown:
+                raise
+            answered: list[bool] = []
+
+            def look_answered() -> dict[str, Any] | None:
+                found = look()
+                answered.append(True)
+                return found
+
+            found = google.within_bound(look_answered)  # it may have been added: the list lags behind inserts
+            if found is not None:
+                return _result(found, draft)
+            if not answered:  # the list never answered: nobody can say whether it was added
+                raise Unconfirmed("Google Tasks did not show whether the task was added") from exc
+            raise  # the list answered and does not have it: the engine retries the insert
     except google.HttpError as exc:
         status = google.status_of(exc)
         if status == 404:

@@ -4,9 +4,12 @@ Every value has a default so a fresh clone runs; docs/operations.md (Configurati
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
+from urllib.parse import parse_qs, urlsplit
 
 
 def _int(name: str, default: int) -> int:
@@ -63,6 +66,12 @@ class Settings:
     search_min_score: float | None
     # how often beat sends each sweep task, in seconds (celeryconfig.beat_schedule)
     sweep_every_s: dict[str, float]
+    # this installation's name in what it leaves at a service (the Message-ID of its emails),
+    # so two deployments sharing a mailbox never take each other's messages for their own
+    deployment: str = "default"
+    # how long a Google backend keeps looking for what an earlier attempt may have made
+    # before it says "unconfirmed" (docs/operations.md, "Real backends")
+    google_confirm_s: float = 10.0
 
     def uses_google(self, service: str) -> bool:
         """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
@@ -189,4 +198,20 @@ def load() -> Settings:
         search_min_score=_float("VOICE_TOOLS_SEARCH_MIN_SCORE", -1.0) if os.environ.get(
             "VOICE_TOOLS_SEARCH_MIN_SCORE", "").strip() else None,
         sweep_every_s={sweep: max(_float(name, default), 1.0) for sweep, (name, default) in SWEEPS.items()},
+        deployment=deployment_name(os.environ.get("VOICE_TOOLS_DEPLOYMENT", ""),
+                                   os.environ.get("DATABASE_URL", "")),
+        google_confirm_s=max(_float("VOICE_TOOLS_GOOGLE_CONFIRM_WAIT", 10.0), 0.0),
     )
+
+
+def deployment_name(given: str, database_url: str) -> str:
+    """``VOICE_TOOLS_DEPLOYMENT`` as one DNS label (lower-case letters, digits, ``-``); unset, ``d`` and
+    12 hex characters of the database's address (host, port, database name: not the password), the
+    same for every process of one installation and different for two installations' databases."""
+    label = re.sub(r"[^a-z0-9-]+", "-", given.strip().lower()).strip("-")[:63]
+    if label:
+        return label
+    parts = urlsplit(database_url)
+    socket = parse_qs(parts.query).get("host", [""])[0]  # a Unix-socket folder given as ?host=
+    where = f"{parts.hostname or socket}:{parts.port or ''}{parts.path}"
+    return "d" + hashlib.sha256(where.encode()).hexdigest()[:12]

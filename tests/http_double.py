@@ -13,10 +13,11 @@ A test scripts answers per route, in order, and reads back what was asked::
         ...
         assert api.requests_to("POST", r"/events")[0].json["id"] == ...
 
-Each ``answer`` is used once, in the order given for its route; the last one given for
-a route repeats (``times=None`` makes it repeat from the start). A request that no
-route matches is answered 599 and recorded, so a test sees it. ``delay`` holds an
-answer back (a slow or hung service).
+A body function may return a :class:`Reply` to choose the status as well (a stateful
+double: ``tests/google_fixtures.py``). Each ``answer`` is used once, in the order given for
+its route; the last one given for a route repeats (``times=None`` makes it repeat from the
+start). A request that no route matches is answered 599 and recorded, so a test sees it.
+``delay`` holds an answer back (a slow or hung service).
 """
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ class Request:
     @property
     def json(self) -> Any:
         return json.loads(self.body or b"null")
+
+
+@dataclass
+class Reply:
+    """What a body function answers when the status depends on the request (404 for a draft gone)."""
+
+    status: int
+    body: Any
 
 
 @dataclass
@@ -82,8 +91,11 @@ class HttpDouble:
                 if answer.delay:
                     time.sleep(answer.delay)
                 body = answer.body(request) if callable(answer.body) else answer.body
+                status = answer.status
+                if isinstance(body, Reply):
+                    status, body = body.status, body.body
                 raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(answer.status)
+                self.send_response(status)
                 headers = {"Content-Type": "application/json", **answer.headers}
                 for key, value in headers.items():
                     self.send_header(key, value)

@@ -248,9 +248,15 @@ def test_google_insert_409_already_exists_reads_the_event_back():
     (403, "rateLimitExceeded", calendar.Unavailable),
 ])
 def test_google_insert_refusals_carry_googles_message(status, reason, raised):
-    cal, _ = google_calendar([google_error(status, f"Google says {reason}.", reason)])
+    # a refused insert is checked against the call's event id: 404, nothing was booked
+    cal, http = google_calendar([google_error(status, f"Google says {reason}.", reason),
+                                 google_error(404, "Not Found", "notFound")])
     with pytest.raises(raised, match=f"Google says {reason}" if raised is calendar.Refused else "rate limit"):
         cal.book(meeting())
+    event_id = calendar.event_id_for("tc_backend01")
+    checked = [(m, p) for m, p, _, _ in requests_made(http)]
+    assert checked == [("POST", "/calendar/v3/calendars/primary/events")] + (
+        [("GET", f"/calendar/v3/calendars/primary/events/{event_id}")] if raised is calendar.Refused else [])
 
 
 def test_google_5xx_goes_through_for_the_engine_to_retry():

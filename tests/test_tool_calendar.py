@@ -259,6 +259,8 @@ def test_google_404_on_insert_fails_saying_it_was_not_booked(google_api, worker,
     google_api.answer("POST", r"/freeBusy$", {"calendars": {"gone@example.com": {"busy": []}}})
     google_api.answer("POST", r"/calendars/gone(@|%40)example.com/events$", google_error(404, "Not Found", "notFound"),
                       status=404)
+    google_api.answer("GET", r"/calendars/gone(@|%40)example.com/events/[^/]+$",
+                      google_error(404, "Not Found", "notFound"), status=404)  # the event id is checked: not booked
     call = make_call("schedule_meeting", MEETING, callback_url=relay.url)
     actions.confirm(call.tool_call_id)
     wait_status(call.tool_call_id, "PREPARED")

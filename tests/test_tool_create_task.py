@@ -208,6 +208,7 @@ def test_google_refusals_are_refused(answers, message):
 @pytest.mark.slow
 def test_google_transient_503_is_retried_then_created_once(client, worker, google_api, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_GOOGLE_TASKLIST", "work-list")
+    monkeypatch.setenv("VOICE_TOOLS_GOOGLE_CONFIRM_WAIT", "1")
     google_api.answer("GET", TASKS, {"items": []}, times=None)
     google_api.answer("POST", TASKS, {"error": {"code": 503, "message": "Backend Error"}}, status=503)
     google_api.answer("POST", TASKS, lambda request: {"id": "G42", "title": request.json["title"],
@@ -225,7 +226,12 @@ def test_google_transient_503_is_retried_then_created_once(client, worker, googl
     assert inserts[-1].json == {"title": "Call the printer", "due": "2026-11-27T00:00:00.000Z",
                                 "notes": "Priority: high\n\nAsk about the brochure proofs.\n\n"
                                          f"voice-tools:{stored.tool_call_id}"}
-    assert len(google_api.requests_to("GET", TASKS)) == 2, "each attempt looked for its marker first"
+    at = {id(r): n for n, r in enumerate(google_api.requests)}  # each request's place in the exchange
+    looks = [at[id(r)] for r in google_api.requests_to("GET", TASKS)]
+    first_insert, last_insert = at[id(inserts[0])], at[id(inserts[-1])]
+    assert looks[0] < first_insert, "the first attempt looked for its marker first"
+    between = [n for n in looks if first_insert < n < last_insert]
+    assert len(between) >= 3, "after the 503 the list was asked again for the confirm wait, then the retry looked once"
     assert stored.attempts >= 4, "CREATING ran twice"
     assert todo_rows() == [], "the local table was not used"
 

@@ -66,7 +66,8 @@ def prepare(step: StepInput) -> dict[str, Any]:
 
 
 def create(step: StepInput) -> dict[str, Any]:
-    return task_list.create(step.tool_call_id, step.outputs["PREPARING"], step.caller)
+    return task_list.create(step.tool_call_id, step.outputs["PREPARING"], step.caller,
+                            earlier_attempt=step.earlier_attempt)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def preview(step: StepInput) -> dict[str, Any]:
 
 def book(step: StepInput) -> dict[str, Any]:
     meeting = {**step.outputs["CHECKING_AVAILABILITY"], "tool_call_id": step.tool_call_id}
-    return calendar.book(meeting, step.caller)
+    return calendar.book(meeting, step.caller, earlier_attempt=step.earlier_attempt)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:

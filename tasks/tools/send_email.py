@@ -1,7 +1,8 @@
 """send_email: write, with a checkpoint before the send.
 
 Backends: the local outbox (default) or Gmail (``settings.load().uses_google("gmail")``),
-both idempotent on the tool_call_id through a fixed ``Message-ID``.
+both idempotent on the tool_call_id through a fixed ``Message-ID``. On Gmail, PREPARING
+also makes the Gmail draft and records its id, which SENDING sends (``backends/gmail.py``).
 
 ``reference_context`` names a ``session_context`` row of the call's session (e.g.
 ``last_query_results``, stored by query_vector_db): PREPARING reads it once and the
@@ -115,7 +116,7 @@ def prepare(step: StepInput) -> dict[str, Any]:
     if p.get("reference_context"):
         text, reference = referenced(step.session_id, p["reference_context"], step.caller)
         body = f"{body.rstrip()}\n\n{text}" if body.strip() else text
-    return {
+    draft = {
         "to": p["to"],
         "cc": list(p.get("cc") or []),
         "subject": re.sub(r"[\r\n]+", " ", p["subject"]).strip(),  # one header line
@@ -124,6 +125,10 @@ def prepare(step: StepInput) -> dict[str, Any]:
         "reference": reference,
         "message_id": email.message_id_for(step.tool_call_id),
     }
+    if settings.load().uses_google("gmail"):  # the draft SENDING sends, recorded before the checkpoint
+        with google.acting_for(step.caller):  # in the caller's own mailbox, where configured
+            draft["gmail_draft_id"] = gmail.prepare(draft)
+    return draft
 
 
 def preview(step: StepInput) -> dict[str, Any]:
@@ -136,7 +141,7 @@ def send(step: StepInput) -> dict[str, Any]:
     if not settings.load().uses_google("gmail"):
         return email.send(step.tool_call_id, draft, step.caller)
     with google.acting_for(step.caller):  # the caller's own Gmail credentials, where configured
-        return gmail.send(step.tool_call_id, draft)
+        return gmail.send(step.tool_call_id, draft, earlier_attempt=step.earlier_attempt)
 
 
 def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
