@@ -71,7 +71,7 @@ def test_booking_at_the_time_of_another_callers_meeting_books_and_never_names_it
     assert "Secret" not in said and "Acme" not in said
     assert bobs.status == "COMPLETED", bobs.error_message
     with db.session() as s:
-        owners = dict(s.execute(select(CalendarEvent.title, CalendarEvent.owner)).tuples().all())
+        owners = dict(s.execute(select(CalendarEvent.title, CalendarEvent.owner)).all())
     assert owners == {SECRET: "tests", "Lunch": "bob"}
 
 
@@ -128,8 +128,8 @@ def test_create_task_and_send_email_rows_record_the_callers_name():
     prepared = send_email.steps[0].run(step("tc_mail_a", "alice", email))
     send_email.steps[2].run(step("tc_mail_a", "alice", email, {"PREPARING": prepared}))
     with db.session() as s:
-        assert s.execute(select(TodoTask.tool_call_id, TodoTask.owner)).tuples().all() == [("tc_task_b", "bob")]
-        assert s.execute(select(EmailOutbox.tool_call_id, EmailOutbox.owner)).tuples().all() == \
+        assert s.execute(select(TodoTask.tool_call_id, TodoTask.owner)).all() == [("tc_task_b", "bob")]
+        assert s.execute(select(EmailOutbox.tool_call_id, EmailOutbox.owner)).all() == \
             [("tc_mail_a", "alice")]
 
 
@@ -209,7 +209,7 @@ def test_voice_tools_ingest_owner_stores_a_callers_documents_and_without_it_shar
     assert launcher.main(["ingest", "--owner", "alice", str(tmp_path / "own.md")]) == 0
     assert launcher.main(["ingest", str(tmp_path / "shared.md")]) == 0
     with db.session() as s:
-        assert dict(s.execute(select(DocumentChunk.title, DocumentChunk.owner)).tuples().all()) == \
+        assert dict(s.execute(select(DocumentChunk.title, DocumentChunk.owner)).all()) == \
             {"Own": "alice", "Shared": ""}
 
 
@@ -275,7 +275,7 @@ def test_the_migration_gives_every_owned_table_its_owner_and_the_reads_an_index_
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
         columns = dict(conn.execute(text(
             "SELECT table_name, column_default FROM information_schema.columns "
-            "WHERE column_name = 'owner' AND is_nullable = 'NO'")).tuples().all())
+            "WHERE column_name = 'owner' AND is_nullable = 'NO'")).all())
         indexes = {r.indexname: r.indexdef for r in conn.execute(text(
             f"SELECT indexname, indexdef FROM pg_indexes WHERE tablename IN {OWNED!r}"))}
     touched = [d for d in diff if isinstance(d, tuple) and any(
@@ -317,5 +317,5 @@ def test_rows_stored_before_the_migration_become_shared_and_its_downgrade_keeps_
     db.dispose()
     alembic("upgrade", "head")
     with db.engine().connect() as conn:
-        assert dict(conn.execute(text("SELECT name, owner FROM contacts")).tuples().all()) == \
+        assert dict(conn.execute(text("SELECT name, owner FROM contacts")).all()) == \
             {"Ann Shared": "", "Old Row": ""}

@@ -219,6 +219,7 @@ def test_a_503_whose_send_went_through_is_found_on_retry_and_not_sent_twice(work
     assert done.result == {"message_id": sent["id"], "thread_id": sent["threadId"], "to": "john@example.com"}
     assert len(google_api.requests_to("POST", r"/drafts/send$")) == 2, "sent, then the retry found the draft gone"
     assert len(google_api.requests_to("GET", r"/messages$")) == 1, "and the message in the mailbox"
+    relay.wait_for(call.tool_call_id, "completed")  # posted after the row is written
     assert [e["event"] for e in relay.events_for(call.tool_call_id)].count("completed") == 1
 
 
