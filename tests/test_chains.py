@@ -165,11 +165,14 @@ def test_redelivered_links_never_send_twice(worker, relay, task_log):
     assert len(deliveries(id_, "completed")) == 1
     completed_at, seq = done.completed_at, done.event_seq
 
-    # After completion, every link run again changes nothing.
+    # After completion, every link run again changes nothing. (A copy of SENDING that found the
+    # send claimed by the other runs again when the claim's lease ends: its message has an eta and
+    # the retries of the copy it is; it finds the call completed then.)
     for link in chains.LINKS["send_email"]:
         link.apply_async((id_,))
     for link in chains.LINKS["send_email"]:
-        task_log.wait_ran(id_, link.name, count=len(task_log.published_for(id_, link.name)))
+        sent = [p for p in task_log.published_for(id_, link.name) if not (p.eta and p.retries == 0)]
+        task_log.wait_ran(id_, link.name, count=len(sent))
     again = row(id_)
     assert (again.status, again.completed_at, again.event_seq, again.result) == (
         "COMPLETED", completed_at, seq, done.result)

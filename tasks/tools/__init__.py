@@ -146,6 +146,14 @@ class Tool:
             return self.after_effect_failure_response
         return self.failure_response if step is effect and refused else self.unconfirmed_response
 
+    def failure_outcome(self, step: Step, done: Mapping[str, Any], refused: bool) -> str:
+        """What :meth:`failure_sentence` says, as the call's ``outcome``: ``not_done``, ``done`` (a
+        step after the side effect failed) or ``unconfirmed`` (docs/promises.md, "Exactly once")."""
+        sentence = self.failure_sentence(step, done, refused)
+        if sentence is self.after_effect_failure_response:
+            return "done"
+        return "unconfirmed" if sentence is self.unconfirmed_response else "not_done"
+
     def say(self, message: Message, parameters: Mapping[str, Any], **extra: Any) -> str:
         """Render one of the tool's sentences (at most 1,000 characters)."""
         if callable(message):
