@@ -352,18 +352,35 @@ class Link(base.Task):
         log.warning("%s[%s]: the retry could not be published (%s: %s); the message goes back to the broker "
                     "in %.0f s", self.name, self.request.id, type(reason).__name__, str(reason)[:200], wait)
         time.sleep(wait)
-        raise Reject(str(reason)[:200], requeue=True)
+        raise Reject(str(reason)[:200], requeue=True) from None
 
     def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception, attempt: Attempt) -> None:
         """Retry the step with backoff, or fail the call once its runs (counted in the database:
         ``attempt.runs``) exceed the tool's ``max_retries``."""
         retries = attempt.runs - 1
-        if retries >= self.tool.max_retries:
+        if retries >= self.tool.max_retries:  # the call's one traceback of these runs
+            log.warning("%s of %s gave up after %d retries", self.step.name, tool_call_id, retries, exc_info=exc)
             return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)")
         if attempt.token is not None:  # the retry claims the effect again, knowing this attempt may have acted
             with db.statement() as s:
                 lifecycle.release_claim(s, tool_call_id, attempt.token)
         raise self.retry(exc=exc, countdown=min(2 ** retries, 30), max_retries=RETRIES_UNBOUNDED_HERE)
+
+
+class _NoTracebackOnRequeue(logging.Filter):
+    """Celery logs every rejected run with its traceback: a link handed back because the broker
+    refused its retry logs one line per run (:meth:`Link._requeue`), and its call one traceback,
+    when it gives up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        name = str((getattr(record, "data", None) or {}).get("name", ""))
+        if isinstance(exc, Reject) and exc.requeue and name.startswith("tools."):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("celery.app.trace").addFilter(_NoTracebackOnRequeue())
 
 
 def _run_link(self: Link, tool_call_id: str, chain_id: str | None = None) -> None:
