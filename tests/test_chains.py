@@ -454,15 +454,15 @@ def test_transient_errors_past_max_retries_fail(register, task_log):
     assert_no_link_failed(task_log, call.tool_call_id)
 
 
-@pytest.mark.parametrize("where, error, said", [
-    ("APPLY", PermanentError("the bank refused it"), "The transfer did not happen: the bank refused it."),
+@pytest.mark.parametrize("where, error, said, outcome", [
+    ("APPLY", PermanentError("the bank refused it"), "The transfer did not happen: the bank refused it.", "not_done"),
     ("APPLY", TransientError("no answer"),
-     "I could not confirm that the gated c request went through. Please check before trying again."),
+     "I could not confirm that the gated c request went through. Please check before trying again.", "unconfirmed"),
     ("AFTER", PermanentError("the receipt store is full"),
-     "The gated c request went through, but a later step failed: the receipt store is full."),
+     "The gated c request went through, but a later step failed: the receipt store is full.", "done"),
 ])
 def test_a_failure_at_or_after_the_point_of_no_return_never_says_it_did_not_happen(
-        register, relay, task_log, where, error, said):
+        register, relay, task_log, where, error, said, outcome):
     """Refused by its service: not done. Unknown (no answer): unconfirmed. After the effect: done."""
     def fails(step):
         raise error
@@ -477,6 +477,7 @@ def test_a_failure_at_or_after_the_point_of_no_return_never_says_it_did_not_happ
     done = row(call.tool_call_id)
     assert done.status == "FAILED" and done.committed_at is not None
     assert done.voice_response == failed["voice_response"] == said
+    assert done.outcome == failed["outcome"] == outcome
     assert failed["step"] == where and failed["cancellable"] is False
     assert_no_link_failed(task_log, call.tool_call_id)
 
