@@ -29,10 +29,7 @@ no earlier attempt of it can have acted; otherwise its outcome is unconfirmed.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 from datetime import datetime, timezone
 from typing import Any
 
@@ -46,6 +43,7 @@ from celeryconfig import queue
 from models import db, events, lifecycle, queries
 from models.calls import NOT_DONE, UNCONFIRMED, ToolCall
 from tasks import base, tools
+from tasks.effect_claims import claim_token, holder_gone
 import backends
 from tasks.delivery import attempts
 from tasks.delivery.events import record
@@ -64,45 +62,6 @@ class BrokerUnavailable(Exception):
 REQUEUE_WAIT_S = 10.0
 # Celery's own retry bound is not the one that counts: the runs recorded on the call are.
 RETRIES_UNBOUNDED_HERE = 10_000
-
-
-def _this_host() -> str:
-    """This host and process namespace, as a claim token names them (``pid`` is only meaningful within one)."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid").strip("pid:[]")
-    except OSError:
-        namespace = ""
-    return f"{socket.gethostname()[:24]}/{namespace}"
-
-
-THIS_HOST = _this_host()
-
-
-def claim_token() -> str:
-    """A new attempt's claim on a side effect: where it runs (host, process) and a nonce."""
-    return f"{THIS_HOST}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
-
-
-def holder_gone(token: str | None) -> bool:
-    """Did the claim's holder run in a process of this host that is gone (a pool child or a worker
-    killed mid-link)? Then its copy, handed back by the broker, need not wait for the lease to end.
-    False whenever it cannot be told (another host: the lease is the bound)."""
-    host, _, rest = (token or "").partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != THIS_HOST or not pid_text.isdigit() or int(pid_text) == os.getpid():
-        return False
-    pid = int(pid_text)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    try:  # a killed child not yet reaped by its parent
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class Attempt:

@@ -177,3 +177,23 @@ def test_a_backend_that_cannot_tell_ends_the_call_unconfirmed(register, relay, t
     assert done.status == "FAILED" and done.outcome == failed["outcome"] == "unconfirmed"
     assert done.voice_response == ("I could not confirm that the unknown a request went through. "
                                    "Please check before trying again.")
+
+
+def test_a_claim_is_known_abandoned_only_when_its_holder_process_on_this_host_is_gone():
+    import subprocess
+    import sys
+
+    from tasks.effect_claims import THIS_HOST, claim_token, holder_gone
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    assert holder_gone(f"{THIS_HOST}:{dead.pid}:abc") is True
+    assert holder_gone(claim_token()) is False, "this very process holds it"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert holder_gone(f"{THIS_HOST}:{live.pid}:abc") is False
+    finally:
+        live.kill()
+        live.wait()
+    assert holder_gone(f"another-host/1:{dead.pid}:abc") is False, "another host's process cannot be told: wait"
+    assert holder_gone(None) is False and holder_gone("garbage") is False
