@@ -160,6 +160,11 @@ class Link(base.Task):
         if call is None:
             return self._stop()
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
+        if token is not None and chain_id is not None and call.workflow_id != chain_id:
+            # the effect was this attempt's, the chain no longer is the call's (run again meanwhile):
+            # what follows goes on under the call's current chain, whose own copy waits for the claim
+            self._stop()
+            signature(tool, tool_call_id, self.index + 1, call.workflow_id).apply_async()
         return None
 
     def _wait_for_claim(self, claimed_until: datetime | None) -> None:

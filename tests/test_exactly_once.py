@@ -197,3 +197,27 @@ def test_a_claim_is_known_abandoned_only_when_its_holder_process_on_this_host_is
         live.wait()
     assert holder_gone(f"another-host/1:{dead.pid}:abc") is False, "another host's process cannot be told: wait"
     assert holder_gone(None) is False and holder_gone("garbage") is False
+
+
+def test_a_run_again_of_a_call_whose_link_still_runs_sends_once_and_completes(worker, relay, task_log):  # noqa: F811
+    """The stuck-call sweep's run again of a committed call whose SENDING link is in fact still inside
+    its send: the new chain's SENDING finds the send claimed and does not act; the running link sends,
+    and what follows its send goes on under the call's current chain (the old chain's own next link
+    would stop at its gate)."""
+    call = make_call(callback_url=relay.url, parameters={"to": "again@example.com", "subject": "Run again"})
+    id_ = call.tool_call_id
+    actions.confirm(id_)
+    wait_status(id_, "PREPARED")
+    with outbox_row_held(id_):
+        actions.resume(id_)
+        wait_until(lambda: inserts_waiting() >= 1, "the SENDING link to wait inside its send")
+        before = row(id_).workflow_id
+        again = actions.redrive(chains.tools.TOOLS["send_email"], id_, older_than_s=0, max_redrives=3)
+        assert again is not None and again.workflow_id != before
+        task_log.wait_ran(id_, SEND + "SENDING", count=1)  # the new chain's copy: it found the claim
+        assert inserts_waiting() == 1, "the new chain's SENDING entered the send too"
+    done = wait_status(id_, timeout=20)
+    assert done.status == "COMPLETED" and outbox_rows(id_) == 1 and done.effect_attempts == 1
+    sending_events = [d for d in deliveries(id_, "progress") if d.payload["step"] == "SENDING"]
+    assert len(sending_events) == 1
+    assert [e["event"] for e in relay.events_for(id_)].count("completed") == 1
