@@ -58,8 +58,9 @@ class StepInput:
     parameters: Mapping[str, Any]
     outputs: Mapping[str, Any]
     caller: str = ""  # whose call: session context is the caller's own ('' for a call without one)
-    # a side-effect step only: an earlier attempt of this step may have acted (its claim had
-    # lapsed), so the step must find out what it did before acting again
+    # a side-effect step only: an earlier attempt of this step may have acted (it claimed the
+    # step before: its lease lapsed, its process died, or it failed in a way that is retried), so
+    # the step must find out what it did before acting again
     earlier_attempt: bool = False
 
 
