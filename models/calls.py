@@ -38,6 +38,9 @@ ACTION_LEVELS = ("read", "draft", "write")
 # the kind of request that recorded a call (migration 0008): an idempotent replay is the
 # same call only on the same kind (docs/promises.md, Idempotency)
 REQUEST_KINDS = ("pending", "execute")
+# whether a call's action happened (docs/promises.md, "Exactly once"): null while it is open
+DONE, NOT_DONE, UNCONFIRMED = "done", "not_done", "unconfirmed"
+OUTCOMES = (DONE, NOT_DONE, UNCONFIRMED)
 
 
 class Base(DeclarativeBase):
@@ -53,6 +56,7 @@ class ToolCall(Base):
         CheckConstraint("action_level IN ('read', 'draft', 'write')", name="valid_action_level"),
         CheckConstraint("progress >= 0 AND progress <= 1", name="valid_progress"),
         CheckConstraint("request_kind IN ('pending', 'execute')", name="valid_request_kind"),
+        CheckConstraint("outcome IS NULL OR outcome IN ('done', 'not_done', 'unconfirmed')", name="valid_outcome"),
         Index("idx_tool_calls_session", "session_id", text("created_at DESC")),
         Index("idx_tool_calls_status", "session_id", "status"),
         Index("idx_tool_calls_open_status", "status", "created_at",
@@ -92,6 +96,15 @@ class ToolCall(Base):
     # how often the stuck-call sweep ran a committed call's chain again (capped)
     redrives: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     event_seq: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # the side-effect step's claim (migration 0010): held until ``effect_claimed_until`` by the
+    # attempt whose token is ``effect_claimed_by``; ``effect_attempts`` claims of it so far
+    effect_claimed_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    effect_claimed_by: Mapped[str | None] = mapped_column(String(64))
+    effect_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # runs of the current step (the bound of its retries)
+    step_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # done, not_done or unconfirmed once the call has ended
+    outcome: Mapped[str | None] = mapped_column(String(12))
     caller: Mapped[str | None] = mapped_column(String(100))
     request_kind: Mapped[str] = mapped_column(String(10), nullable=False, server_default="pending")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())

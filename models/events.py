@@ -107,6 +107,7 @@ def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -
         "actions_available", actions, "result", moved.c.result,
         "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), text_param("ev_voice")),
         "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
+        "outcome", moved.c.outcome,  # done / not_done / unconfirmed once the call has ended, else null
     )
     if event == "checkpoint":  # the names a relay's /tool-checkpoint handler reads
         row = row.op("||")(func.jsonb_build_object("checkpoint", bindparam("ev_step", type_=String),

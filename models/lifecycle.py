@@ -19,6 +19,7 @@ context is ``models/session_context.py``'s.
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 from typing import Any, Callable, Iterable
 
 from sqlalchemy import (
@@ -27,6 +28,7 @@ from sqlalchemy import (
     Row,
     and_,
     bindparam,
+    case,
     cast,
     func,
     or_,
@@ -37,18 +39,21 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.orm import Session, object_session
 from sqlalchemy.sql.elements import BindParameter
-from sqlalchemy.types import Float, String, Text
+from sqlalchemy.types import Float, Interval, String, Text
 
 from models.calls import (
     CANCELLED,
     COMPLETED,
+    DONE,
     EXECUTING,
     EXPIRED,
     FAILED,
     MODIFIED,
+    NOT_DONE,
     PENDING,
     PREPARED,
     TERMINAL,
+    UNCONFIRMED,
     ToolCall,
 )
 from models.db import Executor
@@ -171,6 +176,9 @@ P_HISTORY = bindparam("p_history", type_=JSONB)
 P_RESULT = bindparam("p_result", type_=JSONB)
 P_VOICE = bindparam("p_voice", type_=Text)
 P_CONTEXT_KEY = bindparam("p_context_key", type_=String)
+P_CHAIN = bindparam("p_chain", type_=String)
+P_TOKEN = bindparam("p_token", type_=String)
+P_LEASE = bindparam("p_lease", type_=Interval)
 _BUILT: dict[tuple[Any, ...], Any] = {}
 
 
@@ -399,13 +407,6 @@ def unconfirm(s: Session, tool_call_id: str, reason: str = "Queue unavailable") 
     )
 
 
-def set_workflow_id(s: Session, tool_call_id: str, workflow_id: str) -> None:
-    s.execute(
-        update(ToolCall).where(ToolCall.tool_call_id == tool_call_id).values(workflow_id=workflow_id)
-        .execution_options(synchronize_session=False)
-    )
-
-
 def cancel(s: Session, tool_call_id: str, reason: str | None = None, caller: str | None = None) -> ToolCall:
     """Cancel while the point of no return has not been passed.
 
@@ -416,7 +417,7 @@ def cancel(s: Session, tool_call_id: str, reason: str | None = None, caller: str
     row = _transition(
         s, tool_call_id, from_statuses=CANCELLABLE, to_status=CANCELLED, reason=reason,
         extra_where=[ToolCall.committed_at.is_(None), *_owned_by(caller)],
-        completed_at=func.now(), error_message=reason,
+        completed_at=func.now(), error_message=reason, outcome=NOT_DONE,
     )
     if row is None:
         raise _refuse(s, tool_call_id, "cancel", caller)
@@ -433,24 +434,70 @@ def set_voice_response(s: Session, tool_call_id: str, voice_response: str) -> To
 
 # -- during execution (the chain's links) ---------------------------------------
 
-def begin_step(s: Executor, tool_call_id: str, step: str, progress: float,
-               commit: bool = False) -> Row[Any] | None:
-    """Gate and claim a step: the call must still be EXECUTING. None means stop.
+def _claim_free() -> ColumnElement[bool]:
+    """The side effect ``P_STEP`` may be claimed: not recorded done, and no live claim on it."""
+    return and_(~ToolCall.step_outputs.has_key(P_STEP),
+                or_(ToolCall.effect_claimed_until.is_(None), ToolCall.effect_claimed_until < func.now()))
+
+
+def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commit: bool = False,
+               chain: str | None = None, token: str | None = None, lease_s: float = 0.0) -> Row[Any] | None:
+    """Gate a step: the call must still be EXECUTING, and, given its ``chain``, that chain must be the
+    call's (``workflow_id``): a stale chain stops here. None means stop. Counts the runs of the step
+    (``step_attempts``).
 
     ``commit``: the step has a side effect, and this same statement (the one that checks
-    the call is EXECUTING) passes the point of no return, as :func:`commit_point` does.
+    the call is EXECUTING) passes the point of no return, as :func:`commit_point` does, and
+    claims the effect for ``token`` for ``lease_s`` seconds unless it is recorded done or
+    another attempt holds a live claim: the caller holds the claim when the returned row's
+    ``effect_claimed_by`` is its ``token``; ``effect_attempts`` counts the claims (more than
+    one: an earlier attempt may have acted).
     """
     def make() -> Any:
-        values: dict[str, Any] = {"committed_at": func.coalesce(ToolCall.committed_at, func.now())} if commit else {}
+        values: dict[str, Any] = {}
+        if commit:
+            take = _claim_free()
+            values = {
+                "committed_at": func.coalesce(ToolCall.committed_at, func.now()),
+                "effect_claimed_until": case((take, func.now() + P_LEASE), else_=ToolCall.effect_claimed_until),
+                "effect_claimed_by": case((take, P_TOKEN), else_=ToolCall.effect_claimed_by),
+                "effect_attempts": case((take, ToolCall.effect_attempts + 1), else_=ToolCall.effect_attempts),
+            }
+        fence = [ToolCall.workflow_id == P_CHAIN] if chain is not None else []
         return _cas(
-            P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
+            P_ID, from_statuses=(EXECUTING,), to_status=None, history=[], extra_where=fence,
             current_step=P_STEP, progress=P_PROGRESS,
             executed_at=func.coalesce(ToolCall.executed_at, func.now()), step_started_at=func.now(),
-            attempts=ToolCall.attempts + 1, **values,
+            attempts=ToolCall.attempts + 1,
+            step_attempts=case((ToolCall.current_step == P_STEP, ToolCall.step_attempts + 1), else_=1),
+            **values,
         )
 
-    return _transition_row(s, ("begin_step", commit),
-                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress}, make)
+    params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_chain": chain, "p_token": token,
+              "p_lease": timedelta(seconds=lease_s)}
+    return _transition_row(s, ("begin_step", commit, chain is not None), params, make)
+
+
+def take_over_claim(s: Executor, tool_call_id: str, step: str, held_by: str, token: str,
+                    lease_s: float) -> Row[Any] | None:
+    """Claim the side effect ``step`` for ``token`` from ``held_by``, an attempt known to have died
+    (its process is gone) before its lease ended; None if the claim changed hands meanwhile, the
+    step was recorded or the call is no longer EXECUTING. Counted as a claim: the new attempt
+    knows an earlier one may have acted."""
+    return s.execute(
+        update(CALLS).where(CALLS.c.tool_call_id == tool_call_id, CALLS.c.status == EXECUTING,
+                            CALLS.c.effect_claimed_by == held_by, ~CALLS.c.step_outputs.has_key(step))
+        .values(effect_claimed_by=token, effect_claimed_until=func.now() + timedelta(seconds=lease_s),
+                effect_attempts=CALLS.c.effect_attempts + 1)
+        .returning(*CALLS.c)
+    ).one_or_none()
+
+
+def release_claim(s: Executor, tool_call_id: str, token: str) -> None:
+    """Give up the side effect's claim held by ``token`` (its attempt failed and will be retried:
+    the retry claims it again, knowing an earlier attempt may have acted)."""
+    s.execute(update(CALLS).where(CALLS.c.tool_call_id == tool_call_id, CALLS.c.effect_claimed_by == token)
+              .values(effect_claimed_until=None))
 
 
 def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
@@ -473,15 +520,26 @@ _WITH_OUTPUT = ToolCall.step_outputs.op("||")(func.jsonb_build_object(P_STEP, P_
 
 
 def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress: float,
-                event: Event | None = None) -> Row[Any] | None:
+                event: Event | None = None, chain: str | None = None, token: str | None = None) -> Row[Any] | None:
     """Store a finished step's output (so a redelivery skips it) and its progress;
-    with ``event``, its callback event in the same statement (see :func:`_transition_row`)."""
-    def make() -> Any:
-        return _cas(P_ID, from_statuses=(EXECUTING,), to_status=None, history=[],
-                    current_step=P_STEP, progress=P_PROGRESS, step_outputs=_WITH_OUTPUT)
+    with ``event``, its callback event in the same statement (see :func:`_transition_row`).
 
-    return _transition_row(s, ("record_step",),
-                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output},
+    ``token``: a side effect's, recorded only by the attempt that holds its claim, which the
+    same statement releases; else ``chain``: only while that chain is the call's."""
+    def make() -> Any:
+        values: dict[str, Any] = {}
+        fence: list[ColumnElement[bool]] = []
+        if token is not None:
+            fence = [ToolCall.effect_claimed_by == P_TOKEN]
+            values = {"effect_claimed_until": None}
+        elif chain is not None:
+            fence = [ToolCall.workflow_id == P_CHAIN]
+        return _cas(P_ID, from_statuses=(EXECUTING,), to_status=None, history=[], extra_where=fence,
+                    current_step=P_STEP, progress=P_PROGRESS, step_outputs=_WITH_OUTPUT, **values)
+
+    return _transition_row(s, ("record_step", token is not None, chain is not None),
+                           {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
+                            "p_chain": chain, "p_token": token},
                            make, event)
 
 
@@ -513,15 +571,19 @@ def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=PREPARED, reason=reason,
         extra_where=[ToolCall.current_step.is_not_distinct_from(step), ToolCall.committed_at.is_(None)],
+        workflow_id=None,  # the chain that was sent (if it was) is no longer the call's: it stops at its gate
     )
 
 
-def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", caller: str | None = None) -> ToolCall:
+def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", caller: str | None = None,
+           workflow_id: str | None = None) -> ToolCall:
     """PREPARED → EXECUTING at the checkpoint. ``caller``: only that caller's call (another's is
-    :class:`models.queries.NotFound`, checked by the same statement)."""
+    :class:`models.queries.NotFound`, checked by the same statement); ``workflow_id``: the id the
+    rest of the chain will be sent with, recorded now (only that chain passes a gate)."""
+    values = {"workflow_id": workflow_id} if workflow_id else {}
     row = _transition(
         s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, reason=reason,
-        extra_where=_owned_by(caller), resumed_at=func.now(),
+        extra_where=_owned_by(caller), resumed_at=func.now(), **values,
     )
     if row is None:
         raise _refuse(s, tool_call_id, "resume", caller)
@@ -535,7 +597,7 @@ def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_respo
         extra = {"context_key": P_CONTEXT_KEY} if context_key else {}
         return _cas(
             P_ID, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
-            result=P_RESULT, voice_response=P_VOICE, completed_at=func.now(), progress=1.0, **extra,
+            result=P_RESULT, voice_response=P_VOICE, completed_at=func.now(), progress=1.0, outcome=DONE, **extra,
             current_step=COMPLETED,
             execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
         )
@@ -546,15 +608,16 @@ def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_respo
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
          from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False,
-         at_step: str | None = None) -> ToolCall | None:
+         at_step: str | None = None, outcome: str = NOT_DONE) -> ToolCall | None:
     """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed;
-    ``at_step``: only if the call is still at that step."""
+    ``at_step``: only if the call is still at that step; ``outcome``: whether its action
+    happened (``not_done``, ``unconfirmed``, or ``done`` when a step after it failed)."""
     where = [ToolCall.committed_at.is_(None)] if uncommitted_only else []
     if at_step is not None:
         where.append(ToolCall.current_step == at_step)
     return _transition(
         s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
-        extra_where=where,
+        extra_where=where, outcome=outcome,
         error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )
@@ -567,14 +630,15 @@ def expire(s: Session, tool_call_id: str, *, pending_ttl_s: int, prepared_ttl_s:
     return _transition(
         s, tool_call_id, from_statuses=(PENDING, PREPARED), to_status=EXPIRED, reason=EXPIRED_REASON,
         extra_where=[stale_where(pending_ttl_s, prepared_ttl_s)],
-        completed_at=func.now(), error_message=EXPIRED_REASON,
+        completed_at=func.now(), error_message=EXPIRED_REASON, outcome=NOT_DONE,
     )
 
 
 REDRIVEN_REASON = "Run again: its worker stopped after the point of no return"
 
 
-def redrive(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
+def redrive(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
+            workflow_id: str | None = None) -> ToolCall | None:
     """Claim a stuck call past its point of no return for one more run of its chain.
 
     Its side effect carries an idempotency key, so running the rest again finishes
@@ -582,13 +646,17 @@ def redrive(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int)
     something that may have been done. ``resumed_at`` becomes the new sign of life,
     so the sweep claims it again only after another quiet period. At most
     ``max_redrives`` times: a chain that keeps dying is given up (:func:`give_up`).
+    ``workflow_id``: the id the chain will be sent again with, recorded now: the chain that
+    was running, if it still is, stops at its next gate (its side effect is claimed: a new
+    attempt waits for a live claim).
     """
+    values = {"workflow_id": workflow_id} if workflow_id else {}
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=None,
         history=[_entry(EXECUTING, REDRIVEN_REASON)],
         extra_where=[ToolCall.committed_at.is_not(None), quiet_for(older_than_s),
                      ToolCall.redrives < max_redrives],
-        resumed_at=func.now(), redrives=ToolCall.redrives + 1,
+        resumed_at=func.now(), redrives=ToolCall.redrives + 1, **values,
     )
 
 
@@ -603,6 +671,6 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=FAILED, reason=error_message[:200],
         extra_where=[ToolCall.committed_at.is_not(None), quiet_for(older_than_s),
                      ToolCall.redrives >= max_redrives],
-        error_message=error_message, voice_response=voice_response, completed_at=func.now(),
+        outcome=UNCONFIRMED, error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )

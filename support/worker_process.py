@@ -126,11 +126,12 @@ class WorkerProcess:
 
     def wait_active(self, task_name: str, args: list[Any], *, not_pid: int | None = None,
                     timeout: float = 60.0) -> dict[str, Any]:
-        """Block until this worker runs ``task_name(*args)`` (in a child other than ``not_pid``)."""
+        """Block until this worker runs ``task_name`` with ``args`` as its first arguments (a link's are
+        the call's id, then its chain's), in a child other than ``not_pid``."""
         deadline = time.monotonic() + timeout
         while True:
             for request in self.active():
-                if request["name"] == task_name and list(request["args"]) == list(args) \
+                if request["name"] == task_name and list(request["args"])[:len(args)] == list(args) \
                         and request.get("worker_pid") and request["worker_pid"] != not_pid:
                     return request
             if time.monotonic() > deadline:

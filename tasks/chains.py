@@ -5,9 +5,13 @@ Every step of every tool is a task named ``tools.<name>.<step>`` on queue
 written once, in :class:`Link`:
 
 1. gate and claim: one conditional UPDATE that only applies while the call is
-   EXECUTING; if it does not apply (cancelled, expired, failed) the chain stops
-   quietly (the transition that ended the call already recorded its event); for a
-   side-effect step the same statement passes the point of no return (``committed_at``);
+   EXECUTING and the link's chain (its second argument, the ``workflow_id`` recorded before
+   the chain was sent) is the call's; if it does not apply (cancelled, expired, failed, a
+   stale chain) the chain stops quietly (the transition that ended the call already
+   recorded its event); for a side-effect step the same statement passes the point of no
+   return (``committed_at``) and claims the effect for this attempt with a lease as long as
+   the link's hard time limit: a copy that finds a live claim runs again when it ends,
+   without acting (docs/promises.md, "Exactly once");
 2. skip a step whose output is already recorded (a redelivered link);
 3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
 4. run the step, then record its output and progress together with its callback row
@@ -17,23 +21,29 @@ A link makes one database round trip before its step and one after (each a singl
 statement in its own transaction, Core rows); the posted callback's outcome is
 recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
-Transient errors retry with backoff (Celery's retry); permanent ones fail the call.
+Transient errors retry with backoff (Celery's retry), counted in the database
+(``step_attempts``, ``effect_attempts``) so the bound holds even when the broker refuses the
+retry's publish; permanent ones fail the call. A side effect's failure is "not done" only when
+no earlier attempt of it can have acted; otherwise its outcome is unconfirmed.
 """
 from __future__ import annotations
 
 import logging
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import chain
-from celery.exceptions import MaxRetriesExceededError, Reject, SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded, TimeLimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 
 from models import logs
 from celeryconfig import queue
 from models import db, events, lifecycle, queries
-from models.calls import ToolCall
+from models.calls import NOT_DONE, UNCONFIRMED, ToolCall
 from tasks import base, tools
+from tasks.effect_claims import claim_token, holder_gone
 import backends
 from tasks.delivery import attempts
 from tasks.delivery.events import record
@@ -46,6 +56,22 @@ log = logging.getLogger(__name__)
 
 class BrokerUnavailable(Exception):
     """The chain could not be enqueued; the call was put back to PENDING."""
+
+
+# A refused publish hands the message back after at most this wait (its run's backoff).
+REQUEUE_WAIT_S = 10.0
+# Celery's own retry bound is not the one that counts: the runs recorded on the call are.
+RETRIES_UNBOUNDED_HERE = 10_000
+
+
+class Attempt:
+    """What a run of a link is: its chain, its claim on the side effect (None for other steps),
+    and how many runs of this step (or claims of its effect) the call has counted, this one included."""
+
+    __slots__ = ("chain", "token", "runs")
+
+    def __init__(self, chain: str | None, token: str | None, runs: int):
+        self.chain, self.token, self.runs = chain, token, runs
 
 
 class Link(base.Task):
@@ -70,23 +96,36 @@ class Link(base.Task):
     def ran(self, seconds: float) -> None:
         metrics.step_ran(self.tool.name, self.step.name, seconds)
 
-    def drive(self, tool_call_id: str) -> None:  # noqa: C901  (the one place the steps are driven)
+    def drive(self, tool_call_id: str, chain_id: str | None = None) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
         progress = self.index / len(tool.steps)
         commit = step.side_effect and not step.checkpoint
+        token = claim_token() if commit else None  # this attempt's claim on the side effect
         # only a side effect's gate must be on disk before the step runs (a lost claim of another
         # step is redone by the redelivered link): the others skip the WAL flush (models/db.py)
         with db.statement(durable=commit) as s:
-            # a side effect's point of no return is passed by the statement that checks EXECUTING
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=commit)
+            # a side effect's point of no return is passed, and its claim taken, by the statement
+            # that checks EXECUTING and the chain
+            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=commit, chain=chain_id,
+                                        token=token, lease_s=tool.time_limit + 10)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:
             # Redelivered after this step was recorded: do not redo it. A checkpoint
             # that was already passed must not start the rest of the chain twice.
             return self._stop() if step.checkpoint else None
+        if commit and call.effect_claimed_by != token:  # another attempt holds a live claim
+            if holder_gone(call.effect_claimed_by):  # ... but its process was killed: this copy goes on
+                with db.statement(durable=True) as s:
+                    taken = lifecycle.take_over_claim(s, tool_call_id, step.name, call.effect_claimed_by, token,
+                                                      tool.time_limit + 10)
+                call = taken or call
+            if call.effect_claimed_by != token:
+                return self._wait_for_claim(call.effect_claimed_until)
+        earlier = bool(commit and call.effect_attempts > 1)
         given = StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs,
-                          call.caller or "")
+                          call.caller or "", earlier_attempt=earlier)
+        attempt = Attempt(chain_id, token, call.effect_attempts if commit else call.step_attempts)
 
         if step.checkpoint:
             return self._checkpoint(given, progress)
@@ -94,14 +133,17 @@ class Link(base.Task):
         try:
             output = step.run(given) if step.run else None
         except TransientError as exc:
-            return self._retry_or_fail(tool_call_id, given, exc)
+            return self._retry_or_fail(tool_call_id, given, exc, attempt)
         except SoftTimeLimitExceeded:
-            return self._retry_or_fail(tool_call_id, given, TransientError(f"step {step.name} timed out"))
+            return self._retry_or_fail(tool_call_id, given, TransientError(f"step {step.name} timed out"), attempt)
+        except backends.Unconfirmed as exc:  # the service's answers leave the effect unknown
+            return self._fail(tool_call_id, given, str(exc).rstrip("."), unconfirmed=True)
         except (PermanentError, backends.Refused) as exc:  # the service (or the step) said no
-            return self._fail(tool_call_id, given, str(exc).rstrip("."), refused=True)
+            # "not done" only if no earlier attempt of a side effect can have acted
+            return self._fail(tool_call_id, given, str(exc).rstrip("."), refused=not given.earlier_attempt)
         except Exception as exc:  # classify it; an unforeseen error fails the call, never leaves it hanging
             if tools.is_transient(exc):
-                return self._retry_or_fail(tool_call_id, given, exc)
+                return self._retry_or_fail(tool_call_id, given, exc, attempt)
             log.exception("step %s of %s failed", step.name, tool_call_id)
             return self._fail(tool_call_id, given, f"Unexpected error in {step.name}: {type(exc).__name__}")
 
@@ -113,11 +155,28 @@ class Link(base.Task):
                                 message=tool.say(step.message, given.parameters), cancellable=cancellable,
                                 inline=True)
         with db.statement() as s:
-            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event)
+            call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event,
+                                         chain=chain_id, token=token)
         if call is None:
             return self._stop()
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
+        if token is not None and chain_id is not None and call.workflow_id != chain_id:
+            # the effect was this attempt's, the chain no longer is the call's (run again meanwhile):
+            # what follows goes on under the call's current chain, whose own copy waits for the claim
+            self._stop()
+            signature(tool, tool_call_id, self.index + 1, call.workflow_id).apply_async()
         return None
+
+    def _wait_for_claim(self, claimed_until: datetime | None) -> None:
+        """Another attempt of this side effect holds a live claim: run this copy again when the claim
+        ends, without acting now. The copy is the same message (same retries): waiting is not a failure."""
+        left = (claimed_until - datetime.now(timezone.utc)).total_seconds() if claimed_until else 0.0
+        countdown = max(1.0, left + 1.0)
+        log.info("%s[%s]: the side effect is claimed by another attempt; runs again in %.0f s",
+                 self.name, self.request.id, countdown)
+        again = self.signature_from_request(self.request, countdown=countdown, retries=self.request.retries)
+        self._publish_or_requeue(again.apply_async, countdown)
+        raise Retry(when=countdown, sig=again)
 
     # -- the posted callbacks' outcomes, recorded once the next link is sent ------------
 
@@ -166,8 +225,10 @@ class Link(base.Task):
             with db.session() as s:
                 call = queries.get(s, tool_call_id)  # what it had done, for the sentence
             sentence = self.tool.failure_sentence(self.step, call.step_outputs, refused=False)
+            outcome = self.tool.failure_outcome(self.step, call.step_outputs, refused=False)
             fail_call(self.tool, tool_call_id, error, call.parameters, step=self.step.name, gate=self.index + 1,
-                      sentence=sentence, only_at_step=True)  # the statement checks EXECUTING at this step
+                      sentence=sentence, outcome=outcome,
+                      only_at_step=True)  # the statement checks EXECUTING at this step
         except Exception:  # the database may be what failed: the stuck-call sweep is the backstop
             log.exception("could not record the failure of %s at %s", tool_call_id, self.step.name)
 
@@ -210,10 +271,15 @@ class Link(base.Task):
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
         return None
 
-    def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False) -> None:
-        sentence = self.tool.failure_sentence(self.step, given.outputs, refused)
+    def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False,
+              unconfirmed: bool = False) -> None:
+        if unconfirmed:
+            sentence, outcome = self.tool.unconfirmed_response, UNCONFIRMED
+        else:
+            sentence = self.tool.failure_sentence(self.step, given.outputs, refused)
+            outcome = self.tool.failure_outcome(self.step, given.outputs, refused)
         fail_call(self.tool, tool_call_id, error, given.parameters, step=self.step.name, gate=self.index + 1,
-                  sentence=sentence)
+                  sentence=sentence, outcome=outcome)
         return self._stop()
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
@@ -233,24 +299,59 @@ class Link(base.Task):
         except Reject as rejected:
             if rejected.requeue:
                 raise
-            log.warning("%s[%s]: the retry could not be published (%s); the message goes back to the broker",
-                        self.name, self.request.id, rejected.reason)
-            raise Reject(rejected.reason, requeue=True) from rejected
+            self._requeue(rejected.reason, kwargs.get("countdown") or 1)
 
-    def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception) -> None:
+    def _publish_or_requeue(self, publish: Any, countdown: float) -> None:
         try:
-            raise self.retry(exc=exc, countdown=min(2 ** self.request.retries, 30), max_retries=self.tool.max_retries)
-        except MaxRetriesExceededError:
-            return self._fail(tool_call_id, given, f"{exc} (gave up after {self.request.retries} retries)")
-        except Exception as reraised:  # Celery re-raises exc itself when max_retries is exceeded
-            if reraised is not exc:
-                raise
-            return self._fail(tool_call_id, given, f"{exc} (gave up after {self.request.retries} retries)")
+            publish()
+        except Exception as exc:
+            self._requeue(exc, countdown)
+
+    def _requeue(self, reason: Any, countdown: float) -> None:
+        """The broker refused the publish of this link's next run: hand the running message back
+        instead (it runs again once the broker takes it), after waiting out the run's backoff (at
+        most :data:`REQUEUE_WAIT_S`), so a broker that keeps refusing is never a hot loop. The
+        runs are counted in the database: the call fails past its tool's bound."""
+        wait = min(float(countdown), REQUEUE_WAIT_S)
+        log.warning("%s[%s]: the retry could not be published (%s: %s); the message goes back to the broker "
+                    "in %.0f s", self.name, self.request.id, type(reason).__name__, str(reason)[:200], wait)
+        time.sleep(wait)
+        raise Reject(str(reason)[:200], requeue=True) from None
+
+    def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception, attempt: Attempt) -> None:
+        """Retry the step with backoff, or fail the call once its runs (counted in the database:
+        ``attempt.runs``) exceed the tool's ``max_retries``."""
+        retries = attempt.runs - 1
+        if retries >= self.tool.max_retries:  # the call's one traceback of these runs
+            log.warning("%s of %s gave up after %d retries", self.step.name, tool_call_id, retries, exc_info=exc)
+            return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)")
+        if attempt.token is not None:  # the retry claims the effect again, knowing this attempt may have acted
+            with db.statement() as s:
+                lifecycle.release_claim(s, tool_call_id, attempt.token)
+        raise self.retry(exc=exc, countdown=min(2 ** retries, 30), max_retries=RETRIES_UNBOUNDED_HERE)
 
 
-def _run_link(self: Link, tool_call_id: str) -> None:
+class _NoTracebackOnRequeue(logging.Filter):
+    """Celery logs every rejected run with its traceback: a link handed back because the broker
+    refused its retry logs one line per run (:meth:`Link._requeue`), and its call one traceback,
+    when it gives up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        name = str((getattr(record, "data", None) or {}).get("name", ""))
+        if isinstance(exc, Reject) and exc.requeue and name.startswith("tools."):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("celery.app.trace").addFilter(_NoTracebackOnRequeue())
+
+
+def _run_link(self: Link, tool_call_id: str, chain_id: str | None = None) -> None:
+    """A link's run: ``chain_id`` is its chain's (a message sent without one, by an older deploy,
+    passes the gate of any chain of its call)."""
     try:
-        return self.drive(tool_call_id)
+        return self.drive(tool_call_id, chain_id)
     except BaseException:  # a retry or an error: Celery may not call after_return; record now
         self._run_after()
         raise
@@ -314,9 +415,11 @@ LINKS = _register_links()
 NEXT_LINK_RETRY = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5, "interval_max": 2}
 
 
-def signature(tool: Tool, tool_call_id: str, start: int = 0):
-    """The chain of the tool's links from step ``start``, as immutable signatures."""
-    return chain(*(link.si(tool_call_id).set(retry_policy=NEXT_LINK_RETRY) for link in LINKS[tool.name][start:]))
+def signature(tool: Tool, tool_call_id: str, start: int = 0, chain_id: str | None = None):
+    """The chain of the tool's links from step ``start``, as immutable signatures, each carrying
+    ``chain_id`` (the call's ``workflow_id`` for this chain) after the call's id."""
+    args = (tool_call_id,) if chain_id is None else (tool_call_id, chain_id)
+    return chain(*(link.si(*args).set(retry_policy=NEXT_LINK_RETRY) for link in LINKS[tool.name][start:]))
 
 
 # The faces enqueue while a caller waits on the line: one quick reconnect, then the
@@ -326,20 +429,17 @@ def signature(tool: Tool, tool_call_id: str, start: int = 0):
 QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 
 
-def enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -> str:
-    """Send the chain; its id (the last link's task id) is recorded as the call's ``workflow_id``,
-    unless it was given (``workflow_id``: recorded already, by the transition that started the call)."""
+def enqueue(tool: Tool, call: Any, start: int, workflow_id: str) -> str:
+    """Send the chain from step ``start``: ``workflow_id`` (recorded already, by the transition that
+    started the call) is its id and every link's second argument: only that chain passes a gate."""
     try:
         with logs.bound(tool_call_id=call.tool_call_id, session_id=call.session_id), \
                 app.producer_or_acquire() as producer:  # the links' messages carry the call (tasks/worker/log_context.py)
             producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
-            result = signature(tool, call.tool_call_id, start).apply_async(
+            result = signature(tool, call.tool_call_id, start, workflow_id).apply_async(
                 producer=producer, retry=True, retry_policy=QUICK_RETRY, task_id=workflow_id)
     except (KombuOperationalError, RedisError, OSError) as exc:
         raise BrokerUnavailable(str(exc)) from exc
-    if workflow_id is None:
-        with db.session() as s:
-            lifecycle.set_workflow_id(s, call.tool_call_id, result.id)
     return result.id
 
 
@@ -348,12 +448,13 @@ def enqueue(tool: Tool, call: Any, start: int, workflow_id: str | None = None) -
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
               uncommitted_only: bool = False, sentence: Message | None = None,
-              only_at_step: bool = False) -> ToolCall | None:
+              only_at_step: bool = False, outcome: str = NOT_DONE) -> ToolCall | None:
     voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
                      error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
         call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
-                              uncommitted_only=uncommitted_only, at_step=step if only_at_step else None)
+                              uncommitted_only=uncommitted_only, at_step=step if only_at_step else None,
+                              outcome=outcome)
         if call is None:
             return None
         delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)

@@ -12,6 +12,7 @@ returns a :class:`Verdict` whose ``problems`` must be empty:
 - side effects == COMPLETED write calls, exactly once: one ``email_outbox`` row (the
   local email backend) for each COMPLETED ``send_email`` call, none for any other;
 - no call is CANCELLED with ``committed_at`` set;
+- every ended call says its outcome (done, not_done, unconfirmed), no open call does;
 - what the API answered agrees with the rows: a call whose cancel answered 200 is
   CANCELLED (``answered_cancelled``);
 - with a relay: every callback row was delivered, the relay received every event_id
@@ -128,6 +129,8 @@ def check(relay: Any = None, *, once_at_relay: bool = False,
         problems.extend(history_problems(call))
         if call.status == CANCELLED and call.committed_at is not None:
             problems.append(f"CANCELLED with committed_at {call.committed_at}: {where}")
+        if (call.outcome is None) == (call.status in TERMINAL):  # docs/promises.md, "Exactly once"
+            problems.append(f"outcome {call.outcome!r} for a call {call.status}: {where}")
         sent = outbox.get(call.tool_call_id, 0)
         if call.function_name == "send_email" and call.status == COMPLETED:
             if sent != 1:

@@ -97,7 +97,7 @@ def test_the_real_cli_in_its_own_process_lists_and_counts():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     header, rule, line = done.stdout.splitlines()[:3]
-    assert header.split()[:4] == ["ID", "TOOL", "STATUS", "STEP"] and set(rule) <= {"-", " "}
+    assert header.split()[:4] == ["ID", "TOOL", "STATUS", "OUTCOME"] and set(rule) <= {"-", " "}
     assert line.split()[:3] == [call.tool_call_id, "send_email", "PENDING"]
     done = subprocess.run([*prefix, "-A", "tasks", "calls", "stats", "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
@@ -127,13 +127,16 @@ def test_list_filters_by_status_session_tool_since_and_limit():
     assert cli_json("calls", "list", "--since", later) == []
     listed = cli_json("calls", "list", "--status", "CANCELLED")[0]
     assert listed["error_message"] == "Changed my mind" and listed["status_history"][-1]["status"] == "CANCELLED"
+    assert listed["outcome"] == "not_done"
 
     table = cli("calls", "list", "--session", "sess_a")
     assert table.exit_code == 0
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["ID", "TOOL", "STATUS", "STEP", "SESSION", "CREATED", "(UTC)", "MS", "CALLER"]
-    assert [line.split()[:3] for line in lines[2:]] == [[cancelled.tool_call_id, "send_email", "CANCELLED"],
-                                                       [first.tool_call_id, "send_email", "PENDING"]]
+    assert lines[0].split() == ["ID", "TOOL", "STATUS", "OUTCOME", "STEP", "SESSION", "CREATED", "(UTC)", "MS",
+                                "CALLER"]
+    assert [line.split()[:4] for line in lines[2:]] == [
+        [cancelled.tool_call_id, "send_email", "CANCELLED", "not_done"],
+        [first.tool_call_id, "send_email", "PENDING", "-"]]  # an open call has no outcome yet
     assert cli("calls", "list", "--session", "nobody").stdout == "No calls match.\n"
 
 
@@ -182,6 +185,7 @@ def test_show_prints_both_histories_step_outputs_and_every_callback_attempt(clie
     for heading in ("Status history", "Parameter changes", "Step outputs", "Result", "Callbacks", "Callback attempts"):
         assert f"\n{heading}\n" in out, heading
     assert out.count(" MODIFIED ") == 1 and "Q3 numbers" in out
+    assert shown["outcome"] == "done" and any(line.split() == ["outcome", "done"] for line in out.splitlines())
     attempt_lines = out.split("\nCallback attempts\n")[1].splitlines()[2:]
     assert len(attempt_lines) == len(sent) and all(" 200 " in line for line in attempt_lines)
 

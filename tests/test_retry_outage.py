@@ -5,8 +5,11 @@ a new message (with a countdown) and the running one is then acknowledged. When 
 publish fails (the broker is down for the publishing side), Celery's own answer is
 ``Reject(requeue=False)``: the message is dropped, the chain is gone and the call sat
 EXECUTING until the stuck-call sweep failed it as "worker stopped". The link now
-hands its message back to the broker instead (``Reject(requeue=True)``), so the link
-is delivered again and runs again once the broker takes publishes again.
+hands its message back to the broker instead (``Reject(requeue=True)``), after waiting out
+its backoff, so the link is delivered again and runs again once the broker takes publishes
+again. The runs are counted on the call (not in the message, whose retry counter a requeue
+leaves unchanged): a broker that keeps refusing ends the call FAILED past the tool's
+``max_retries``, never an endless loop of runs calling the service.
 
 (1) the publish fails while deliveries go on. The in-process test worker keeps its consumer connection to
 the real Redis (deliveries, acknowledgements and requeues go on), while the app's
@@ -26,6 +29,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +97,38 @@ def test_a_retry_the_broker_cannot_take_keeps_the_link_and_the_call_completes(re
     fetches = {r.state for r in task_log.ran_for(call.tool_call_id, "tools.outage_retry.FETCH")}
     assert "REJECTED" in fetches and "FAILURE" not in fetches, fetches
     assert [e["event"] for e in relay.events_for(call.tool_call_id)] == ["progress", "completed"]
+
+
+def test_a_retry_the_broker_keeps_refusing_stops_at_the_tools_bound(register, relay, task_log, caplog):
+    """The broker refuses every publish and never comes back within the test: each run waits out its
+    backoff before its message goes back, the runs are counted on the call, and past the tool's
+    ``max_retries`` the call ends FAILED, saying so once (one failed event, one traceback at most)."""
+    step = FlakyDuringOutage()
+    tool = register(make_tool("outage_bound", (Step("FETCH", run=step), Step("COMPLETED")), max_retries=2))
+    call = make_call(tool.name, {"what": "lookup"}, callback_url=relay.url)
+    actions.confirm(call.tool_call_id)
+    assert step.entered.wait(15)
+
+    down = BrokerDown(app)
+    try:
+        step.outage.set()
+        started = time.monotonic()
+        step.release.set()
+        failed = relay.wait_for(call.tool_call_id, "failed", timeout=30)
+        elapsed = time.monotonic() - started
+        time.sleep(2)  # no run after the call failed
+    finally:
+        down.restore()
+    done = row(call.tool_call_id)
+    assert done.status == "FAILED" and done.error_message == "HTTP 503 from the service (gave up after 2 retries)"
+    assert done.voice_response == failed["voice_response"] == (
+        "The lookup did not happen: HTTP 503 from the service (gave up after 2 retries).")
+    assert done.outcome == failed["outcome"] == "not_done"
+    assert step.runs == 3, f"the step ran {step.runs} times against max_retries 2"
+    assert elapsed >= 1 + 2, "each refused retry waited out its backoff (1 s, then 2 s)"
+    assert [e["event"] for e in relay.events_for(call.tool_call_id)] == ["failed"]
+    tracebacks = [r for r in caplog.records if r.exc_info and call.tool_call_id in str(getattr(r, "tool_call_id", ""))]
+    assert len(tracebacks) <= 1, [r.getMessage() for r in tracebacks]
 
 
 # -- (2) a real broker outage ---------------------------------------------------------------------

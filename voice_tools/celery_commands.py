@@ -163,9 +163,9 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
         click.echo("No calls match.")
         return
     click.echo(_table(
-        [[c.tool_call_id, c.function_name, c.status, c.current_step, c.session_id, _when(c.created_at),
+        [[c.tool_call_id, c.function_name, c.status, c.outcome, c.current_step, c.session_id, _when(c.created_at),
           c.execution_time_ms, c.caller] for c in found],
-        ["ID", "TOOL", "STATUS", "STEP", "SESSION", "CREATED (UTC)", "MS", "CALLER"],
+        ["ID", "TOOL", "STATUS", "OUTCOME", "STEP", "SESSION", "CREATED (UTC)", "MS", "CALLER"],
     ))
 
 
@@ -202,12 +202,13 @@ def _show(call: Any, sent: list[Any]) -> None:
     echo = click.echo
     echo(_table([
         ["tool_call_id", call.tool_call_id], ["tool", f"{call.function_name} ({call.action_level})"],
-        ["status", call.status], ["step", call.current_step], ["progress", f"{call.progress:.0%}"],
+        ["status", call.status], ["outcome", call.outcome], ["step", call.current_step], ["progress", f"{call.progress:.0%}"],
         ["session", call.session_id], ["intent", call.intent_id], ["caller", call.caller],
         ["created", _when(call.created_at)], ["confirmed", _when(call.confirmed_at)],
         ["prepared", _when(call.prepared_at)], ["committed", _when(call.committed_at)],
         ["completed", _when(call.completed_at)], ["execution_time_ms", call.execution_time_ms],
-        ["attempts / redrives", f"{call.attempts} / {call.redrives}"], ["workflow", call.workflow_id],
+        ["attempts / redrives", f"{call.attempts} / {call.redrives}"],
+        ["effect claims", call.effect_attempts], ["workflow", call.workflow_id],
         ["callback_url", call.callback_url],
         *([["callback_urls", _text(call.callback_urls, 200)]] if call.callback_urls else []),
         ["error", call.error_message], ["voice_response", call.voice_response],

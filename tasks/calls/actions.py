@@ -90,13 +90,15 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
 
 
 def resume(tool_call_id: str, caller: str | None = None) -> Started:
-    """PREPARED → EXECUTING and enqueue the links after the checkpoint (``caller``: as confirm's)."""
+    """PREPARED → EXECUTING and enqueue the links after the checkpoint (``caller``: as confirm's;
+    the chain's id chosen first and recorded by the transition, as confirm's)."""
+    workflow_id = uuid()
     with db.session() as s:
-        call = lifecycle.resume(s, tool_call_id, caller=caller)
+        call = lifecycle.resume(s, tool_call_id, caller=caller, workflow_id=workflow_id)
         tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     start = tool.step_index(call.current_step) + 1 if call.current_step else 0
     try:
-        call.workflow_id = chains.enqueue(tool, call, start)
+        chains.enqueue(tool, call, start, workflow_id)
     except chains.BrokerUnavailable:
         with db.session() as s:  # never a committed call, nor one whose next link began
             undone = lifecycle.undo_resume(s, tool_call_id, call.current_step)
@@ -127,13 +129,15 @@ def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = Fal
 
 
 def redrive(tool: Tool, tool_call_id: str, older_than_s: int, max_redrives: int) -> ToolCall | None:
-    """Run again, from its current step, a committed call of ``tool`` whose worker died (see lifecycle.redrive)."""
+    """Run again, from its current step, a committed call of ``tool`` whose worker died (see lifecycle.redrive):
+    a new chain, whose id the transition records, so a chain still running stops at its next gate."""
+    workflow_id = uuid()
     with db.session() as s:
-        call = lifecycle.redrive(s, tool_call_id, older_than_s, max_redrives)
+        call = lifecycle.redrive(s, tool_call_id, older_than_s, max_redrives, workflow_id=workflow_id)
     if call is None:
         return None
     start = tool.step_index(call.current_step) if call.current_step in {st.name for st in tool.steps} else 0
-    call.workflow_id = chains.enqueue(tool, call, start)
+    chains.enqueue(tool, call, start, workflow_id)
     return call
 
 

@@ -301,6 +301,10 @@ class CallRecord(Schema):
     result = fields.Dict(allow_none=True)
     voice_response = fields.String(allow_none=True)
     error_message = fields.String(allow_none=True)
+    outcome = fields.String(allow_none=True, metadata={
+        "enum": ["done", "not_done", "unconfirmed", None],
+        "description": "Whether the call's action happened, once it has ended: done, not_done, or unconfirmed "
+                       "(it may have happened; the voice_response says to check). Null while the call is open."})
     context_key = fields.String(allow_none=True)
     callback_url = fields.String(allow_none=True)
     callback_urls = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)

@@ -58,8 +58,9 @@ class StepInput:
     parameters: Mapping[str, Any]
     outputs: Mapping[str, Any]
     caller: str = ""  # whose call: session context is the caller's own ('' for a call without one)
-    # a side-effect step only: an earlier attempt of this step may have acted (its claim had
-    # lapsed), so the step must find out what it did before acting again
+    # a side-effect step only: an earlier attempt of this step may have acted (it claimed the
+    # step before: its lease lapsed, its process died, or it failed in a way that is retried), so
+    # the step must find out what it did before acting again
     earlier_attempt: bool = False
 
 
@@ -145,6 +146,14 @@ class Tool:
         if effect.name in done:
             return self.after_effect_failure_response
         return self.failure_response if step is effect and refused else self.unconfirmed_response
+
+    def failure_outcome(self, step: Step, done: Mapping[str, Any], refused: bool) -> str:
+        """What :meth:`failure_sentence` says, as the call's ``outcome``: ``not_done``, ``done`` (a
+        step after the side effect failed) or ``unconfirmed`` (docs/promises.md, "Exactly once")."""
+        sentence = self.failure_sentence(step, done, refused)
+        if sentence is self.after_effect_failure_response:
+            return "done"
+        return "unconfirmed" if sentence is self.unconfirmed_response else "not_done"
 
     def say(self, message: Message, parameters: Mapping[str, Any], **extra: Any) -> str:
         """Render one of the tool's sentences (at most 1,000 characters)."""
