@@ -10,7 +10,6 @@ counted apart (their working folder is in the data dir). Linux only.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import psutil
