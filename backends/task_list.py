@@ -31,7 +31,7 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, settings
 from models.task_list import TodoTask
 from backends import google
-from backends import Refused, Unavailable, Unconfirmed
+from backends import NothingDone, Refused, Unavailable, Unconfirmed
 
 DEFAULT_TASKLIST = "@default"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})
@@ -190,7 +190,8 @@ def _create_once(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_id
                 return _result(found, draft)
             if not answered:  # the list never answered: nobody can say whether it was added
                 raise Unconfirmed("Google Tasks did not show whether the task was added") from exc
-            raise  # the list answered and does not have it: the engine retries the insert
+            # the list answered and does not have it: the engine retries the insert as a first attempt
+            raise NothingDone(f"Google Tasks answered {type(exc).__name__} and its list has no such task") from exc
     except google.HttpError as exc:
         status = google.status_of(exc)
         if status == 404:

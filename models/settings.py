@@ -116,7 +116,7 @@ def own_ports(environ: Mapping[str, str] | None = None) -> dict[int, str]:
 
 
 # Each caller's fair share of the API (docs/operations.md, "Fair shares"; app/shares.py)
-RATE_LIMIT = "6000/minute"  # requests per caller, in the notation of the `limits` library
+RATE_LIMIT = "60000/minute"  # requests per caller, in the notation of the `limits` library
 RESERVED_THREADS = 2  # of each API process's threads, never taken by one caller's long-held requests
 
 
