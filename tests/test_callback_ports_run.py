@@ -17,6 +17,8 @@ from mcp.client.streamable_http import streamable_http_client
 from support.procs import wait_none_running
 from tests.test_run_command import TOKEN, System
 
+pytestmark = pytest.mark.slow  # a real voice-tools run
+
 
 @pytest.fixture(scope="module")
 def system():

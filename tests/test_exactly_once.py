@@ -70,6 +70,7 @@ def held_queue(worker, celery_app_instance):
         chains.unregister_tool(tool.name)
 
 
+@pytest.mark.slow
 def test_a_stale_chain_stops_at_its_first_gate(held_queue, lost_publish_answer, relay, task_log):  # noqa: F811
     """confirm: the publish lands, its answer is lost, the call goes back to PENDING (503); the relay
     confirms again: a second chain. The first chain's messages are still in the queue: they run, and

@@ -21,7 +21,6 @@ from support.brokers import RedisServer
 from support.procs import ROOT
 from tests.api_fixtures import GUIDE_EMAIL
 from tests.conftest import AUTH
-from tests.helpers import row
 from tests.web_server import gunicorn_web
 
 STANDARD_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
@@ -120,6 +119,7 @@ def test_past_the_callers_open_share_a_stream_is_429_and_a_wait_is_not_held(api_
         stream.close()
 
 
+@pytest.mark.slow
 def test_an_open_slot_of_a_killed_process_frees_itself_when_its_lease_lapses(monkeypatch):
     """The open share is counted in Redis across processes; a process killed while holding a slot
     (no release) leaks it only until its lease lapses."""
@@ -152,6 +152,7 @@ def own_broker(tmp_path_factory):
         server.kill()
 
 
+@pytest.mark.slow
 def test_one_caller_cannot_take_every_thread_of_the_local_run(own_broker):
     """``voice-tools run``'s web line (one gunicorn worker of 8 threads): caller a opens as many event
     streams and ``?wait`` requests as it can; past its share a stream is told 429 and a wait answers at
@@ -215,6 +216,7 @@ def test_fifty_made_up_methods_add_no_metric_label(api_url):
     assert labels <= STANDARD_METHODS | {"other"}, labels
 
 
+@pytest.mark.slow
 def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker):
     """Each caller within its share, two callers' streams together would fill the worker's 8 threads:
     each gunicorn worker keeps 2 threads from long-held requests, so ``/healthz`` and short

@@ -125,6 +125,7 @@ def test_gmail_send_sends_the_draft_and_a_second_send_finds_it_instead(google_ap
     assert len(mail.sent) == 1 and mail.drafts == {}
 
 
+@pytest.mark.slow
 def test_gmail_a_503_whose_send_went_through_and_a_lagging_search_send_once(google_api, quick_confirm):
     mail = GmailDouble(google_api, lag=2.0)
     mail.after["send"] = [(503, 0.0)]
@@ -139,6 +140,7 @@ def test_gmail_a_503_whose_send_went_through_and_a_lagging_search_send_once(goog
     assert len(mail.sent) == 1, "one email"
 
 
+@pytest.mark.slow
 def test_gmail_a_search_lagging_past_the_bound_is_unconfirmed_never_a_second_send(google_api, quick_confirm):
     mail = GmailDouble(google_api, lag=60.0)
     mail.after["send"] = [(503, 0.0)]
@@ -153,6 +155,7 @@ def test_gmail_a_search_lagging_past_the_bound_is_unconfirmed_never_a_second_sen
     assert len(google_api.requests_to("GET", r"/messages$")) >= 3, "re-queried with backoff"
 
 
+@pytest.mark.slow
 def test_gmail_an_earlier_attempt_then_a_refusal_is_unconfirmed_not_not_sent(google_api, quick_confirm):
     mail = GmailDouble(google_api, lag=60.0)
     prepared = prepared_email("tc_gm_earlier")
@@ -196,6 +199,7 @@ def test_gmail_two_sends_of_one_call_at_once_send_one_email(google_api, quick_co
     assert results[0] == results[1] and results[0]["message_id"] == mail.sent[0]["id"], results
 
 
+@pytest.mark.slow
 def test_send_email_on_gmail_after_a_503_whose_send_went_through_sends_once(worker, relay, google_api,
                                                                               quick_confirm):
     """End to end: the retry of SENDING (1 s later) meets a search that lags 2 s."""
@@ -213,6 +217,7 @@ def test_send_email_on_gmail_after_a_503_whose_send_went_through_sends_once(work
     assert mail.message_id_of(mail.sent[0]["raw"]) == local_email.message_id_for(call.tool_call_id)
 
 
+@pytest.mark.slow
 def test_send_email_on_gmail_a_503_then_refusals_says_unconfirmed_not_not_sent(worker, relay, google_api,
                                                                                 monkeypatch):
     """The send went through but answered 503; the retry's answers are refusals (403): the call
@@ -242,6 +247,7 @@ def create_task(tool_call_id: str, earlier_attempt: bool = False) -> dict:
                                                           earlier_attempt))
 
 
+@pytest.mark.slow
 def test_tasks_a_503_whose_insert_went_through_and_a_lagging_list_insert_once(google_api, quick_confirm):
     board = TasksDouble(google_api, lag=2.0)
     board.after["insert"] = [(503, 0.0)]
@@ -251,6 +257,7 @@ def test_tasks_a_503_whose_insert_went_through_and_a_lagging_list_insert_once(go
     assert len(board.tasks) == 1
 
 
+@pytest.mark.slow
 def test_tasks_a_503_then_a_list_that_refuses_is_unconfirmed_not_a_retry_told_not_created(google_api,
                                                                                           quick_confirm):
     board = TasksDouble(google_api)
@@ -261,6 +268,7 @@ def test_tasks_a_503_then_a_list_that_refuses_is_unconfirmed_not_a_retry_told_no
     assert len(board.tasks) == 1
 
 
+@pytest.mark.slow
 def test_tasks_an_earlier_attempt_finds_its_task_in_a_lagging_list(google_api, quick_confirm):
     board = TasksDouble(google_api, lag=2.0)
     made = create_task("tc_task_earlier")
@@ -268,6 +276,7 @@ def test_tasks_an_earlier_attempt_finds_its_task_in_a_lagging_list(google_api, q
     assert len(board.tasks) == 1
 
 
+@pytest.mark.slow
 def test_tasks_an_earlier_attempt_not_found_in_time_is_unconfirmed_not_a_second_insert(google_api, quick_confirm):
     board = TasksDouble(google_api, lag=60.0)
     create_task("tc_task_unsure")
@@ -276,6 +285,7 @@ def test_tasks_an_earlier_attempt_not_found_in_time_is_unconfirmed_not_a_second_
     assert len(board.tasks) == 1
 
 
+@pytest.mark.slow
 def test_tasks_an_earlier_attempt_and_a_refused_list_is_unconfirmed(google_api, quick_confirm):
     board = TasksDouble(google_api)
     board.refuse["list"] = [403] * 20
@@ -292,6 +302,7 @@ def test_tasks_two_creates_of_one_call_at_once_add_one_task(google_api, quick_co
     assert all(r == results[0] for r in results), results
 
 
+@pytest.mark.slow
 def test_create_task_on_google_after_a_503_whose_insert_went_through_adds_one(client, worker, google_api,
                                                                                quick_confirm):
     board = TasksDouble(google_api, lag=2.0)

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -99,6 +98,7 @@ def test_a_retry_the_broker_cannot_take_keeps_the_link_and_the_call_completes(re
     assert [e["event"] for e in relay.events_for(call.tool_call_id)] == ["progress", "completed"]
 
 
+@pytest.mark.slow
 def test_a_retry_the_broker_keeps_refusing_stops_at_the_tools_bound(register, relay, task_log, caplog):
     """The broker refuses every publish and never comes back within the test: each run waits out its
     backoff before its message goes back, the runs are counted on the call, and past the tool's
