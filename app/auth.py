@@ -3,16 +3,13 @@
 A Flask ``before_request`` hook: the caller of the request's Bearer token is kept in
 ``g.who`` (a :class:`Caller`, with ``admin``) and its name in ``g.caller``; a request without
 a known token is answered 401 by the JSON error handlers (``app.errors``). What a token and a
-caller are (:class:`Caller`, ``entries_of``, ``who_for``, ``identify``) is the room's, named here
-for the API's side.
+caller are is the room's (``tasks.calls.callers``).
 """
 from __future__ import annotations
 
 from flask import Flask, g, request
 
-from tasks.calls.callers import Caller, entries_of, identify, who_for
-
-__all__ = ["Caller", "OPEN_PATHS", "entries_of", "identify", "register", "who_for"]
+from tasks.calls.callers import identify
 
 OPEN_PATHS = frozenset({"/healthz"})
 

@@ -18,7 +18,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from tasks.celery_app import app
     from tasks import chains  # noqa: F401  (each import registers its tasks)
-    from tasks.calls import actions  # noqa: F401
     from tasks.delivery import attempts  # noqa: F401
     from tasks import sweeps  # noqa: F401
 

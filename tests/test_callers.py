@@ -225,7 +225,7 @@ def test_migration_0009_matches_the_models_of_the_fenced_tables():
 def test_tokens_parse_name_token_and_the_admin_mark():
     import hashlib
 
-    from app.auth import Caller, entries_of, who_for
+    from tasks.calls.callers import Caller, entries_of, who_for
 
     entries = ["tests:t1", "ops:t2:admin", "odd:t3:with-colon", "bare-token", " spaced : t4 : admin "]
     assert entries_of(entries) == [
