@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from flask import current_app, g, request
+from flask import current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
@@ -78,7 +78,5 @@ def body() -> dict[str, Any]:
 
 
 def query() -> dict[str, Any]:
-    """The query string; a repeated key keeps its first value. A ``wait`` the caller's open share
-    cannot hold is left out (``app.shares.wait_slot``): the request answers at once."""
-    dropped = {"wait"} if g.get("wait_not_held") else set()
-    return {key: request.args.get(key) for key in request.args if key not in dropped}
+    """The query string; a repeated key keeps its first value."""
+    return {key: request.args.get(key) for key in request.args}

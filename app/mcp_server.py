@@ -214,9 +214,7 @@ def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolRes
         path, query, body = face.split(arguments)
         slot = None
         if face.query is schemas.WaitQuery and shares.asks_to_wait(query) and caller is not None:
-            slot = shares.wait_slot(caller.name, query["wait"])  # a wait holds a slot of the caller's share
-            if slot is None:  # the share is full: no wait, the answer at once
-                query = {key: value for key, value in query.items() if key != "wait"}
+            slot = shares.wait_slot(caller.name, query["wait"])  # a wait holds a slot of the caller's share (or 429)
         try:
             answer, status = face.run(path, query, body, caller)
         finally:

@@ -33,9 +33,9 @@ _ERRORS = {
 }
 # every operation but /healthz: the caller's fair share (app/shares.py)
 _LIMITED = {
-    "description": "Past the caller's share: `rate_limited` (its requests per period) or `too_many_open` (an "
-                   "event stream past the ?wait requests and streams it may hold at once; a ?wait past it is not "
-                   "held: answered at once); try again after Retry-After",
+    "description": "Past the caller's share, nothing done: `rate_limited` (its requests per period) or "
+                   "`too_many_open` (an event stream or a ?wait past the ?wait requests and streams it may hold "
+                   "at once); try again after Retry-After",
     "headers": {"Retry-After": {"description": "Seconds to wait before trying again",
                                 "schema": {"type": "integer", "minimum": 1}}},
 }
@@ -55,8 +55,7 @@ RULES = (
     f"at most {MAX_HEADER_BYTES} bytes and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB "
     "(413). Every error is JSON {error, message, details}; OPTIONS is a 405 naming the allowed methods. Each caller "
     "has a share (429 past it, with Retry-After): a rate of requests, and a number of ?wait requests and event "
-    "streams held at once (past it a ?wait answers at once, without waiting; docs/relay-guide.md, Limits and "
-    "small rules)."
+    "streams held at once (docs/relay-guide.md, Limits and small rules)."
 )
 
 

@@ -9,10 +9,10 @@ counter (the library beneath Flask-Limiter, which serves Flask only: the MCP fac
 long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
 renewed while the request lasts, so a process killed while holding one leaks it only until the lease
 lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
-long-held requests, whoever holds them. Past the rate, and for an event stream past the open share:
-:class:`ApiError` 429 with ``Retry-After``; a ``?wait`` past the open share is not held
-(:func:`wait_slot`). A Redis that does not answer lets requests through (logged): the limits protect
-the service, they must not stop it.
+long-held requests, whoever holds them. Past the rate, or past the open share (an event stream or
+a ``?wait``): :class:`ApiError` 429 with ``Retry-After``, before the request does anything. A Redis
+that does not answer lets requests through (logged): the limits protect the service, they must not
+stop it.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 60.0  # a slot not renewed for this long is free again (its process was killed)
 RENEW_EVERY_S = 15.0  # an event stream renews its slot at most this often (at its keep-alive)
-OPEN_RETRY_AFTER_S = 5  # a slot frees when a wait ends (at most 30 s) or a stream closes
+OPEN_RETRY_AFTER_S = 5  # a stream's slot frees when a stream closes
+WAIT_RETRY_AFTER_S = 1  # a wait's slot frees when a wait ends: most end within a second
 KEY_PREFIX = "voice-tools:shares"
 
 # Take a slot if the caller holds fewer than ARGV[1] live ones: drop the lapsed, count, add.
@@ -152,6 +153,10 @@ def serve_with_threads(threads: int | None) -> None:
         _process_threads, _process_held = threads, 0
 
 
+def _retry_after(kind: str) -> int:
+    return WAIT_RETRY_AFTER_S if kind == "wait" else OPEN_RETRY_AFTER_S
+
+
 def _enter_process(kind: str) -> bool:
     """Count a long-held request in this process (False: no guard here); 429 when it is full."""
     global _process_held
@@ -162,11 +167,12 @@ def _enter_process(kind: str) -> bool:
         if _process_held < most:
             _process_held += 1
             return True
+    retry_after = _retry_after(kind)
     raise ApiError(429, "too_many_open",
                    f"This server already holds {most} waits and event streams open, all it keeps for them; "
-                   f"try again in {OPEN_RETRY_AFTER_S} s.",
-                   {"kind": kind, "scope": "server", "open": most, "limit": most, "retry_after": OPEN_RETRY_AFTER_S},
-                   {"Retry-After": str(OPEN_RETRY_AFTER_S)})
+                   f"try again in {retry_after} s.",
+                   {"kind": kind, "scope": "server", "open": most, "limit": most, "retry_after": retry_after},
+                   {"Retry-After": str(retry_after)})
 
 
 def _leave_process() -> None:
@@ -259,11 +265,12 @@ def _take_share(slot: Slot, name: str, kind: str, limit: int, lease_s: float) ->
             return slot
     if taken > 0:
         return slot
+    retry_after = _retry_after(kind)
     raise ApiError(429, "too_many_open",
                    f"This caller already holds {-taken} waits and event streams open, its share at once; "
-                   f"close one or try again in {OPEN_RETRY_AFTER_S} s.",
-                   {"kind": kind, "open": -taken, "limit": limit, "retry_after": OPEN_RETRY_AFTER_S},
-                   {"Retry-After": str(OPEN_RETRY_AFTER_S)})
+                   f"close one or try again in {retry_after} s.",
+                   {"kind": kind, "open": -taken, "limit": limit, "retry_after": retry_after},
+                   {"Retry-After": str(retry_after)})
 
 
 def asks_to_wait(query: Any) -> bool:
@@ -271,19 +278,15 @@ def asks_to_wait(query: Any) -> bool:
     return isinstance(query, dict) and query.get("wait") not in (None, "", 0)
 
 
-def wait_slot(name: str, wait: Any) -> Slot | None:
+def wait_slot(name: str, wait: Any) -> Slot:
     """A slot for a request that asks to wait ``wait`` seconds (checked first: 422 if it is not a valid
-    wait), or None when caller ``name``'s open share is full: then the request does not wait. It still
-    acts and answers at once what it started, as a wait whose time ran out does (202): its action is
-    what the relay needs, and a refused action (a 429) would only make it send the request again."""
+    wait); :class:`ApiError` 429 ``too_many_open`` when caller ``name``'s open share (or this process's)
+    is full: the request is refused before it does anything, and the relay sends it again after
+    ``Retry-After``."""
     from tasks.calls import schemas
 
     schemas.load(schemas.WaitQuery, {"wait": wait})
-    try:
-        return take_slot(name, "wait")
-    except ApiError as full:
-        log.info("a wait of %s not held: %s", name, full.message)
-        return None
+    return take_slot(name, "wait")
 
 
 def register(app: Any) -> None:
@@ -306,7 +309,6 @@ def register(app: Any) -> None:
         check_rate(who.name)
         if asks_to_wait(request.args) and waits(request.endpoint):
             g.share_slot = wait_slot(who.name, request.args.get("wait"))
-            g.wait_not_held = g.share_slot is None  # app.inputs.query() leaves the wait out
 
     @app.teardown_request
     def _release_share(_exc: BaseException | None) -> None:

@@ -2,16 +2,15 @@
 session's event stream (:func:`session_events`, woken by one :class:`Listener` per process).
 
 ``?wait``: a trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every
-status change (migration 0001). We borrow a pooled connection, LISTEN, read the status
-once (a change made before the LISTEN would otherwise be missed), then sleep in
-``select()`` on the connection's socket until a notification for this call arrives or the
-deadline passes; the connection goes back to the pool after ``UNLISTEN *``. An error of
-that raw connection is wrapped as SQLAlchemy wraps any other (a lost server is an
-``OperationalError``, answered 503 like every database outage).
+status change (migration 0001). The process's one listener (below) wakes the waits on that
+call; a wait subscribes, then reads the status (a change made before it subscribed is read,
+one made after wakes it), and reads again only when woken. It borrows a pooled connection for
+each read and holds none while it waits; a database lost meanwhile wakes it, and its next read
+fails as any other (an ``OperationalError``, answered 503 like every database outage).
 
 The event stream: a trigger NOTIFYs channel ``voice_tools_events`` with the session id
-when an event is recorded (migration 0007); one listener thread per process (one database
-connection of its own) wakes the streams of that session. The events are the callback
+when an event is recorded (migration 0007); the same listener thread (one database connection
+of its own per process) wakes the streams of that session. The events are the callback
 rows themselves, read in ``commit_seq`` order: a number each row takes when its
 transaction commits (migration 0012: a deferred constraint trigger takes a transaction-scoped
 advisory lock of this database, then ``nextval``; the lock is released only after the
@@ -37,7 +36,7 @@ import time
 from typing import Iterator
 
 from sqlalchemy import Row, text
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from models import db, queries
 from models.calls import PREPARED, TERMINAL, ToolCall
@@ -52,45 +51,30 @@ BATCH = 200  # rows read at a time
 
 # -- ?wait: until a call is PREPARED or terminal ---------------------------------------
 
-def _status(conn, tool_call_id: str) -> str | None:
-    with conn.cursor() as cur:
-        cur.execute("SELECT status FROM tool_calls WHERE tool_call_id = %s", (tool_call_id,))
-        found = cur.fetchone()
-    return found[0] if found else None
+_STATUS = text("SELECT status FROM tool_calls WHERE tool_call_id = :id")
 
 
 def until_settled(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
-    """``(call, settled)``: the call once PREPARED or terminal, or as it is at the deadline."""
+    """``(call, settled)``: the call once PREPARED or terminal, or as it is at the deadline.
+
+    Woken by the process's :data:`LISTENER` (subscribed before the first read, so a change made
+    before it is read, and one made after wakes it); a pooled connection is borrowed only for each
+    read of the status, none is held while waiting. A database that goes away while it waits wakes
+    it, and the next read raises as any other (503)."""
     deadline = time.monotonic() + timeout
-    proxy = db.engine().raw_connection()
-    conn = proxy.dbapi_connection
+    woken = LISTENER.subscribe(tool_call_id, STATUS_CHANNEL)
     try:
-        conn.rollback()
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute(f"LISTEN {STATUS_CHANNEL}")
-        status = _status(conn, tool_call_id)
-        while status not in SETTLED and status is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([conn], [], [], left)[0]:
+        while True:
+            woken.clear()
+            with db.engine().connect() as conn:
+                status = conn.execute(_STATUS, {"id": tool_call_id}).scalar_one_or_none()
+            if status in SETTLED or status is None:
                 break
-            conn.poll()
-            mine = any(note.payload == tool_call_id for note in conn.notifies)
-            conn.notifies.clear()
-            if mine:
-                status = _status(conn, tool_call_id)
-        with conn.cursor() as cur:  # back to the pool as it came: listening to nothing
-            cur.execute("UNLISTEN *")
-        conn.notifies.clear()
-        conn.autocommit = False
-    except Exception as exc:
-        proxy.invalidate()  # never hand a half-listening connection to someone else
-        dbapi = db.engine().dialect.loaded_dbapi
-        if isinstance(exc, dbapi.Error):
-            raise DBAPIError.instance(None, None, exc, dbapi.Error, connection_invalidated=True) from exc
-        raise
+            left = deadline - time.monotonic()
+            if left <= 0 or not woken.wait(left):
+                break
     finally:
-        proxy.close()
+        LISTENER.unsubscribe(tool_call_id, woken, STATUS_CHANNEL)
     with db.session() as s:
         call = queries.get(s, tool_call_id)
     return call, call.status in SETTLED
@@ -116,35 +100,41 @@ _POSITION = text("""
 
 
 class Listener:
-    """One LISTEN connection per process; wakes the streams of a session when it has news."""
+    """One LISTEN connection per process, on both channels; wakes the streams of a session when it has
+    news, and the waits on a call when its status changed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[str, set[threading.Event]] = {}
+        self._waiters: dict[tuple[str, str], set[threading.Event]] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._reconnecting = False
 
-    def subscribe(self, session_id: str) -> threading.Event:
+    def subscribe(self, key: str, channel: str = EVENTS_CHANNEL) -> threading.Event:
+        """An event set when ``channel`` notifies ``key`` (a session id on the events channel, a
+        tool_call_id on the status channel), or when the listener (re)connects."""
         self._ensure_running()
         woken = threading.Event()
         with self._lock:
-            self._waiters.setdefault(session_id, set()).add(woken)
+            self._waiters.setdefault((channel, key), set()).add(woken)
         return woken
 
-    def unsubscribe(self, session_id: str, woken: threading.Event) -> None:
+    def unsubscribe(self, key: str, woken: threading.Event, channel: str = EVENTS_CHANNEL) -> None:
         with self._lock:
-            waiters = self._waiters.get(session_id)
+            waiters = self._waiters.get((channel, key))
             if waiters is not None:
                 waiters.discard(woken)
                 if not waiters:
-                    del self._waiters[session_id]
+                    del self._waiters[(channel, key)]
 
-    def _wake(self, session_id: str | None) -> None:
+    def _wake(self, target: tuple[str, str] | None) -> None:
         with self._lock:
-            targets = [w for s, ws in self._waiters.items() if session_id is None or s == session_id for w in ws]
-        for woken in targets:
-            woken.set()
+            if target is None:
+                woken = [w for ws in self._waiters.values() for w in ws]
+            else:
+                woken = list(self._waiters.get(target, ()))
+        for event in woken:
+            event.set()
 
     def _ensure_running(self) -> None:
         with self._lock:
@@ -174,16 +164,16 @@ class Listener:
         try:
             conn.autocommit = True
             with conn.cursor() as cur:
-                cur.execute(f"LISTEN {EVENTS_CHANNEL}")
+                cur.execute(f"LISTEN {EVENTS_CHANNEL}; LISTEN {STATUS_CHANNEL}")
             self._reconnecting = False
-            self._wake(None)  # anything recorded before the LISTEN is read by the woken streams
+            self._wake(None)  # anything before the LISTEN is read by the woken streams and waits
             while True:
                 if select.select([conn], [], [], 60.0)[0]:
                     conn.poll()
-                    sessions = {note.payload for note in conn.notifies}
+                    news = {(note.channel, note.payload) for note in conn.notifies}
                     conn.notifies.clear()
-                    for session_id in sessions:
-                        self._wake(session_id)
+                    for target in news:
+                        self._wake(target)
                 else:
                     with conn.cursor() as cur:  # an idle check that the connection is alive
                         cur.execute("SELECT 1")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from sqlalchemy import event
@@ -112,3 +113,50 @@ def test_the_waiting_connection_goes_back_to_the_pool_listening_to_nothing():
         for proxy in borrowed:
             proxy.rollback()
             proxy.close()
+
+
+def test_waiting_holds_no_connection_between_reads():
+    """Four waits on calls that do not move: each borrows a pooled connection to read the status,
+    gives it back, and holds none while it waits (the process's listener wakes it)."""
+    calls = [make_call() for _ in range(4)]
+    with db.session() as s:
+        for call in calls:
+            lifecycle.confirm(s, call.tool_call_id)
+    pool = db.engine().pool
+    waiters: set[int] = set()
+    held: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def on_checkout(dbapi, record, proxy):
+        with lock:
+            if threading.get_ident() in waiters:
+                held[threading.get_ident()] = held.get(threading.get_ident(), 0) + 1
+
+    def on_checkin(dbapi, record):
+        with lock:
+            if threading.get_ident() in waiters:
+                held[threading.get_ident()] -= 1
+
+    def wait(tool_call_id: str) -> None:
+        with lock:
+            waiters.add(threading.get_ident())
+        until_settled(tool_call_id, 3)
+
+    event.listen(pool, "checkout", on_checkout)
+    event.listen(pool, "checkin", on_checkin)
+    try:
+        threads = [threading.Thread(target=wait, args=(c.tool_call_id,)) for c in calls]
+        for thread in threads:
+            thread.start()
+        samples = []
+        for _ in range(10):
+            time.sleep(0.1)
+            with lock:
+                samples.append(sum(held.values()))
+        for thread in threads:
+            thread.join(10)
+    finally:
+        event.remove(pool, "checkout", on_checkout)
+        event.remove(pool, "checkin", on_checkin)
+    assert len(held) == 4, held  # every wait read its call's status
+    assert samples[-5:] == [0] * 5, samples  # and, waiting, held no connection

@@ -1,7 +1,7 @@
 """Each caller's fair share of the API (docs/relay-guide.md, "Limits and small rules"; docs/operations.md,
 "Fair shares"): a rate of requests, and a number of long-held requests at once (``?wait`` and open
 event streams), so that no caller takes every thread; past the rate, or for a stream past the open
-share, 429 with ``Retry-After`` and the JSON error body; a wait past it is not held. ``/healthz`` is
+share, 429 with ``Retry-After`` and the JSON error body, and nothing done. ``/healthz`` is
 never limited. And a method name nobody uses is one metric label.
 """
 from __future__ import annotations
@@ -90,9 +90,9 @@ def test_the_default_rate_is_set_for_every_caller(client, monkeypatch):
 
 # -- the open share: ?wait and event streams -----------------------------------------------------
 
-def test_past_the_callers_open_share_a_stream_is_429_and_a_wait_is_not_held(api_url, monkeypatch):
-    """A stream past the share is refused; a ``?wait`` past it still acts and answers at once what it
-    started (202), as a wait whose time ran out does: it holds no thread."""
+def test_past_the_callers_open_share_a_stream_and_a_wait_are_429_and_change_nothing(api_url, monkeypatch):
+    """A stream past the share is refused, and so is a ``?wait``: 429 with ``Retry-After`` and the
+    JSON error body, the call untouched (the relay asks again after the pause)."""
     name, auth = a_caller(monkeypatch)
     _, other = a_caller(monkeypatch)
     limit(monkeypatch, f"{name}::1")
@@ -108,15 +108,19 @@ def test_past_the_callers_open_share_a_stream_is_429_and_a_wait_is_not_held(api_
         started = time.monotonic()
         waited = requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}?wait=5", headers=auth, timeout=10)
         assert time.monotonic() - started < 2
-        assert waited.status_code == 202, waited.text
-        assert waited.json()["status"] == "EXECUTING" and "status_history" not in waited.json()
+        body = assert_429(waited, "too_many_open")
+        assert body["details"]["limit"] == 1 and body["details"]["kind"] == "wait"
+        status = requests.get(f"{api_url}/voice-tools/status/{tool_call_id}", headers=auth, timeout=10)
+        assert status.json()["status"] == "PENDING", status.text  # the refused confirm did nothing
         assert requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}?wait=soon", headers=auth,
-                             timeout=10).status_code == 422  # a wait not held is still checked
+                             timeout=10).status_code == 422  # bad input is named first
         others = requests.get(f"{api_url}/voice-tools/events/s1", headers=other, stream=True, timeout=(5, 20))
         assert others.status_code == 200  # another caller's share is its own
         others.close()
     finally:
         stream.close()
+    confirmed = requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}", headers=auth, timeout=10)
+    assert confirmed.status_code in (200, 202), confirmed.text  # the stream closed: the share is free
 
 
 @pytest.mark.slow
@@ -155,8 +159,8 @@ def own_broker(tmp_path_factory):
 @pytest.mark.slow
 def test_one_caller_cannot_take_every_thread_of_the_local_run(own_broker):
     """``voice-tools run``'s web line (one gunicorn worker of 8 threads): caller a opens as many event
-    streams and ``?wait`` requests as it can; past its share a stream is told 429 and a wait answers at
-    once, and caller b's requests and ``/healthz`` still answer at once."""
+    streams and ``?wait`` requests as it can; past its share each is told 429 (the call untouched), and
+    caller b's requests and ``/healthz`` still answer at once."""
     a, b = {"Authorization": "Bearer token-a"}, {"Authorization": "Bearer token-b"}
     with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b", WEB_CONCURRENCY="1", GUNICORN_THREADS="8",
                       CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
@@ -191,10 +195,14 @@ def test_one_caller_cannot_take_every_thread_of_the_local_run(own_broker):
         refused = [r for r in opened if isinstance(r, requests.Response) and r.status_code == 429]
         for answer in refused:
             assert answer.json()["error"] == "too_many_open" and int(answer.headers["Retry-After"]) >= 1
-        not_held = [r for r in waited if isinstance(r, requests.Response) and r.status_code == 202]
-        assert all(r.json()["status"] == "EXECUTING" for r in not_held)
+        not_held = [r for r in waited if isinstance(r, requests.Response) and r.status_code == 429]
+        for answer in not_held:
+            assert answer.json()["error"] == "too_many_open" and int(answer.headers["Retry-After"]) >= 1
         held = len(opened) - len(refused) + len(waited) - len(not_held)
         assert refused and not_held and 1 <= held <= 4, (opened, waited)  # 4: half of 8 threads
+        untouched = [requests.get(f"{url}/voice-tools/status/{c}", headers=a, timeout=5).json()["status"]
+                     for c in calls]
+        assert untouched.count("PENDING") >= len(not_held), untouched  # a refused confirm did nothing
         for r in opened + waited:
             if isinstance(r, requests.Response):
                 r.close()

@@ -417,7 +417,7 @@ async def test_mcp_shares_the_callers_limits_a_wait_past_its_open_share_and_a_ra
                                                                                             monkeypatch):
     """The fair shares of the REST API hold on the MCP face too (docs/relay-guide.md, "Limits and small
     rules"): a tool's ``wait`` counts against the caller's open share (an event stream open on REST
-    fills it here: the wait is not held), and past its rate the HTTP request is a JSON 429 with
+    fills it here: the wait is refused, 429, and nothing done), and past its rate the HTTP request is a JSON 429 with
     ``Retry-After``. A caller of
     its own: a stream another test dropped holds its slot until the server writes to it again."""
     import asyncio
@@ -437,10 +437,13 @@ async def test_mcp_shares_the_callers_limits_a_wait_past_its_open_share_and_a_ra
         try:
             assert stream.status_code == 200
             started = time.monotonic()
-            not_held = await mcp.call_tool("confirm_tool", {"tool_call_id": created["tool_call_id"], "wait": 5})
-            assert time.monotonic() - started < 2  # answered at once: the wait was not held
-            assert not not_held.is_error and not_held.meta["voice-tools/http_status"] == 202
-            assert not_held.structured_content["status"] == "EXECUTING"
+            refused = await mcp.call_tool("confirm_tool", {"tool_call_id": created["tool_call_id"], "wait": 5})
+            assert time.monotonic() - started < 2  # answered at once
+            assert refused.is_error and refused.meta["voice-tools/http_status"] == 429
+            assert refused.structured_content["error"] == "too_many_open"
+            assert refused.structured_content["details"]["kind"] == "wait"
+            status = await answer(mcp, "get_status", {"tool_call_id": created["tool_call_id"]})
+            assert status["status"] == "PENDING"  # the refused confirm did nothing
         finally:
             stream.close()
     monkeypatch.setenv("VOICE_TOOLS_CALLER_LIMITS", f"{name}:2/minute:")

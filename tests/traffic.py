@@ -10,8 +10,10 @@ call has the relay's URL as ``callback_url``.
 Every answer is recorded (operation, HTTP status, when the request started); an
 answer outside :data:`EXPECTED` (a 5xx, a 4xx other than a lost race's 409, a request
 that got no answer) is a problem, except a 503 inside a fault's window (the database
-or the broker down: the API says so, docs/relay-guide.md, Errors). The calls whose cancel
-answered 200 are kept for :func:`tests.invariants.check`.
+or the broker down: the API says so, docs/relay-guide.md, Errors). A ``?wait`` past the
+caller's open share is told 429 ``too_many_open``, having done nothing; the relay sends it
+again after ``Retry-After``, as the relay guide says, and counts it (``pauses``).
+The calls whose cancel answered 200 are kept for :func:`tests.invariants.check`.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class Traffic:
         self.cancelled: set[str] = set()  # cancel answered 200
         self.relay_cancels: set[str] = set()
         self.sessions = 0
+        self.pauses = 0  # 429 too_many_open answers to a ?wait, each sent again after Retry-After
         self._lock = threading.Lock()
         self._local = threading.local()
         relay.answer(self._relay_answer)
@@ -89,7 +92,11 @@ class Traffic:
             http = self._local.http = requests.Session()
         started = time.monotonic()
         try:
-            response = http.request(method, f"{self.base}{path}", headers=self.auth, timeout=self.timeout, **kw)
+            while True:
+                response = http.request(method, f"{self.base}{path}", headers=self.auth, timeout=self.timeout, **kw)
+                if not self._told_to_pause(response) or time.monotonic() - started > self.timeout:
+                    break
+                time.sleep(int(response.headers["Retry-After"]))  # as a relay does: again after the pause
         except requests.RequestException as exc:
             self._record(Answer(operation, None, started, time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
             return None
@@ -98,6 +105,16 @@ class Traffic:
         if response.status_code >= 300:
             return None
         return response.json()
+
+    def _told_to_pause(self, response: requests.Response) -> bool:
+        """A 429 ``too_many_open`` (this caller's ``?wait`` requests fill its open share): counted, and
+        the relay sends the same request again after ``Retry-After`` (for at most ``timeout``
+        seconds in all). Any other 429 is an answer like any other."""
+        if response.status_code != 429 or response.json().get("error") != "too_many_open":
+            return False
+        with self._lock:
+            self.pauses += 1
+        return True
 
     def _record(self, answer: Answer) -> None:
         with self._lock:
@@ -214,4 +231,5 @@ class Traffic:
             return sum(1 for a in self.answers if a.status is None or a.status >= 500)
 
     def summary(self) -> str:
-        return f"{self.sessions} sessions, {len(self.answers)} requests {dict(sorted(self.codes().items(), key=str))}"
+        return (f"{self.sessions} sessions, {len(self.answers)} requests {dict(sorted(self.codes().items(), key=str))}, "
+                f"{self.pauses} sent again after a 429 too_many_open")
