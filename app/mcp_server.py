@@ -13,8 +13,8 @@ body fields side by side (``tool_call_id``, ``wait``, ``session_id``, ``function
 request schemas; its result is the REST answer's JSON, as structured content and as
 JSON text. An error is the REST error's ``{error, message, details}`` (from
 ``tasks.calls.errors.api_error``) in a result with ``isError: true``, whatever the HTTP status
-would have been (404, 409, 422, 503 ...). The argument JSON Schemas (``inputSchema``)
-are generated from those same marshmallow schemas.
+would have been (404, 409, 422, 503 ...). The argument JSON Schemas (``inputSchema``,
+JSON Schema 2020-12) are generated from those same marshmallow schemas.
 
 Every request needs ``Authorization: Bearer <token>`` of ``VOICE_TOOLS_API_TOKENS``
 (``tasks.calls.callers``' token lookup; the token's name is the call's ``caller``), refused
@@ -123,7 +123,7 @@ class Face:
 
 
 def _json_schema(schema: type[Schema]) -> dict[str, Any]:
-    return toolspec.converter().schema2jsonschema(schema)
+    return toolspec.json_schema(schema)
 
 
 def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: Caller | None) -> Answer:
