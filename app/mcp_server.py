@@ -6,6 +6,11 @@ tool calls here instead of over REST: ``request_tool`` -> ``modify_tool`` ->
 ``execute_tool``, ``get_status``, ``get_context``, ``get_session_context`` and
 ``list_tools`` (the registry's tools with their JSON Schemas).
 
+The server is the MCP SDK's low-level ``Server`` with two handlers, ``tools/list`` and
+``tools/call``: it advertises tools and nothing else, and reports the package's version. The
+listed ``inputSchema``s are JSON Schema documents given as they are, and ``tools/call`` hands the
+raw arguments on, so that our request schemas alone judge them (no model of the SDK's between).
+
 Each MCP tool is one line over the operation of ``tasks.calls.operations`` that the REST view
 of the same route calls: its arguments are the REST call's path arguments, query and
 body fields side by side (``tool_call_id``, ``wait``, ``session_id``, ``function``,
@@ -13,8 +18,9 @@ body fields side by side (``tool_call_id``, ``wait``, ``session_id``, ``function
 request schemas; its result is the REST answer's JSON, as structured content and as
 JSON text. An error is the REST error's ``{error, message, details}`` (from
 ``tasks.calls.errors.api_error``) in a result with ``isError: true``, whatever the HTTP status
-would have been (404, 409, 422, 503 ...). The argument JSON Schemas (``inputSchema``)
-are generated from those same marshmallow schemas.
+would have been (404, 409, 422, 503 ...); a tool name the server does not have is a
+``not_found`` error result naming the known tools. The argument JSON Schemas (``inputSchema``,
+JSON Schema 2020-12) are generated from those same marshmallow schemas.
 
 Every request needs ``Authorization: Bearer <token>`` of ``VOICE_TOOLS_API_TOKENS``
 (``tasks.calls.callers``' token lookup; the token's name is the call's ``caller``), refused
@@ -33,21 +39,23 @@ import os
 import socket
 from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Callable, Mapping
 
 import anyio
 import anyio.to_thread
 from marshmallow import Schema
-from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.tools.base import Tool as McpTool
-from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
-from mcp_types import CallToolResult, TextContent, ToolAnnotations
-from pydantic import ConfigDict
+from mcp_types import (CallToolRequestParams, CallToolResult, ListToolsResult, PaginatedRequestParams, TextContent,
+                       Tool, ToolAnnotations)
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import inputs, shares
@@ -63,6 +71,7 @@ log = logging.getLogger(__name__)
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/healthz"  # the one path open without a token
 SERVER_NAME = "voice-tools"
+PACKAGE = "voice-tools"  # the distribution whose version the server reports
 INSTRUCTIONS = (
     "Runs a voice assistant's tool calls. Call list_tools for the tools and their parameters. "
     "request_tool records a call as PENDING and answers the sentence to read back; modify_tool changes it; "
@@ -123,7 +132,7 @@ class Face:
 
 
 def _json_schema(schema: type[Schema]) -> dict[str, Any]:
-    return toolspec.converter().schema2jsonschema(schema)
+    return toolspec.json_schema(schema)
 
 
 def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: Caller | None) -> Answer:
@@ -229,25 +238,13 @@ def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolRes
     return _result(answer, status)
 
 
-class _AsGiven(ArgModelBase):
-    """The SDK validates a tool's arguments with a pydantic model; ours takes them as given,
-    so that the REST schemas alone judge them (the same rules and the same error JSON)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    def model_dump_one_level(self) -> dict[str, Any]:
-        return {"arguments": dict(self.__pydantic_extra__ or {})}
-
-
-def _caller(ctx: Context) -> Caller | None:
-    request = ctx.request_context.request
+def _caller(request: Any) -> Caller | None:
     return getattr(request.state, "caller", None) if isinstance(request, Request) else None
 
 
-def _log_context(ctx: Context, arguments: Arguments) -> AbstractContextManager[None]:
+def _log_context(request: Any, arguments: Arguments) -> AbstractContextManager[None]:
     """The tool call's log context (see ``logs``), as the REST API's: the HTTP request's
     ``X-Request-ID`` or ``traceparent`` (else a new id), and the ids the arguments name."""
-    request = ctx.request_context.request
     headers = request.headers if isinstance(request, Request) else {}
     named = {key: arguments.get(key) for key in ("tool_call_id", "session_id") if isinstance(arguments.get(key), str)}
     traceparent = headers.get("traceparent")
@@ -255,21 +252,62 @@ def _log_context(ctx: Context, arguments: Arguments) -> AbstractContextManager[N
                       trace_id=logs.trace_id(traceparent), **named)
 
 
-def mcp_tool(face: Face) -> McpTool:
-    def run(arguments: Arguments, ctx: Context) -> CallToolResult:  # the SDK runs it in a worker thread
-        with _log_context(ctx, arguments):
-            return call(face, arguments, _caller(ctx))
-
-    return McpTool(
-        fn=run, name=face.name, description=face.description, parameters=face.input_schema(),
-        fn_metadata=FuncMetadata(arg_model=_AsGiven), is_async=False, context_kwarg="ctx",
-        annotations=ToolAnnotations(read_only_hint=face.read_only,
-                                    destructive_hint=False if face.read_only else None),
-    )
+def mcp_tool(face: Face) -> Tool:
+    """The face as MCP lists it: its name, description, argument JSON Schema and hints."""
+    return Tool(name=face.name, description=face.description, input_schema=face.input_schema(),
+                annotations=ToolAnnotations(read_only_hint=face.read_only,
+                                            destructive_hint=False if face.read_only else None))
 
 
-def create_mcp_server() -> MCPServer:
-    return MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, tools=[mcp_tool(face) for face in FACES])
+FACES_BY_NAME = {face.name: face for face in FACES}
+
+
+@cache
+def listed_tools() -> tuple[Tool, ...]:
+    return tuple(mcp_tool(face) for face in FACES)
+
+
+def _input_schema(name: str) -> Mapping[str, Any] | None:
+    """A face's argument JSON Schema (the SDK checks ``Mcp-Param-*`` headers with it), or None."""
+    return {tool.name: tool.input_schema for tool in listed_tools()}.get(name)
+
+
+def unknown_face(name: str) -> CallToolResult:
+    err = ApiError(404, "not_found", f"No MCP tool {name!r}.", {"tool": name, "known_tools": sorted(FACES_BY_NAME)})
+    return _result(errors.payload(err), err.status, is_error=True)
+
+
+async def list_tools(ctx: ServerRequestContext[Any, Any], params: PaginatedRequestParams | None) -> ListToolsResult:
+    return ListToolsResult(tools=list(listed_tools()))
+
+
+async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequestParams) -> CallToolResult:
+    """``tools/call``: the arguments as the client sent them (raw JSON, no model of the SDK's in
+    between) go to the REST schemas, which alone judge them, in a worker thread (the operation blocks)."""
+    face = FACES_BY_NAME.get(params.name)
+    if face is None:
+        return unknown_face(params.name)
+    arguments: Arguments = dict(params.arguments or {})
+    request = ctx.request
+
+    def run() -> CallToolResult:
+        with _log_context(request, arguments):
+            return call(face, arguments, _caller(request))
+
+    return await anyio.to_thread.run_sync(run)
+
+
+def server_version() -> str:
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def create_mcp_server() -> Server[Any]:
+    """The SDK's low-level server with the tools handlers only: it advertises tools, and nothing else."""
+    return Server(SERVER_NAME, version=server_version(), instructions=INSTRUCTIONS,
+                  get_tool_input_schema=_input_schema, on_list_tools=list_tools, on_call_tool=call_tool)
 
 
 # -- HTTP: the token, then the streamable-HTTP endpoint --------------------------------------
@@ -310,11 +348,11 @@ def create_mcp_app() -> Starlette:
     whoever reaches them, and every request here needs a bearer token a browser page does not have.
     """
     server = create_mcp_server()
-    server.custom_route(HEALTH_PATH, methods=["GET"])(_healthz)
     app = server.streamable_http_app(
         streamable_http_path=MCP_PATH, stateless_http=True, json_response=True,
         max_request_body_size=MAX_BODY_BYTES,
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        custom_starlette_routes=[Route(HEALTH_PATH, _healthz, methods=["GET"])],
     )
     app.add_middleware(BearerToken)
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)

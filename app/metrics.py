@@ -5,7 +5,8 @@ is a method name to gunicorn, and each would otherwise be a new label value.
 
 Under gunicorn with several workers set ``PROMETHEUS_MULTIPROC_DIR`` (an empty
 folder) so ``/metrics`` adds up every worker's numbers (prometheus-client's
-multiprocess collector).
+multiprocess collector). The page is Prometheus' text format 0.0.4, with exactly its
+``Content-Type`` (``text/plain; version=0.0.4; charset=utf-8``).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import os
 import time
 
 from flask import Flask, Response, g, request
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import multiprocess
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 REQUESTS = Counter("voice_tools_http_requests_total", "HTTP requests answered",
                    ["method", "endpoint", "status"])
@@ -56,4 +58,6 @@ def render() -> Response:
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
-    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+    # the whole header as given (``mimetype=`` would add a second charset): the text format
+    # 0.0.4 that ``generate_latest`` writes, which every Prometheus reads
+    return Response(generate_latest(registry), content_type=CONTENT_TYPE_PLAIN_0_0_4)
