@@ -5,8 +5,11 @@ app's URL map, so every route is listed, and apispec's marshmallow plugin turns 
 schemas into components. The document then states the rules the loaders enforce that
 apispec does not carry over: PendingRequest as one variant per tool (the tool named and
 its own parameters), every request string's TEXT_PATTERN (``schemas.Strict``), a body
-with a required field required; and in words (RULES) what a schema cannot say.
-tests/test_api_schemathesis.py holds the server to it.
+with a required field required; and in words (RULES) what a schema cannot say. It also
+describes every callback event (:func:`_describe_events`): one schema per kind, the OpenAPI 3.0
+``callbacks`` of every operation that takes a callback URL, the signature headers.
+tests/test_api_schemathesis.py holds the server to it; tests/test_openapi.py validates it and
+holds the events sent to their schemas.
 """
 from __future__ import annotations
 
@@ -127,6 +130,9 @@ def build(app: Flask) -> dict[str, Any]:
     )
     for tool in tools.TOOLS.values():
         spec.components.schema(tool.schema.__name__, schema=tool.schema)
+    for event_schema in schemas.EVENT_SCHEMAS.values():
+        spec.components.schema(event_schema.__name__, schema=event_schema)
+    spec.components.schema("EventAnswer", schema=schemas.EventAnswer)
     spec.components.security_scheme("bearer", {
         "type": "http", "scheme": "bearer",
         "description": "A token of VOICE_TOOLS_API_TOKENS (name:token[:admin]). A caller sees and acts on only "
@@ -154,6 +160,7 @@ def build(app: Flask) -> dict[str, Any]:
     for path_item in document["paths"].values():
         for operation in path_item.values():
             _state_request_rules(operation, components, marked)
+    _describe_events(document)
     return document
 
 
@@ -223,3 +230,86 @@ def _mark_text(schema: Any, components: dict[str, Any], seen: set[str]) -> None:
     for key in ("allOf", "anyOf", "oneOf"):
         for sub in schema.get(key, []):
             _mark_text(sub, components, seen)
+
+
+# The signature headers of every callback (docs/relay-guide.md, Headers and signature)
+SIGNATURE_HEADERS: dict[str, str] = {
+    "webhook-id": "Standard Webhooks: the event's event_id (the same on every attempt)",
+    "webhook-timestamp": "Standard Webhooks: Unix seconds when the attempt was made",
+    "webhook-signature": "Standard Webhooks: `v1,<base64 HMAC-SHA256 of \"<webhook-id>.<webhook-timestamp>.<body>\">`, "
+                         "one per secret of VOICE_TOOLS_CALLBACK_SECRETS (whsec_...), space-separated, newest first; "
+                         "sent when that variable is set",
+    "X-Voice-Tools-Event": "The older scheme: the kind of event",
+    "X-Voice-Tools-Event-Id": "The older scheme: the event's event_id",
+    "X-Voice-Tools-Timestamp": "The older scheme: Unix seconds when the attempt was made",
+    "X-Voice-Tools-Signature": "The older scheme: `sha256=<hex HMAC-SHA256 of \"<timestamp>.<body>\">` keyed with "
+                               "VOICE_TOOLS_CALLBACK_SECRET",
+}
+_HEADER_PATTERNS = {"webhook-id": "^[0-9a-f]{32}$", "webhook-timestamp": "^[0-9]+$",
+                    "webhook-signature": "^v1,[A-Za-z0-9+/]+=*( v1,[A-Za-z0-9+/]+=*)*$",
+                    "X-Voice-Tools-Event-Id": "^[0-9a-f]{32}$", "X-Voice-Tools-Timestamp": "^[0-9]+$",
+                    "X-Voice-Tools-Signature": "^sha256=[0-9a-f]{64}$"}
+_ALWAYS_SENT = {"X-Voice-Tools-Event", "X-Voice-Tools-Event-Id", "X-Voice-Tools-Timestamp", "X-Voice-Tools-Signature"}
+
+
+def _header_parameter_name(header: str) -> str:
+    return "Header" + "".join(part.title() for part in re.split(r"[-_]", header))
+
+
+def _describe_events(document: dict[str, Any]) -> None:
+    """The events: one schema per kind (``schemas.EVENT_SCHEMAS``) and their union ``CallbackEvent``
+    (discriminated by ``event``); the callbacks every operation taking a callback URL makes (OpenAPI
+    3.0 ``callbacks``: to ``callback_url``, and to ``callback_urls.<kind>``), with the signature
+    headers; the event stream's frames, whose data is the same body."""
+    components = document["components"]
+    mapping = {kind: _ref(schema.__name__)["$ref"] for kind, schema in schemas.EVENT_SCHEMAS.items()}
+    for kind, schema in schemas.EVENT_SCHEMAS.items():
+        components["schemas"][schema.__name__]["description"] = schemas.EVENT_DESCRIPTIONS[kind]
+    components["schemas"]["CallbackEvent"] = {
+        "description": "A callback's body (and an event stream frame's data): one schema per kind of event",
+        "oneOf": [{"$ref": ref} for ref in mapping.values()],
+        "discriminator": {"propertyName": "event", "mapping": mapping},
+    }
+    components["schemas"]["EventAnswer"]["description"] = (schemas.EventAnswer.__doc__ or "").replace("\n    ", " ")
+    parameters = components.setdefault("parameters", {})
+    for header, description in SIGNATURE_HEADERS.items():
+        schema: dict[str, Any] = {"type": "string"}
+        if header in _HEADER_PATTERNS:
+            schema["pattern"] = _HEADER_PATTERNS[header]
+        if header == "X-Voice-Tools-Event":
+            schema["enum"] = list(schemas.EVENT_SCHEMAS)
+        parameters[_header_parameter_name(header)] = {
+            "in": "header", "name": header, "required": header in _ALWAYS_SENT,
+            "description": description, "schema": schema}
+    headers = [{"$ref": f"#/components/parameters/{_header_parameter_name(h)}"} for h in SIGNATURE_HEADERS]
+
+    def delivery(summary: str, body: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary, "parameters": headers,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": "Received (any 2xx); the answer may cancel the call",
+                                  "content": {"application/json": {"schema": _ref("EventAnswer")}}},
+                          "default": {"description": "Not received: the delivery is retried with backoff"}},
+        }}
+
+    callbacks: dict[str, Any] = {
+        "{$request.body#/callback_url}": delivery(
+            "Every event of the call that callback_urls does not send elsewhere", _ref("CallbackEvent")),
+    }
+    for kind, schema in schemas.EVENT_SCHEMAS.items():
+        callbacks[f"{{$request.body#/callback_urls/{kind}}}"] = delivery(
+            f"The call's {kind} events, when callback_urls names a URL for them", _ref(schema.__name__))
+    components["callbacks"] = {"CallEvents": callbacks}
+    for path_item in document["paths"].values():
+        for operation in path_item.values():
+            if _takes_callback_url(operation, components["schemas"]):
+                operation["callbacks"] = {"events": {"$ref": "#/components/callbacks/CallEvents"}}
+
+
+def _takes_callback_url(operation: dict[str, Any], components: dict[str, Any]) -> bool:
+    body = operation.get("requestBody")
+    if not body:
+        return False
+    schema = _resolve(body["content"]["application/json"]["schema"], components)
+    variants = [_resolve(variant, components) for variant in schema.get("oneOf", [])] or [schema]
+    return all("callback_url" in variant.get("properties", {}) for variant in variants)
