@@ -52,7 +52,9 @@ RULES = (
     "rule every request string's pattern states (no NUL nor other control character but tab, newline and "
     "carriage return); a callback URL's host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
     "(configuration: a URL the schema allows may be refused with 422); `parameters` of /voice-tools/modify "
-    "are checked against the parameters of the call's own tool; a tool's `reference_context` must name a "
+    "are checked against the parameters of the call's own tool; a pending or execute body may name its tool "
+    "in `function_name` alone instead of `function` (the older form; given both, they must agree); a tool's "
+    "`reference_context` must name a "
     "session context stored for the session; the dates, times and time zones of tool parameters must be "
     f"readable (ISO 8601, IANA names). The request line is at most {MAX_REQUEST_LINE} bytes (414), a header "
     f"at most {MAX_HEADER_BYTES} bytes and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB "
@@ -122,6 +124,19 @@ def alias_of(endpoint: str, app: Flask) -> str | None:
     return _PATH_ARG.sub(r"{\1}", rule.rule)
 
 
+def operation_id(endpoint: str, method: str | None = None) -> str:
+    """An operation's id, from its view's name in camelCase (``api.session_context``: sessionContext);
+    an n8n-compatible alias's begins with ``webhook`` (webhookSessionContext); ``method`` is added when
+    one route takes several."""
+    blueprint, name = endpoint.split(".", 1)
+    words = [word for word in name.split("_") if word]
+    if blueprint == "n8n":
+        words.insert(0, "webhook")
+    if method:
+        words.append(method.lower())
+    return words[0] + "".join(word.title() for word in words[1:])
+
+
 def build(app: Flask) -> dict[str, Any]:
     spec = APISpec(
         title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
@@ -145,12 +160,17 @@ def build(app: Flask) -> dict[str, Any]:
         meta = getattr(app.view_functions[rule.endpoint], "openapi", {"summary": rule.endpoint})
         path = _PATH_ARG.sub(r"{\1}", rule.rule)
         canonical = alias_of(rule.endpoint, app)
-        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+        methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
+        for method in methods:
             operation = _operation(meta, sorted(rule.arguments))
+            operation["operationId"] = operation_id(rule.endpoint, method if len(methods) > 1 else None)
             if canonical:
                 operation["summary"] = f"n8n-compatible alias of {canonical}: {operation['summary']}"
                 operation["x-alias-of"] = canonical
             paths.setdefault(path, {})[method.lower()] = operation
+    ids = [operation["operationId"] for item in paths.values() for operation in item.values()]
+    if len(ids) != len(set(ids)):
+        raise ValueError(f"operationIds used twice: {sorted({i for i in ids if ids.count(i) > 1})}")
     for path in sorted(paths):
         spec.path(path=path, operations=paths[path])
     document = spec.to_dict()
@@ -169,25 +189,34 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def _pending_per_tool(components: dict[str, Any]) -> None:
-    """PendingRequest as one variant per tool: the tool named (function or function_name, or
-    both alike) and its own parameters, so a body the document allows names a tool and fits it."""
+    """PendingRequest as one typed variant per tool, discriminated by ``function`` (the tool's name):
+    that tool's own parameters (its schema in the tool registry), so a body the document allows names
+    a tool and fits it, and a generated client has one type per tool. ``function_name`` may repeat
+    the name; a body naming its tool in ``function_name`` alone is accepted too (RULES says so)."""
     base = components["PendingRequest"]
-    variants = []
+    mapping = {}
     for name in tools.names():
         tool = tools.TOOLS[name]
         variant = copy.deepcopy(base)
-        for key in ("function", "function_name"):
-            variant["properties"][key] = {**variant["properties"][key], "enum": [name]}
+        variant["properties"]["function"] = {**variant["properties"]["function"], "enum": [name],
+                                             "description": "The tool's name: this variant's"}
+        variant["properties"]["function_name"] = {**variant["properties"]["function_name"], "enum": [name],
+                                                  "description": "The tool's name again (optional; the same)"}
         parameters = tool.schema.__name__
-        variant["properties"]["parameters"] = {"description": base["properties"]["parameters"]["description"],
-                                               "allOf": [_ref(parameters)]}
+        variant["properties"]["parameters"] = {"description": f"The arguments of {name}", "allOf": [_ref(parameters)]}
+        required = [*variant.get("required", []), "function"]
         if components[parameters].get("required"):
-            variant["required"] = [*variant.get("required", []), "parameters"]
-        variant["anyOf"] = [{"required": ["function"]}, {"required": ["function_name"]}]
+            required.append("parameters")
+        variant["required"] = required
+        variant["description"] = f"A call of {name}"
         variant_name = "Pending" + "".join(part.title() for part in name.split("_"))
         components[variant_name] = variant
-        variants.append(_ref(variant_name))
-    components["PendingRequest"] = {"description": "A tool call: one variant per tool", "oneOf": variants}
+        mapping[name] = _ref(variant_name)["$ref"]
+    components["PendingRequest"] = {
+        "description": "A tool call: one variant per tool, chosen by `function`",
+        "oneOf": [{"$ref": ref} for ref in mapping.values()],
+        "discriminator": {"propertyName": "function", "mapping": mapping},
+    }
 
 
 def _state_request_rules(operation: dict[str, Any], components: dict[str, Any], seen: set[str]) -> None:
@@ -299,11 +328,12 @@ def _describe_events(document: dict[str, Any]) -> None:
     for kind, schema in schemas.EVENT_SCHEMAS.items():
         callbacks[f"{{$request.body#/callback_urls/{kind}}}"] = delivery(
             f"The call's {kind} events, when callback_urls names a URL for them", _ref(schema.__name__))
-    components["callbacks"] = {"CallEvents": callbacks}
     for path_item in document["paths"].values():
         for operation in path_item.values():
             if _takes_callback_url(operation, components["schemas"]):
-                operation["callbacks"] = {"events": {"$ref": "#/components/callbacks/CallEvents"}}
+                # written out in each operation, not a $ref to components.callbacks: generators
+                # (openapi-python-client) read no reference there
+                operation["callbacks"] = {"events": copy.deepcopy(callbacks)}
 
 
 def _takes_callback_url(operation: dict[str, Any], components: dict[str, Any]) -> bool:

@@ -4,6 +4,13 @@ callback URL, the signature headers, the event stream's frames), and the bodies 
 really sends, by callback and on the stream, match those schemas (``openapi-schema-validator``)."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from openapi_schema_validator import OAS30Validator
 from openapi_spec_validator import validate
@@ -11,7 +18,7 @@ from openapi_spec_validator import validate
 from models import db, events, lifecycle
 from tasks import chains, tools
 from tasks.calls import actions, schemas
-from tests.conftest import AUTH
+from tests.conftest import API_TOKEN, AUTH
 from tests.helpers import make_call, wait_status
 from support.sse_client import Stream
 
@@ -58,9 +65,9 @@ def test_every_event_kind_has_its_schema_and_the_callbacks_carry_them(document):
         assert ("post", path) in taking, path
     assert ("post", "/voice-tools/resume/{tool_call_id}") not in taking
     assert ("post", "/voice-tools/modify/{tool_call_id}") not in taking
+    made = document["paths"]["/voice-tools/pending"]["post"]["callbacks"]["events"]
     for method, path in taking:
-        assert document["paths"][path][method]["callbacks"] == {"events": {"$ref": "#/components/callbacks/CallEvents"}}
-    made = components["callbacks"]["CallEvents"]
+        assert document["paths"][path][method]["callbacks"] == {"events": made}
     assert set(made) == {"{$request.body#/callback_url}"} | {f"{{$request.body#/callback_urls/{kind}}}"
                                                               for kind in events.KINDS}
     assert made["{$request.body#/callback_url}"]["post"]["requestBody"]["content"]["application/json"][
@@ -132,3 +139,110 @@ def test_every_stream_frame_matches_its_kinds_schema(worker, relay, document, ap
         union.validate(data)
         described = document["components"]["schemas"][schemas.EVENT_SCHEMAS[kind].__name__]
         assert set(data) == set(described["properties"]) - {"sent_at"}  # sent_at: callbacks only
+
+
+# -- operations: ids, typed bodies ---------------------------------------------------------------
+
+def test_every_operation_has_a_unique_operation_id(document):
+    ids = [(operation.get("operationId"), method, path) for path, item in document["paths"].items()
+           for method, operation in item.items()]
+    assert all(re.fullmatch(r"[a-z][A-Za-z0-9]*", operation_id or "") for operation_id, _, _ in ids), ids
+    assert len({operation_id for operation_id, _, _ in ids}) == len(ids)
+    named = {(method, path): operation_id for operation_id, method, path in ids}
+    assert named[("post", "/voice-tools/pending")] == "pending"
+    assert named[("post", "/webhook/voice-tools/pending")] == "webhookPending"
+    assert named[("get", "/voice-tools/session-context")] == "sessionContext"
+
+
+def test_pending_and_execute_take_one_typed_body_per_tool_chosen_by_function(document):
+    schemas_ = document["components"]["schemas"]
+    union = schemas_["PendingRequest"]
+    assert union["discriminator"]["propertyName"] == "function"
+    mapping = union["discriminator"]["mapping"]
+    assert list(mapping) == tools.names()
+    assert [ref["$ref"] for ref in union["oneOf"]] == list(mapping.values())
+    for name, ref in mapping.items():
+        variant = schemas_[ref.rsplit("/", 1)[1]]
+        assert variant["properties"]["function"]["enum"] == [name] and "function" in variant["required"]
+        assert variant["properties"]["parameters"]["allOf"] == [
+            {"$ref": f"#/components/schemas/{tools.TOOLS[name].schema.__name__}"}]  # the registry's schema
+    for path in ("/voice-tools/pending", "/voice-tools/execute"):
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PendingRequest"}
+
+
+def test_callback_url_fields_are_described_apart(document):
+    schemas_ = document["components"]["schemas"]
+    described = {kind: schemas_["CallbackUrls"]["properties"][kind]["description"] for kind in events.KINDS}
+    assert len(set(described.values())) == len(events.KINDS)
+    for kind, description in described.items():
+        assert f"the call's {kind} events" in description
+    general = schemas_["ConfirmRequest"]["properties"]["callback_url"]["description"]
+    assert general not in described.values() and "callback_urls does not send elsewhere" in general
+
+
+USE_THE_CLIENT = '''
+from voice_tools_client import AuthenticatedClient
+from voice_tools_client.api.default import pending
+from voice_tools_client.models import (PendingAnswer, PendingSendEmail, PendingSendEmailFunction,
+                                       SendEmailParameters)
+
+
+def record(base_url: str, token: str) -> PendingAnswer:
+    client = AuthenticatedClient(base_url=base_url, token=token)
+    body = PendingSendEmail(session_id="sess_generated", function=PendingSendEmailFunction.SEND_EMAIL,
+                            parameters=SendEmailParameters(to="john@example.com", subject="Generated"))
+    answer = pending.sync(client=client, body=body)
+    assert isinstance(answer, PendingAnswer), answer
+    return answer
+'''
+
+MISUSE_THE_CLIENT = '''
+from voice_tools_client import AuthenticatedClient
+from voice_tools_client.api.default import pending
+from voice_tools_client.models import PendingSendEmail, PendingSendEmailFunction, SearchContactsParameters
+
+client = AuthenticatedClient(base_url="http://127.0.0.1", token="t")
+pending.sync(client=client, body={"function": "send_email"})
+PendingSendEmail(session_id="s", function=PendingSendEmailFunction.SEND_EMAIL,
+                 parameters=SearchContactsParameters(name="John"))
+'''
+
+
+@pytest.mark.slow
+def test_a_generated_python_client_types_the_calls_and_records_one(document, api_url, tmp_path, monkeypatch):
+    """openapi-python-client turns the document into a client whose pending body is one type per tool:
+    mypy accepts a well-typed call and refuses an untyped body or another tool's parameters, and the
+    call works against the API."""
+    spec = tmp_path / "openapi.json"
+    spec.write_text(json.dumps(document))
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    made = subprocess.run([str(bin_dir / "openapi-python-client"), "generate", "--path", str(spec), "--meta", "none",
+                           "--output-path", str(tmp_path / "voice_tools_client")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "Warning" not in made.stdout + made.stderr, made.stdout + made.stderr
+    (tmp_path / "use_client.py").write_text(USE_THE_CLIENT)
+    (tmp_path / "misuse_client.py").write_text(MISUSE_THE_CLIENT)
+
+    def mypy(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent",
+                               "--cache-dir", str(tmp_path / ".mypy_cache"), name],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+    typed = mypy("use_client.py")
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    misused = mypy("misuse_client.py")
+    assert misused.returncode == 1, misused.stdout + misused.stderr
+    assert 'Argument "body" to "sync" has incompatible type "dict[str, str]"' in misused.stdout, misused.stdout
+    assert 'Argument "parameters" to "PendingSendEmail" has incompatible type "SearchContactsParameters"' \
+        in misused.stdout, misused.stdout
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from use_client import record
+
+    answer = record(api_url, API_TOKEN)
+    assert answer.status == "PENDING" and answer.function_name == "send_email"
+    assert answer.tool_call_id.startswith("tc_")

@@ -87,24 +87,29 @@ def _allowed_callback_url(url: str) -> None:
         raise ValidationError(f"callback_url {reason}.")
 
 
-def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
+def CallbackUrl(where: str = "Where the call's events go (each one callback_urls does not send elsewhere)",
+                **kwargs: Any) -> fields.String:  # noqa: N802
     return fields.String(
         validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
-        metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
+        metadata={"description": f"{where}; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
                   "format": "uri", "pattern": "^https?://[^/?#\\x00-\\x20]+[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"},
         **kwargs,
     )
 
 
+def _event_url(kind: str) -> fields.String:
+    return CallbackUrl(f"Where the call's {kind} events go, instead of callback_url")
+
+
 class CallbackUrls(Strict):
     """A URL per event (a relay written for the n8n workflows: /tool-progress, /tool-checkpoint, /tool-complete)."""
 
-    progress = CallbackUrl()
-    checkpoint = CallbackUrl()
-    completed = CallbackUrl()
-    failed = CallbackUrl()
-    cancelled = CallbackUrl()
-    expired = CallbackUrl()
+    progress = _event_url("progress")
+    checkpoint = _event_url("checkpoint")
+    completed = _event_url("completed")
+    failed = _event_url("failed")
+    cancelled = _event_url("cancelled")
+    expired = _event_url("expired")
 
 
 def CallbackUrlsField(**kwargs: Any) -> fields.Nested:  # noqa: N802
