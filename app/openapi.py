@@ -5,8 +5,11 @@ app's URL map, so every route is listed, and apispec's marshmallow plugin turns 
 schemas into components. The document then states the rules the loaders enforce that
 apispec does not carry over: PendingRequest as one variant per tool (the tool named and
 its own parameters), every request string's TEXT_PATTERN (``schemas.Strict``), a body
-with a required field required; and in words (RULES) what a schema cannot say.
-tests/test_api_schemathesis.py holds the server to it.
+with a required field required; and in words (RULES) what a schema cannot say. It also
+describes every callback event (:func:`_describe_events`): one schema per kind, the OpenAPI 3.0
+``callbacks`` of every operation that takes a callback URL, the signature headers.
+tests/test_api_schemathesis.py holds the server to it; tests/test_openapi.py validates it and
+holds the events sent to their schemas.
 """
 from __future__ import annotations
 
@@ -49,7 +52,9 @@ RULES = (
     "rule every request string's pattern states (no NUL nor other control character but tab, newline and "
     "carriage return); a callback URL's host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
     "(configuration: a URL the schema allows may be refused with 422); `parameters` of /voice-tools/modify "
-    "are checked against the parameters of the call's own tool; a tool's `reference_context` must name a "
+    "are checked against the parameters of the call's own tool; a pending or execute body may name its tool "
+    "in `function_name` alone instead of `function` (the older form; given both, they must agree); a tool's "
+    "`reference_context` must name a "
     "session context stored for the session; the dates, times and time zones of tool parameters must be "
     f"readable (ISO 8601, IANA names). The request line is at most {MAX_REQUEST_LINE} bytes (414), a header "
     f"at most {MAX_HEADER_BYTES} bytes and at most {MAX_HEADER_FIELDS} headers (431), a body at most 256 KiB "
@@ -118,6 +123,19 @@ def alias_of(endpoint: str, app: Flask) -> str | None:
     return _PATH_ARG.sub(r"{\1}", rule.rule)
 
 
+def operation_id(endpoint: str, method: str | None = None) -> str:
+    """An operation's id, from its view's name in camelCase (``api.session_context``: sessionContext);
+    an n8n-compatible alias's begins with ``webhook`` (webhookSessionContext); ``method`` is added when
+    one route takes several."""
+    blueprint, name = endpoint.split(".", 1)
+    words = [word for word in name.split("_") if word]
+    if blueprint == "n8n":
+        words.insert(0, "webhook")
+    if method:
+        words.append(method.lower())
+    return words[0] + "".join(word.title() for word in words[1:])
+
+
 def build(app: Flask) -> dict[str, Any]:
     spec = APISpec(
         title="voice-tools", version="0.1.0", openapi_version="3.0.3", plugins=[MarshmallowPlugin()],
@@ -126,6 +144,9 @@ def build(app: Flask) -> dict[str, Any]:
     )
     for tool in tools.TOOLS.values():
         spec.components.schema(tool.schema.__name__, schema=tool.schema)
+    for event_schema in schemas.EVENT_SCHEMAS.values():
+        spec.components.schema(event_schema.__name__, schema=event_schema)
+    spec.components.schema("EventAnswer", schema=schemas.EventAnswer)
     spec.components.security_scheme("bearer", {
         "type": "http", "scheme": "bearer",
         "description": "A token of VOICE_TOOLS_API_TOKENS (name:token[:admin]). A caller sees and acts on only "
@@ -138,12 +159,17 @@ def build(app: Flask) -> dict[str, Any]:
         meta = getattr(app.view_functions[rule.endpoint], "openapi", {"summary": rule.endpoint})
         path = _PATH_ARG.sub(r"{\1}", rule.rule)
         canonical = alias_of(rule.endpoint, app)
-        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+        methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
+        for method in methods:
             operation = _operation(meta, sorted(rule.arguments))
+            operation["operationId"] = operation_id(rule.endpoint, method if len(methods) > 1 else None)
             if canonical:
                 operation["summary"] = f"n8n-compatible alias of {canonical}: {operation['summary']}"
                 operation["x-alias-of"] = canonical
             paths.setdefault(path, {})[method.lower()] = operation
+    ids = [operation["operationId"] for item in paths.values() for operation in item.values()]
+    if len(ids) != len(set(ids)):
+        raise ValueError(f"operationIds used twice: {sorted({i for i in ids if ids.count(i) > 1})}")
     for path in sorted(paths):
         spec.path(path=path, operations=paths[path])
     document = spec.to_dict()
@@ -153,6 +179,7 @@ def build(app: Flask) -> dict[str, Any]:
     for path_item in document["paths"].values():
         for operation in path_item.values():
             _state_request_rules(operation, components, marked)
+    _describe_events(document)
     return document
 
 
@@ -161,25 +188,34 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def _pending_per_tool(components: dict[str, Any]) -> None:
-    """PendingRequest as one variant per tool: the tool named (function or function_name, or
-    both alike) and its own parameters, so a body the document allows names a tool and fits it."""
+    """PendingRequest as one typed variant per tool, discriminated by ``function`` (the tool's name):
+    that tool's own parameters (its schema in the tool registry), so a body the document allows names
+    a tool and fits it, and a generated client has one type per tool. ``function_name`` may repeat
+    the name; a body naming its tool in ``function_name`` alone is accepted too (RULES says so)."""
     base = components["PendingRequest"]
-    variants = []
+    mapping = {}
     for name in tools.names():
         tool = tools.TOOLS[name]
         variant = copy.deepcopy(base)
-        for key in ("function", "function_name"):
-            variant["properties"][key] = {**variant["properties"][key], "enum": [name]}
+        variant["properties"]["function"] = {**variant["properties"]["function"], "enum": [name],
+                                             "description": "The tool's name: this variant's"}
+        variant["properties"]["function_name"] = {**variant["properties"]["function_name"], "enum": [name],
+                                                  "description": "The tool's name again (optional; the same)"}
         parameters = tool.schema.__name__
-        variant["properties"]["parameters"] = {"description": base["properties"]["parameters"]["description"],
-                                               "allOf": [_ref(parameters)]}
+        variant["properties"]["parameters"] = {"description": f"The arguments of {name}", "allOf": [_ref(parameters)]}
+        required = [*variant.get("required", []), "function"]
         if components[parameters].get("required"):
-            variant["required"] = [*variant.get("required", []), "parameters"]
-        variant["anyOf"] = [{"required": ["function"]}, {"required": ["function_name"]}]
+            required.append("parameters")
+        variant["required"] = required
+        variant["description"] = f"A call of {name}"
         variant_name = "Pending" + "".join(part.title() for part in name.split("_"))
         components[variant_name] = variant
-        variants.append(_ref(variant_name))
-    components["PendingRequest"] = {"description": "A tool call: one variant per tool", "oneOf": variants}
+        mapping[name] = _ref(variant_name)["$ref"]
+    components["PendingRequest"] = {
+        "description": "A tool call: one variant per tool, chosen by `function`",
+        "oneOf": [{"$ref": ref} for ref in mapping.values()],
+        "discriminator": {"propertyName": "function", "mapping": mapping},
+    }
 
 
 def _state_request_rules(operation: dict[str, Any], components: dict[str, Any], seen: set[str]) -> None:
@@ -222,3 +258,87 @@ def _mark_text(schema: Any, components: dict[str, Any], seen: set[str]) -> None:
     for key in ("allOf", "anyOf", "oneOf"):
         for sub in schema.get(key, []):
             _mark_text(sub, components, seen)
+
+
+# The signature headers of every callback (docs/relay-guide.md, Headers and signature)
+SIGNATURE_HEADERS: dict[str, str] = {
+    "webhook-id": "Standard Webhooks: the event's event_id (the same on every attempt)",
+    "webhook-timestamp": "Standard Webhooks: Unix seconds when the attempt was made",
+    "webhook-signature": "Standard Webhooks: `v1,<base64 HMAC-SHA256 of \"<webhook-id>.<webhook-timestamp>.<body>\">`, "
+                         "one per secret of VOICE_TOOLS_CALLBACK_SECRETS (whsec_...), space-separated, newest first; "
+                         "sent when that variable is set",
+    "X-Voice-Tools-Event": "The older scheme: the kind of event",
+    "X-Voice-Tools-Event-Id": "The older scheme: the event's event_id",
+    "X-Voice-Tools-Timestamp": "The older scheme: Unix seconds when the attempt was made",
+    "X-Voice-Tools-Signature": "The older scheme: `sha256=<hex HMAC-SHA256 of \"<timestamp>.<body>\">` keyed with "
+                               "VOICE_TOOLS_CALLBACK_SECRET",
+}
+_HEADER_PATTERNS = {"webhook-id": "^[0-9a-f]{32}$", "webhook-timestamp": "^[0-9]+$",
+                    "webhook-signature": "^v1,[A-Za-z0-9+/]+=*( v1,[A-Za-z0-9+/]+=*)*$",
+                    "X-Voice-Tools-Event-Id": "^[0-9a-f]{32}$", "X-Voice-Tools-Timestamp": "^[0-9]+$",
+                    "X-Voice-Tools-Signature": "^sha256=[0-9a-f]{64}$"}
+_ALWAYS_SENT = {"X-Voice-Tools-Event", "X-Voice-Tools-Event-Id", "X-Voice-Tools-Timestamp", "X-Voice-Tools-Signature"}
+
+
+def _header_parameter_name(header: str) -> str:
+    return "Header" + "".join(part.title() for part in re.split(r"[-_]", header))
+
+
+def _describe_events(document: dict[str, Any]) -> None:
+    """The events: one schema per kind (``schemas.EVENT_SCHEMAS``) and their union ``CallbackEvent``
+    (discriminated by ``event``); the callbacks every operation taking a callback URL makes (OpenAPI
+    3.0 ``callbacks``: to ``callback_url``, and to ``callback_urls.<kind>``), with the signature
+    headers; the event stream's frames, whose data is the same body."""
+    components = document["components"]
+    mapping = {kind: _ref(schema.__name__)["$ref"] for kind, schema in schemas.EVENT_SCHEMAS.items()}
+    for kind, schema in schemas.EVENT_SCHEMAS.items():
+        components["schemas"][schema.__name__]["description"] = schemas.EVENT_DESCRIPTIONS[kind]
+    components["schemas"]["CallbackEvent"] = {
+        "description": "A callback's body (and an event stream frame's data): one schema per kind of event",
+        "oneOf": [{"$ref": ref} for ref in mapping.values()],
+        "discriminator": {"propertyName": "event", "mapping": mapping},
+    }
+    components["schemas"]["EventAnswer"]["description"] = (schemas.EventAnswer.__doc__ or "").replace("\n    ", " ")
+    parameters = components.setdefault("parameters", {})
+    for header, description in SIGNATURE_HEADERS.items():
+        schema: dict[str, Any] = {"type": "string"}
+        if header in _HEADER_PATTERNS:
+            schema["pattern"] = _HEADER_PATTERNS[header]
+        if header == "X-Voice-Tools-Event":
+            schema["enum"] = list(schemas.EVENT_SCHEMAS)
+        parameters[_header_parameter_name(header)] = {
+            "in": "header", "name": header, "required": header in _ALWAYS_SENT,
+            "description": description, "schema": schema}
+    headers = [{"$ref": f"#/components/parameters/{_header_parameter_name(h)}"} for h in SIGNATURE_HEADERS]
+
+    def delivery(summary: str, body: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary, "parameters": headers,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": "Received (any 2xx); the answer may cancel the call",
+                                  "content": {"application/json": {"schema": _ref("EventAnswer")}}},
+                          "default": {"description": "Not received: the delivery is retried with backoff"}},
+        }}
+
+    callbacks: dict[str, Any] = {
+        "{$request.body#/callback_url}": delivery(
+            "Every event of the call that callback_urls does not send elsewhere", _ref("CallbackEvent")),
+    }
+    for kind, schema in schemas.EVENT_SCHEMAS.items():
+        callbacks[f"{{$request.body#/callback_urls/{kind}}}"] = delivery(
+            f"The call's {kind} events, when callback_urls names a URL for them", _ref(schema.__name__))
+    for path_item in document["paths"].values():
+        for operation in path_item.values():
+            if _takes_callback_url(operation, components["schemas"]):
+                # written out in each operation, not a $ref to components.callbacks: generators
+                # (openapi-python-client) read no reference there
+                operation["callbacks"] = {"events": copy.deepcopy(callbacks)}
+
+
+def _takes_callback_url(operation: dict[str, Any], components: dict[str, Any]) -> bool:
+    body = operation.get("requestBody")
+    if not body:
+        return False
+    schema = _resolve(body["content"]["application/json"]["schema"], components)
+    variants = [_resolve(variant, components) for variant in schema.get("oneOf", [])] or [schema]
+    return all("callback_url" in variant.get("properties", {}) for variant in variants)

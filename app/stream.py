@@ -5,15 +5,18 @@ themselves (``callback_deliveries``, one source of truth; an event with no callb
 is recorded too), each sent as::
 
     id: <event_id>
+    event: <its kind: progress, checkpoint, completed, failed, cancelled or expired>
     data: <the callback body, JSON>
 
+after a first ``retry:`` line (how many milliseconds a client waits before it reconnects),
 in the stable order ``models/listen.py`` reads them in, woken by its LISTEN/NOTIFY
 listener; a client that reconnects with ``Last-Event-ID`` (the header, or the
 ``last_event_id`` query parameter for clients that cannot set headers) gets exactly what
 it missed: no loss, no duplicate. A call's own events are also in ``seq`` order. A
 keep-alive comment is written every ``KEEPALIVE_S`` seconds. Each open stream holds one
 gunicorn thread (docs/operations.md, "Event streams, waits and threads"), and so one slot of its
-caller's open share (``app/shares.py``) until it closes: past the share, 429.
+caller's open share (``app/shares.py``) until it closes: past the share, 429. Browsers are not
+served: an ``EventSource`` cannot send the ``Authorization`` header every request needs.
 """
 from __future__ import annotations
 
@@ -28,12 +31,14 @@ from marshmallow import RAISE, Schema, fields
 from app import inputs, shares
 from app.openapi import doc
 from models import listen
+from models.events import KINDS as EVENT_KINDS
 from tasks.calls import schemas
 from tasks.calls.errors import validation_error
 
 bp = Blueprint("events", __name__)
 
 KEEPALIVE_S = 15.0
+RETRY_MS = 2000  # the stream's ``retry:`` hint: how long a client waits before reconnecting
 # every event id is 32 lowercase hex digits (models/events.py: uuid4().hex)
 EVENT_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -59,7 +64,7 @@ def _cursor_after(session_id: str, last_event_id: str | None, caller: str | None
 
 
 def _frame(event_id: str, payload: dict[str, Any]) -> str:
-    return f"id: {event_id}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"id: {event_id}\nevent: {payload['event']}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
@@ -67,7 +72,7 @@ def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
     """The session's events numbered after ``after`` (``models/listen.py``) as frames, then new ones as they are recorded,
     with keep-alive comments; only those of ``caller``'s calls when it is given (None: an
     operator's, every event). The stream's ``slot`` of its caller's open share is renewed as it goes."""
-    yield ": voice-tools event stream\n\n"
+    yield f": voice-tools event stream\nretry: {RETRY_MS}\n\n"
     with closing(listen.session_events(session_id, after, keepalive_s, caller)) as events:
         for event in events:  # a client gone closes this generator, and so the listener's subscription
             if slot is not None:
@@ -77,10 +82,21 @@ def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
 
 @bp.get("/voice-tools/events/<session_id>")
 @doc("The session's events as Server-Sent Events (resumable with Last-Event-ID)", query=EventsQuery,
-     responses={200: ("text/event-stream", "`id: <event_id>` and `data: <the callback body>` per event",
-                      {"type": "object", "required": ["data"],
-                       "properties": {"id": {"type": "string"},
-                                      "data": {"type": "string", "description": "The callback body (JSON)"}}})})
+     responses={200: ("text/event-stream",
+                      "A first `retry: <milliseconds>` line, then per event `id: <event_id>`, `event: <kind>` and "
+                      "`data: <the callback body>` (a CallbackEvent, without sent_at), and a `: keep-alive` comment "
+                      f"every {KEEPALIVE_S:g} s. Browsers are not served (an EventSource cannot send Authorization)",
+                      {"type": "object", "required": ["id", "event", "data"],
+                       "properties": {
+                           "id": {"type": "string", "description": "The event's event_id: Last-Event-ID resumes after "
+                                                                   "it", "pattern": "^[0-9a-f]{32}$"},
+                           "event": {"type": "string", "enum": list(EVENT_KINDS),
+                                     "description": "The kind of event (addEventListener(kind))"},
+                           "data": {"type": "string", "description": "The callback body as JSON: "
+                                                                     "#/components/schemas/CallbackEvent (no sent_at)",
+                                    "x-json-schema": {"$ref": "#/components/schemas/CallbackEvent"}},
+                           "retry": {"type": "integer", "description": "Sent once, first: milliseconds to wait "
+                                                                      "before reconnecting"}}})})
 def events(session_id: str):
     session_id = schemas.load(schemas.SessionPath, {"session_id": session_id})["session_id"]
     query = schemas.load(EventsQuery, inputs.query())

@@ -19,7 +19,13 @@ from sqlalchemy.sql.dml import Insert
 from sqlalchemy.types import DateTime, String, Text
 
 from models import settings
-from models.calls import EXECUTING, PENDING, PREPARED, CallbackDelivery
+from models.calls import CANCELLED, COMPLETED, EXECUTING, EXPIRED, FAILED, PENDING, PREPARED, CallbackDelivery
+
+
+# every kind of event, and the status a call has in the event of each kind (the OpenAPI document's event schemas)
+KINDS = ("progress", "checkpoint", "completed", "failed", "cancelled", "expired")
+STATUS_OF = {"progress": EXECUTING, "checkpoint": PREPARED, "completed": COMPLETED, "failed": FAILED,
+             "cancelled": CANCELLED, "expired": EXPIRED}
 
 
 def actions_available(status: str) -> list[str]:

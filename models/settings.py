@@ -35,6 +35,7 @@ class Settings:
     broker_url: str
     api_tokens: list[str]
     callback_secret: str
+    callback_secrets: list[str]  # Standard Webhooks secrets (whsec_...), newest first; empty: that scheme unsent
     callback_hosts: list[str]
     callback_proxy: str
     callback_timeout: float
@@ -167,6 +168,7 @@ def load() -> Settings:
         broker_url=os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL", ""),
         api_tokens=api_tokens(),
         callback_secret=os.environ.get("VOICE_TOOLS_CALLBACK_SECRET", ""),
+        callback_secrets=_list("VOICE_TOOLS_CALLBACK_SECRETS"),
         callback_hosts=_list("VOICE_TOOLS_CALLBACK_HOSTS"),
         callback_proxy=os.environ.get("VOICE_TOOLS_CALLBACK_PROXY", "").strip(),
         callback_timeout=_float("VOICE_TOOLS_CALLBACK_TIMEOUT", 2.0),

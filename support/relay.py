@@ -1,7 +1,8 @@
 """A relay stand-in: a real local HTTP server that receives callbacks.
 
-It checks every request's signature (``tasks.delivery.signing.verify``: a bad one is
-answered 401 and counted in ``bad_signatures``), records the events in order, and
+It checks every request's signature (``tasks.delivery.signing.verify``, and
+``verify_standard`` too when it is given ``webhook_secrets``: a bad one is answered 401 and
+counted in ``bad_signatures``), records the events in order, and
 answers as programmed: ``relay.answer(lambda event: {...})`` returns the JSON to send
 back (or an int status, or ``None`` for ``{"received": true}``); ``relay.delay`` makes it
 slow; ``relay.down()`` closes its port (a connection is refused) and ``relay.up()``
@@ -15,14 +16,16 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from tasks.delivery.signing import verify
+from tasks.delivery.signing import verify, verify_standard
 
 
 class Relay:
-    def __init__(self, secret: str):
+    def __init__(self, secret: str, webhook_secrets: list[str] | None = None):
         self.secret = secret
+        self.webhook_secrets = webhook_secrets or []  # Standard Webhooks secrets: checked too when given
         self.events: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.bodies: list[bytes] = []  # the raw body of each event, beside ``events`` (what was signed)
         self.paths: list[str] = []  # the path each event was posted to, beside ``events``
         self.bad_signatures = 0
         self.delay = 0.0
@@ -36,7 +39,8 @@ class Relay:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if not verify(relay.secret, self.headers, body):
+                if not verify(relay.secret, self.headers, body) or (
+                        relay.webhook_secrets and not verify_standard(relay.webhook_secrets, self.headers, body)):
                     with relay._lock:
                         relay.bad_signatures += 1
                     self._reply(401, {"error": "bad signature"})
@@ -48,6 +52,7 @@ class Relay:
                 with relay._lock:
                     relay.events.append(event)
                     relay.headers.append(dict(self.headers))
+                    relay.bodies.append(body)
                     relay.paths.append(self.path)
                     relay._lock.notify_all()
                 if isinstance(answer, int):

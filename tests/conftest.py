@@ -26,6 +26,8 @@ AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 os.environ.setdefault("VOICE_TOOLS_API_TOKENS", f"tests:{API_TOKEN}")
 os.environ.setdefault("VOICE_TOOLS_CALLBACK_SECRET", "test-callback-secret")
+# Standard Webhooks (whsec_ + base64 of 32 bytes): every callback of the tests carries both schemes
+os.environ.setdefault("VOICE_TOOLS_CALLBACK_SECRETS", "whsec_dGVzdC1jYWxsYmFjay1zZWNyZXQtb2YtMzItYnl0ZXM=")
 os.environ.setdefault("VOICE_TOOLS_CALLBACK_HOSTS", "127.0.0.1,localhost")
 os.environ.setdefault("VOICE_TOOLS_CALLBACK_TIMEOUT", "2")
 
@@ -164,8 +166,10 @@ def worker(_session_worker, celery_app_instance):
 
 @pytest.fixture
 def relay():
-    """A real HTTP receiver that checks signatures and records every event."""
+    """A real HTTP receiver that checks both schemes' signatures and records every event."""
     from support.relay import Relay
+    from tasks.delivery.signing import parse_secrets
 
-    with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as receiver:
+    with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"],
+               webhook_secrets=parse_secrets(os.environ.get("VOICE_TOOLS_CALLBACK_SECRETS", ""))) as receiver:
         yield receiver

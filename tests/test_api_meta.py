@@ -82,8 +82,8 @@ def test_openapi_lists_every_path(client):
     assert email["additionalProperties"] is False  # unknown fields are 422
     assert email["properties"]["function"]["enum"] == email["properties"]["function_name"]["enum"] == ["send_email"]
     assert email["properties"]["parameters"]["allOf"] == [{"$ref": "#/components/schemas/SendEmailParameters"}]
-    assert sorted(email["required"]) == ["parameters", "session_id"]
-    assert email["anyOf"] == [{"required": ["function"]}, {"required": ["function_name"]}]
+    assert sorted(email["required"]) == ["function", "parameters", "session_id"]  # typed by its tool
+    assert schemas["PendingRequest"]["discriminator"]["mapping"]["send_email"] == "#/components/schemas/PendingSendEmail"
     assert "security" not in spec["paths"]["/healthz"]["get"]
     # path arguments say what they accept, as their loading schemas do
     [tool_call_id] = [p for p in confirm["parameters"] if p["in"] == "path"]

@@ -5,6 +5,7 @@ a host name resolved and refused if it points inside); nothing is sent unsigned.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -278,6 +279,17 @@ def test_an_empty_secret_sends_nothing(servers, monkeypatch):
     assert server.requests == 0
     assert refused(event_id).last_error == (
         "refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent")
+
+
+def test_a_malformed_standard_webhooks_secret_sends_nothing(servers, monkeypatch):
+    server = servers(CountingServer)
+    _, event_id = progress_event(server.url)
+    good = os.environ["VOICE_TOOLS_CALLBACK_SECRETS"]
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRETS", f"{good},plain-old-secret")
+    assert not attempts.attempt(event_id).delivered
+    assert server.requests == 0
+    assert refused(event_id).last_error == (
+        "refused: secret 2 of VOICE_TOOLS_CALLBACK_SECRETS does not start with whsec_")
 
 
 def test_the_systems_own_port_is_refused_at_delivery(servers, monkeypatch):

@@ -2,9 +2,11 @@
 on the row, the relay's answers, slow relays, allowed hosts, no redirects."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select, text
+from standardwebhooks import Webhook, WebhookVerificationError
 
 from models import db, events, lifecycle, queries
 from models.email import EmailOutbox
@@ -175,6 +178,95 @@ def test_signing_is_light_to_import():
     assert done.stdout.strip() == "[]"
 
 
+# -- Standard Webhooks ------------------------------------------------------------------------
+
+NEW_SECRET = "whsec_" + base64.b64encode(b"n" * 32).decode()
+OLD_SECRET = "whsec_" + base64.b64encode(b"o" * 32).decode()
+
+
+def _standard(secrets: list[str], at: int = SIGNED_AT, body: bytes = BODY, msg_id: str = "e" * 32) -> dict[str, str]:
+    return {"webhook-id": msg_id, "webhook-timestamp": str(at),
+            "webhook-signature": signing.sign_standard(secrets, msg_id, str(at), body)}
+
+
+def test_sign_standard_is_the_schemes_own_and_carries_one_signature_per_secret():
+    """The ``standardwebhooks`` package's own Webhook.verify accepts it, for each secret of a rotation."""
+    now = int(time.time())
+    headers = _standard([NEW_SECRET, OLD_SECRET], at=now)
+    parts = headers["webhook-signature"].split(" ")
+    assert len(parts) == 2 and all(re.fullmatch(r"v1,[A-Za-z0-9+/]{43}=", part) for part in parts)
+    assert parts[0] == signing.sign_standard([NEW_SECRET], "e" * 32, str(now), BODY)  # newest first
+    for secret in (NEW_SECRET, OLD_SECRET):
+        assert Webhook(secret).verify(BODY, headers) == json.loads(BODY)
+    with pytest.raises(WebhookVerificationError):
+        Webhook("whsec_" + base64.b64encode(b"x" * 32).decode()).verify(BODY, headers)
+    expected = base64.b64encode(hmac.new(b"n" * 32, f"{'e' * 32}.{now}.".encode() + BODY,
+                                         hashlib.sha256).digest()).decode()
+    assert parts[0] == f"v1,{expected}"  # HMAC-SHA256 over id.timestamp.body, keyed with the decoded secret
+    with pytest.raises(ValueError):
+        signing.sign_standard(["not-a-whsec"], "e" * 32, str(now), BODY)
+    with pytest.raises(ValueError):
+        signing.sign_standard([], "e" * 32, str(now), BODY)
+
+
+def test_verify_standard_accepts_any_secret_of_a_rotation_and_refuses_a_tampered_body():
+    headers = _standard([NEW_SECRET, OLD_SECRET])
+    for held in ([NEW_SECRET], [OLD_SECRET], OLD_SECRET, [OLD_SECRET, NEW_SECRET]):
+        assert signing.verify_standard(held, headers, BODY, now=SIGNED_AT), held
+    assert signing.verify_standard(NEW_SECRET, {k.upper(): v for k, v in headers.items()}, BODY, now=SIGNED_AT)
+    assert signing.verify_standard(NEW_SECRET, _standard([NEW_SECRET], at=int(time.time())), BODY)  # the clock
+    other = "whsec_" + base64.b64encode(b"x" * 32).decode()
+    assert not signing.verify_standard(other, headers, BODY, now=SIGNED_AT)
+    assert not signing.verify_standard(NEW_SECRET, headers, BODY.replace(b"1", b"2"), now=SIGNED_AT)
+    assert not signing.verify_standard(NEW_SECRET, headers, BODY + b" ", now=SIGNED_AT)
+    assert not signing.verify_standard(NEW_SECRET, dict(headers, **{"webhook-id": "f" * 32}), BODY, now=SIGNED_AT)
+    moved = dict(headers, **{"webhook-timestamp": str(SIGNED_AT + 1)})  # the timestamp is signed too
+    assert not signing.verify_standard(NEW_SECRET, moved, BODY, now=SIGNED_AT + 1)
+    assert not signing.verify_standard([], headers, BODY, now=SIGNED_AT)
+    assert not signing.verify_standard("", headers, BODY, now=SIGNED_AT)
+    assert not signing.verify_standard("not-a-whsec", headers, BODY, now=SIGNED_AT)
+
+
+@pytest.mark.parametrize("offset, accepted", [
+    (0, True), (300, True), (-300, True), (301, False), (-301, False), (86_400, False), (-10 ** 12, False),
+])
+def test_verify_standard_refuses_a_timestamp_outside_the_window(offset, accepted):
+    headers = _standard([NEW_SECRET])
+    assert signing.verify_standard(NEW_SECRET, headers, BODY, now=SIGNED_AT + offset) is accepted
+    assert signing.verify_standard(NEW_SECRET, headers, BODY, tolerance_s=10, now=SIGNED_AT + offset) is (offset == 0)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("webhook-id", None), ("webhook-timestamp", None), ("webhook-signature", None),
+    ("webhook-id", ""), ("webhook-timestamp", ""), ("webhook-signature", ""),
+    ("webhook-timestamp", "17e8"), ("webhook-timestamp", "1700000000.0"), ("webhook-timestamp", "\u0661\u0667"),
+    ("webhook-signature", "v2,good"), ("webhook-signature", "good"), ("webhook-signature", "v1,not base64!"),
+    ("webhook-signature", "v1," + base64.b64encode(b"0" * 32).decode()),
+])
+def test_verify_standard_refuses_a_missing_or_malformed_header(name, value):
+    headers = _standard([NEW_SECRET])
+    good = headers["webhook-signature"].removeprefix("v1,")
+    if value is None:
+        del headers[name]
+    else:
+        headers[name] = value.replace("good", good)
+    assert signing.verify_standard(NEW_SECRET, headers, BODY, now=SIGNED_AT) is False
+    assert signing.verify_standard(NEW_SECRET, _standard([NEW_SECRET]), b"\xff", now=SIGNED_AT) is False
+
+
+@pytest.mark.parametrize("secret, reason", [
+    (NEW_SECRET, None),
+    ("whsec_" + base64.b64encode(b"k" * 24).decode().rstrip("="), None),  # unpadded base64 is fine
+    ("n" * 44, "does not start with whsec_"),
+    ("whsec_not*base64", "is not whsec_ followed by base64"),
+    ("whsec_" + base64.b64encode(b"k" * 16).decode(), "holds a key of 16 bytes (24 to 64 wanted)"),
+    ("whsec_", "holds a key of 0 bytes (24 to 64 wanted)"),
+])
+def test_a_standard_secret_is_whsec_and_base64(secret, reason):
+    assert signing.secret_error(secret) == reason
+    assert signing.secret_error(signing.new_secret()) is None
+
+
 # docs/relay-guide.md, Event fields: every callback body carries these (null where they do not apply)
 EVENT_FIELDS = {
     "event_id", "type", "event", "tool_call_id", "intent_id", "session_id", "function_name", "parameters",
@@ -201,6 +293,10 @@ def test_every_event_is_signed_ordered_and_identified(worker, relay):
         assert re.fullmatch(r"sha256=[0-9a-f]{64}", head["X-Voice-Tools-Signature"])
         assert head["X-Voice-Tools-Timestamp"].isdigit()
         assert abs(int(head["X-Voice-Tools-Timestamp"]) - time.time()) < 300
+        # Standard Webhooks beside them: the event's id, the same timestamp
+        assert head["webhook-id"] == event["event_id"]
+        assert head["webhook-timestamp"] == head["X-Voice-Tools-Timestamp"]
+        assert re.fullmatch(r"v1,[A-Za-z0-9+/]{43}=", head["webhook-signature"])
         assert event["type"] == "tool_status" and event["tool_call_id"] == call.tool_call_id
         assert event["session_id"] == "sess_test" and event["function_name"] == "send_email"
         assert datetime.fromisoformat(event["sent_at"])
@@ -210,6 +306,47 @@ def test_every_event_is_signed_ordered_and_identified(worker, relay):
     assert len({e["event_id"] for e in received}) == 4
     rows = deliveries(call.tool_call_id)
     assert [(d.event_id, d.seq, d.event) for d in rows] == [(e["event_id"], e["seq"], e["event"]) for e in received]
+    # the scheme's own library accepts every callback
+    [secret] = signing.parse_secrets(os.environ["VOICE_TOOLS_CALLBACK_SECRETS"])
+    for event, head, body in zip(received, headers, relay.bodies):
+        assert Webhook(secret).verify(body, head) == event
+
+
+def test_during_a_rotation_every_callback_verifies_with_either_secret(relay, monkeypatch):
+    """VOICE_TOOLS_CALLBACK_SECRETS=new,old: one v1 signature per secret, newest first; the relay
+    holding the old one and the relay holding the new one both verify it (standardwebhooks' own
+    Webhook.verify, and verify_standard), the older headers stay signed with VOICE_TOOLS_CALLBACK_SECRET."""
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRETS", f"{NEW_SECRET}, {OLD_SECRET}")
+    relay.webhook_secrets = [OLD_SECRET]  # a relay not yet given the new secret
+    _, event_id = progress_event(relay.url)
+    assert attempts.attempt(event_id).delivered and relay.bad_signatures == 0
+    [head], [body] = relay.headers, relay.bodies
+    assert head["webhook-id"] == event_id and len(head["webhook-signature"].split(" ")) == 2
+    for secret in (NEW_SECRET, OLD_SECRET):
+        assert Webhook(secret).verify(body, head)["event_id"] == event_id
+        assert signing.verify_standard(secret, head, body)
+    assert signing.verify(os.environ["VOICE_TOOLS_CALLBACK_SECRET"], head, body)
+    # once the rotation is over (old secret removed), the relay still holding only the old one refuses
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRETS", NEW_SECRET)
+    _, second = progress_event(relay.url)
+    assert not attempts.attempt(second).delivered and relay.bad_signatures == 1
+    relay.webhook_secrets = [NEW_SECRET]
+    make_due(second)
+    assert attempts.attempt(second).delivered and relay.bad_signatures == 1
+
+
+def test_the_relay_refuses_a_tampered_body_or_a_replayed_callback(relay):
+    """What a relay's check refuses, on a real callback: the body changed, or the same request
+    sent again past the replay window."""
+    _, event_id = progress_event(relay.url)
+    assert attempts.attempt(event_id).delivered
+    [head], [body] = relay.headers, relay.bodies
+    [secret] = relay.webhook_secrets
+    sent_at = int(head["webhook-timestamp"])
+    assert signing.verify_standard(secret, head, body, now=sent_at + 300)
+    assert not signing.verify_standard(secret, head, body.replace(b'"progress"', b'"completed"', 1))
+    assert not signing.verify_standard(secret, head, body, now=sent_at + 301)  # stale: a replay
+    assert not signing.verify(relay.secret, head, body, now=sent_at + 301)
 
 
 def test_the_relay_catches_a_wrong_signature(relay, monkeypatch):

@@ -42,6 +42,8 @@ def test_a_relay_with_no_callback_endpoint_follows_a_call_on_the_stream(api_url,
     stream.close()
     got = [progress, checkpoint, *rest]
     assert [e["event"] for _, e in got] == ["progress", "checkpoint", "progress", "completed"]
+    assert stream.kinds == ["progress", "checkpoint", "progress", "completed"]  # `event: <kind>` per frame
+    assert stream.retry == 2000  # the reconnect hint, sent first
     assert [e["seq"] for _, e in got] == [1, 2, 3, 4]
     rows = deliveries(tool_call_id)  # the same rows as the callbacks: recorded though no URL takes them
     assert [(r.event_id, r.state, r.url) for r in rows] == [(i, "none", None) for i, _ in got]
@@ -64,6 +66,7 @@ def test_a_dropped_stream_resumes_with_last_event_id_with_no_loss_and_no_duplica
     expected = len(deliveries(first)) + len(deliveries(second))
     seen += [again.next_event() for _ in range(expected - 1)]
     again.close()
+    assert again.kinds == [e["event"] for _, e in seen[1:]]
     ids = [event_id for event_id, _ in seen]
     assert len(ids) == len(set(ids)) == expected
     assert set(ids) == {d.event_id for d in deliveries(first) + deliveries(second)}
@@ -100,7 +103,7 @@ def test_an_idle_stream_sends_keep_alive_comments_and_holds_no_connection(api_ur
     monkeypatch.setattr(stream, "KEEPALIVE_S", 0.2)
     checked_out_before = db.engine().pool.checkedout()
     gen = stream.stream("sess_idle", 0, keepalive_s=0.2)
-    assert next(gen).startswith(":")
+    assert next(gen) == ": voice-tools event stream\nretry: 2000\n\n"
     assert next(gen) == ": keep-alive\n\n"  # nothing to send: a comment after the keep-alive interval
     assert db.engine().pool.checkedout() == checked_out_before  # idle: no connection held
     gen.close()

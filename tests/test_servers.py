@@ -6,6 +6,7 @@ REDIS_URL for this run, and a server a process starts is stopped by that process
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -167,8 +168,8 @@ def test_alembic_downgrade_base_then_upgrade_head_from_the_repo_root():
 def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, monkeypatch):
     from voice_tools import launcher
 
-    for name in ("VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_HOSTS",
-                 "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "VOICE_TOOLS_WORKER_METRICS_DIR",
+    for name in ("VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_SECRETS",
+                 "VOICE_TOOLS_CALLBACK_HOSTS", "FLOWER_BASIC_AUTH", "PROMETHEUS_MULTIPROC_DIR", "VOICE_TOOLS_WORKER_METRICS_DIR",
                  "WORKER_METRICS_PORT", "PORT", "HOST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLOWER_UNAUTHENTICATED_API", "true")
@@ -178,8 +179,16 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
         path.write_text("old")
 
     env, filled = launcher.run_environment(data_dir)
-    assert set(filled) == {"VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET",
+    assert set(filled) == {"VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET", "VOICE_TOOLS_CALLBACK_SECRETS",
                            "VOICE_TOOLS_CALLBACK_HOSTS", "FLOWER_BASIC_AUTH"}
+    # both schemes' secrets: the older one, and one Standard Webhooks secret (whsec_, a 32-byte key)
+    from tasks.delivery.signing import secret_error
+    [webhook_secret] = env["VOICE_TOOLS_CALLBACK_SECRETS"].split(",")
+    assert webhook_secret.startswith("whsec_") and secret_error(webhook_secret) is None
+    assert len(base64.b64decode(webhook_secret.removeprefix("whsec_"))) == 32
+    assert webhook_secret not in "\n".join(launcher.banner(env, filled, data_dir))
+    again, _ = launcher.run_environment(data_dir)  # kept for the next run
+    assert again["VOICE_TOOLS_CALLBACK_SECRETS"] == webhook_secret
     name, token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)
     assert name == "local" and len(token) >= 24
     assert env["FLOWER_BASIC_AUTH"].startswith("admin:")

@@ -12,8 +12,9 @@ through ``reference_context``). ``--scenario all`` plays the three.
 
 Every request goes over HTTP to the running system (``voice-tools run``, which loads
 the demo data set on a fresh database); callbacks come to a small receiver this
-command serves on 127.0.0.1, which checks their signature when it knows
-``VOICE_TOOLS_CALLBACK_SECRET``. Each line the assistant would speak is printed. The
+command serves on 127.0.0.1, which checks their signatures when it knows the secrets:
+the older scheme's with ``VOICE_TOOLS_CALLBACK_SECRET``, the Standard Webhooks one with
+``VOICE_TOOLS_CALLBACK_SECRETS`` (else the ones ``voice-tools run`` made for the data dir). Each line the assistant would speak is printed. The
 exit status is 0 when every call a scenario makes ends COMPLETED.
 """
 from __future__ import annotations
@@ -25,22 +26,36 @@ import queue
 import sys
 import threading
 import uuid
+from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import requests
 
-from tasks.delivery.signing import verify
+from tasks.delivery.signing import parse_secrets, verify, verify_standard
 
 WAIT_S = 30
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """What the receiver checks a callback with: the older scheme's secret, the Standard Webhooks ones."""
+
+    older: str | None = None
+    standard: list[str] = field(default_factory=list)
+
+    def verify(self, headers: Any, body: bytes) -> bool:
+        """Both schemes' signatures, each when its secret is known (a 5-minute replay window)."""
+        return (not self.older or verify(self.older, headers, body)) and \
+            (not self.standard or verify_standard(self.standard, headers, body))
 
 
 class CallbackReceiver:
     """A relay's callback endpoint: records each event, answers ``{"received": true}``."""
 
-    def __init__(self, secret: str | None):
-        self.secret = secret
+    def __init__(self, secret: Secrets | None):
+        self.secret = secret or Secrets()
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.bad_signatures = 0
         receiver = self
@@ -51,7 +66,7 @@ class CallbackReceiver:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if receiver.secret and not verify(receiver.secret, self.headers, body):
+                if not receiver.secret.verify(self.headers, body):
                     receiver.bad_signatures += 1
                     self._reply(401, {"error": "bad signature"})
                     return
@@ -121,7 +136,7 @@ def assistant(text: str | None) -> None:
     print(f'Assistant: "{text}"', flush=True)
 
 
-def play_email(base_url: str, token: str, secret: str | None) -> list[dict[str, Any]]:
+def play_email(base_url: str, token: str, secret: Secrets | None) -> list[dict[str, Any]]:
     """The "updating email" conversation; return the final status record of the call."""
     relay = Relay(base_url, token)
     session_id = f"sess_demo_{uuid.uuid4().hex[:8]}"
@@ -196,7 +211,7 @@ def next_weekday(today: date | None = None) -> date:
     return day
 
 
-def play_calendar(base_url: str, token: str, secret: str | None) -> list[dict[str, Any]]:
+def play_calendar(base_url: str, token: str, secret: Secrets | None) -> list[dict[str, Any]]:
     """"When am I free?", then "book the first free slot"."""
     relay = Relay(base_url, token)
     session_id = f"sess_demo_{uuid.uuid4().hex[:8]}"
@@ -219,7 +234,7 @@ def play_calendar(base_url: str, token: str, secret: str | None) -> list[dict[st
     return [found, booked]
 
 
-def play_docs(base_url: str, token: str, secret: str | None) -> list[dict[str, Any]]:
+def play_docs(base_url: str, token: str, secret: Secrets | None) -> list[dict[str, Any]]:
     """Search the documents, find a contact, email the results (``reference_context``)."""
     relay = Relay(base_url, token)
     session_id = f"sess_demo_{uuid.uuid4().hex[:8]}"
@@ -248,7 +263,7 @@ def play_docs(base_url: str, token: str, secret: str | None) -> list[dict[str, A
 SCENARIOS = {"email": play_email, "calendar": play_calendar, "docs": play_docs}
 
 
-def play(base_url: str, token: str, secret: str | None, scenario: str = "email") -> list[dict[str, Any]]:
+def play(base_url: str, token: str, secret: Secrets | None, scenario: str = "email") -> list[dict[str, Any]]:
     """Play ``scenario`` (or ``all``); return the final records of the calls it made."""
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     finals: list[dict[str, Any]] = []
@@ -290,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url or os.environ.get("VOICE_TOOLS_PUBLIC_URL") or \
         f"http://127.0.0.1:{os.environ.get('PORT', '8000')}"
     token = args.token or _first_token(os.environ.get("VOICE_TOOLS_API_TOKENS", "")) or local.get("api_token")
-    secret = os.environ.get("VOICE_TOOLS_CALLBACK_SECRET") or local.get("callback_secret")
+    secret = Secrets(os.environ.get("VOICE_TOOLS_CALLBACK_SECRET") or local.get("callback_secret"),
+                     parse_secrets(os.environ.get("VOICE_TOOLS_CALLBACK_SECRETS", "")
+                                   or local.get("webhook_secret", "")))
     if not token:
         print("voice-tools demo: no API token (set VOICE_TOOLS_API_TOKENS or pass --token)", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from models import logs
+from tasks.delivery import signing
 from voice_tools.servers import LOCAL_SECRETS, _started, default_data_dir, ensure_servers, migrate, stop_servers
 
 PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
@@ -55,6 +56,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
     wanted = {
         "api_token": lambda: secrets.token_urlsafe(24),
         "callback_secret": lambda: secrets.token_urlsafe(32),
+        "webhook_secret": signing.new_secret,  # Standard Webhooks: whsec_ + base64 of 32 random bytes
         "flower_password": lambda: secrets.token_urlsafe(12),
     }
     if not all(stored.get(key) for key in wanted):
@@ -66,6 +68,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
     return {
         "VOICE_TOOLS_API_TOKENS": f"local:{stored['api_token']}",
         "VOICE_TOOLS_CALLBACK_SECRET": stored["callback_secret"],
+        "VOICE_TOOLS_CALLBACK_SECRETS": stored["webhook_secret"],
         "VOICE_TOOLS_CALLBACK_HOSTS": "127.0.0.1,localhost",
         "FLOWER_BASIC_AUTH": f"admin:{stored['flower_password']}",
     }

@@ -12,11 +12,12 @@ import re
 import functools
 from typing import Any
 
-from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate
+from marshmallow import INCLUDE, RAISE, Schema, ValidationError, fields, post_load, validate
 
 from tasks import tools
 from tasks.delivery import url_policy
 from models import events
+from models.calls import STATUSES
 
 MAX_TEXT = 1000  # message and voice_response (docs/relay-guide.md, "A call's life")
 
@@ -86,24 +87,29 @@ def _allowed_callback_url(url: str) -> None:
         raise ValidationError(f"callback_url {reason}.")
 
 
-def CallbackUrl(**kwargs: Any) -> fields.String:  # noqa: N802
+def CallbackUrl(where: str = "Where the call's events go (each one callback_urls does not send elsewhere)",
+                **kwargs: Any) -> fields.String:  # noqa: N802
     return fields.String(
         validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
-        metadata={"description": "Where progress callbacks go; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
+        metadata={"description": f"{where}; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
                   "format": "uri", "pattern": "^https?://[^/?#\\x00-\\x20]+[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"},
         **kwargs,
     )
 
 
+def _event_url(kind: str) -> fields.String:
+    return CallbackUrl(f"Where the call's {kind} events go, instead of callback_url")
+
+
 class CallbackUrls(Strict):
     """A URL per event (a relay written for the n8n workflows: /tool-progress, /tool-checkpoint, /tool-complete)."""
 
-    progress = CallbackUrl()
-    checkpoint = CallbackUrl()
-    completed = CallbackUrl()
-    failed = CallbackUrl()
-    cancelled = CallbackUrl()
-    expired = CallbackUrl()
+    progress = _event_url("progress")
+    checkpoint = _event_url("checkpoint")
+    completed = _event_url("completed")
+    failed = _event_url("failed")
+    cancelled = _event_url("cancelled")
+    expired = _event_url("expired")
 
 
 def CallbackUrlsField(**kwargs: Any) -> fields.Nested:  # noqa: N802
@@ -384,3 +390,92 @@ class HealthAnswer(Schema):
 class ReadyAnswer(Schema):
     status = fields.String()
     checks = fields.Dict(keys=fields.String(), values=fields.String())
+
+
+# -- callback events: the body models/events.py builds (docs/relay-guide.md, Event fields) ----------
+
+EVENT_DESCRIPTIONS = {
+    "progress": "A step ran (a checkpoint step sends `checkpoint` instead, the last step `completed`)",
+    "checkpoint": "The chain stopped at a checkpoint (PREPARED): proceed or cancel at `resume_url`",
+    "completed": "The call completed: `result`, `voice_response`",
+    "failed": "The call failed: `voice_response` says what did or did not happen, `outcome` whether it was done",
+    "cancelled": "The call was cancelled",
+    "expired": "The call expired, unconfirmed or not resumed in time",
+}
+
+
+class EventBody(Schema):
+    """A callback's body, and an event stream frame's data (without sent_at)."""
+
+    event_id = fields.String(required=True, metadata={
+        "description": "Unique per event (32 hex); the same on every delivery attempt and on the event stream "
+                       "(the webhook-id header): drop duplicates by it", "pattern": "^[0-9a-f]{32}$"})
+    type = fields.String(required=True, validate=validate.OneOf(["tool_status"]))
+    event = fields.String(required=True, validate=validate.OneOf(list(events.KINDS)), metadata={
+        "description": "The kind of event"})
+    tool_call_id = fields.String(required=True)
+    intent_id = fields.String(required=True, allow_none=True)
+    session_id = fields.String(required=True)
+    function_name = fields.String(required=True, metadata={"description": "The call's tool"})
+    parameters = fields.Dict(required=True, metadata={"description": "The call's parameters"})
+    status = fields.String(required=True, validate=validate.OneOf(list(STATUSES)), metadata={
+        "description": "The call's status as this event leaves it"})
+    step = fields.String(required=True, allow_none=True, metadata={
+        "description": "The step's name (PREPARING, READY_TO_SEND, ...)"})
+    gate = fields.Integer(required=True, allow_none=True, metadata={"description": "The step's number, from 1"})
+    progress = fields.Float(required=True, allow_none=True, metadata={"description": "0 to 1"})
+    message = fields.String(required=True, metadata={"description": "The step's sentence"})
+    cancellable = fields.Boolean(required=True, metadata={"description": "Whether a cancel can still stop the call"})
+    requires_confirmation = fields.Boolean(required=True, metadata={"description": "True at a checkpoint"})
+    preview = fields.Dict(required=True, allow_none=True, metadata={
+        "description": "At a checkpoint: what will happen (e.g. to, subject, body)"})
+    resume_url = fields.String(required=True, allow_none=True, metadata={
+        "description": "At a checkpoint: where to POST {\"action\": \"proceed\"} (or cancel)"})
+    actions_available = fields.List(fields.String(validate=validate.OneOf(["confirm", "modify", "cancel",
+                                                                           "proceed"])), required=True)
+    result = fields.Dict(required=True, allow_none=True)
+    voice_response = fields.String(required=True, allow_none=True, metadata={
+        "description": "What the assistant says"})
+    execution_time_ms = fields.Integer(required=True, allow_none=True)
+    outcome = fields.String(required=True, allow_none=True, validate=validate.OneOf(["done", "not_done",
+                                                                                      "unconfirmed"]), metadata={
+        "description": "Null until the call ends, then done, not_done or unconfirmed"})
+    context_available = fields.Boolean(required=True, metadata={"description": "A context was stored for the "
+                                                                               "session"})
+    context_key = fields.String(required=True, allow_none=True)
+    seq = fields.Integer(required=True, metadata={
+        "description": "The call's events counted 1, 2, 3 ... with no gaps, whichever URL they go to"})
+    sent_at = fields.DateTime(metadata={"description": "When this delivery attempt was sent (callbacks only; not "
+                                                       "on the event stream)"})
+
+
+def _event_schema(kind: str) -> type[Schema]:
+    """The body of one kind of event: ``event`` is that kind, ``status`` the call's status in it."""
+    extra: dict[str, Any] = {
+        "event": fields.String(required=True, validate=validate.OneOf([kind]), metadata={
+            "description": "The kind of event"}),
+        "status": fields.String(required=True, validate=validate.OneOf([events.STATUS_OF[kind]]), metadata={
+            "description": "The call's status as this event leaves it"}),
+    }
+    if kind == "checkpoint":  # the names a relay's /tool-checkpoint handler reads
+        extra["checkpoint"] = fields.String(required=True, metadata={"description": "The checkpoint's step"})
+        extra["resume_webhook"] = fields.String(required=True, metadata={"description": "= resume_url"})
+    name = "".join(part.title() for part in kind.split("_")) + "Event"
+    schema = type(name, (EventBody,), {**extra, "__doc__": EVENT_DESCRIPTIONS[kind]})
+    return schema
+
+
+EVENT_SCHEMAS: dict[str, type[Schema]] = {kind: _event_schema(kind) for kind in events.KINDS}
+
+
+class EventAnswer(Schema):
+    """The relay's answer to a callback: `{"cancel": true, "reason": ...}` cancels a cancellable `progress` or a
+    `checkpoint` event's call; anything else (`{"received": true}`, an empty body, an error status) lets it go on"""
+
+    cancel = fields.Boolean(metadata={"description": "True: cancel the call (a cancellable progress or a "
+                                                     "checkpoint event)"})
+    reason = fields.String(metadata={"description": "Why, recorded as the cancel's reason"})
+    received = fields.Boolean()
+
+    class Meta:
+        unknown = INCLUDE

@@ -4,7 +4,9 @@ an operator's redelivery and the due events the sweep sends again.
 A link delivers its event inline with a short timeout; a failed attempt is retried on the
 ``callbacks`` queue with exponential backoff, and every attempt is recorded on the row.
 Before each attempt the URL is checked again (``tasks/delivery/url_policy.py``); the exchange
-is ``tasks/delivery/transport.py``'s, the signature ``tasks/delivery/signing.py``'s.
+is ``tasks/delivery/transport.py``'s, the signatures ``tasks/delivery/signing.py``'s (the older
+``X-Voice-Tools-*`` headers always, the Standard Webhooks ``webhook-*`` ones with
+``VOICE_TOOLS_CALLBACK_SECRETS``).
 
 The relay's answer is read, and a ``{"cancel": true}`` to a cancellable event acted on, by
 ``tasks/delivery/answers.py``, whichever attempt it answers (inline or a retry).
@@ -31,7 +33,7 @@ from models import db, events, settings
 from models.calls import CallbackDelivery
 from tasks.worker import metrics
 from tasks.delivery import answers
-from tasks.delivery.signing import sign
+from tasks.delivery.signing import sign, sign_standard
 from tasks.delivery.transport import exchange
 from tasks.delivery.url_policy import delivery_route
 from tasks.celery_app import app
@@ -123,6 +125,12 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
         "X-Voice-Tools-Signature": sign(cfg.callback_secret, timestamp, body),
         "X-Voice-Tools-Event-Id": delivery.event_id,
     }
+    if cfg.callback_secrets:  # Standard Webhooks: one signature per secret, newest first
+        headers.update({
+            "webhook-id": delivery.event_id,
+            "webhook-timestamp": timestamp,
+            "webhook-signature": sign_standard(cfg.callback_secrets, delivery.event_id, timestamp, body),
+        })
     host = (urlsplit(delivery.url).hostname or "").lower()
     code, error, raw, note = exchange(delivery.url, body, headers, timeout,
                                       (host, route.address) if route.address else None, route.proxy)

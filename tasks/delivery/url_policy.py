@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from models import settings
+from tasks.delivery.signing import secret_error
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -155,7 +156,7 @@ def delivery_route(url: str, cfg: settings.Settings | None = None) -> Route:
 
     The URL must pass :func:`url_error` with the allowlist of the moment (a host
     removed since the call was recorded is not posted to), and the signing secret
-    must be set. A host name is resolved now, once: if any of its addresses is not
+    must be set (and each of ``VOICE_TOOLS_CALLBACK_SECRETS`` be a ``whsec_`` secret). A host name is resolved now, once: if any of its addresses is not
     public the address itself must be listed (a listed name does not admit an inside
     address, except ``localhost``, which is loopback by definition), and no address may
     be this system's own port; the attempt then connects to the first address checked
@@ -168,6 +169,10 @@ def delivery_route(url: str, cfg: settings.Settings | None = None) -> Route:
     proxy = cfg.callback_proxy or None
     if not cfg.callback_secret.strip():
         return Route("refused: VOICE_TOOLS_CALLBACK_SECRET is empty; an unsigned callback is not sent")
+    for position, secret in enumerate(cfg.callback_secrets, 1):
+        reason = secret_error(secret)
+        if reason is not None:
+            return Route(f"refused: secret {position} of VOICE_TOOLS_CALLBACK_SECRETS {reason}")
     reason = url_error(url, cfg.callback_hosts)
     if reason is not None:
         return Route(f"refused: the callback URL {reason}")
