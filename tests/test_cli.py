@@ -47,6 +47,13 @@ def celery_group():
 
     for command in (calls, callbacks_group):
         celery.commands.setdefault(command.name, command)
+    # Celery's group adds the app's preload options (``--data-dir``) to every command at each
+    # invocation, made for one invocation per process; here there are many: it adds them again.
+    from tasks import app
+
+    preload = app.user_options["preload"]
+    for command in celery.commands.values():
+        command.params[:] = [param for param in command.params if param not in preload]
     return celery
 
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -247,6 +248,70 @@ def test_flower_needs_its_password_and_sees_one_worker_consuming_every_queue(sys
             break
         time.sleep(1)
     assert seen == expected
+
+
+def celery_command(*args: str) -> list[str]:
+    """Celery's own command line (the ``celery`` script of this Python), on the ``tasks`` app."""
+    return [str(Path(sys.executable).with_name("celery")), "-A", "tasks", *args]
+
+
+def second_terminal(system: System, **extra: str) -> dict[str, str]:
+    """A second terminal: no server variable exported (no DATABASE_URL, REDIS_URL, CELERY_BROKER_URL), only
+    the run's data dir (a terminal in the folder of ``./.voice-tools`` needs not even that)."""
+    return bare_env(VOICE_TOOLS_DATA_DIR=str(system.data_dir), PYTHONPATH=str(ROOT), **extra)
+
+
+def test_celerys_own_inspect_and_status_from_a_second_terminal_reach_the_run(system):
+    """``celery -A tasks inspect ping|active_queues`` and ``status`` with no exports: the tasks app joins the
+    data dir's embedded Redis (not Celery's default redis://127.0.0.1:6379/0), and the run's worker answers."""
+    def celery(*args: str, **env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(celery_command(*args), env=second_terminal(system, **env), cwd=tempfile.gettempdir(),
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    pinged = celery("inspect", "ping", "--timeout", "5").stdout
+    assert "worker@" in pinged and "pong" in pinged, pinged
+    listed = celery("inspect", "active_queues", "--json", "--timeout", "5").stdout
+    answers = json.loads(listed)
+    assert [name.split("@")[0] for name in answers] == ["worker"], listed
+    assert {q["name"] for q in next(iter(answers.values()))} == declared_queues()
+    # the data dir given as the option every command of the tasks app takes
+    status = subprocess.run(celery_command("status", "--timeout", "5", "--data-dir", str(system.data_dir)),
+                            env=bare_env(PYTHONPATH=str(ROOT)), cwd=tempfile.gettempdir(), capture_output=True,
+                            text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "1 node online." in status.stdout and "worker@" in status.stdout, status.stdout
+
+    from voice_tools import servers
+
+    assert servers.redis_users(system.data_dir / "redis") == [system.proc.pid]  # they joined, and left it running
+
+
+def test_celerys_own_events_dump_from_a_second_terminal_sees_the_runs_worker(system):
+    dump = subprocess.Popen(celery_command("events", "--dump"), env=second_terminal(system, PYTHONUNBUFFERED="1"),
+                            cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    seen: list[str] = []
+
+    def read() -> None:  # in a thread: no read blocks the test
+        for line in dump.stdout:
+            seen.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("worker@" in line and "heartbeat" in line for line in seen):
+            time.sleep(0.5)
+    finally:
+        assert stop_process(dump) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        reader.join(10)
+    assert any("worker@" in line and "heartbeat" in line for line in seen), "".join(seen)[-3000:]
+
+    from voice_tools import servers
+
+    assert servers.redis_users(system.data_dir / "redis") == [system.proc.pid]
 
 
 def test_beat_ticks_inside_the_worker(system):

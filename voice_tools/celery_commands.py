@@ -12,7 +12,9 @@ the API's own (``tasks.calls.operations.cancel``: the state machine's rules, the
 event, the same answer and errors); the commands parse and print.
 With no ``DATABASE_URL`` / ``REDIS_URL`` set they join the data dir's embedded servers
 as ``voice-tools run`` finds them (``servers.ensure_servers``), so they work from a
-second terminal with no exports, and leave those servers running when they end.
+second terminal with no exports, and leave those servers running when they end. Loaded by
+Celery's CLI before the app, this module also makes every other command of ``celery -A tasks``
+(``inspect``, ``status``, ``events``, ``worker`` …) join them (``_join_for_every_command``).
 
 Exit status: 0 done, 1 refused (``too_late``, ``already_terminal``: the API's 409),
 2 bad usage or input, 3 no such call (the API's 404), 4 no database (unreachable or not
@@ -67,17 +69,62 @@ def _tool_names() -> list[str]:
     return sorted(tools.TOOLS)
 
 
+# -- every Celery command: the data dir's servers ------------------------------------------------
+
+# Celery's commands that run tasks, and so need the database too; the others (inspect, control,
+# status, events, flower, purge …) need the broker only.
+NEEDS_DATABASE = ("worker", "beat", "shell")
+OWN_CONNECT = ("calls", "callbacks")  # ours: each command joins what it needs (``_connect``)
+
+
+def join_servers(app: Any, database: bool = False) -> dict[str, str]:
+    """Find the broker (and the database) as ``voice-tools run`` does: the variables, else the
+    data dir's embedded servers, joined (or started, and stopped again at exit)."""
+    from voice_tools import servers
+
+    had_broker = bool(os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL"))
+    urls = servers.ensure_servers(need=("postgres", "redis") if database else ("redis",))
+    if not had_broker:
+        # celeryconfig read the environment before the servers were found
+        app.conf.broker_url = urls["REDIS_URL"]
+    return urls
+
+
+def _join_for_every_command(sender: Any = None, app: Any = None, options: dict[str, Any] | None = None,
+                            **_: Any) -> None:
+    """``user_preload_options``, sent by Celery's CLI before any command of ``celery -A tasks`` runs
+    (the app declares the ``--data-dir`` preload option, so every command has it): with no server
+    variable set, the command joins the data dir's embedded servers, so ``celery -A tasks inspect
+    ping``, ``status`` or ``events`` from a second terminal with no exports reach the local run."""
+    if app is None or getattr(app, "main", None) != "tasks":
+        return
+    if (options or {}).get("data_dir"):
+        os.environ["VOICE_TOOLS_DATA_DIR"] = str((options or {})["data_dir"])
+    ctx = click.get_current_context(silent=True)
+    command = ctx.info_name if ctx is not None else None
+    if command in OWN_CONNECT:
+        return
+    join_servers(app, database=command in NEEDS_DATABASE)
+
+
+def _listen() -> None:
+    from celery.signals import user_preload_options
+
+    user_preload_options.connect(_join_for_every_command, weak=False, dispatch_uid="voice-tools-join-servers")
+
+
+_listen()  # this module is loaded by Celery's CLI (``celery.commands`` entry points), before the app
+
+
 def _connect(ctx: click.Context, broker: bool = False) -> None:
     """Find the database (and the broker) as ``voice-tools run`` does: the variables, else
     the data dir's embedded servers, joined (or started, and stopped again at exit)."""
     from voice_tools import servers
 
-    need = ("postgres", "redis") if broker else ("postgres",)
-    had_broker = bool(os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL"))
-    urls = servers.ensure_servers(need=need)
-    if broker and not had_broker:
-        # celeryconfig read the environment before the servers were found
-        ctx.obj.app.conf.broker_url = urls["REDIS_URL"]
+    if broker:
+        join_servers(ctx.obj.app, database=True)
+    else:
+        servers.ensure_servers(need=("postgres",))
     from sqlalchemy.exc import OperationalError
 
     from tasks.calls import admin
