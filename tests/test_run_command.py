@@ -314,6 +314,24 @@ def test_celerys_own_events_dump_from_a_second_terminal_sees_the_runs_worker(sys
     assert servers.redis_users(system.data_dir / "redis") == [system.proc.pid]
 
 
+def test_flowers_metrics_need_its_password_and_no_command_line_shows_it(system):
+    system.wait_listening(system.flower_port)
+    metrics = f"{system.flower_url}/metrics"
+    assert requests.get(metrics, timeout=10).status_code == 401
+    assert requests.get(metrics, auth=("ops", "wrong"), timeout=10).status_code == 401
+    answer = requests.get(metrics, auth=FLOWER_AUTH, timeout=10)
+    assert answer.status_code == 200 and "flower_" in answer.text, answer.text[:300]
+
+    flowers = [proc for proc in running(system.data_dir) if _alive(proc) and "voice-tools flower" in " ".join(proc.cmdline())]
+    assert flowers, describe(running(system.data_dir))
+    for proc in running(system.data_dir):  # Flower's, honcho's `sh -c` around it, and every other
+        try:
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        assert FLOWER_AUTH[1] not in cmdline, (proc.pid, cmdline.replace("\0", " "))
+
+
 def test_beat_ticks_inside_the_worker(system):
     """No beat process: the worker's embedded beat sends the sweeps, which the same worker runs."""
     deadline = time.monotonic() + 90
