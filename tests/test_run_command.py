@@ -384,6 +384,16 @@ def test_the_demo_plays_the_updating_email_scenario(system):
         [("to", "john@example.com", "john.smith@example.com")]
 
 
+def test_the_demo_in_a_second_terminal_finds_the_runs_port_in_the_data_dir(system):
+    """No --url, no PORT nor VOICE_TOOLS_PUBLIC_URL (the run's port is not 8000): the data dir's run record."""
+    assert json.loads((system.data_dir / "run.json").read_text())["api_url"] == system.url
+    env = {k: v for k, v in system.env.items() if k not in ("PORT", "VOICE_TOOLS_PUBLIC_URL")}
+    played = subprocess.run([str(Path(sys.executable).with_name("voice-tools")), "demo"], env=env,
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert played.returncode == 0, played.stdout + played.stderr
+    assert "PENDING -> MODIFIED -> PENDING -> EXECUTING -> PREPARED -> EXECUTING -> COMPLETED" in played.stdout
+
+
 @pytest.mark.parametrize("scenario, calls", [("calendar", 2), ("docs", 3)])
 def test_the_demo_plays_the_calendar_and_docs_scenarios_on_the_demo_data(system, scenario, calls):
     """A fresh `voice-tools run` loaded the demo data set, so every tool works from the first command."""
@@ -526,6 +536,7 @@ def test_sigterm_stops_every_process_it_started(system):
         assert part in commands, f"{part} not running: {describe(before)}"
 
     assert system.stop() == 128 + signal.SIGTERM
+    assert not (system.data_dir / "run.json").exists()  # a stopped run is no longer where the demo looks
     left = wait_none_running(system.data_dir)
     assert left == [], describe(left)
     out = system.output()
