@@ -202,9 +202,15 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
         session_id = _check(schemas.SessionPath, {"session_id": session_id})["session_id"]
     _connect(ctx)
     found = admin.list_calls(statuses=[st.upper() for st in statuses], session_id=session_id, tool=tool,
-                             since=since, limit=limit)
+                             since=since, limit=limit + 1)  # one more: does the limit cut the list?
+    cut = len(found) > limit
+    found = found[:limit]
+    note = (f"The newest {limit} calls; more match: raise --limit, or narrow with --status, --session, --tool "
+            f"or --since.") if cut else None
     if as_json:
         _json([_record(call) for call in found])
+        if note:
+            click.echo(note, err=True)  # stdout stays the JSON list
         return
     if not found:
         click.echo("No calls match.")
@@ -214,6 +220,8 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
           c.execution_time_ms, c.caller] for c in found],
         ["ID", "TOOL", "STATUS", "OUTCOME", "STEP", "SESSION", "CREATED (UTC)", "MS", "CALLER"],
     ))
+    if note:
+        click.echo(f"\n{note}")
 
 
 @calls.command("show")
@@ -233,9 +241,21 @@ def show(ctx: click.Context, tool_call_id: str, as_json: bool) -> None:
         _not_found(tool_call_id, as_json)
     call, sent = shown.call, shown.deliveries
     if as_json:
-        _json({**_record(call), "step_outputs": call.step_outputs, "callbacks": [_delivery(d) for d in sent]})
+        _json({**_record(call), "step_outputs": _step_outputs(call), "callbacks": [_delivery(d) for d in sent]})
         return
     _show(call, sent)
+
+
+def _step_outputs(call: Any) -> dict[str, Any]:
+    """The call's step outputs in its chain's order (the database's JSON keeps its keys in an order of
+    its own: shortest first); a step its tool no longer has comes last."""
+    from tasks import tools
+
+    outputs = call.step_outputs or {}
+    tool = tools.TOOLS.get(call.function_name)
+    order = [step.name for step in tool.steps] if tool else []
+    rank = {name: index for index, name in enumerate(order)}
+    return {name: outputs[name] for name in sorted(outputs, key=lambda name: (rank.get(name, len(order)), name))}
 
 
 def _delivery(d: Any) -> dict[str, Any]:
@@ -269,7 +289,7 @@ def _show(call: Any, sent: list[Any]) -> None:
                  for e in call.parameters_history], ["AT", "FIELD", "OLD", "NEW"])
          if call.parameters_history else "(none)")
     echo("\nStep outputs")
-    echo(_table([[step, _text(output, 100)] for step, output in (call.step_outputs or {}).items()],
+    echo(_table([[step, _text(output, 100)] for step, output in _step_outputs(call).items()],
                 ["STEP", "OUTPUT"]) if call.step_outputs else "(none)")
     if call.result is not None:
         echo(f"\nResult\n{json.dumps(call.result, indent=2, ensure_ascii=False, default=str)}")
