@@ -228,6 +228,25 @@ def flower_get(system: System, path: str, **params) -> requests.Response:
     return requests.get(f"{system.flower_url}{path}", params=params, auth=FLOWER_AUTH, timeout=30)
 
 
+def test_flower_knows_the_worker_without_a_refresh_and_logs_no_failed_inspection(system):
+    """Flower starts before the worker: it learns of it from its events, with no ``?refresh=1``, and
+    logs no "Inspect method … failed" for an inspection nobody could answer yet."""
+    system.wait_listening(system.flower_port)
+    deadline = time.monotonic() + 60
+    seen: dict[str, set[str]] = {}
+    while time.monotonic() < deadline:
+        answer = flower_get(system, "/api/workers")  # no refresh: what Flower knows by itself
+        assert answer.status_code == 200, answer.text
+        seen = {name.split("@")[0]: {q["name"] for q in info.get("active_queues") or []}
+                for name, info in answer.json().items()}
+        if seen.get("worker"):
+            break
+        time.sleep(1)
+    assert seen == {"worker": declared_queues()}
+    assert "Inspect method" not in system.output(), [line for line in system.output().splitlines()
+                                                     if "Inspect method" in line]
+
+
 def test_flower_needs_its_password_and_sees_one_worker_consuming_every_queue(system):
     """The local run's one worker consumes every tool's queue, ``callbacks`` and ``maintenance``."""
     workers_url = f"{system.flower_url}/api/workers"

@@ -11,7 +11,8 @@ Flower is never served without a password: its users come from ``FLOWER_BASIC_AU
 (``user:password``, comma-separated for more; Flower reads the variable itself), so no
 password is on a command line where ``ps`` shows it to every local user; without it (nor
 ``--basic-auth`` or ``--auth``) the command refuses to start. Flower's own ``/metrics`` is
-served behind the same password (Flower serves it to anyone).
+served behind the same password (Flower serves it to anyone). Flower knows each worker from its
+first event (:func:`workers_from_their_events`).
 """
 from __future__ import annotations
 
@@ -52,6 +53,55 @@ def metrics_behind_auth() -> None:
             handler.handler_class = Metrics
 
 
+# What a worker must have answered for Flower's workers page and /api/workers to show it.
+KNOWN_BY = ("stats", "active_queues")
+
+
+def workers_from_their_events() -> None:
+    """Flower learns of each worker from its first event, and inspects it then.
+
+    Flower inspects every worker once when it starts, and again only when asked
+    (``/api/workers?refresh=1``): a worker that came up after Flower (``voice-tools run`` starts
+    them together, and a worker takes longer) stayed missing from its workers page and
+    ``/api/workers``, and that first inspection, answered by no worker, logged four "Inspect method …
+    failed" warnings. Here Flower starts without it, and inspects a worker when one of its events
+    (``worker-online``, or a heartbeat, every 2 s) comes from a worker it has not inspected yet;
+    an inspection that failed is tried again at the next heartbeat."""
+    from flower import app as flower_app
+
+    if getattr(flower_app.Flower, "_voice_tools_learns_workers", False):
+        return
+
+    class Flower(flower_app.Flower):
+        _voice_tools_learns_workers = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            receive = self.events.on_event
+
+            def on_event(event):  # in Flower's events thread
+                receive(event)
+                if event.get("type") in ("worker-online", "worker-heartbeat") and event.get("hostname"):
+                    self.io_loop.add_callback(self._learn_worker, event["hostname"], event["type"] == "worker-online")
+
+            self.events.on_event = on_event
+
+        def start(self):
+            self.events.start()
+            self.started = True
+            self.io_loop.start()  # no blind inspection: each worker is inspected when its first event comes
+
+        def _learn_worker(self, hostname: str, came_online: bool) -> None:
+            known = self.inspector.workers.get(hostname) or {}
+            if came_online or not all(method in known for method in KNOWN_BY):
+                self.update_workers(hostname)  # one inspection of a worker at a time (Flower's own)
+
+    flower_app.Flower = Flower
+    from flower import command
+
+    command.Flower = Flower
+
+
 def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[2:] if argv is None else argv)
     if not _has_auth(given):
@@ -61,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from celery.bin.celery import celery
 
     metrics_behind_auth()
+    workers_from_their_events()
     args = ["-A", "tasks", "flower", *given]
     try:
         code = celery.main(args=args, prog_name="celery", auto_envvar_prefix="CELERY")
