@@ -20,6 +20,8 @@ import atexit
 import logging
 import os
 import sys
+from functools import partial
+from typing import Any
 
 EXIT_NO_AUTH = 2
 
@@ -55,6 +57,11 @@ def metrics_behind_auth() -> None:
 
 # What a worker must have answered for Flower's workers page and /api/workers to show it.
 KNOWN_BY = ("stats", "active_queues")
+# How long a worker may take to answer the inspection its first event starts (it answers within
+# milliseconds when idle; one just started, on a busy machine, took more than Flower's 1 s)
+LEARN_TIMEOUT_S = 5.0
+
+log = logging.getLogger("voice_tools.flower")
 
 
 def workers_from_their_events() -> None:
@@ -64,9 +71,11 @@ def workers_from_their_events() -> None:
     (``/api/workers?refresh=1``): a worker that came up after Flower (``voice-tools run`` starts
     them together, and a worker takes longer) stayed missing from its workers page and
     ``/api/workers``, and that first inspection, answered by no worker, logged four "Inspect method …
-    failed" warnings. Here Flower starts without it, and inspects a worker when one of its events
-    (``worker-online``, or a heartbeat, every 2 s) comes from a worker it has not inspected yet;
-    an inspection that failed is tried again at the next heartbeat."""
+    failed" warnings. Here Flower starts without it, and inspects a worker (the methods of Flower's
+    own inspection of every worker, addressed to that one, which answers as soon as it can) when one
+    of its events (``worker-online``, or a heartbeat, every 2 s) comes from a worker it does not
+    know yet; one that did not answer is asked again at its next heartbeat, which is why a miss is
+    logged at debug level only. ``?refresh=1`` is Flower's own, unchanged."""
     from flower import app as flower_app
 
     if getattr(flower_app.Flower, "_voice_tools_learns_workers", False):
@@ -75,26 +84,48 @@ def workers_from_their_events() -> None:
     class Flower(flower_app.Flower):
         _voice_tools_learns_workers = True
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self._learning: set[str] = set()
             receive = self.events.on_event
 
-            def on_event(event):  # in Flower's events thread
+            def on_event(event: dict[str, Any]) -> None:  # in Flower's events thread
                 receive(event)
                 if event.get("type") in ("worker-online", "worker-heartbeat") and event.get("hostname"):
                     self.io_loop.add_callback(self._learn_worker, event["hostname"], event["type"] == "worker-online")
 
             self.events.on_event = on_event
 
-        def start(self):
+        def start(self) -> None:
             self.events.start()
             self.started = True
             self.io_loop.start()  # no blind inspection: each worker is inspected when its first event comes
 
-        def _learn_worker(self, hostname: str, came_online: bool) -> None:
+        async def _learn_worker(self, hostname: str, came_online: bool) -> None:
             known = self.inspector.workers.get(hostname) or {}
-            if came_online or not all(method in known for method in KNOWN_BY):
-                self.update_workers(hostname)  # one inspection of a worker at a time (Flower's own)
+            if hostname in self._learning or (not came_online and all(m in known for m in KNOWN_BY)):
+                return
+            self._learning.add(hostname)
+            try:
+                await self.io_loop.run_in_executor(None, self._inspect_one, hostname)
+            finally:
+                self._learning.discard(hostname)
+
+        def _inspect_one(self, hostname: str) -> None:
+            inspect = self.capp.control.inspect(timeout=max(self.inspector.timeout, LEARN_TIMEOUT_S),
+                                                destination=[hostname])
+            for method in self.inspector.methods_to_inspect(None):
+                try:
+                    answer = getattr(inspect, method)()
+                except Exception as exc:  # the broker: Flower's own inspections say so
+                    log.debug("inspecting %s (%s) on its first event failed: %s", hostname, method, exc)
+                    return
+                if not answer or "error" in answer:
+                    log.debug("%s did not answer %s yet; asked again at its next heartbeat", hostname, method)
+                    return
+                for worker, response in answer.items():
+                    if response is not None:
+                        self.io_loop.add_callback(partial(self.inspector._on_update, worker, method, response))
 
     flower_app.Flower = Flower
     from flower import command
