@@ -384,11 +384,13 @@ def main(argv: list[str] | None = None) -> int:
         migrate()
         return ingest(args.paths, args.reembed, args.owner.strip())
     urls = ensure_servers()
+    # blocked before the exports: whoever reads them may stop this command at once, and that signal
+    # must end the wait below (then the exit handlers leave the servers), not kill the process
+    stops = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     for key, value in urls.items():
         print(f"export {key}='{value}'", flush=True)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.pause()
+    signal.sigwait(stops)
     return 0
 
 
