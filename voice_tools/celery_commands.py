@@ -71,9 +71,10 @@ def _tool_names() -> list[str]:
 
 # -- every Celery command: the data dir's servers ------------------------------------------------
 
-# Celery's commands that run tasks, and so need the database too; the others (inspect, control,
-# status, events, flower, purge …) need the broker only.
-NEEDS_DATABASE = ("worker", "beat", "shell")
+# The Celery commands that need the database too: the worker runs the tasks, the shell is for
+# looking at things; the others (beat, inspect, control, status, events, flower, purge …) need
+# the broker only.
+NEEDS_DATABASE = ("worker", "shell")
 OWN_CONNECT = ("calls", "callbacks")  # ours: each command joins what it needs (``_connect``)
 
 
