@@ -89,7 +89,8 @@ def busy(start: datetime, end: datetime, caller: str = "") -> list[dict[str, Any
 
 def book(meeting: dict[str, Any], caller: str = "", earlier_attempt: bool = False) -> dict[str, Any]:
     """Book ``meeting`` once in ``caller``'s calendar; return ``{event_id, start, end, html_link}`` (ISO
-    times in its time zone).
+    times in its time zone; ``html_link`` is Google Calendar's page of the event, None on the local
+    calendar, which has no page).
 
     ``meeting``: ``event_id``, ``tool_call_id``, ``title``, ``start``, ``end`` (ISO 8601
     with offset), ``timezone``, ``attendees``, ``description``. ``earlier_attempt``: an earlier
@@ -153,11 +154,7 @@ class LocalCalendar:
                 raise Refused(f"event {meeting['event_id']} could not be stored")
             tz = zone(event.timezone)
             return {"event_id": event.id, "start": event.starts_at.astimezone(tz).isoformat(),
-                    "end": event.ends_at.astimezone(tz).isoformat(), "html_link": local_link(event.id)}
-
-
-def local_link(event_id: str) -> str:
-    return f"{settings.load().public_url}/calendar/event/{event_id}"
+                    "end": event.ends_at.astimezone(tz).isoformat(), "html_link": None}  # no page to open
 
 
 # -- Google Calendar -----------------------------------------------------------------------
@@ -216,7 +213,7 @@ class GoogleCalendar:
             event = self._booked_earlier(body["id"], refused, earlier_attempt)
         tz = zone(meeting["timezone"])
         return {"event_id": event["id"], "start": _event_time(event, "start", tz),
-                "end": _event_time(event, "end", tz), "html_link": event.get("htmlLink") or ""}
+                "end": _event_time(event, "end", tz), "html_link": event.get("htmlLink") or None}
 
 
     def _booked_earlier(self, event_id: str, refused: Refused, earlier_attempt: bool) -> dict[str, Any]:

@@ -7,6 +7,7 @@ plain ``celery -A tasks worker`` consumes them all.
 """
 import gc
 
+import click
 from celery import Celery
 from celery.signals import worker_before_create_process, worker_process_init
 
@@ -23,6 +24,15 @@ app.config_from_object("celeryconfig")
 app.conf.task_queues = tuple(
     [queue(tool.queue) for tool in tools.TOOLS.values()] + [queue("callbacks"), queue("maintenance")]
 )
+
+# A preload option: Celery gives it to every command (worker, inspect, status, events, flower, calls …)
+# and sends ``user_preload_options`` with it before the command runs. The handler, which joins the
+# data dir's embedded servers when no server variable is set, is the commands floor's
+# (``voice_tools/celery_commands.py``, loaded by Celery's CLI as the ``celery.commands`` plug-in).
+app.user_options["preload"].add(click.Option(
+    ["--data-dir"], default=None, metavar="PATH",
+    help="voice-tools: the data dir whose embedded servers to join when DATABASE_URL, REDIS_URL and "
+         "CELERY_BROKER_URL are unset (default: VOICE_TOOLS_DATA_DIR, else ./.voice-tools)."))
 
 groups.install(app)
 beat_thread.install(app)

@@ -21,6 +21,7 @@ from sqlalchemy import update
 
 from models import db, lifecycle
 from models.calls import ToolCall
+from tasks import tools
 from tasks.calls import actions
 from tasks.delivery import attempts
 from tasks.delivery import events
@@ -47,6 +48,13 @@ def celery_group():
 
     for command in (calls, callbacks_group):
         celery.commands.setdefault(command.name, command)
+    # Celery's group adds the app's preload options (``--data-dir``) to every command at each
+    # invocation, made for one invocation per process; here there are many: it adds them again.
+    from tasks import app
+
+    preload = app.user_options["preload"]
+    for command in celery.commands.values():
+        command.params[:] = [param for param in command.params if param not in preload]
     return celery
 
 
@@ -140,6 +148,22 @@ def test_list_filters_by_status_session_tool_since_and_limit():
     assert cli("calls", "list", "--session", "nobody").stdout == "No calls match.\n"
 
 
+def test_list_says_when_its_limit_cut_the_list():
+    made = [make_call(session_id="sess_cut") for _ in range(3)]
+    note = ("The newest 2 calls; more match: raise --limit, or narrow with --status, --session, --tool "
+            "or --since.")
+    cut = cli("calls", "list", "--limit", "2")
+    assert cut.exit_code == 0
+    lines = cut.stdout.splitlines()
+    assert lines[-1] == note and len([line for line in lines if line.startswith("tc_")]) == 2
+    whole = cli("calls", "list", "--limit", "3")
+    assert whole.exit_code == 0 and note.replace("2", "3", 1) not in whole.stdout and "more match" not in whole.stdout
+    as_json = cli("calls", "list", "--limit", "2", "--json")
+    assert len(json.loads(as_json.stdout)) == 2 and as_json.stderr.strip() == note  # stdout stays the JSON list
+    assert "more match" not in cli("calls", "list", "--limit", "3", "--json").stderr
+    assert {c["tool_call_id"] for c in cli_json("calls", "list")} == {c.tool_call_id for c in made}
+
+
 def test_list_refuses_unknown_filters_naming_what_is_known():
     unknown = cli("calls", "list", "--tool", "launch_rockets")
     assert unknown.exit_code == 2 and "send_email" in unknown.stderr and "launch_rockets" in unknown.stderr
@@ -175,6 +199,8 @@ def test_show_prints_both_histories_step_outputs_and_every_callback_attempt(clie
         ["PENDING", "MODIFIED", "PENDING", "EXECUTING", "PREPARED", "EXECUTING", "COMPLETED"]
     assert [(c["field"], c["old"], c["new"]) for c in shown["parameters_history"]] == [("subject", "Q3", "Q3 numbers")]
     assert shown["step_outputs"] == call.step_outputs and set(shown["step_outputs"]) >= {"PREPARING", "SENDING"}
+    chain = [step.name for step in tools.TOOLS["send_email"].steps]
+    assert list(shown["step_outputs"]) == [name for name in chain if name in call.step_outputs]  # the chain's order
     assert [(c["seq"], c["event"], c["state"], c["attempts"], len(c["attempt_log"])) for c in shown["callbacks"]] == \
         [(d.seq, d.event, "delivered", 1, 1) for d in sent]
     assert {"checkpoint", "completed"} <= {c["event"] for c in shown["callbacks"]}
@@ -186,6 +212,8 @@ def test_show_prints_both_histories_step_outputs_and_every_callback_attempt(clie
         assert f"\n{heading}\n" in out, heading
     assert out.count(" MODIFIED ") == 1 and "Q3 numbers" in out
     assert shown["outcome"] == "done" and any(line.split() == ["outcome", "done"] for line in out.splitlines())
+    step_lines = out.split("\nStep outputs\n")[1].split("\n\n")[0].splitlines()[2:]
+    assert [line.split()[0] for line in step_lines] == list(shown["step_outputs"])  # PREPARING before SENDING
     attempt_lines = out.split("\nCallback attempts\n")[1].splitlines()[2:]
     assert len(attempt_lines) == len(sent) and all(" 200 " in line for line in attempt_lines)
 

@@ -1,6 +1,7 @@
 """The Procfile, the lock files and the README's commands (run, quick and full tests) stay in step with the code and CI."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -102,7 +103,17 @@ def test_web_beat_and_flower_lines():
     assert option(flower, "--address") == "${HOST:-0.0.0.0}"
     assert option(web, "--bind") == "${HOST:-0.0.0.0}:${PORT:-8000}"
     assert option(lines["mcp"], "--host") == "${HOST:-0.0.0.0}"
-    assert option(flower, "--basic-auth").startswith("${FLOWER_BASIC_AUTH")
+    # Flower's users come from FLOWER_BASIC_AUTH in its environment (voice-tools flower refuses to start
+    # without it): never from its command line, which `ps` shows every local user
+    assert not any(word.startswith("--basic-auth") or "FLOWER_BASIC_AUTH" in word for word in flower), flower
+
+
+def test_voice_tools_flower_refuses_to_start_without_a_password():
+    env = {k: v for k, v in os.environ.items() if k not in ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")}
+    done = subprocess.run([sys.executable, "-m", "voice_tools", "flower", "--port=1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "set FLOWER_BASIC_AUTH=user:password" in done.stderr
 
 
 def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_and_metrics_inside():

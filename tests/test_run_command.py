@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -227,6 +228,25 @@ def flower_get(system: System, path: str, **params) -> requests.Response:
     return requests.get(f"{system.flower_url}{path}", params=params, auth=FLOWER_AUTH, timeout=30)
 
 
+def test_flower_knows_the_worker_without_a_refresh_and_logs_no_failed_inspection(system):
+    """Flower starts before the worker: it learns of it from its events, with no ``?refresh=1``, and
+    logs no "Inspect method … failed" for an inspection nobody could answer yet."""
+    system.wait_listening(system.flower_port)
+    deadline = time.monotonic() + 60
+    seen: dict[str, set[str]] = {}
+    while time.monotonic() < deadline:
+        answer = flower_get(system, "/api/workers")  # no refresh: what Flower knows by itself
+        assert answer.status_code == 200, answer.text
+        seen = {name.split("@")[0]: {q["name"] for q in info.get("active_queues") or []}
+                for name, info in answer.json().items()}
+        if seen.get("worker"):
+            break
+        time.sleep(1)
+    assert seen == {"worker": declared_queues()}
+    assert "Inspect method" not in system.output(), [line for line in system.output().splitlines()
+                                                     if "Inspect method" in line]
+
+
 def test_flower_needs_its_password_and_sees_one_worker_consuming_every_queue(system):
     """The local run's one worker consumes every tool's queue, ``callbacks`` and ``maintenance``."""
     workers_url = f"{system.flower_url}/api/workers"
@@ -247,6 +267,88 @@ def test_flower_needs_its_password_and_sees_one_worker_consuming_every_queue(sys
             break
         time.sleep(1)
     assert seen == expected
+
+
+def celery_command(*args: str) -> list[str]:
+    """Celery's own command line (the ``celery`` script of this Python), on the ``tasks`` app."""
+    return [str(Path(sys.executable).with_name("celery")), "-A", "tasks", *args]
+
+
+def second_terminal(system: System, **extra: str) -> dict[str, str]:
+    """A second terminal: no server variable exported (no DATABASE_URL, REDIS_URL, CELERY_BROKER_URL), only
+    the run's data dir (a terminal in the folder of ``./.voice-tools`` needs not even that)."""
+    return bare_env(VOICE_TOOLS_DATA_DIR=str(system.data_dir), PYTHONPATH=str(ROOT), **extra)
+
+
+def test_celerys_own_inspect_and_status_from_a_second_terminal_reach_the_run(system):
+    """``celery -A tasks inspect ping|active_queues`` and ``status`` with no exports: the tasks app joins the
+    data dir's embedded Redis (not Celery's default redis://127.0.0.1:6379/0), and the run's worker answers."""
+    def celery(*args: str, **env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(celery_command(*args), env=second_terminal(system, **env), cwd=tempfile.gettempdir(),
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    pinged = celery("inspect", "ping", "--timeout", "5").stdout
+    assert "worker@" in pinged and "pong" in pinged, pinged
+    listed = celery("inspect", "active_queues", "--json", "--timeout", "5").stdout
+    answers = json.loads(listed)
+    assert [name.split("@")[0] for name in answers] == ["worker"], listed
+    assert {q["name"] for q in next(iter(answers.values()))} == declared_queues()
+    # the data dir given as the option every command of the tasks app takes
+    status = subprocess.run(celery_command("status", "--timeout", "5", "--data-dir", str(system.data_dir)),
+                            env=bare_env(PYTHONPATH=str(ROOT)), cwd=tempfile.gettempdir(), capture_output=True,
+                            text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "1 node online." in status.stdout and "worker@" in status.stdout, status.stdout
+
+    from voice_tools import servers
+
+    assert servers.redis_users(system.data_dir / "redis") == [system.proc.pid]  # they joined, and left it running
+
+
+def test_celerys_own_events_dump_from_a_second_terminal_sees_the_runs_worker(system):
+    dump = subprocess.Popen(celery_command("events", "--dump"), env=second_terminal(system, PYTHONUNBUFFERED="1"),
+                            cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    seen: list[str] = []
+
+    def read() -> None:  # in a thread: no read blocks the test
+        for line in dump.stdout:
+            seen.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("worker@" in line and "heartbeat" in line for line in seen):
+            time.sleep(0.5)
+    finally:
+        assert stop_process(dump) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        reader.join(10)
+    assert any("worker@" in line and "heartbeat" in line for line in seen), "".join(seen)[-3000:]
+
+    from voice_tools import servers
+
+    assert servers.redis_users(system.data_dir / "redis") == [system.proc.pid]
+
+
+def test_flowers_metrics_need_its_password_and_no_command_line_shows_it(system):
+    system.wait_listening(system.flower_port)
+    metrics = f"{system.flower_url}/metrics"
+    assert requests.get(metrics, timeout=10).status_code == 401
+    assert requests.get(metrics, auth=("ops", "wrong"), timeout=10).status_code == 401
+    answer = requests.get(metrics, auth=FLOWER_AUTH, timeout=10)
+    assert answer.status_code == 200 and "flower_" in answer.text, answer.text[:300]
+
+    flowers = [proc for proc in running(system.data_dir) if _alive(proc) and "voice-tools flower" in " ".join(proc.cmdline())]
+    assert flowers, describe(running(system.data_dir))
+    for proc in running(system.data_dir):  # Flower's, honcho's `sh -c` around it, and every other
+        try:
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        assert FLOWER_AUTH[1] not in cmdline, (proc.pid, cmdline.replace("\0", " "))
 
 
 def test_beat_ticks_inside_the_worker(system):
@@ -299,6 +401,16 @@ def test_the_demo_plays_the_updating_email_scenario(system):
     assert final["result"]["to"] == "john.smith@example.com" and final["result"]["message_id"]
     assert [(c["field"], c["old"], c["new"]) for c in final["parameters_history"]] == \
         [("to", "john@example.com", "john.smith@example.com")]
+
+
+def test_the_demo_in_a_second_terminal_finds_the_runs_port_in_the_data_dir(system):
+    """No --url, no PORT nor VOICE_TOOLS_PUBLIC_URL (the run's port is not 8000): the data dir's run record."""
+    assert json.loads((system.data_dir / "run.json").read_text())["api_url"] == system.url
+    env = {k: v for k, v in system.env.items() if k not in ("PORT", "VOICE_TOOLS_PUBLIC_URL")}
+    played = subprocess.run([str(Path(sys.executable).with_name("voice-tools")), "demo"], env=env,
+                            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert played.returncode == 0, played.stdout + played.stderr
+    assert "PENDING -> MODIFIED -> PENDING -> EXECUTING -> PREPARED -> EXECUTING -> COMPLETED" in played.stdout
 
 
 @pytest.mark.parametrize("scenario, calls", [("calendar", 2), ("docs", 3)])
@@ -443,6 +555,7 @@ def test_sigterm_stops_every_process_it_started(system):
         assert part in commands, f"{part} not running: {describe(before)}"
 
     assert system.stop() == 128 + signal.SIGTERM
+    assert not (system.data_dir / "run.json").exists()  # a stopped run is no longer where the demo looks
     left = wait_none_running(system.data_dir)
     assert left == [], describe(left)
     out = system.output()

@@ -94,7 +94,7 @@ def test_schedule_meeting_checkpoint_then_books(client, worker, relay):
     assert body["status"] == "COMPLETED", body
     event_id = calendar.event_id_for(tool_call_id)
     assert body["result"] == {"event_id": event_id, "start": start.isoformat(), "end": end.isoformat(),
-                              "html_link": f"http://127.0.0.1:8000/calendar/event/{event_id}"}
+                              "html_link": None}  # the local calendar has no page to open (no link that 404s)
     assert SCHEDULE.result_schema().validate(body["result"]) == {}
     assert body["voice_response"] == f"Booked Project sync on {WHEN} for 45 minutes with ann@example.com."
     [event] = events_in_table()

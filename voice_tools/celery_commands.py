@@ -12,7 +12,9 @@ the API's own (``tasks.calls.operations.cancel``: the state machine's rules, the
 event, the same answer and errors); the commands parse and print.
 With no ``DATABASE_URL`` / ``REDIS_URL`` set they join the data dir's embedded servers
 as ``voice-tools run`` finds them (``servers.ensure_servers``), so they work from a
-second terminal with no exports, and leave those servers running when they end.
+second terminal with no exports, and leave those servers running when they end. Loaded by
+Celery's CLI before the app, this module also makes every other command of ``celery -A tasks``
+(``inspect``, ``status``, ``events``, ``worker`` …) join them (``_join_for_every_command``).
 
 Exit status: 0 done, 1 refused (``too_late``, ``already_terminal``: the API's 409),
 2 bad usage or input, 3 no such call (the API's 404), 4 no database (unreachable or not
@@ -67,17 +69,63 @@ def _tool_names() -> list[str]:
     return sorted(tools.TOOLS)
 
 
+# -- every Celery command: the data dir's servers ------------------------------------------------
+
+# The Celery commands that need the database too: the worker runs the tasks, the shell is for
+# looking at things; the others (beat, inspect, control, status, events, flower, purge …) need
+# the broker only.
+NEEDS_DATABASE = ("worker", "shell")
+OWN_CONNECT = ("calls", "callbacks")  # ours: each command joins what it needs (``_connect``)
+
+
+def join_servers(app: Any, database: bool = False) -> dict[str, str]:
+    """Find the broker (and the database) as ``voice-tools run`` does: the variables, else the
+    data dir's embedded servers, joined (or started, and stopped again at exit)."""
+    from voice_tools import servers
+
+    had_broker = bool(os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL"))
+    urls = servers.ensure_servers(need=("postgres", "redis") if database else ("redis",))
+    if not had_broker:
+        # celeryconfig read the environment before the servers were found
+        app.conf.broker_url = urls["REDIS_URL"]
+    return urls
+
+
+def _join_for_every_command(sender: Any = None, app: Any = None, options: dict[str, Any] | None = None,
+                            **_: Any) -> None:
+    """``user_preload_options``, sent by Celery's CLI before any command of ``celery -A tasks`` runs
+    (the app declares the ``--data-dir`` preload option, so every command has it): with no server
+    variable set, the command joins the data dir's embedded servers, so ``celery -A tasks inspect
+    ping``, ``status`` or ``events`` from a second terminal with no exports reach the local run."""
+    if app is None or getattr(app, "main", None) != "tasks":
+        return
+    if (options or {}).get("data_dir"):
+        os.environ["VOICE_TOOLS_DATA_DIR"] = str((options or {})["data_dir"])
+    ctx = click.get_current_context(silent=True)
+    command = ctx.info_name if ctx is not None else None
+    if command in OWN_CONNECT:
+        return
+    join_servers(app, database=command in NEEDS_DATABASE)
+
+
+def _listen() -> None:
+    from celery.signals import user_preload_options
+
+    user_preload_options.connect(_join_for_every_command, weak=False, dispatch_uid="voice-tools-join-servers")
+
+
+_listen()  # this module is loaded by Celery's CLI (``celery.commands`` entry points), before the app
+
+
 def _connect(ctx: click.Context, broker: bool = False) -> None:
     """Find the database (and the broker) as ``voice-tools run`` does: the variables, else
     the data dir's embedded servers, joined (or started, and stopped again at exit)."""
     from voice_tools import servers
 
-    need = ("postgres", "redis") if broker else ("postgres",)
-    had_broker = bool(os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL"))
-    urls = servers.ensure_servers(need=need)
-    if broker and not had_broker:
-        # celeryconfig read the environment before the servers were found
-        ctx.obj.app.conf.broker_url = urls["REDIS_URL"]
+    if broker:
+        join_servers(ctx.obj.app, database=True)
+    else:
+        servers.ensure_servers(need=("postgres",))
     from sqlalchemy.exc import OperationalError
 
     from tasks.calls import admin
@@ -155,9 +203,15 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
         session_id = _check(schemas.SessionPath, {"session_id": session_id})["session_id"]
     _connect(ctx)
     found = admin.list_calls(statuses=[st.upper() for st in statuses], session_id=session_id, tool=tool,
-                             since=since, limit=limit)
+                             since=since, limit=limit + 1)  # one more: does the limit cut the list?
+    cut = len(found) > limit
+    found = found[:limit]
+    note = (f"The newest {limit} calls; more match: raise --limit, or narrow with --status, --session, --tool "
+            f"or --since.") if cut else None
     if as_json:
         _json([_record(call) for call in found])
+        if note:
+            click.echo(note, err=True)  # stdout stays the JSON list
         return
     if not found:
         click.echo("No calls match.")
@@ -167,6 +221,8 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
           c.execution_time_ms, c.caller] for c in found],
         ["ID", "TOOL", "STATUS", "OUTCOME", "STEP", "SESSION", "CREATED (UTC)", "MS", "CALLER"],
     ))
+    if note:
+        click.echo(f"\n{note}")
 
 
 @calls.command("show")
@@ -186,9 +242,21 @@ def show(ctx: click.Context, tool_call_id: str, as_json: bool) -> None:
         _not_found(tool_call_id, as_json)
     call, sent = shown.call, shown.deliveries
     if as_json:
-        _json({**_record(call), "step_outputs": call.step_outputs, "callbacks": [_delivery(d) for d in sent]})
+        _json({**_record(call), "step_outputs": _step_outputs(call), "callbacks": [_delivery(d) for d in sent]})
         return
     _show(call, sent)
+
+
+def _step_outputs(call: Any) -> dict[str, Any]:
+    """The call's step outputs in its chain's order (the database's JSON keeps its keys in an order of
+    its own: shortest first); a step its tool no longer has comes last."""
+    from tasks import tools
+
+    outputs = call.step_outputs or {}
+    tool = tools.TOOLS.get(call.function_name)
+    order = [step.name for step in tool.steps] if tool else []
+    rank = {name: index for index, name in enumerate(order)}
+    return {name: outputs[name] for name in sorted(outputs, key=lambda name: (rank.get(name, len(order)), name))}
 
 
 def _delivery(d: Any) -> dict[str, Any]:
@@ -222,7 +290,7 @@ def _show(call: Any, sent: list[Any]) -> None:
                  for e in call.parameters_history], ["AT", "FIELD", "OLD", "NEW"])
          if call.parameters_history else "(none)")
     echo("\nStep outputs")
-    echo(_table([[step, _text(output, 100)] for step, output in (call.step_outputs or {}).items()],
+    echo(_table([[step, _text(output, 100)] for step, output in _step_outputs(call).items()],
                 ["STEP", "OUTPUT"]) if call.step_outputs else "(none)")
     if call.result is not None:
         echo(f"\nResult\n{json.dumps(call.result, indent=2, ensure_ascii=False, default=str)}")

@@ -274,6 +274,23 @@ def play(base_url: str, token: str, secret: Secrets | None, scenario: str = "ema
     return finals
 
 
+def api_url(given: str | None) -> tuple[str, str]:
+    """The API's URL, and where it came from: ``--url``, ``VOICE_TOOLS_PUBLIC_URL``, ``PORT``, else the
+    data dir's running ``voice-tools run`` (its record, as the token comes from its secrets), else 8000."""
+    from voice_tools.servers import RUN_RECORD, default_data_dir, recorded_run
+
+    if given:
+        return given, "--url"
+    if os.environ.get("VOICE_TOOLS_PUBLIC_URL", "").strip():
+        return os.environ["VOICE_TOOLS_PUBLIC_URL"].strip(), "VOICE_TOOLS_PUBLIC_URL"
+    if os.environ.get("PORT", "").strip():
+        return f"http://127.0.0.1:{os.environ['PORT'].strip()}", "PORT"
+    recorded = recorded_run().get("api_url")
+    if recorded:
+        return recorded, f"the run recorded in {default_data_dir() / RUN_RECORD}"
+    return "http://127.0.0.1:8000", f"the default (no run recorded in {default_data_dir()})"
+
+
 def _local_secrets() -> dict[str, str]:
     """The values ``voice-tools run`` made for this data dir, when the variables are unset."""
     from voice_tools.servers import LOCAL_SECRETS, default_data_dir
@@ -294,7 +311,8 @@ def _first_token(tokens: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice-tools demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="the API (default: VOICE_TOOLS_PUBLIC_URL, else http://127.0.0.1:$PORT)")
+    parser.add_argument("--url", help="the API (default: VOICE_TOOLS_PUBLIC_URL, else http://127.0.0.1:$PORT, else "
+                                      "the URL of the data dir's running `voice-tools run`, else port 8000)")
     parser.add_argument("--token", help="an API token (default: the first of VOICE_TOOLS_API_TOKENS,"
                                         " else the one `voice-tools run` made)")
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="email",
@@ -302,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                              "address before it is sent)")
     args = parser.parse_args(argv)
     local = _local_secrets()
-    url = args.url or os.environ.get("VOICE_TOOLS_PUBLIC_URL") or \
-        f"http://127.0.0.1:{os.environ.get('PORT', '8000')}"
+    url, source = api_url(args.url)
     token = args.token or _first_token(os.environ.get("VOICE_TOOLS_API_TOKENS", "")) or local.get("api_token")
     secret = Secrets(os.environ.get("VOICE_TOOLS_CALLBACK_SECRET") or local.get("callback_secret"),
                      parse_secrets(os.environ.get("VOICE_TOOLS_CALLBACK_SECRETS", "")
@@ -313,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         finals = play(url, token, secret, args.scenario)
+    except requests.ConnectionError:
+        print(f"\nvoice-tools demo failed: nothing answers at {url} (taken from {source}). "
+              "Is `voice-tools run` running? Start it, or give the API's address with --url.", file=sys.stderr)
+        return 1
+    except requests.Timeout:
+        print(f"\nvoice-tools demo failed: the API at {url} (taken from {source}) did not answer in time.",
+              file=sys.stderr)
+        return 1
     except (DemoError, requests.RequestException, queue.Empty) as exc:
         print(f"\nvoice-tools demo failed: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 1

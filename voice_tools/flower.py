@@ -5,7 +5,14 @@ for every thread of Flower's executor; a thread inspecting the workers while the
 is gone is stuck in kombu's reconnect loop, so Flower lived on until honcho's SIGKILL
 5 s later. Here, once Flower's command has returned, the exit handlers run (Flower's
 own: it saves its state when ``--persistent``) and the process ends without waiting
-for those threads. Every argument is Flower's (``--address``, ``--port``, ``--basic-auth`` ...).
+for those threads. Every argument is Flower's (``--address``, ``--port`` ...).
+
+Flower is never served without a password: its users come from ``FLOWER_BASIC_AUTH``
+(``user:password``, comma-separated for more; Flower reads the variable itself), so no
+password is on a command line where ``ps`` shows it to every local user; without it (nor
+``--basic-auth`` or ``--auth``) the command refuses to start. Flower's own ``/metrics`` is
+served behind the same password (Flower serves it to anyone). Flower knows each worker from its
+first event (:func:`workers_from_their_events`).
 """
 from __future__ import annotations
 
@@ -13,12 +20,130 @@ import atexit
 import logging
 import os
 import sys
+from functools import partial
+from typing import Any
+
+EXIT_NO_AUTH = 2
+
+
+def _has_auth(args: list[str]) -> bool:
+    given = {arg.split("=", 1)[0] for arg in args}
+    return bool(os.environ.get("FLOWER_BASIC_AUTH", "").strip() or os.environ.get("FLOWER_AUTH", "").strip()
+                or given & {"--basic-auth", "--basic_auth", "--auth"})
+
+
+def metrics_behind_auth() -> None:
+    """Serve Flower's ``/metrics`` to its users only (as its API and pages are): a 401 without the password."""
+    import tornado.web
+    from flower import urls
+    from flower.views import monitor
+
+    if getattr(monitor.Metrics, "_voice_tools_authenticated", False):
+        return
+
+    class Metrics(monitor.Metrics):
+        _voice_tools_authenticated = True
+
+        @tornado.web.authenticated
+        async def get(self) -> None:
+            await super().get()
+
+    for index, handler in enumerate(urls.handlers):
+        if isinstance(handler, tuple) and handler[1] is monitor.Metrics:
+            urls.handlers[index] = (handler[0], Metrics, *handler[2:])
+        elif getattr(handler, "handler_class", None) is monitor.Metrics:
+            handler.handler_class = Metrics
+
+
+# What a worker must have answered for Flower's workers page and /api/workers to show it.
+KNOWN_BY = ("stats", "active_queues")
+# How long a worker may take to answer the inspection its first event starts (it answers within
+# milliseconds when idle; one just started, on a busy machine, took more than Flower's 1 s)
+LEARN_TIMEOUT_S = 5.0
+
+log = logging.getLogger("voice_tools.flower")
+
+
+def workers_from_their_events() -> None:
+    """Flower learns of each worker from its first event, and inspects it then.
+
+    Flower inspects every worker once when it starts, and again only when asked
+    (``/api/workers?refresh=1``): a worker that came up after Flower (``voice-tools run`` starts
+    them together, and a worker takes longer) stayed missing from its workers page and
+    ``/api/workers``, and that first inspection, answered by no worker, logged four "Inspect method …
+    failed" warnings. Here Flower starts without it, and inspects a worker (the methods of Flower's
+    own inspection of every worker, addressed to that one, which answers as soon as it can) when one
+    of its events (``worker-online``, or a heartbeat, every 2 s) comes from a worker it does not
+    know yet; one that did not answer is asked again at its next heartbeat, which is why a miss is
+    logged at debug level only. ``?refresh=1`` is Flower's own, unchanged."""
+    from flower import app as flower_app
+
+    if getattr(flower_app.Flower, "_voice_tools_learns_workers", False):
+        return
+
+    class Flower(flower_app.Flower):
+        _voice_tools_learns_workers = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._learning: set[str] = set()
+            receive = self.events.on_event
+
+            def on_event(event: dict[str, Any]) -> None:  # in Flower's events thread
+                receive(event)
+                if event.get("type") in ("worker-online", "worker-heartbeat") and event.get("hostname"):
+                    self.io_loop.add_callback(self._learn_worker, event["hostname"], event["type"] == "worker-online")
+
+            self.events.on_event = on_event
+
+        def start(self) -> None:
+            self.events.start()
+            self.started = True
+            self.io_loop.start()  # no blind inspection: each worker is inspected when its first event comes
+
+        async def _learn_worker(self, hostname: str, came_online: bool) -> None:
+            known = self.inspector.workers.get(hostname) or {}
+            if hostname in self._learning or (not came_online and all(m in known for m in KNOWN_BY)):
+                return
+            self._learning.add(hostname)
+            try:
+                await self.io_loop.run_in_executor(None, self._inspect_one, hostname)
+            finally:
+                self._learning.discard(hostname)
+
+        def _inspect_one(self, hostname: str) -> None:
+            inspect = self.capp.control.inspect(timeout=max(self.inspector.timeout, LEARN_TIMEOUT_S),
+                                                destination=[hostname])
+            for method in self.inspector.methods_to_inspect(None):
+                try:
+                    answer = getattr(inspect, method)()
+                except Exception as exc:  # the broker: Flower's own inspections say so
+                    log.debug("inspecting %s (%s) on its first event failed: %s", hostname, method, exc)
+                    return
+                if not answer or "error" in answer:
+                    log.debug("%s did not answer %s yet; asked again at its next heartbeat", hostname, method)
+                    return
+                for worker, response in answer.items():
+                    if response is not None:
+                        self.io_loop.add_callback(partial(self.inspector._on_update, worker, method, response))
+
+    flower_app.Flower = Flower
+    from flower import command
+
+    command.Flower = Flower
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = list(sys.argv[2:] if argv is None else argv)
+    if not _has_auth(given):
+        print("voice-tools flower: set FLOWER_BASIC_AUTH=user:password (Flower is not served without a password)",
+              file=sys.stderr, flush=True)
+        return EXIT_NO_AUTH
     from celery.bin.celery import celery
 
-    args = ["-A", "tasks", "flower", *(sys.argv[2:] if argv is None else argv)]
+    metrics_behind_auth()
+    workers_from_their_events()
+    args = ["-A", "tasks", "flower", *given]
     try:
         code = celery.main(args=args, prog_name="celery", auto_envvar_prefix="CELERY")
     except SystemExit as exc:

@@ -60,7 +60,8 @@ def _command(proc: psutil.Process) -> str:
         return "?"
 
 
-def report(procs: list[psutil.Process], title: str, width: int) -> list[str]:
+def report(procs: list[psutil.Process], title: str, width: int | None = None) -> list[str]:
+    """A line per process (pid, PSS, its whole command line, or its first ``width`` characters), then the total."""
     lines, total, unreadable = [], 0, 0
     for proc in procs:
         kib = pss_kib(proc.pid)
@@ -68,7 +69,8 @@ def report(procs: list[psutil.Process], title: str, width: int) -> list[str]:
             unreadable += 1
             continue
         total += kib
-        lines.append(f"{proc.pid:>8} {kib / 1024:8.1f}  {_command(proc)[:width]}")
+        command = _command(proc)
+        lines.append(f"{proc.pid:>8} {kib / 1024:8.1f}  {command if not width else command[:width]}")
     tail = f" ({unreadable} not readable)" if unreadable else ""
     lines.append(f"{title}: {len(procs) - unreadable} processes, {total / 1024:.1f} MB PSS{tail}")
     return lines
@@ -77,7 +79,9 @@ def report(procs: list[psutil.Process], title: str, width: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice-tools footprint",
                                      description="The memory (PSS) of the running voice-tools run, per process.")
-    parser.add_argument("--width", type=int, default=100, help="characters of each command line shown")
+    parser.add_argument("--width", type=int, default=None,
+                        help="show only this many characters of each command line (default: all of it: honcho's "
+                             "`sh -c` lines differ only at their end)")
     args = parser.parse_args(argv)
     data_dir = default_data_dir()
     tree = run_tree(data_dir)

@@ -27,7 +27,8 @@ from typing import Any
 
 from models import logs
 from tasks.delivery import signing
-from voice_tools.servers import LOCAL_SECRETS, _started, default_data_dir, ensure_servers, migrate, stop_servers
+from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
+                                 record_run, stop_servers)
 
 PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
@@ -196,6 +197,7 @@ def run(procfile: str | None = None) -> int:
         _say(f"data in {data_dir}")
         for line in banner(env, filled, data_dir):
             _say(line)
+        record_run(data_dir, faces(env))
         if "VOICE_TOOLS_API_TOKENS" in filled:
             token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
             _say(f"API token: {token}   (try: voice-tools demo)")
@@ -212,6 +214,7 @@ def run(procfile: str | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if honcho is not None:
             _stop_honcho(honcho)
+        forget_run(data_dir)
         stop_servers()
         _say("stopped")
 
@@ -232,6 +235,15 @@ def _prepare_in_child(data_dir: Path) -> None:
                           cwd=data_dir, env=dict(os.environ))
     if done.returncode != 0:
         raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
+
+
+def faces(env: dict[str, str]) -> dict[str, str]:
+    """Where the run's faces answer on this machine: HOST, or the loopback when it binds every address."""
+    host = "127.0.0.1" if env["HOST"] in ("0.0.0.0", "::") else env["HOST"]
+    host = f"[{host}]" if ":" in host else host
+    return {"api_url": f"http://{host}:{env['PORT']}", "mcp_url": f"http://{host}:{env['MCP_PORT']}/mcp",
+            "flower_url": f"http://{host}:{env['FLOWER_PORT']}",
+            "worker_metrics_url": f"http://{host}:{env['WORKER_METRICS_PORT']}/metrics"}
 
 
 def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
@@ -375,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         migrate()
         return ingest(args.paths, args.reembed, args.owner.strip())
     urls = ensure_servers()
+    # blocked before the exports: whoever reads them may stop this command at once, and that signal
+    # must end the wait below (then the exit handlers leave the servers), not kill the process
+    stops = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     for key, value in urls.items():
         print(f"export {key}='{value}'", flush=True)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    signal.pause()
+    signal.sigwait(stops)
     return 0
 
 

@@ -41,6 +41,31 @@ def default_data_dir() -> Path:
 
 
 LOCAL_SECRETS = "local-secrets.json"  # in the data dir: the secrets ``voice-tools run`` made (mode 0600)
+RUN_RECORD = "run.json"  # in the data dir: where the running ``voice-tools run`` serves (no secret)
+
+
+def record_run(data_dir: Path, urls: dict[str, str]) -> None:
+    """Write where this run serves (``api_url``, ``mcp_url`` …) into the data dir, for the commands
+    of a second terminal (``voice-tools demo``) that have none of the run's variables."""
+    path = Path(data_dir) / RUN_RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**urls, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def forget_run(data_dir: Path) -> None:
+    """Remove this process's run record (a stopped run serves nothing)."""
+    if recorded_run(data_dir).get("pid") == os.getpid():
+        (Path(data_dir) / RUN_RECORD).unlink(missing_ok=True)
+
+
+def recorded_run(data_dir: Path | None = None) -> dict[str, Any]:
+    """What :func:`record_run` wrote for the data dir's last run ({} if none)."""
+    try:
+        found = json.loads((Path(data_dir or default_data_dir()) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 # --- embedded PostgreSQL ---------------------------------------------------------------

@@ -99,7 +99,9 @@ class ScheduleMeetingResult(Schema):
     event_id = fields.String(required=True, metadata={"description": "The calendar event's id"})
     start = fields.String(required=True, metadata={"description": "ISO 8601, in the meeting's time zone"})
     end = fields.String(required=True, metadata={"description": "ISO 8601, in the meeting's time zone"})
-    html_link = fields.String(required=True, metadata={"description": "Where to open the event"})
+    html_link = fields.String(required=True, allow_none=True,
+                              metadata={"description": "Where to open the event in Google Calendar (null on the "
+                                                       "local calendar, which has no page to open)"})
 
 
 # -- what is said -----------------------------------------------------------------------------

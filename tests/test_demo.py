@@ -1,0 +1,69 @@
+"""``voice-tools demo`` in a second terminal with none of the run's variables: it takes the API's URL
+from the data dir's run record (as it takes the token from the data dir's secrets), and says in a
+sentence when nothing answers there. Playing the scenarios against a real run is in
+``tests/test_run_command.py``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from support.procs import ROOT, bare_env, free_port
+
+RUN_VARIABLES = ("PORT", "VOICE_TOOLS_PUBLIC_URL", "VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET")
+
+
+def data_dir_of_a_run(path: Path, api_url: str) -> Path:
+    """A data dir as ``voice-tools run`` leaves it while it runs: its secrets and its record."""
+    (path / "local-secrets.json").write_text(json.dumps(
+        {"api_token": "recorded-token", "callback_secret": "s", "flower_password": "f"}))
+    (path / "run.json").write_text(json.dumps({"api_url": api_url, "pid": 1}))
+    return path
+
+
+def demo(data_dir: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in bare_env(VOICE_TOOLS_DATA_DIR=str(data_dir)).items() if k not in RUN_VARIABLES}
+    return subprocess.run([sys.executable, "-m", "voice_tools", "demo"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_the_demo_calls_the_url_the_data_dirs_run_recorded_with_its_token(tmp_path):
+    seen: list[tuple[str, str, str | None]] = []
+
+    class Refuse(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            seen.append(("POST", self.path, self.headers.get("Authorization")))
+            body = json.dumps({"error": "unauthorized", "message": "no"}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        played = demo(data_dir_of_a_run(tmp_path, f"http://127.0.0.1:{server.server_address[1]}"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert played.returncode == 1, played.stdout + played.stderr
+    assert seen == [("POST", "/voice-tools/pending", "Bearer recorded-token")]  # not port 8000
+    assert "POST /voice-tools/pending answered 401" in played.stderr
+
+
+def test_an_unreachable_api_is_said_in_a_sentence_naming_the_url_and_where_it_came_from(tmp_path):
+    port = free_port()  # nothing listens there
+    played = demo(data_dir_of_a_run(tmp_path, f"http://127.0.0.1:{port}"))
+    assert played.returncode == 1
+    said = played.stderr.strip().splitlines()
+    assert said[-1] == (f"voice-tools demo failed: nothing answers at http://127.0.0.1:{port} (taken from the run "
+                        f"recorded in {tmp_path / 'run.json'}). Is `voice-tools run` running? Start it, or give the "
+                        "API's address with --url."), played.stderr
+    assert "HTTPConnectionPool" not in played.stdout + played.stderr

@@ -1,0 +1,45 @@
+"""``voice-tools footprint`` on a real process tree: every command line whole, so two processes whose
+lines differ only at their end (honcho's ``sh -c env -u … voice-tools …`` lines) are told apart.
+The whole run measured is in ``tests/test_run_command.py``."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+
+from support.procs import ROOT, bare_env
+
+PREFIX = "x" * 150  # longer than any column a terminal would cut at
+
+TREE = textwrap.dedent(f"""
+    import subprocess, sys, time
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "{PREFIX}", end])
+                for end in ("the-first-end", "the-second-end")]
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_footprint_shows_each_command_line_whole(tmp_path):
+    root = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert root.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(root.pid).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (tmp_path / "run.lock").write_text(f"{root.pid}\n")
+        measured = subprocess.run([sys.executable, "-m", "voice_tools", "footprint"], cwd=ROOT,
+                                  env=bare_env(VOICE_TOOLS_DATA_DIR=str(tmp_path)), capture_output=True, text=True,
+                                  timeout=60)
+    finally:
+        for child in psutil.Process(root.pid).children(recursive=True):
+            child.kill()
+        root.kill()
+        root.wait()
+    assert measured.returncode == 0, measured.stdout + measured.stderr
+    for end in ("the-first-end", "the-second-end"):
+        assert sum(line.endswith(f"{PREFIX} {end}") for line in measured.stdout.splitlines()) == 1, measured.stdout
+    assert "voice-tools run: 3 processes, " in measured.stdout
