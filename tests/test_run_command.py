@@ -164,7 +164,7 @@ def test_the_mcp_face_runs_as_its_own_process_behind_the_token(system):
     mcp = f"http://127.0.0.1:{system.mcp_port}"
     assert requests.get(f"{mcp}/healthz", timeout=10).status_code == 200
     hello = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
-    refused = requests.post(f"{mcp}/mcp", json=hello, timeout=10,
+    refused = requests.post(f"{mcp}/mcp", json=hello, timeout=60,  # the first: it loads the face
                             headers={"Accept": "application/json, text/event-stream"})
     assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
 
