@@ -1,0 +1,112 @@
+"""The TypeScript client (``clients/typescript``) against a live API, worker and relay.
+
+The package is installed from its lock (``npm ci``, once: ``node_modules`` stays in the checkout,
+ignored by git) and built with ``tsc`` (``npm run build``, which first regenerates the event types
+from ``clients/typescript/openapi.json`` with openapi-typescript). Its script ``test/live.ts`` then
+plays each part against the API: a send_email walkthrough with every REST call, ``verify()`` on the
+callbacks the walkthrough received during a secret rotation (either secret verifies; a tampered body,
+a stale timestamp, another secret are refused), and the event stream dropped mid-event and resumed
+with ``Last-Event-ID``, no event lost or repeated. The example relay runs the voice flow with the
+client alone. The snapshot ``openapi.json`` is the live document, so the types never drift.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import API_TOKEN, AUTH
+
+PACKAGE = Path(__file__).resolve().parent.parent / "clients" / "typescript"
+NEW_SECRET = "whsec_" + base64.b64encode(b"N" * 32).decode()
+OLD_SECRET = "whsec_" + base64.b64encode(b"O" * 32).decode()
+
+
+def test_the_committed_openapi_snapshot_is_the_live_document(client):
+    """clients/typescript/openapi.json, the types' source, equals GET /openapi.json. To refresh it:
+    python -c "import json; from app import create_app; from tests.conftest import AUTH; ..." (see
+    the package's README)."""
+    live = client.get("/openapi.json", headers=AUTH).get_json()
+    committed = json.loads((PACKAGE / "openapi.json").read_text())
+    assert committed == live, "clients/typescript/openapi.json is stale: regenerate it (clients/typescript/README.md)"
+
+
+@pytest.fixture(scope="module")
+def built() -> Path:
+    """The package installed from its lock and built (node_modules kept between runs)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("Node and npm are not installed")
+    lock = PACKAGE / "package-lock.json"
+    installed = PACKAGE / "node_modules" / ".package-lock.json"
+    if not installed.is_file() or installed.stat().st_mtime < lock.stat().st_mtime:
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=PACKAGE, check=True, capture_output=True,
+                       timeout=600)
+    done = subprocess.run(["npm", "run", "build"], cwd=PACKAGE, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return PACKAGE / "dist"
+
+
+def node(built: Path, script: str, *args: str, env: dict[str, str], stdin: str | None = None,
+         timeout: float = 120) -> subprocess.CompletedProcess:
+    done = subprocess.run(["node", str(built / script), *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.mark.slow
+def test_the_client_walks_a_call_verifies_its_callbacks_and_resumes_its_stream(
+        built, api_url, worker, relay, monkeypatch, tmp_path):
+    # a rotation is under way: the server signs with both secrets, newest first
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_SECRETS", f"{NEW_SECRET},{OLD_SECRET}")
+    relay.webhook_secrets = [OLD_SECRET]
+    session = "ts_client"
+    env = {"API_URL": api_url, "API_TOKEN": API_TOKEN, "RELAY_URL": relay.url, "SESSION": session}
+    walked = json.loads(node(built, "test/live.js", "walkthrough", env=env).stdout)
+    call, cancelled = walked["tool_call_id"], walked["cancelled"]
+    relay.wait_for(call, "completed")
+    relay.wait_for(cancelled, "cancelled")
+    assert relay.bad_signatures == 0
+    assert [e for _, e in relay.events_at(call)] == ["progress", "checkpoint", "progress", "completed"]
+
+    # verify() on every callback received, as its raw bytes and headers
+    callbacks = [{"headers": headers, "body": body.decode()} for headers, body in zip(relay.headers, relay.bodies)]
+    file = tmp_path / "callbacks.json"
+    file.write_text(json.dumps({"callbacks": callbacks, "secrets": [NEW_SECRET, OLD_SECRET]}))
+    checked = json.loads(node(built, "test/live.js", "verify", str(file), env={}).stdout)
+    assert checked["kinds"] == [event["event"] for event in relay.events]
+
+    # the stream: every event of the session, a drop mid-event resumed with no loss and no duplicate
+    streamed = json.loads(node(built, "test/live.js", "stream", env={**env, "EXPECTED": str(len(relay.events))},
+                               timeout=180).stdout)
+    assert sorted(streamed["ids"]) == sorted(event["event_id"] for event in relay.events)
+    assert [i for i in streamed["ids"] if i in {e["event_id"] for e in relay.events_for(call)}] == [
+        e["event_id"] for e in relay.events_for(call)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answers, status, said", [
+    (["yes", "yes"], "COMPLETED", "Email sent to ann@example.com."),
+    (["yes", "no"], "CANCELLED", "Cancelled. The email was not sent."),
+    (["no"], "CANCELLED", "Cancelled. The email was not sent."),
+])
+def test_the_example_relay_plays_the_voice_flow(built, api_url, worker, answers, status, said):
+    call = {"type": "response.function_call_arguments.done", "call_id": f"call_{status}_{len(answers)}",
+            "name": "send_email", "arguments": json.dumps({"to": "ann@example.com", "subject": "Lunch"})}
+    done = node(built, "examples/relay.js", *answers, stdin=json.dumps(call),
+                env={"VOICE_TOOLS_URL": api_url, "VOICE_TOOLS_TOKEN": API_TOKEN, "SESSION_ID": "ts_relay"})
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    spoken = [line["say"] for line in lines if "say" in line]
+    assert spoken[0] == "Ready to send email to ann@example.com. Confirm to proceed."
+    if answers[0] == "yes":
+        assert len(spoken) == 3 and "ann@example.com" in spoken[1], spoken  # the checkpoint, announced
+    assert spoken[-1] == said
+    output = lines[-1]
+    assert output["type"] == "conversation.item.create" and output["item"]["call_id"] == call["call_id"]
+    result = json.loads(output["item"]["output"])
+    assert result["status"] == status and result["voice_response"] == said
