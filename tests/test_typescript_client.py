@@ -110,3 +110,11 @@ def test_the_example_relay_plays_the_voice_flow(built, api_url, worker, answers,
     assert output["type"] == "conversation.item.create" and output["item"]["call_id"] == call["call_id"]
     result = json.loads(output["item"]["output"])
     assert result["status"] == status and result["voice_response"] == said
+
+
+@pytest.mark.slow
+def test_the_client_retries_503_and_429_after_retry_after_then_throws(built):
+    """Against an HTTP double in the script: a 503 then a 429 (Retry-After: 3600, bounded to the
+    client's maximum) are tried again with the same Idempotency-Key; four 503s are three retries then
+    a VoiceToolsError; a 409 is thrown at once."""
+    assert json.loads(node(built, "test/live.js", "retries", env={}).stdout) == {"ok": True}

@@ -2,6 +2,7 @@
 //   node dist/test/live.js walkthrough   (env API_URL, API_TOKEN, RELAY_URL, SESSION)
 //   node dist/test/live.js verify FILE   (FILE: {callbacks: [{headers, body}], secrets: [new, old]})
 //   node dist/test/live.js stream        (env API_URL, API_TOKEN, SESSION, EXPECTED: the event count)
+//   node dist/test/live.js retries       (against a local HTTP double: 503/429 retried, Retry-After bounded)
 // Each prints one JSON line of what it saw and exits 0, or fails an assertion (exit 1).
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
@@ -196,9 +197,57 @@ async function stream(): Promise<unknown> {
   return { ids, kinds: direct.map((event) => event.event) };
 }
 
+/** 503 and 429 are tried again after Retry-After (bounded), with the same idempotency key; then thrown.
+ * Against a local HTTP double that answers as programmed (no API needed). */
+async function retries(): Promise<unknown> {
+  const { createServer } = await import("node:http");
+  const seen: { at: number; key: string | undefined; path: string }[] = [];
+  let script: { status: number; retryAfter?: string; body: unknown }[] = [];
+  const server = createServer((request, response) => {
+    seen.push({ at: Date.now(), key: request.headers["idempotency-key"] as string | undefined, path: request.url! });
+    const next = script.shift() ?? { status: 500, body: { error: "unexpected", message: "no more answers" } };
+    const headers: Record<string, string> = { "Content-Type": "application/json" };
+    if (next.retryAfter) headers["Retry-After"] = next.retryAfter;
+    request.resume();
+    request.on("end", () => { response.writeHead(next.status, headers); response.end(JSON.stringify(next.body)); });
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const url = `http://127.0.0.1:${(server.address() as net.AddressInfo).port}`;
+  const busy = { error: "unavailable", message: "The database is unavailable.", details: {} };
+  const full = { error: "too_many_open", message: "Too many open.", details: { retry_after: 1 } };
+  try {
+    const client = new Client(url, "t", { retries: 3, maxRetryDelaySeconds: 1 });
+    script = [{ status: 503, retryAfter: "1", body: busy }, { status: 429, retryAfter: "3600", body: full },
+      { status: 201, body: { tool_call_id: "tc_000000000001", status: "PENDING" } }];
+    const recorded = await client.pending({ session_id: "s", function: "send_email", parameters: { to: "a@example.com", subject: "x" } });
+    assert.equal(recorded.tool_call_id, "tc_000000000001");
+    assert.equal(seen.length, 3);
+    assert.ok(seen[0].key && seen.every((s) => s.key === seen[0].key), "one idempotency key on every try");
+    for (const [a, b] of [[0, 1], [1, 2]]) {
+      const gap = seen[b].at - seen[a].at;
+      assert.ok(gap >= 900 && gap < 2500, `Retry-After honoured and bounded: ${gap} ms`);
+    }
+    seen.length = 0;
+    script = Array.from({ length: 4 }, () => ({ status: 503, retryAfter: "0", body: busy }));
+    await assert.rejects(new Client(url, "t", { retries: 3, maxRetryDelaySeconds: 0.05 }).confirm("tc_000000000001"),
+      (error: unknown) => error instanceof VoiceToolsError && error.status === 503 && error.error === "unavailable"
+        && error.message === busy.message);
+    assert.equal(seen.length, 4, "three retries, then the error");
+    seen.length = 0;
+    script = [{ status: 409, body: { error: "too_late", message: "Too late.", details: { status: "EXECUTING" } } }];
+    await assert.rejects(new Client(url, "t").cancel("tc_000000000001"),
+      (error: unknown) => error instanceof VoiceToolsError && error.error === "too_late"
+        && (error.details as { status: string }).status === "EXECUTING");
+    assert.equal(seen.length, 1, "a 409 is not retried");
+    return { ok: true };
+  } finally {
+    server.close();
+  }
+}
+
 const [mode, arg] = process.argv.slice(2);
 const run = mode === "walkthrough" ? walkthrough() : mode === "verify" ? Promise.resolve(verifyCallbacks(arg))
-  : mode === "stream" ? stream() : Promise.reject(new Error(`unknown mode ${mode}`));
+  : mode === "stream" ? stream() : mode === "retries" ? retries() : Promise.reject(new Error(`unknown mode ${mode}`));
 run.then((result) => {
   console.log(JSON.stringify(result));
   process.exit(0); // whatever sockets the dropped streams left behind
