@@ -75,7 +75,18 @@ async function walkthrough(): Promise<unknown> {
       assert.ok("to" in (error.details.fields as Record<string, Record<string, unknown>>).parameters, JSON.stringify(error.details));
       return true;
     });
-  return { tool_call_id: id, cancelled: other.tool_call_id };
+
+  // execute: recorded and started at once, stopping at its checkpoint; replayed with its key, the same call
+  const started = await client.execute({ ...body, parameters: { to: "bo@example.com", subject: "Hey" } },
+    { wait: 20, idempotencyKey: "ts-walkthrough-execute" });
+  assert.equal(started.status, "PREPARED");
+  const again = await client.execute({ ...body, parameters: { to: "bo@example.com", subject: "Hey" } },
+    { idempotencyKey: "ts-walkthrough-execute" });
+  assert.equal(again.tool_call_id, started.tool_call_id);
+  const dropped = await client.resume(started.tool_call_id, "cancel", { wait: 20, reason: "not now" });
+  assert.equal(dropped.status, "CANCELLED");
+  assert.equal(dropped.voice_response, "Cancelled. The email was not sent.");
+  return { tool_call_id: id, cancelled: [other.tool_call_id, started.tool_call_id] };
 }
 
 function verifyCallbacks(file: string): unknown {
