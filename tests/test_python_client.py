@@ -150,6 +150,7 @@ def test_a_send_email_walkthrough_through_the_client(client, worker):
         client.cancel(tc)
     assert (late.value.status, late.value.error) == (409, "already_terminal") and late.value.message
 
+    assert "send_email" in {tool["name"] for tool in client.tools()["tools"]}
     executed = client.execute("sess_client", "query_vector_db", {"user_query": "Q3 sales northwest"}, wait=15)
     assert executed["status"] == "COMPLETED" and executed["voice_response"]
     with pytest.raises(RelayError) as missing:
