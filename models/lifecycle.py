@@ -613,13 +613,18 @@ def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_respo
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
          from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False,
-         at_step: str | None = None, outcome: str = NOT_DONE) -> ToolCall | None:
+         at_step: str | None = None, outcome: str = NOT_DONE,
+         quiet_s: int | None = None) -> ToolCall | None:
     """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed;
-    ``at_step``: only if the call is still at that step; ``outcome``: whether its action
-    happened (``not_done``, ``unconfirmed``, or ``done`` when a step after it failed)."""
+    ``at_step``: only if the call is still at that step; ``quiet_s``: only if it is still quiet
+    for that long (no link passed its gate since: the stuck-call sweep's judgement, checked
+    again by the statement); ``outcome``: whether its action happened (``not_done``,
+    ``unconfirmed``, or ``done`` when a step after it failed)."""
     where = [ToolCall.committed_at.is_(None)] if uncommitted_only else []
     if at_step is not None:
         where.append(ToolCall.current_step == at_step)
+    if quiet_s is not None:
+        where.append(quiet_for(quiet_s))
     return _transition(
         s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
         extra_where=where, outcome=outcome,

@@ -448,13 +448,13 @@ def enqueue(tool: Tool, call: Any, start: int, workflow_id: str) -> str:
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
               uncommitted_only: bool = False, sentence: Message | None = None,
-              only_at_step: bool = False, outcome: str = NOT_DONE) -> ToolCall | None:
+              only_at_step: bool = False, outcome: str = NOT_DONE, quiet_s: int | None = None) -> ToolCall | None:
     voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
                      error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
         call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None,
-                              outcome=outcome)
+                              outcome=outcome, quiet_s=quiet_s)
         if call is None:
             return None
         delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -392,3 +393,31 @@ def test_from_a_second_terminal_with_no_exports_it_joins_the_running_servers_and
         finally:
             stop_process(holder)
         assert wait_none_running(data_dir) == []
+
+
+def test_celerys_cli_loads_nothing_of_the_product_for_another_app(tmp_path):
+    """Installing voice-tools adds its commands to Celery's CLI (the ``celery.commands`` entry
+    points), so every ``celery`` command of every app in the environment loads them: that must
+    import nothing of the product and connect none of its handlers to another app's signals."""
+    other = tmp_path / "other_app.py"
+    other.write_text("from celery import Celery\napp = Celery('other_app', broker='memory://')\n"
+                     "@app.task\ndef add(x, y):\n    return x + y\n")
+    probe = (
+        "import sys\n"
+        "import celery.bin.celery  # Celery's CLI, with every installed plug-in command\n"
+        "import other_app\n"
+        "from celery import signals\n"
+        "ours = ('tasks', 'models', 'backends', 'app')\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ours})\n"
+        "import weakref\n"
+        "def target(ref):\n"
+        "    return ref() if isinstance(ref, weakref.ReferenceType) else ref\n"
+        "hooked = sorted({getattr(target(r[1]), '__module__', '?') for name in dir(signals)\n"
+        "                 if name != 'user_preload_options'  # ours looks at the app: 'tasks' only\n"
+        "                 for r in getattr(getattr(signals, name), 'receivers', None) or []})\n"
+        "print(loaded, [h for h in hooked if h.split('.')[0] in ours + ('voice_tools',)])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] []", done.stdout

@@ -406,3 +406,49 @@ def test_purge_context_deletes_only_expired_entries(worker, task_log):
         assert s.scalars(select(SessionContext.session_id)).all() == ["sess_b"]
         assert session_context.get_context(s, "sess_b", "last_query_results").context_value == {"n": 2}
     assert sweep(task_log, sweeps.purge_context) == 0
+
+
+@pytest.mark.slow
+def test_fail_stuck_leaves_a_call_whose_link_began_while_the_sweep_judged_it(relay, monkeypatch):
+    """The sweep judges a call quiet, then a link of it passes its gate (a copy of the same step)
+    before the sweep's statement fails it: the statement checks the quiet period again, so the
+    call is left to its running link. The link's gate is held in a transaction that has locked
+    the call's row, so the sweep's statement reads the row only after the gate committed."""
+    import threading
+
+    monkeypatch.setenv("VOICE_TOOLS_STUCK_EXECUTING_AFTER", "600")
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        assert lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0) is not None
+    for column in ("confirmed_at", "executed_at", "step_started_at"):
+        backdate(call.tool_call_id, column, 1000)
+    monkeypatch.setenv("CELERY_BROKER_READ_URL", CLOSED_PORT_BROKER)
+    down = BrokerDown(app)
+    failed: list[int] = []
+    try:
+        with db.engine().connect() as gate:  # the link's gate, holding the call's row
+            gate.execute(text("SELECT 1 FROM tool_calls WHERE tool_call_id = :id FOR UPDATE"),
+                         {"id": call.tool_call_id})
+            sweeping = threading.Thread(target=lambda: failed.append(sweeps.fail_stuck()))
+            sweeping.start()
+            deadline = time.monotonic() + 20
+            while not _waits_on_a_lock(call.tool_call_id) and sweeping.is_alive():
+                assert time.monotonic() < deadline, "the sweep never reached its statement"
+                time.sleep(0.05)
+            gate.execute(text("UPDATE tool_calls SET step_started_at = now() WHERE tool_call_id = :id"),
+                         {"id": call.tool_call_id})
+            gate.commit()
+        sweeping.join(20)
+    finally:
+        down.restore()
+    assert failed == [0], failed
+    assert row(call.tool_call_id).status == "EXECUTING"
+
+
+def _waits_on_a_lock(tool_call_id: str) -> bool:
+    """Some session waits for a lock on a statement that names this call (the sweep's UPDATE)."""
+    with db.engine().connect() as conn:
+        return conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE :q"),
+            {"q": "UPDATE tool_calls%"}).scalar_one() > 0

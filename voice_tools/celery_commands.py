@@ -69,6 +69,23 @@ def _tool_names() -> list[str]:
     return sorted(tools.TOOLS)
 
 
+class LazyChoice(click.Choice):
+    """A choice whose values are read when a command first needs them (to parse or to show its
+    help), not when Celery's CLI loads this module: every ``celery`` command of every app in the
+    environment loads it (the ``celery.commands`` entry points), and must not import the product."""
+
+    def __init__(self, load: Any, case_sensitive: bool = True) -> None:
+        self._load = load
+        self._loaded: tuple[str, ...] | None = None
+        self.case_sensitive = case_sensitive
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        if self._loaded is None:
+            self._loaded = tuple(self._load())
+        return self._loaded
+
+
 # -- every Celery command: the data dir's servers ------------------------------------------------
 
 # The Celery commands that need the database too: the worker runs the tasks, the shell is for
@@ -186,10 +203,10 @@ def calls() -> None:
 
 
 @calls.command("list")
-@click.option("--status", "statuses", multiple=True, type=click.Choice(_statuses(), case_sensitive=False),
+@click.option("--status", "statuses", multiple=True, type=LazyChoice(_statuses, case_sensitive=False),
               help="Only calls in this status (repeatable).")
 @click.option("--session", "session_id", help="Only calls of this session.")
-@click.option("--tool", type=click.Choice(_tool_names()), help="Only calls of this tool.")
+@click.option("--tool", type=LazyChoice(_tool_names), help="Only calls of this tool.")
 @click.option("--since", type=Since(), help="Only calls created since: 15m, 2h, 7d ago, or an ISO time.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10000), help="At most this many.")
 @click.option("--json", "as_json", is_flag=True, help="JSON (each call's whole record) instead of a table.")
@@ -356,7 +373,7 @@ def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: b
 
 @calls.command("stats")
 @click.option("--since", type=Since(), help="Only calls created since: 15m, 2h, 7d ago, or an ISO time.")
-@click.option("--tool", type=click.Choice(_tool_names()), help="Only this tool.")
+@click.option("--tool", type=LazyChoice(_tool_names), help="Only this tool.")
 @click.option("--json", "as_json", is_flag=True, help="JSON, with the count of every status.")
 @click.pass_context
 def stats(ctx: click.Context, since: datetime | None, tool: str | None, as_json: bool) -> None:

@@ -49,9 +49,10 @@ def fail_stuck() -> int:
             if done is not None:
                 metrics.redriven(tool.name)
             done = done or actions.give_up(tool, call.tool_call_id, call.parameters, quiet_s, cfg.max_redrives)
-        else:  # only if it is still where the facts saw it (uncommitted, at the same step)
+        else:  # only if it is still where the facts saw it (uncommitted, at the same step, quiet)
             done = chains.fail_call(tool, call.tool_call_id, STOPPED, call.parameters,
-                                    step=call.current_step, uncommitted_only=True, only_at_step=True)
+                                    step=call.current_step, uncommitted_only=True, only_at_step=True,
+                                    quiet_s=quiet_s)
         handled += done is not None
     return handled
 
