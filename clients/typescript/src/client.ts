@@ -133,8 +133,7 @@ export class Client {
       const answer = await fetch(url, {
         method, headers, body: options.body === undefined ? undefined : JSON.stringify(options.body),
       });
-      const text = await answer.text();
-      const parsed = text ? JSON.parse(text) : {};
+      const parsed = await body(answer);
       if (answer.ok) return parsed as Json;
       if ((answer.status === 503 || answer.status === 429) && attempt < this.retries) {
         await sleep(this.retryDelay(answer, attempt) * 1000);
@@ -176,12 +175,12 @@ export class Client {
           continue;
         }
         if (!answer.ok) {
-          const text = await answer.text();
+          const parsed = await body(answer);
           if ((answer.status === 503 || answer.status === 429) && ++failures <= this.retries) {
             await sleep(this.retryDelay(answer, failures - 1) * 1000, options.signal);
             continue;
           }
-          throw new VoiceToolsError(answer.status, text ? JSON.parse(text) : { error: "http_error", message: answer.statusText });
+          throw new VoiceToolsError(answer.status, parsed as ErrorBody);
         }
         failures = 0;
         try {
@@ -249,3 +248,16 @@ export async function* frames(body: ReadableStream<Uint8Array>): AsyncGenerator<
 }
 
 const enc = encodeURIComponent;
+
+/** An answer's JSON body; a body that is not JSON (a proxy's error page) becomes an `http_error`. */
+async function body(answer: Response): Promise<unknown> {
+  const text = await answer.text();
+  if (!text) return answer.ok ? {} : { error: "http_error", message: answer.statusText, details: {} };
+  try {
+    const parsed = JSON.parse(text);
+    if (answer.ok || (parsed !== null && typeof parsed === "object" && typeof parsed.error === "string")) return parsed;
+  } catch {
+    // not JSON: below
+  }
+  return { error: "http_error", message: `${answer.status} ${answer.statusText}: not a voice-tools answer`, details: { body: text.slice(0, 500) } };
+}

@@ -220,7 +220,7 @@ async function retries(): Promise<unknown> {
     const headers: Record<string, string> = { "Content-Type": "application/json" };
     if (next.retryAfter) headers["Retry-After"] = next.retryAfter;
     request.resume();
-    request.on("end", () => { response.writeHead(next.status, headers); response.end(JSON.stringify(next.body)); });
+    request.on("end", () => { response.writeHead(next.status, headers); response.end(typeof next.body === "string" ? next.body : JSON.stringify(next.body)); });
   });
   await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
   const url = `http://127.0.0.1:${(server.address() as net.AddressInfo).port}`;
@@ -250,6 +250,9 @@ async function retries(): Promise<unknown> {
       (error: unknown) => error instanceof VoiceToolsError && error.error === "too_late"
         && (error.details as { status: string }).status === "EXECUTING");
     assert.equal(seen.length, 1, "a 409 is not retried");
+    script = [{ status: 502, body: "<html>Bad Gateway</html>" }];
+    await assert.rejects(new Client(url, "t").status("tc_000000000001"),
+      (error: unknown) => error instanceof VoiceToolsError && error.status === 502 && error.error === "http_error");
     return { ok: true };
   } finally {
     server.close();
