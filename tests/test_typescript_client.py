@@ -119,3 +119,27 @@ def test_the_client_retries_503_and_429_after_retry_after_then_throws(built):
     client's maximum) are tried again with the same Idempotency-Key; four 503s are three retries then
     a VoiceToolsError; a 409 is thrown at once."""
     assert json.loads(node(built, "test/live.js", "retries", env={}).stdout) == {"ok": True}
+
+
+@pytest.mark.slow
+def test_the_built_package_hands_its_generated_types_to_a_program_using_it(built, tmp_path):
+    """A program compiled against the built package (dist's declarations, as an installed package
+    gives them) sees the generated event types: narrowing on ``event`` gives a checkpoint's fields,
+    and a field no event has is a type error."""
+    program = tmp_path / "relay.ts"
+    program.write_text(f"""
+import {{ verify, type CallbackEvent, type CheckpointEvent }} from "{built / 'src' / 'index.js'}";
+const event: CallbackEvent = verify({{}}, "", "whsec_x");
+if (event.event === "checkpoint") {{
+  const checkpoint: CheckpointEvent = event;
+  const url: string | null = checkpoint.resume_url;
+  console.log(url, checkpoint.preview);
+}}
+// @ts-expect-error: no event has this field
+console.log(event.no_such_field);
+""")
+    done = subprocess.run([str(PACKAGE / "node_modules" / ".bin" / "tsc"), "--noEmit", "--strict", "--module", "NodeNext",
+                           "--moduleResolution", "NodeNext", "--types", "node", "--typeRoots",
+                           str(PACKAGE / "node_modules" / "@types"), str(program)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

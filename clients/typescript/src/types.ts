@@ -1,4 +1,4 @@
-// Types generated from the API's OpenAPI document (`npm run generate` writes src/openapi.d.ts
+// Types generated from the API's OpenAPI document (`npm run generate` writes src/openapi.ts
 // from openapi.json, a copy of /openapi.json kept equal to it by the repository's tests).
 import type { components, operations } from "./openapi.js";
 
