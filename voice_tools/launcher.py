@@ -214,11 +214,21 @@ def run(procfile: str | None = None) -> int:
 
 
 def prepare() -> int:
-    """Migrate, and load the demo data set into a database that has never had a call."""
+    """Migrate, prepare the offline embedding model, and load the demo data set into a database
+    that has never had a call."""
     migrate()
+    prepare_model()
     if _never_used():
         _say(f"demo data loaded: {_describe(load_demo())}")
     return 0
+
+
+def prepare_model() -> None:
+    """The offline embedding model made ready in ``<data dir>/models`` now (once for every process of
+    the system: a worker's first query then prepares nothing)."""
+    from backends import embeddings
+
+    embeddings.prepare()
 
 
 def _prepare_in_child(data_dir: Path) -> None:
@@ -226,7 +236,7 @@ def _prepare_in_child(data_dir: Path) -> None:
     what migrating and loading the demo import (Alembic, the embedding model for the documents).
     It works in the data dir, as the Procfile's processes do: ``-c`` puts its folder first on the path."""
     done = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; sys.exit(launcher.prepare())"],
-                          cwd=data_dir, env=dict(os.environ))
+                          cwd=data_dir, env={**os.environ, "VOICE_TOOLS_DATA_DIR": str(data_dir)})
     if done.returncode != 0:
         raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
 
@@ -364,12 +374,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "load-demo":
         migrate()
+        prepare_model()
         print(f"demo data loaded: {_describe(load_demo())}", flush=True)
         return 0
     if command == "ingest":
         if not args.paths and not args.reembed:
             parser.error("ingest needs a PATH (or --reembed)")
         migrate()
+        prepare_model()
         return ingest(args.paths, args.reembed, args.owner.strip())
     urls = ensure_servers()
     for key, value in urls.items():
