@@ -1,15 +1,19 @@
 """The document store searched by query_vector_db and search_documentation.
 
-Documents are cut into chunks (by heading, then by paragraph, up to about 800
-characters), each embedded by the active embedder (``backends/embeddings.py``)
-and stored in ``documents`` (``models/documents.py``) with the model's name and the
-vector's size. A search embeds the question with the same embedder and ranks chunks
-by cosine similarity in PostgreSQL (pgvector, HNSW index).
+Documents are read as plain text in sections (``backends/reading.py``: Markdown parsed,
+HTML's main text, PDF pages; no markup, URLs or code), then cut into chunks (a new one
+at every section, paragraphs packed up to about 800 characters), each carrying its
+section path ("Installation › Linux") as metadata and, with the title, as the context
+embedded with it by the active embedder (``backends/embeddings.py``). They are stored in
+``documents`` (``models/documents.py``) with the model's name and the vector's size. A
+search embeds the question with the same embedder and ranks chunks by cosine
+similarity in PostgreSQL (pgvector, HNSW index).
 
-- ``ingest(paths, reembed=False, owner="")``: ``.md`` / ``.txt`` files and folders, for
-  one caller (``owner``) or shared by every caller (''); a file ingested again for the
-  same owner replaces its chunks; ``reembed`` re-embeds every stored chunk with the
-  active model (after a change of embedder).
+- ``ingest(paths, reembed=False, owner="")``: ``.md``, ``.html``, ``.pdf`` and ``.txt``
+  files and folders, for one caller (``owner``) or shared by every caller (''); a file
+  that cannot be read is skipped with the reason; a file ingested again for the same
+  owner replaces its chunks; ``reembed`` re-embeds every stored chunk with the active
+  model (after a change of embedder).
 - ``search(text, top_k, filters, caller="")``: ``[{id, title, snippet, score, metadata}]``
   of the caller's own and the shared documents, best first; ``filters`` must match
   metadata keys exactly (JSON containment); chunks scoring below
@@ -37,7 +41,7 @@ from sqlalchemy.orm import Session
 
 from models import db, settings
 from models.documents import EMBEDDING_DIM, DocumentChunk
-from backends import SHARED, embeddings, seen_by
+from backends import SHARED, embeddings, reading, seen_by
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 CHUNK_CHARS = 800
 SNIPPET_CHARS = 240
 DEFAULT_MIN_SCORE = 0.3
-EXTENSIONS = (".md", ".markdown", ".txt")
+EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
 WRITE_BATCH = 256  # chunks embedded and written together during an ingest
 
 NO_PGVECTOR = ("this PostgreSQL has no pgvector: install the pgvector extension or unset DATABASE_URL "
@@ -232,62 +236,8 @@ def summarise(question: str, found: list[dict[str, Any]]) -> str:
 
 # -- chunking -------------------------------------------------------------------------------
 
-_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
-_FENCE = re.compile(r"^\s{0,3}(```|~~~)")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def _front_matter(raw: str) -> tuple[dict[str, Any], str]:
-    """``---`` / ``key: value`` lines / ``---`` at the top of a Markdown file (simple values only)."""
-    lines = raw.splitlines()
-    if not lines or lines[0].strip() != "---":
-        return {}, raw
-    for end in range(1, min(len(lines), 60)):
-        if lines[end].strip() in ("---", "..."):
-            meta: dict[str, Any] = {}
-            for line in lines[1:end]:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() and not key.startswith((" ", "\t", "-", "#")):
-                    value = value.strip().strip("'\"")
-                    if value.startswith("[") and value.endswith("]"):
-                        meta[key.strip()] = [v.strip().strip("'\"") for v in value[1:-1].split(",") if v.strip()]
-                    else:
-                        meta[key.strip()] = value
-            return meta, "\n".join(lines[end + 1:])
-    return {}, raw
-
-
-def _sections(body: str, markdown: bool) -> Iterator[tuple[str, list[str]]]:
-    """(heading, paragraphs) in order; the text before the first heading has heading ""."""
-    heading, paragraphs, current, fenced = "", [], [], False
-
-    def flush_paragraph() -> None:
-        if current and any(line.strip() for line in current):
-            paragraphs.append("\n".join(current).strip("\n"))
-        current.clear()
-
-    for line in body.splitlines():
-        if markdown and _FENCE.match(line):
-            fenced = not fenced
-            current.append(line)
-            continue
-        if fenced:
-            current.append(line)
-            continue
-        match = _HEADING.match(line) if markdown else None
-        if match:
-            flush_paragraph()
-            if paragraphs:
-                yield heading, paragraphs
-            heading, paragraphs = match.group(2).strip(), []
-            continue
-        if not line.strip():
-            flush_paragraph()
-        else:
-            current.append(line.rstrip())
-    flush_paragraph()
-    if paragraphs:
-        yield heading, paragraphs
+SECTION_SEPARATOR = " › "
 
 
 def _split_long(paragraph: str, limit: int) -> list[str]:
@@ -315,51 +265,49 @@ def _split_long(paragraph: str, limit: int) -> list[str]:
     return [p for p in pieces if p]
 
 
-def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
-    """``body`` cut into (section heading, content) chunks of at most about ``limit`` characters:
-    a new chunk at every heading, paragraphs packed together while they fit."""
+def chunk_sections(sections: Iterable[reading.Section], limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
+    """(section path, content) chunks of at most about ``limit`` characters: a new chunk at every
+    section, its paragraphs packed together while they fit. The path is the section's headings
+    joined by " › " ("Installation › Linux"), '' before the first heading."""
     chunks: list[tuple[str, str]] = []
-    for heading, paragraphs in _sections(body, markdown):
+    for section in sections:
+        where = SECTION_SEPARATOR.join(section.path)
         current = ""
-        for paragraph in paragraphs:
+        for paragraph in section.paragraphs:
             for piece in _split_long(paragraph, limit):
                 if current and len(current) + 2 + len(piece) > limit:
-                    chunks.append((heading, current))
+                    chunks.append((where, current))
                     current = piece
                 else:
                     current = f"{current}\n\n{piece}" if current else piece
         if current:
-            chunks.append((heading, current))
+            chunks.append((where, current))
     return chunks
 
 
-def _title_from_name(path: Path) -> str:
-    words = re.sub(r"[-_]+", " ", path.stem).strip()
-    return words[:1].upper() + words[1:] if words else path.name
+def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
+    """``body`` (Markdown, or plain text) parsed and cut as :func:`chunk_sections` does."""
+    name = Path("text.md" if markdown else "text.txt")
+    parsed = reading.parse_markdown(body, name) if markdown else reading.parse_text(body, name)
+    return chunk_sections(parsed.sections, limit)
 
 
 def read_document(path: Path) -> list[dict[str, Any]]:
-    """The chunk rows (without embeddings) of one file."""
-    raw = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").lstrip("\ufeff")
-    markdown = path.suffix.lower() != ".txt"
-    meta, body = _front_matter(raw) if markdown else ({}, raw)
-    title = str(meta.pop("title", "") or "")
-    if not title and markdown:
-        title = next((m.group(2).strip() for m in map(_HEADING.match, body.splitlines()) if m), "")
-    title = title or _title_from_name(path)
+    """The chunk rows (without embeddings) of one file (:class:`reading.Unreadable` if it cannot be read)."""
+    parsed = reading.read(path)
     source = str(path)
     rows = []
-    for index, (heading, content) in enumerate(chunk_text(body, markdown)):
-        metadata = {**meta, "source": source, "file": path.name}
-        if heading:
-            metadata["section"] = heading
-        rows.append({"id": f"{source}#{index}", "document_id": source, "source": source, "title": title,
+    for index, (where, content) in enumerate(chunk_sections(parsed.sections)):
+        metadata = {**parsed.meta, "source": source, "file": path.name}
+        if where:
+            metadata["section"] = where
+        rows.append({"id": f"{source}#{index}", "document_id": source, "source": source, "title": parsed.title,
                      "chunk_index": index, "content": content, "doc_metadata": metadata})
     return rows
 
 
 def embedding_text(row: dict[str, Any]) -> str:
-    """What is embedded for a chunk: its document's title and section heading give it context."""
+    """What is embedded for a chunk: its document's title and section path give it context."""
     head = [row["title"]]
     section = (row.get("doc_metadata") or {}).get("section")
     if section and section != row["title"]:
@@ -379,7 +327,7 @@ def _files(paths: Iterable[str]) -> list[Path]:
                          and not any(part.startswith(".") for part in p.relative_to(path).parts))
         elif path.is_file():
             if path.suffix.lower() not in EXTENSIONS:
-                raise DocumentStoreError(f"{given} is not a .md or .txt file")
+                raise DocumentStoreError(f"{given} is not a {', '.join(EXTENSIONS[:-1])} or {EXTENSIONS[-1]} file")
             found.append(path)
         else:
             raise DocumentStoreError(f"no such file or folder: {given}")
@@ -388,12 +336,13 @@ def _files(paths: Iterable[str]) -> list[Path]:
 
 
 def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict[str, Any]:
-    """Chunk, embed and store ``.md`` / ``.txt`` files (folders are walked; hidden ones skipped) as
-    ``owner``'s documents ('' : shared by every caller).
+    """Read, chunk, embed and store Markdown, HTML, PDF and text files (folders are walked; hidden
+    ones skipped) as ``owner``'s documents ('' : shared by every caller).
 
-    A file ingested again for the same owner replaces its chunks (in one transaction per file). With
-    ``reembed`` every chunk already stored is embedded again with the active model
-    first. Returns ``{files, chunks, model, seconds, reembedded}``.
+    A file ingested again for the same owner replaces its chunks (in one transaction per file). A
+    file that cannot be read is skipped (logged, and listed with the reason) and the rest goes on.
+    With ``reembed`` every chunk already stored is embedded again with the active model
+    first. Returns ``{files, chunks, model, seconds, reembedded, skipped: [{file, reason}]}``.
     """
     started = time.perf_counter()
     files = _files(paths)
@@ -407,14 +356,19 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict
     reembedded = _reembed(model, dim) if reembed else 0
 
     chunks = 0
+    skipped: list[dict[str, str]] = []
     group: list[tuple[Path, list[dict[str, Any]]]] = []
     for index, path in enumerate(files):
-        group.append((path, read_document(path)))
-        if sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1:
+        try:
+            group.append((path, read_document(path)))
+        except reading.Unreadable as exc:
+            log.warning("skipped %s: %s", path, exc)
+            skipped.append({"file": str(path), "reason": str(exc)})
+        if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
             chunks += _store(group, model, dim, owner)
             group = []
-    return {"files": len(files), "chunks": chunks, "model": model, "seconds": round(time.perf_counter() - started, 3),
-            "reembedded": reembedded}
+    return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
+            "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
 
 
 def _store(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> int:

@@ -79,14 +79,132 @@ def test_chunks_follow_headings_and_stay_near_800_characters():
     body = f"# Title\n\nIntro.\n\n## Part one\n\n{paragraph}\n\n{paragraph}\n\n{paragraph}\n\n## Part two\n\n" \
            f"```\n# not a heading, code\n```\n\n{'word ' * 400}"
     cut = documents.chunk_text(body)
-    assert [heading for heading, _ in cut] == ["Title"] + ["Part one"] * 2 + ["Part two"] * 4
+    # the title's own heading is not part of a section's path; "#" in code is no heading
+    assert [heading for heading, _ in cut] == [""] + ["Part one"] * 2 + ["Part two"] * 3
     assert cut[0][1] == "Intro."
     assert cut[1][1].count("expense policy") == 12 and cut[2][1].count("expense policy") == 6  # two paragraphs fit
-    assert cut[3][1] == "```\n# not a heading, code\n```"  # a fenced block stays whole; "#" in it is code
+    assert not any("not a heading" in c or "```" in c for _, c in cut)  # code is not read out
     assert all(len(content) <= 800 for _, content in cut)
     assert "".join(c for _, c in cut[3:]).count("word") == 400  # nothing lost when a paragraph is cut
     assert documents.chunk_text("# Not a heading in a .txt\n\nText.", markdown=False) == [
         ("", "# Not a heading in a .txt\n\nText.")]
+
+
+README = """<!-- YAML added: v9.0.0 -->
+[![Build status](https://img.shields.io/badge/build-passing-green.svg)](https://ci.example.com/job)
+[![crates.io](https://img.shields.io/crates/v/rustfmt.svg)](https://crates.io/crates/rustfmt)
+
+Mosquitto broker
+================
+
+Mosquitto is a message broker that speaks the MQTT protocol; see [the website](https://mosquitto.org/)
+or https://mosquitto.org/documentation/ for more, and `mosquitto.conf` for the settings.
+
+![architecture](docs/architecture.png)
+
+Installation
+------------
+
+### Linux
+
+Install the package from your distribution, then start the service:
+
+```sh
+sudo apt install mosquitto   # not read out
+```
+
+| Distribution | Package |
+|---|---|
+| Debian | mosquitto |
+
+See [the timeouts][primitive] for the limits.
+
+[primitive]: #timeoutsymboltoprimitive
+"""
+
+
+def test_markdown_is_parsed_title_sections_and_plain_text_only(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text(README)
+    rows = documents.read_document(path)
+    assert {r["title"] for r in rows} == {"Mosquitto broker"}  # the setext heading, not the badges or the comment
+    assert [r["doc_metadata"].get("section") for r in rows] == [None, "Installation › Linux"]
+    intro, linux = (r["content"] for r in rows)
+    assert intro == ("Mosquitto is a message broker that speaks the MQTT protocol; see the website or for more, "
+                     "and mosquitto.conf for the settings.")
+    assert linux == ("Install the package from your distribution, then start the service:\n\n"
+                     "Distribution, Package.\n\nDebian, mosquitto.\n\nSee the timeouts for the limits.")
+    for row in rows:
+        text = row["content"] + documents.embedding_text(row)
+        for markup in ("http", "<!--", "![", "](", "`", "|", "#", "apt install", "YAML", "shields"):
+            assert markup not in text, (markup, text)
+    assert documents.embedding_text(rows[1]).startswith("Mosquitto broker\nInstallation › Linux\nInstall the")
+
+    (tmp_path / "front.md").write_text("---\ntitle: The *real* title\nteam: ops\n---\n# Heading\n\nText.\n")
+    (front,) = documents.read_document(tmp_path / "front.md")
+    assert front["title"] == "The real title" and front["doc_metadata"]["team"] == "ops"
+    assert front["doc_metadata"]["section"] == "Heading"
+    (tmp_path / "no-heading_here.md").write_text("Just text.\n")
+    assert documents.read_document(tmp_path / "no-heading_here.md")[0]["title"] == "No heading here"
+
+
+PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
+<script>var tracking = "https://t.example.com";</script></head>
+<body><nav><a href="/">Home</a> <a href="/docs">Docs</a></nav>
+<main><h1>Backup guide</h1><p>Backups run every night at <b>two</b> o'clock.</p><!-- hidden note -->
+<h2>Restoring</h2><p>Open the <a href="https://example.com/restore">restore page</a> and pick a date.</p>
+<pre><code>restore --date 2024-01-01</code></pre><ul><li>Files come back as they were.</li></ul></main>
+<footer>Copyright and cookie notice</footer></body></html>"""
+
+
+def _pdf(pages: list[list[str]], title: str = "") -> bytes:
+    """A small PDF with one text line per entry (Helvetica), for pypdf to read."""
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", None, "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    kids = []
+    for lines in pages:
+        ops = "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({line}) Tj T*" for line in lines) + " ET"
+        objects.append(f"<< /Length {len(ops)} >>\nstream\n{ops}\nendstream")
+        objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+                       f"/Contents {len(objects)} 0 R >>")
+        kids.append(f"{len(objects)} 0 R")
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    if title:
+        objects.append(f"<< /Title ({title}) >>")
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
+    info = f" /Info {len(objects)} 0 R" if title else ""
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R{info} >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def test_html_and_pdf_are_read_and_an_unreadable_file_is_skipped_saying_why(tmp_path):
+    library = tmp_path / "library"
+    library.mkdir()
+    (library / "backup.html").write_text(PAGE)
+    (library / "leave.pdf").write_bytes(_pdf([["Annual leave policy", "Staff get 25 days of leave a year."],
+                                              ["Unused days carry over until March."]], title="Leave policy"))
+    (library / "broken.pdf").write_text("not a PDF at all")
+    (library / "notes.md").write_text("# Notes\n\nThe canteen opens at noon.\n")
+    backup = documents.read_document(library / "backup.html")
+    assert [(r["title"], r["doc_metadata"].get("section"), r["content"]) for r in backup] == [
+        ("Backup guide", None, "Backups run every night at two o'clock."),
+        ("Backup guide", "Restoring", "Open the restore page and pick a date.\n\nFiles come back as they were.")]
+    leave = documents.read_document(library / "leave.pdf")
+    assert [(r["title"], r["doc_metadata"]["section"]) for r in leave] == [("Leave policy", "Page 1"),
+                                                                          ("Leave policy", "Page 2")]
+    assert "25 days of leave" in leave[0]["content"] and "carry over" in leave[1]["content"]
+
+    report = documents.ingest([str(library)])
+    assert (report["files"], report["chunks"]) == (3, 5)
+    assert [s["file"] for s in report["skipped"]] == [str((library / "broken.pdf").resolve())]
+    assert report["skipped"][0]["reason"].startswith("it is not a readable PDF")
+    assert documents.search("how many vacation days do employees get", top_k=1)[0]["title"] == "Leave policy"
+    assert documents.search("getting files back from a backup", top_k=1)[0]["metadata"]["section"] == "Restoring"
 
 
 # -- ingest and search ---------------------------------------------------------------------------
@@ -141,8 +259,10 @@ def test_reingesting_a_file_replaces_its_chunks(folder):
 def test_ingest_refuses_what_it_cannot_read(folder):
     with pytest.raises(documents.DocumentStoreError, match="no such file or folder: /no/such/place"):
         documents.ingest(["/no/such/place"])
-    with pytest.raises(documents.DocumentStoreError, match="is not a .md or .txt file"):
-        documents.ingest([str(folder / "it" / "ignored.pdf")])
+    (folder / "slides.docx").write_text("not a format we read")
+    with pytest.raises(documents.DocumentStoreError, match=r"slides.docx is not a .md, .markdown, .html, .htm, "
+                                                           r".pdf or .txt file"):
+        documents.ingest([str(folder / "slides.docx")])
     assert chunks() == []
 
 

@@ -301,6 +301,8 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
     except documents.PERMANENT_ERRORS as exc:
         print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
         return 2
+    for skipped in report["skipped"]:
+        print(f"voice-tools ingest: skipped {skipped['file']}: {skipped['reason']}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2), flush=True)
     return 0
 
@@ -334,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
     sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
-    ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
+    ingest_parser = sub.add_parser("ingest", help="read, chunk, embed and store .md/.html/.pdf/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
     ingest_parser.add_argument("--reembed", action="store_true",
                                help="first re-embed every stored chunk with the active model (after changing it)")
