@@ -15,7 +15,8 @@ similarity in PostgreSQL (pgvector, HNSW index).
   owner replaces its chunks; ``reembed`` re-embeds every stored chunk with the active
   model (after a change of embedder).
 - ``search(text, top_k, filters, caller="")``: ``[{id, title, snippet, score, metadata}]``
-  of the caller's own and the shared documents, best first; ``filters`` must match
+  of the caller's own and the shared documents, best first, one per document (its best
+  chunk); ``filters`` must match
   metadata keys exactly (JSON containment); chunks scoring below
   ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
 - ``load_demo()``: ten short shared demo documents, embedded; safe to run twice.
@@ -52,6 +53,7 @@ CHUNK_CHARS = 800
 SNIPPET_CHARS = 240
 DEFAULT_MIN_SCORE = 0.3
 EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
+CANDIDATES_PER_RESULT = 4  # chunks a search ranks per document it returns (it returns each document once)
 WRITE_BATCH = 256  # chunks embedded and written together during an ingest
 
 NO_PGVECTOR = ("this PostgreSQL has no pgvector: install the pgvector extension or unset DATABASE_URL "
@@ -137,40 +139,46 @@ def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None,
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
                   filters: dict[str, Any] | None = None, floor: float | None = None,
                   caller: str = "") -> list[dict[str, Any]]:
-    """The chunks of ``caller``'s own and the shared documents nearest to ``vector`` (made by ``model``),
-    best first, above the relevance floor."""
+    """The documents of ``caller``'s own and the shared ones nearest to ``vector`` (made by ``model``),
+    best first, above the relevance floor: at most ``top_k`` documents, each by its best chunk
+    (a document's other chunks are not results of their own)."""
     import numpy as np
 
     floor = min_score() if floor is None else floor
     vector = np.asarray(vector, dtype=np.float32)
     if vector.shape != (EMBEDDING_DIM,):
         raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
+    candidates = min(1000, top_k * CANDIDATES_PER_RESULT)  # chunks looked at: several may be one document's
     distance = DocumentChunk.embedding.cosine_distance(vector)
-    stmt = select(DocumentChunk.id, DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
-                  distance.label("distance")).where(seen_by(DocumentChunk.owner, caller))
+    stmt = select(DocumentChunk.id, DocumentChunk.document_id, DocumentChunk.title, DocumentChunk.content,
+                  DocumentChunk.doc_metadata, distance.label("distance")).where(seen_by(DocumentChunk.owner, caller))
     if filters:
         stmt = stmt.where(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
-    stmt = stmt.order_by(distance, DocumentChunk.id).limit(top_k)
+    stmt = stmt.order_by(distance, DocumentChunk.id).limit(candidates)
     try:
         with db.session() as s:
             stored = _other_model(s, model)
             if stored is not None:
                 raise _mismatch(stored, model)
             # the HNSW scan looks at ef_search candidates; a filter (and the owner: other callers'
-            # chunks) drops some of them afterwards, so the scan goes on until top_k pass
-            s.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, top_k * (10 if filters else 2)))}"))
+            # chunks) drops some of them afterwards, so the scan goes on until enough pass
+            s.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, candidates * (10 if filters else 2)))}"))
             _iterative_scan(s)
             rows = s.execute(stmt).all()
     except ProgrammingError as exc:
         _explain_database_error(exc)
         raise
-    found = []
+    found: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for row in sorted(rows, key=lambda r: (r.distance, r.id)):  # relaxed_order may return them nearly sorted
         score = round(1.0 - float(row.distance), 4)
-        if score < floor:
+        if score < floor or row.document_id in seen:
             continue
+        seen.add(row.document_id)
         found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content), "score": score,
                       "metadata": row.doc_metadata})
+        if len(found) == top_k:
+            break
     return found
 
 

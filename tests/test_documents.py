@@ -148,6 +148,33 @@ def test_markdown_is_parsed_title_sections_and_plain_text_only(tmp_path):
     assert documents.read_document(tmp_path / "no-heading_here.md")[0]["title"] == "No heading here"
 
 
+def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_path):
+    from tasks.tools import query_vector_db, search_documentation
+    from tests.speech import markup_in
+
+    (tmp_path / "README.md").write_text(README + "\n## Configuration\n\nThe broker reads its settings from a "
+                                        "configuration file at start; send it a hang-up signal to reload them.\n")
+    (tmp_path / "guide.md").write_text("# Operations guide\n\nRestart the MQTT broker after an upgrade.\n")
+    documents.ingest([str(tmp_path)])
+    found = documents.search("MQTT message broker settings and installation", top_k=5)
+    assert len({f["id"].split("#")[0] for f in found}) == len(found) == 2  # one result per document: its best chunk
+    for tool, params in ((query_vector_db, {"user_query": "MQTT message broker settings"}),
+                         (search_documentation, {"query": "MQTT message broker settings"})):
+        result = {"summary": documents.plain_summary(found), "documents": found, "context_key": "k"}
+        said = tool.voice_response(params, result)
+        assert markup_in(said) == [] and said.rstrip()[-1] in ".!?", said
+    assert query_vector_db.voice_response({}, {"summary": documents.plain_summary(found), "documents": found}) \
+        .startswith("I found 2 documents; the best match is ")
+
+    question = "How do I get a refund for the hotel I booked for the offsite last month?"
+    assert search_documentation.voice_response({"query": question}, {"summary": "", "documents": []}) == (
+        "I couldn't find an answer to that in the documentation.")
+    assert query_vector_db.voice_response({"user_query": question}, {"documents": []}) == (
+        "I couldn't find any documents about that.")
+    assert query_vector_db.voice_response({"user_query": "hotel refunds"}, {"documents": []}) == (
+        "I couldn't find any documents about hotel refunds.")
+
+
 PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
 <script>var tracking = "https://t.example.com";</script></head>
 <body><nav><a href="/">Home</a> <a href="/docs">Docs</a></nav>

@@ -10,6 +10,7 @@ from marshmallow import Schema, fields, validate
 from models import db, session_context, settings
 from backends import documents, embeddings
 from tasks.tools import PermanentError, Step, StepInput, Tool
+from tasks.tools._speech import topic
 
 CONTEXT_KEY = "last_query_results"
 
@@ -106,7 +107,8 @@ def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | None = None, **_: Any) -> str:
     if not result or not result.get("documents"):
-        return f"I couldn't find any documents about {parameters.get('user_query', 'that')}."
+        about = topic(parameters.get("user_query", ""))
+        return f"I couldn't find any documents about {about}." if about else "I couldn't find any documents about that."
     found = result["documents"]
     said = result["summary"]
     if said == documents.plain_summary(found):  # no chat model: say it as a sentence
