@@ -35,13 +35,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from sqlalchemy import delete, or_, select, text, tuple_, update
+from sqlalchemy import column as sql_column, delete, func, or_, select, tuple_, update
+from sqlalchemy import text as sql_text
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from models import db, settings
-from models.documents import EMBEDDING_DIM, DocumentChunk
+from models.documents import EMBEDDING_DIM, SEARCH_CONFIG, DocumentChunk
 from backends import SHARED, embeddings, reading, seen_by
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ CHUNK_CHARS = 800
 SNIPPET_CHARS = 240
 DEFAULT_MIN_SCORE = 0.3
 EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
+MAX_QUERY_WORDS = 32  # distinct words of a question the full-text half looks for
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.)
 CANDIDATES_PER_RESULT = 4  # chunks a search ranks per document it returns (it returns each document once)
 WRITE_BATCH = 256  # chunks embedded and written together during an ingest
 
@@ -87,12 +90,12 @@ def min_score() -> float:
 
 def vector_support_error(conn: Any) -> str | None:
     """Why ``documents`` cannot hold vectors on this database, or None if it can."""
-    column = conn.execute(text(
+    column = conn.execute(sql_text(
         "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('documents') AND attname = 'embedding' "
         "AND NOT attisdropped")).first()
     if column is not None:
         return None
-    available = conn.execute(text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")).first()
+    available = conn.execute(sql_text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")).first()
     return NO_EMBEDDING_COLUMN if available else NO_PGVECTOR
 
 
@@ -131,30 +134,38 @@ def _mismatch(stored: str, active: str) -> ModelMismatch:
 
 def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None,
            caller: str = "") -> list[dict[str, Any]]:
-    """The chunks most similar to ``query`` that ``caller`` sees (see the module's doc)."""
+    """The documents most relevant to ``query`` that ``caller`` sees (see the module's doc)."""
     model, _ = embeddings.active_model()
-    return search_vector(embeddings.embed_query(query), model, top_k, filters, caller=caller)
+    return search_vector(embeddings.embed_query(query), model, top_k, filters, caller=caller, text=query)
 
 
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
                   filters: dict[str, Any] | None = None, floor: float | None = None,
-                  caller: str = "") -> list[dict[str, Any]]:
-    """The documents of ``caller``'s own and the shared ones nearest to ``vector`` (made by ``model``),
-    best first, above the relevance floor: at most ``top_k`` documents, each by its best chunk
-    (a document's other chunks are not results of their own)."""
+                  caller: str = "", text: str | None = None) -> list[dict[str, Any]]:
+    """The documents of ``caller``'s own and the shared ones most relevant to the question (``vector``,
+    made by ``model``; and its words, ``text``), best first: at most ``top_k`` documents, each by its
+    best chunk (a document's other chunks are not results of their own).
+
+    Two rankings of the chunks that pass ``filters`` and the owner: by cosine similarity (the
+    HNSW index) and, given ``text``, by PostgreSQL full-text rank (``ts_rank_cd`` of any of the
+    question's words against ``search_text``, GIN index), fused by reciprocal rank fusion
+    (``1/(60 + rank)`` summed over the rankings). A chunk whose cosine similarity is under the
+    relevance floor is not returned, whatever its words. ``score`` is the cosine similarity.
+    """
     import numpy as np
 
     floor = min_score() if floor is None else floor
     vector = np.asarray(vector, dtype=np.float32)
     if vector.shape != (EMBEDDING_DIM,):
         raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
-    candidates = min(1000, top_k * CANDIDATES_PER_RESULT)  # chunks looked at: several may be one document's
+    candidates = min(1000, top_k * CANDIDATES_PER_RESULT)  # chunks ranked: several may be one document's
     distance = DocumentChunk.embedding.cosine_distance(vector)
-    stmt = select(DocumentChunk.id, DocumentChunk.document_id, DocumentChunk.title, DocumentChunk.content,
-                  DocumentChunk.doc_metadata, distance.label("distance")).where(seen_by(DocumentChunk.owner, caller))
+    columns = (DocumentChunk.id, DocumentChunk.owner, DocumentChunk.document_id, DocumentChunk.title,
+               DocumentChunk.content, DocumentChunk.doc_metadata, distance.label("distance"))
+    visible = [seen_by(DocumentChunk.owner, caller)]
     if filters:
-        stmt = stmt.where(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
-    stmt = stmt.order_by(distance, DocumentChunk.id).limit(candidates)
+        visible.append(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
+    by_vector = select(*columns).where(*visible).order_by(distance, DocumentChunk.id).limit(candidates)
     try:
         with db.session() as s:
             stored = _other_model(s, model)
@@ -162,15 +173,25 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
                 raise _mismatch(stored, model)
             # the HNSW scan looks at ef_search candidates; a filter (and the owner: other callers'
             # chunks) drops some of them afterwards, so the scan goes on until enough pass
-            s.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, candidates * (10 if filters else 2)))}"))
+            s.execute(sql_text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, candidates * (10 if filters else 2)))}"))
             _iterative_scan(s)
-            rows = s.execute(stmt).all()
+            nearest = s.execute(by_vector).all()
+            worded = _by_words(s, text, columns, visible, candidates) if text and text.strip() else []
     except ProgrammingError as exc:
         _explain_database_error(exc)
         raise
+    fused: dict[tuple[str, str], float] = {}
+    rows: dict[tuple[str, str], Any] = {}
+    # relaxed_order may return the vector ranking nearly sorted
+    for ranking in (sorted(nearest, key=lambda r: (r.distance, r.id)), worded):
+        for rank_, row in enumerate(ranking, 1):
+            key = (row.owner, row.id)
+            fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
+            rows[key] = row
     found: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for row in sorted(rows, key=lambda r: (r.distance, r.id)):  # relaxed_order may return them nearly sorted
+    for key in sorted(fused, key=lambda k: (-fused[k], rows[k].distance, k[1])):
+        row = rows[key]
         score = round(1.0 - float(row.distance), 4)
         if score < floor or row.document_id in seen:
             continue
@@ -182,12 +203,43 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
     return found
 
 
+def _by_words(session: Session, text: str, columns: Sequence[Any], visible: Sequence[Any],
+              limit: int) -> list[Any]:
+    """The chunks that hold any of the question's words (stemmed, without stop words: ``english``),
+    best first: by the sum of the matched words' inverse document frequency (a word few chunks hold
+    says more than a common one), then ``ts_rank_cd`` (where and how close together they are)."""
+    import math
+
+    lexemes = session.execute(select(func.tsvector_to_array(func.to_tsvector(SEARCH_CONFIG, text)))).scalar() or []
+    lexemes = sorted(set(lexemes))[:MAX_QUERY_WORDS]
+    if not lexemes:
+        return []
+    queries = [func.to_tsquery("simple", func.quote_literal(lexeme)) for lexeme in lexemes]
+    any_word = func.to_tsquery("simple", " | ".join(f"'{lexeme.replace(chr(39), chr(39) * 2)}'" for lexeme in lexemes))
+    counts = session.execute(select(func.count(), *(func.count().filter(DocumentChunk.search_text.op("@@")(q))
+                                                     for q in queries))
+                             .where(*visible, DocumentChunk.search_text.op("@@")(any_word))).one()
+    if not counts[0]:
+        return []  # no chunk holds any of the words
+    total = max(1.0, float(session.execute(sql_text(
+        "SELECT greatest(reltuples, 1) FROM pg_class WHERE oid = 'documents'::regclass")).scalar() or 1))
+    total = max(total, float(counts[0]))
+    weights = [math.log(1 + total / df) if df else 0.0 for df in counts[1:]]
+    from sqlalchemy import case, literal
+
+    idf = sum(case((DocumentChunk.search_text.op("@@")(q), literal(w)), else_=literal(0.0))
+              for q, w in zip(queries, weights) if w)
+    rank = func.ts_rank_cd(DocumentChunk.search_text, any_word)
+    return session.execute(select(*columns).where(*visible, DocumentChunk.search_text.op("@@")(any_word))
+                           .order_by(idf.desc(), rank.desc(), DocumentChunk.id).limit(limit)).all()
+
+
 def _iterative_scan(session: Session) -> None:
     """With a filter, let the HNSW scan go on until it has ``top_k`` rows that pass it
     (pgvector >= 0.8); an older pgvector has no such setting and keeps ef_search alone."""
     try:
         with session.begin_nested():
-            session.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
+            session.execute(sql_text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
     except DBAPIError:
         pass
 

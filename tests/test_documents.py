@@ -175,6 +175,37 @@ def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_pat
         "I couldn't find any documents about hotel refunds.")
 
 
+def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_top_k(tmp_path):
+    from backends import embeddings
+
+    for name, text_ in {
+        "printer.md": "# Office printers\n\nThe printers on each floor print double-sided. When the display shows "
+                      "E4471 the paper tray is empty; refill it from the cupboard.\n",
+        "errors.md": "# What an error message means\n\nWhen an application shows an error, note the error code and "
+                     "the message, then call the help desk, who will explain what the error means.\n",
+        "api.md": "# API errors\n\nEvery API error has a code and a message; retry a 503 error later.\n",
+        "log.md": "# Reading the logs\n\nAn error in the log names the component; warnings are not errors.\n",
+        "kestrel.md": "# Project notes\n\nThe Kestrel migration moves the old billing database to the new cluster.\n",
+    }.items():
+        (tmp_path / name).write_text(text_)
+    documents.ingest([str(tmp_path)])
+    model, _ = embeddings.active_model()
+    question = "error E4471"
+    vector = embeddings.embed_query(question)
+    by_vector = [f["title"] for f in documents.search_vector(vector, model, 3, floor=-1)]
+    assert "Office printers" not in by_vector  # the code means nothing to the model
+    fused = documents.search_vector(vector, model, 3, floor=-1, text=question)
+    assert "Office printers" in [f["title"] for f in fused] and len(fused) == 3  # its words find it
+    assert [f["title"] for f in documents.search_vector(vector, model, 5, floor=-1, text=question,
+                                                         filters={"file": "api.md"})] == ["API errors"]
+    assert [f["title"] for f in documents.search_vector(vector, model, 5, floor=-1, text=question,
+                                                         filters={"file": "printer.md"})] == ["Office printers"]
+    assert len(documents.search_vector(vector, model, 2, floor=-1, text=question)) == 2
+    floor = documents.search_vector(vector, model, 5, floor=0.25, text=question)
+    assert floor and all(f["score"] >= 0.25 for f in floor)  # words alone are not relevance: the floor still decides
+    assert "Office printers" not in [f["title"] for f in floor]  # its cosine is under it
+
+
 PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
 <script>var tracking = "https://t.example.com";</script></head>
 <body><nav><a href="/">Home</a> <a href="/docs">Docs</a></nav>

@@ -65,9 +65,11 @@ def embed_query(text: str) -> dict[str, Any]:
 
 def find(text: str, query: Mapping[str, Any], top_k: int, filters: Mapping[str, Any] | None,
          caller: str = "") -> dict[str, Any]:
-    """The caller's own and the shared documents nearest to the question, and a sentence about them."""
+    """The caller's own and the shared documents most relevant to the question (its vector and the words
+    that were embedded), and a sentence about them."""
     with store_errors():
-        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}), caller=caller)
+        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}), caller=caller,
+                                        text=query.get("text") or text)
     return {"documents": found, "summary": documents.summarise(text, found)}
 
 
