@@ -149,8 +149,9 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
     Two rankings of the chunks that pass ``filters`` and the owner: by cosine similarity (the
     HNSW index) and, given ``text``, by PostgreSQL full-text rank (``ts_rank_cd`` of any of the
     question's words against ``search_text``, GIN index), fused by reciprocal rank fusion
-    (``1/(60 + rank)`` summed over the rankings). A chunk whose cosine similarity is under the
-    relevance floor is not returned, whatever its words. ``score`` is the cosine similarity.
+    (``1/(60 + rank)`` summed over the rankings). A document is as relevant as its closest chunk:
+    ``score`` is that chunk's cosine similarity, and a document under the relevance floor is not
+    returned, whatever its words; its passage is its chunk that ranks best in the fusion.
     """
     import numpy as np
 
@@ -188,16 +189,19 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
             key = (row.owner, row.id)
             fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
             rows[key] = row
+    # a document is as relevant as its closest chunk (cosine), and is said by its best fused chunk
+    closest: dict[str, float] = {}
+    for row in rows.values():
+        closest[row.document_id] = max(closest.get(row.document_id, -1.0), 1.0 - float(row.distance))
     found: list[dict[str, Any]] = []
     seen: set[str] = set()
     for key in sorted(fused, key=lambda k: (-fused[k], rows[k].distance, k[1])):
         row = rows[key]
-        score = round(1.0 - float(row.distance), 4)
-        if score < floor or row.document_id in seen:
+        if closest[row.document_id] < floor or row.document_id in seen:
             continue
         seen.add(row.document_id)
-        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content), "score": score,
-                      "metadata": row.doc_metadata})
+        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content),
+                      "score": round(closest[row.document_id], 4), "metadata": row.doc_metadata})
         if len(found) == top_k:
             break
     return found
