@@ -33,7 +33,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from sqlalchemy import column as sql_column, delete, func, or_, select, tuple_, update
 from sqlalchemy import text as sql_text
@@ -399,14 +399,16 @@ def _files(paths: Iterable[str]) -> list[Path]:
     return list(unique)
 
 
-def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict[str, Any]:
+def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
+           progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
     """Read, chunk, embed and store Markdown, HTML, PDF and text files (folders are walked; hidden
     ones skipped) as ``owner``'s documents ('' : shared by every caller).
 
     A file ingested again for the same owner replaces its chunks (in one transaction per file). A
     file that cannot be read is skipped (logged, and listed with the reason) and the rest goes on.
     With ``reembed`` every chunk already stored is embedded again with the active model
-    first. Returns ``{files, chunks, model, seconds, reembedded, skipped: [{file, reason}]}``.
+    first. ``progress(files done, files, chunks stored)`` is called after each batch is stored.
+    Returns ``{files, chunks, model, seconds, reembedded, skipped: [{file, reason}]}``.
     """
     started = time.perf_counter()
     files = _files(paths)
@@ -431,6 +433,8 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict
         if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
             chunks += _store(group, model, dim, owner)
             group = []
+            if progress is not None:
+                progress(index + 1, len(files), chunks)
     return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
             "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
 

@@ -240,7 +240,7 @@ def _pdf(pages: list[list[str]], title: str = "") -> bytes:
     return out
 
 
-def test_html_and_pdf_are_read_and_an_unreadable_file_is_skipped_saying_why(tmp_path):
+def test_html_and_pdf_are_read_and_an_unreadable_file_is_skipped_saying_why(tmp_path, capsys):
     library = tmp_path / "library"
     library.mkdir()
     (library / "backup.html").write_text(PAGE)
@@ -257,8 +257,15 @@ def test_html_and_pdf_are_read_and_an_unreadable_file_is_skipped_saying_why(tmp_
                                                                           ("Leave policy", "Page 2")]
     assert "25 days of leave" in leave[0]["content"] and "carry over" in leave[1]["content"]
 
-    report = documents.ingest([str(library)])
+    said: list[tuple[int, int, int]] = []
+    report = documents.ingest([str(library)], progress=lambda *how_far: said.append(how_far))
     assert (report["files"], report["chunks"]) == (3, 5)
+    assert said == [(4, 4, 5)]  # files done (the unreadable one too), files, chunks stored
+    from voice_tools import launcher
+
+    assert launcher.ingest([str(library)]) == 0  # the command says which file it skipped, and why
+    assert f"voice-tools ingest: skipped {(library / 'broken.pdf').resolve()}: it is not a readable PDF" \
+        in capsys.readouterr().err
     assert [s["file"] for s in report["skipped"]] == [str((library / "broken.pdf").resolve())]
     assert report["skipped"][0]["reason"].startswith("it is not a readable PDF")
     assert documents.search("how many vacation days do employees get", top_k=1)[0]["title"] == "Leave policy"

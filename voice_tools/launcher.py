@@ -296,11 +296,19 @@ def _describe(added: dict[str, int]) -> str:
 def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
     from backends import documents
 
+    def progress(done: int, files: int, chunks: int) -> None:  # on a terminal: how far it is, on one line
+        print(f"\rvoice-tools ingest: {done}/{files} files, {chunks} chunks", end="", file=sys.stderr, flush=True)
+
     try:
-        report = documents.ingest(paths, reembed=reembed, owner=owner)
+        report = documents.ingest(paths, reembed=reembed, owner=owner,
+                                  progress=progress if sys.stderr.isatty() else None)
     except documents.PERMANENT_ERRORS as exc:
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
         return 2
+    if sys.stderr.isatty():
+        print(file=sys.stderr, flush=True)  # the end of the progress line
     for skipped in report["skipped"]:
         print(f"voice-tools ingest: skipped {skipped['file']}: {skipped['reason']}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2), flush=True)
