@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -424,34 +425,51 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
     chunks = 0
     skipped: list[dict[str, str]] = []
     group: list[tuple[Path, list[dict[str, Any]]]] = []
-    for index, path in enumerate(files):
-        try:
-            group.append((path, read_document(path)))
-        except reading.Unreadable as exc:
-            log.warning("skipped %s: %s", path, exc)
-            skipped.append({"file": str(path), "reason": str(exc)})
-        if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
-            chunks += _store(group, model, dim, owner)
-            group = []
-            if progress is not None:
-                progress(index + 1, len(files), chunks)
+    # a batch is written (one transaction) by a thread of its own while the next one is read and
+    # embedded here: the database's time hides behind the model's
+    with ThreadPoolExecutor(1, thread_name_prefix="ingest-write") as writer:
+        writing: tuple[Future[int], int] | None = None
+
+        def wait_for_write() -> None:
+            nonlocal chunks
+            if writing is not None:
+                chunks += writing[0].result()
+                if progress is not None:
+                    progress(writing[1], len(files), chunks)
+
+        for index, path in enumerate(files):
+            try:
+                group.append((path, read_document(path)))
+            except reading.Unreadable as exc:
+                log.warning("skipped %s: %s", path, exc)
+                skipped.append({"file": str(path), "reason": str(exc)})
+            if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
+                _embed_rows(group, model, dim, owner)
+                wait_for_write()
+                writing = (writer.submit(_write, group, owner), index + 1)
+                group = []
+        wait_for_write()
     return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
             "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
 
 
-def _store(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> int:
-    """Embed a group of files' chunks, then replace each file's chunks of ``owner`` (one transaction)."""
+def _embed_rows(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> None:
+    """Embed a group of files' chunks (the rows get their vector, model and owner)."""
     rows = [row for _, file_rows in group for row in file_rows]
     vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
     for row, vector in zip(rows, vectors):
         row.update(owner=owner, embedding=vector, embedding_model=model, embedding_dim=dim)
+
+
+def _write(group: list[tuple[Path, list[dict[str, Any]]]], owner: str = SHARED) -> int:
+    """Replace each file's chunks of ``owner`` with the group's embedded rows (one transaction)."""
     with db.session() as s:
         for path, file_rows in group:
             s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
                                                   DocumentChunk.document_id == str(path)))
             if file_rows:
                 s.execute(insert(DocumentChunk), file_rows)
-    return len(rows)
+    return sum(len(file_rows) for _, file_rows in group)
 
 
 def _reembed(model: str, dim: int) -> int:

@@ -306,6 +306,15 @@ def test_ingest_a_folder_then_search_finds_the_right_chunk_with_filters(folder):
     assert documents.search("how do I print in colour", filters={"team": "finance"}) == []
 
 
+def test_ingest_writes_one_batch_while_it_embeds_the_next(folder, monkeypatch):
+    monkeypatch.setattr(documents, "WRITE_BATCH", 1)  # a batch per file
+    said: list[tuple[int, int, int]] = []
+    report = documents.ingest([str(folder)], progress=lambda *how_far: said.append(how_far))
+    assert (report["files"], report["chunks"], len(report["skipped"])) == (2, 4, 1)
+    assert said == [(1, 3, 3), (3, 3, 4)]  # files done (the unreadable PDF between them), files, chunks written
+    assert len(chunks()) == 4 and {c.embedding_model for c in chunks()} == {LOCAL}
+
+
 def test_reingesting_a_file_replaces_its_chunks(folder):
     documents.ingest([str(folder)])
     handbook = folder / "handbook.md"
