@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 from urllib.parse import parse_qs, urlsplit
 
@@ -154,6 +155,12 @@ def redis_url() -> str:
         if url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
             return url
     return ""
+
+
+def data_dir() -> Path:
+    """``VOICE_TOOLS_DATA_DIR``, or ``.voice-tools`` in the current directory (absolute): the embedded
+    servers' data, the local secrets and the prepared embedding model of every process of one system."""
+    return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ".voice-tools").resolve()
 
 
 def api_tokens() -> list[str]:
