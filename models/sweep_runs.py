@@ -38,8 +38,8 @@ _PRUNE = text("DELETE FROM sweep_runs WHERE sweep = :sweep AND period_start < :s
 def claim(s: Session, sweep: str, every_s: float, at: float | None = None, by: str | None = None) -> datetime | None:
     """Take for this run ``sweep``'s period (``every_s`` long) of the moment ``at`` (seconds since
     the epoch: when beat sent it; None: the database's now): the period's start, or None when
-    another run has it already. A claim prunes the sweep's periods ``KEPT_S`` before its own (or ten
-periods before, if longer)."""
+    another run has it already. A claim prunes the sweep's periods older than ``KEPT_S`` (or ten
+    periods, if longer) before its own."""
     started = s.execute(_CLAIM, {"sweep": sweep, "every": float(every_s), "at": None if at is None else float(at),
                                  "by": by}).scalar_one_or_none()
     if started is not None:

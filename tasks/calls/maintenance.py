@@ -10,6 +10,9 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, Callable
+
+from sqlalchemy.orm import Session
 
 from models import db, queries, retention, settings, sweep_runs
 from tasks import chains, liveness
@@ -112,17 +115,20 @@ class Purged:
 
 
 def purge(*, calls_s: float | None = None, events_s: float | None = None, batch: int | None = None,
-          budget_s: float | None = None, dry_run: bool = False) -> Purged:
+          budget_s: float | None = None, dry_run: bool = False, pause: float | None = None) -> Purged:
     """Remove what is past its retention, ``batch`` rows per transaction (``models/retention.py``):
     ended calls older than ``calls_s`` seconds with their events, settled events of ended calls
     older than ``events_s``, and expired session context. Each retention defaults to its setting
     (``VOICE_TOOLS_RETAIN_*_DAYS``); 0 keeps that table's rows forever. Never an open call, never
     a pending event. ``dry_run``: count, remove nothing. ``budget_s``: start no batch after so
-    many seconds (``done`` False then)."""
+    many seconds (``done`` False then). After each batch it pauses ``pause`` times as long as the
+    batch took (``VOICE_TOOLS_PURGE_PAUSE``, 1: the purge holds the database at most half of the
+    time, and the API's reads keep their pace)."""
     cfg = settings.load()
     calls_s = cfg.retain_calls_s if calls_s is None else calls_s
     events_s = cfg.retain_events_s if events_s is None else events_s
     batch = batch or cfg.purge_batch
+    pause = cfg.purge_pause if pause is None else pause
     keep_calls, keep_events = calls_s <= 0, events_s <= 0
     out = Purged(retained={"calls_s": None if keep_calls else calls_s, "events_s": None if keep_events else events_s})
     if dry_run:
@@ -134,29 +140,38 @@ def purge(*, calls_s: float | None = None, events_s: float | None = None, batch:
             out.context = retention.count_context(s)
         return out
     deadline = None if budget_s is None else time.monotonic() + budget_s
+    last_batch_s = 0.0
 
     def more_time() -> bool:
+        if last_batch_s and pause:
+            time.sleep(last_batch_s * pause)
         if deadline is not None and time.monotonic() >= deadline:
             out.done = False
             return False
         return True
 
-    while not keep_calls and more_time():
+    def timed(one_batch: Callable[[Session], Any]) -> Any:
+        nonlocal last_batch_s
+        started = time.monotonic()
         with db.session() as s:
-            calls, events, picked = retention.purge_calls(s, calls_s, batch)
-        out.calls, out.events, out.batches = out.calls + calls, out.events + events, out.batches + 1
+            done = one_batch(s)
+        out.batches += 1
+        last_batch_s = time.monotonic() - started
+        return done
+
+    while not keep_calls and more_time():
+        calls, events, picked = timed(lambda s: retention.purge_calls(s, calls_s, batch))
+        out.calls, out.events = out.calls + calls, out.events + events
         if picked < batch:
             break
     while not keep_events and more_time():
-        with db.session() as s:
-            events = retention.purge_events(s, events_s, batch)
-        out.events, out.batches = out.events + events, out.batches + 1
+        events = timed(lambda s: retention.purge_events(s, events_s, batch))
+        out.events += events
         if events < batch:
             break
     while more_time():
-        with db.session() as s:
-            context = retention.purge_context(s, batch)
-        out.context, out.batches = out.context + context, out.batches + 1
+        context = timed(lambda s: retention.purge_context(s, batch))
+        out.context += context
         if context < batch:
             break
     if not out.done:
