@@ -113,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             purging.join()
     purged = outcome["purged"]
     base, busy = load.summary(quiet), load.summary(during)
+    from models import settings
+
     results = {
-        "calls": args.calls, "seeded_s": round(seeded_s, 1),
+        "calls": args.calls, "seeded_s": round(seeded_s, 1), "pause": settings.load().purge_pause,
         "purge": {"calls": purged.calls, "events": purged.events, "batches": purged.batches,
                   "seconds": round(outcome["seconds"], 1),
                   "rows_per_s": round((purged.calls + purged.events) / outcome["seconds"])},

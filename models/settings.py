@@ -77,9 +77,9 @@ class Settings:
     retain_calls_s: float = 30 * 86400.0
     retain_events_s: float = 30 * 86400.0
     purge_batch: int = 1000
-    # after each batch the purge pauses this many times as long as the batch took (1: it takes at
-    # most half of the time, leaving the database to the API between batches; 0: no pause)
-    purge_pause: float = 1.0
+    # after each batch the purge pauses this many times as long as the batch took (3: it takes at
+    # most a quarter of the time, leaving the database to the API between batches; 0: no pause)
+    purge_pause: float = 3.0
 
     def uses_google(self, service: str) -> bool:
         """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
@@ -220,7 +220,7 @@ def load() -> Settings:
         retain_calls_s=_days("VOICE_TOOLS_RETAIN_CALLS_DAYS"),
         retain_events_s=_days("VOICE_TOOLS_RETAIN_EVENTS_DAYS"),
         purge_batch=max(_int("VOICE_TOOLS_PURGE_BATCH", 1000), 1),
-        purge_pause=max(_float("VOICE_TOOLS_PURGE_PAUSE", 1.0), 0.0),
+        purge_pause=max(_float("VOICE_TOOLS_PURGE_PAUSE", 3.0), 0.0),
     )
 
 

@@ -43,17 +43,21 @@ def test_one_run_of_many_takes_a_period():
     assert taken[0].timestamp() == 3600.0 * 480_000  # the period starts on a multiple of its length
     assert maintenance.claim_period("maintenance.test", 3600.0, at=sent_at + 3600) is not None
     assert maintenance.claim_period("maintenance.test", 3600.0, at=sent_at + 3599) is None
+    # with no time given, the database's now
+    now = maintenance.claim_period("maintenance.now", 60.0)
+    assert now is not None and 0 <= time.time() - now.timestamp() < 60 + 5 and now.timestamp() % 60 == 0
     # a claim keeps a day of the sweep's periods before its own
     assert maintenance.claim_period("maintenance.test", 3600.0, at=sent_at + 86400 + 3600) is not None
     with db.session() as s:
-        kept = s.scalars(text("SELECT period_start FROM sweep_runs ORDER BY 1")).all()
+        kept = s.scalars(text("SELECT period_start FROM sweep_runs WHERE sweep = 'maintenance.test' ORDER BY 1")).all()
     assert [k.timestamp() - 3600.0 * 480_000 for k in kept] == [3600.0, 86400.0 + 3600.0]
 
 
 def test_a_sweep_sent_twice_in_a_period_works_once_and_one_sent_by_hand_always_works(worker):
     with TaskLog() as log:
-        sweeps.expire_stale.apply_async(kwargs={"every": 3600.0, "sent_at": time.time()})
-        sweeps.expire_stale.apply_async(kwargs={"every": 3600.0})  # no time: the database's now, the same hour
+        sent_at = time.time() // 3600 * 3600 + 1800  # the middle of this hour: both sends in it
+        sweeps.expire_stale.apply_async(kwargs={"every": 3600.0, "sent_at": sent_at})
+        sweeps.expire_stale.apply_async(kwargs={"every": 3600.0, "sent_at": sent_at + 0.5})
         sweeps.expire_stale.apply_async()
         runs = log.wait_ran(None, "maintenance.expire_stale", count=3)
     assert all(r.state == "SUCCESS" for r in runs)

@@ -122,8 +122,8 @@ def purge(*, calls_s: float | None = None, events_s: float | None = None, batch:
     (``VOICE_TOOLS_RETAIN_*_DAYS``); 0 keeps that table's rows forever. Never an open call, never
     a pending event. ``dry_run``: count, remove nothing. ``budget_s``: start no batch after so
     many seconds (``done`` False then). After each batch it pauses ``pause`` times as long as the
-    batch took (``VOICE_TOOLS_PURGE_PAUSE``, 1: the purge holds the database at most half of the
-    time, and the API's reads keep their pace)."""
+    batch took (``VOICE_TOOLS_PURGE_PAUSE``, 3: the purge holds the database at most a quarter
+    of the time, and the API's reads keep their pace)."""
     cfg = settings.load()
     calls_s = cfg.retain_calls_s if calls_s is None else calls_s
     events_s = cfg.retain_events_s if events_s is None else events_s
