@@ -9,9 +9,11 @@ The broker is Redis unless ``CELERY_BROKER_URL`` names RabbitMQ (``amqp://``): t
 every queue is a quorum queue (replicated on a cluster), see :func:`queue`.
 """
 import os
+import time
 import warnings
 from urllib.parse import urlsplit
 
+from celery.beat import BeatLazyFunc
 from celery.exceptions import SecurityWarning
 from kombu import Exchange, Queue
 
@@ -133,5 +135,12 @@ def route_by_name(name, args, kwargs, options, task=None, **kw):
 task_routes = (route_by_name,)
 
 # beat's sweeps, each every so many seconds (models.settings.SWEEPS: VOICE_TOOLS_*_EVERY,
-# docs/operations.md "Configuration")
-beat_schedule = {task: {"task": task, "schedule": every} for task, every in _settings.sweep_every_s.items()}
+# docs/operations.md "Configuration"). Each is sent with its period and the time beat sent it
+# (a BeatLazyFunc is called at each send): of any number of beats' sends in one period, one run
+# works (tasks/sweeps.py, models/sweep_runs.py).
+beat_schedule = {task: {"task": task, "schedule": every, "kwargs": {"every": every, "sent_at": BeatLazyFunc(time.time)}}
+                 for task, every in _settings.sweep_every_s.items()}
+# Beat keeps its schedule in memory (Celery's base scheduler): no schedule file on any disk. The
+# database says whether a period's sweep ran, so a beat that restarts, or a second one, has
+# nothing of its own to remember.
+beat_scheduler = "celery.beat:Scheduler"

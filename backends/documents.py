@@ -1,17 +1,22 @@
 """The document store searched by query_vector_db and search_documentation.
 
-Documents are cut into chunks (by heading, then by paragraph, up to about 800
-characters), each embedded by the active embedder (``backends/embeddings.py``)
-and stored in ``documents`` (``models/documents.py``) with the model's name and the
-vector's size. A search embeds the question with the same embedder and ranks chunks
-by cosine similarity in PostgreSQL (pgvector, HNSW index).
+Documents are read as plain text in sections (``backends/reading.py``: Markdown parsed,
+HTML's main text, PDF pages; no markup, URLs or code), then cut into chunks (a new one
+at every section, paragraphs packed up to about 800 characters), each carrying its
+section path ("Installation › Linux") as metadata and, with the title, as the context
+embedded with it by the active embedder (``backends/embeddings.py``). They are stored in
+``documents`` (``models/documents.py``) with the model's name and the vector's size. A
+search embeds the question with the same embedder and ranks chunks by cosine
+similarity in PostgreSQL (pgvector, HNSW index).
 
-- ``ingest(paths, reembed=False, owner="")``: ``.md`` / ``.txt`` files and folders, for
-  one caller (``owner``) or shared by every caller (''); a file ingested again for the
-  same owner replaces its chunks; ``reembed`` re-embeds every stored chunk with the
-  active model (after a change of embedder).
+- ``ingest(paths, reembed=False, owner="")``: ``.md``, ``.html``, ``.pdf`` and ``.txt``
+  files and folders, for one caller (``owner``) or shared by every caller (''); a file
+  that cannot be read is skipped with the reason; a file ingested again for the same
+  owner replaces its chunks; ``reembed`` re-embeds every stored chunk with the active
+  model (after a change of embedder).
 - ``search(text, top_k, filters, caller="")``: ``[{id, title, snippet, score, metadata}]``
-  of the caller's own and the shared documents, best first; ``filters`` must match
+  of the caller's own and the shared documents, best first, one per document (its best
+  chunk); ``filters`` must match
   metadata keys exactly (JSON containment); chunks scoring below
   ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
 - ``load_demo()``: ten short shared demo documents, embedded; safe to run twice.
@@ -27,17 +32,19 @@ from __future__ import annotations
 import logging
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from sqlalchemy import delete, or_, select, text, tuple_, update
+from sqlalchemy import column as sql_column, delete, func, or_, select, tuple_, update
+from sqlalchemy import text as sql_text
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from models import db, settings
-from models.documents import EMBEDDING_DIM, DocumentChunk
-from backends import SHARED, embeddings, seen_by
+from models.documents import EMBEDDING_DIM, SEARCH_CONFIG, DocumentChunk
+from backends import SHARED, embeddings, reading, seen_by
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,7 +54,10 @@ log = logging.getLogger(__name__)
 CHUNK_CHARS = 800
 SNIPPET_CHARS = 240
 DEFAULT_MIN_SCORE = 0.3
-EXTENSIONS = (".md", ".markdown", ".txt")
+EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
+MAX_QUERY_WORDS = 32  # distinct words of a question the full-text half looks for
+RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.)
+CANDIDATES_PER_RESULT = 4  # chunks a search ranks per document it returns (it returns each document once)
 WRITE_BATCH = 256  # chunks embedded and written together during an ingest
 
 NO_PGVECTOR = ("this PostgreSQL has no pgvector: install the pgvector extension or unset DATABASE_URL "
@@ -81,12 +91,12 @@ def min_score() -> float:
 
 def vector_support_error(conn: Any) -> str | None:
     """Why ``documents`` cannot hold vectors on this database, or None if it can."""
-    column = conn.execute(text(
+    column = conn.execute(sql_text(
         "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('documents') AND attname = 'embedding' "
         "AND NOT attisdropped")).first()
     if column is not None:
         return None
-    available = conn.execute(text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")).first()
+    available = conn.execute(sql_text("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")).first()
     return NO_EMBEDDING_COLUMN if available else NO_PGVECTOR
 
 
@@ -125,49 +135,108 @@ def _mismatch(stored: str, active: str) -> ModelMismatch:
 
 def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None,
            caller: str = "") -> list[dict[str, Any]]:
-    """The chunks most similar to ``query`` that ``caller`` sees (see the module's doc)."""
+    """The documents most relevant to ``query`` that ``caller`` sees (see the module's doc)."""
     model, _ = embeddings.active_model()
-    return search_vector(embeddings.embed_query(query), model, top_k, filters, caller=caller)
+    return search_vector(embeddings.embed_query(query), model, top_k, filters, caller=caller, text=query)
 
 
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
                   filters: dict[str, Any] | None = None, floor: float | None = None,
-                  caller: str = "") -> list[dict[str, Any]]:
-    """The chunks of ``caller``'s own and the shared documents nearest to ``vector`` (made by ``model``),
-    best first, above the relevance floor."""
+                  caller: str = "", text: str | None = None) -> list[dict[str, Any]]:
+    """The documents of ``caller``'s own and the shared ones most relevant to the question (``vector``,
+    made by ``model``; and its words, ``text``), best first: at most ``top_k`` documents, each by its
+    best chunk (a document's other chunks are not results of their own).
+
+    Two rankings of the chunks that pass ``filters`` and the owner: by cosine similarity (the
+    HNSW index) and, given ``text``, by PostgreSQL full-text rank (``ts_rank_cd`` of any of the
+    question's words against ``search_text``, GIN index), fused by reciprocal rank fusion
+    (``1/(60 + rank)`` summed over the rankings). A document is as relevant as its closest chunk:
+    ``score`` is that chunk's cosine similarity, and a document under the relevance floor is not
+    returned, whatever its words; its passage is its chunk that ranks best in the fusion.
+    """
     import numpy as np
 
     floor = min_score() if floor is None else floor
     vector = np.asarray(vector, dtype=np.float32)
     if vector.shape != (EMBEDDING_DIM,):
         raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
+    candidates = min(1000, top_k * CANDIDATES_PER_RESULT)  # chunks ranked: several may be one document's
     distance = DocumentChunk.embedding.cosine_distance(vector)
-    stmt = select(DocumentChunk.id, DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
-                  distance.label("distance")).where(seen_by(DocumentChunk.owner, caller))
+    columns = (DocumentChunk.id, DocumentChunk.owner, DocumentChunk.document_id, DocumentChunk.title,
+               DocumentChunk.content, DocumentChunk.doc_metadata, distance.label("distance"))
+    visible = [seen_by(DocumentChunk.owner, caller)]
     if filters:
-        stmt = stmt.where(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
-    stmt = stmt.order_by(distance, DocumentChunk.id).limit(top_k)
+        visible.append(DocumentChunk.doc_metadata.op("@>")(_jsonb(filters)))
+    by_vector = select(*columns).where(*visible).order_by(distance, DocumentChunk.id).limit(candidates)
     try:
         with db.session() as s:
             stored = _other_model(s, model)
             if stored is not None:
                 raise _mismatch(stored, model)
             # the HNSW scan looks at ef_search candidates; a filter (and the owner: other callers'
-            # chunks) drops some of them afterwards, so the scan goes on until top_k pass
-            s.execute(text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, top_k * (10 if filters else 2)))}"))
+            # chunks) drops some of them afterwards, so the scan goes on until enough pass
+            s.execute(sql_text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, candidates * (10 if filters else 2)))}"))
             _iterative_scan(s)
-            rows = s.execute(stmt).all()
+            nearest = s.execute(by_vector).all()
+            worded = _by_words(s, text, columns, visible, candidates) if text and text.strip() else []
     except ProgrammingError as exc:
         _explain_database_error(exc)
         raise
-    found = []
-    for row in sorted(rows, key=lambda r: (r.distance, r.id)):  # relaxed_order may return them nearly sorted
-        score = round(1.0 - float(row.distance), 4)
-        if score < floor:
+    fused: dict[tuple[str, str], float] = {}
+    rows: dict[tuple[str, str], Any] = {}
+    # relaxed_order may return the vector ranking nearly sorted
+    for ranking in (sorted(nearest, key=lambda r: (r.distance, r.id)), worded):
+        for rank_, row in enumerate(ranking, 1):
+            key = (row.owner, row.id)
+            fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
+            rows[key] = row
+    # a document is as relevant as its closest chunk (cosine), and is said by its best fused chunk
+    closest: dict[str, float] = {}
+    for row in rows.values():
+        closest[row.document_id] = max(closest.get(row.document_id, -1.0), 1.0 - float(row.distance))
+    found: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for key in sorted(fused, key=lambda k: (-fused[k], rows[k].distance, k[1])):
+        row = rows[key]
+        if closest[row.document_id] < floor or row.document_id in seen:
             continue
-        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content), "score": score,
-                      "metadata": row.doc_metadata})
+        seen.add(row.document_id)
+        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content),
+                      "score": round(closest[row.document_id], 4), "metadata": row.doc_metadata})
+        if len(found) == top_k:
+            break
     return found
+
+
+def _by_words(session: Session, text: str, columns: Sequence[Any], visible: Sequence[Any],
+              limit: int) -> list[Any]:
+    """The chunks that hold any of the question's words (stemmed, without stop words: ``english``),
+    best first: by the sum of the matched words' inverse document frequency (a word few chunks hold
+    says more than a common one), then ``ts_rank_cd`` (where and how close together they are)."""
+    import math
+
+    lexemes = session.execute(select(func.tsvector_to_array(func.to_tsvector(SEARCH_CONFIG, text)))).scalar() or []
+    lexemes = sorted(set(lexemes))[:MAX_QUERY_WORDS]
+    if not lexemes:
+        return []
+    queries = [func.to_tsquery("simple", func.quote_literal(lexeme)) for lexeme in lexemes]
+    any_word = func.to_tsquery("simple", " | ".join(f"'{lexeme.replace(chr(39), chr(39) * 2)}'" for lexeme in lexemes))
+    counts = session.execute(select(func.count(), *(func.count().filter(DocumentChunk.search_text.op("@@")(q))
+                                                     for q in queries))
+                             .where(*visible, DocumentChunk.search_text.op("@@")(any_word))).one()
+    if not counts[0]:
+        return []  # no chunk holds any of the words
+    total = max(1.0, float(session.execute(sql_text(
+        "SELECT greatest(reltuples, 1) FROM pg_class WHERE oid = 'documents'::regclass")).scalar() or 1))
+    total = max(total, float(counts[0]))
+    weights = [math.log(1 + total / df) if df else 0.0 for df in counts[1:]]
+    from sqlalchemy import case, literal
+
+    idf = sum(case((DocumentChunk.search_text.op("@@")(q), literal(w)), else_=literal(0.0))
+              for q, w in zip(queries, weights) if w)
+    rank = func.ts_rank_cd(DocumentChunk.search_text, any_word)
+    return session.execute(select(*columns).where(*visible, DocumentChunk.search_text.op("@@")(any_word))
+                           .order_by(idf.desc(), rank.desc(), DocumentChunk.id).limit(limit)).all()
 
 
 def _iterative_scan(session: Session) -> None:
@@ -175,7 +244,7 @@ def _iterative_scan(session: Session) -> None:
     (pgvector >= 0.8); an older pgvector has no such setting and keeps ef_search alone."""
     try:
         with session.begin_nested():
-            session.execute(text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
+            session.execute(sql_text("SET LOCAL hnsw.iterative_scan = relaxed_order"))
     except DBAPIError:
         pass
 
@@ -232,62 +301,8 @@ def summarise(question: str, found: list[dict[str, Any]]) -> str:
 
 # -- chunking -------------------------------------------------------------------------------
 
-_HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
-_FENCE = re.compile(r"^\s{0,3}(```|~~~)")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def _front_matter(raw: str) -> tuple[dict[str, Any], str]:
-    """``---`` / ``key: value`` lines / ``---`` at the top of a Markdown file (simple values only)."""
-    lines = raw.splitlines()
-    if not lines or lines[0].strip() != "---":
-        return {}, raw
-    for end in range(1, min(len(lines), 60)):
-        if lines[end].strip() in ("---", "..."):
-            meta: dict[str, Any] = {}
-            for line in lines[1:end]:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() and not key.startswith((" ", "\t", "-", "#")):
-                    value = value.strip().strip("'\"")
-                    if value.startswith("[") and value.endswith("]"):
-                        meta[key.strip()] = [v.strip().strip("'\"") for v in value[1:-1].split(",") if v.strip()]
-                    else:
-                        meta[key.strip()] = value
-            return meta, "\n".join(lines[end + 1:])
-    return {}, raw
-
-
-def _sections(body: str, markdown: bool) -> Iterator[tuple[str, list[str]]]:
-    """(heading, paragraphs) in order; the text before the first heading has heading ""."""
-    heading, paragraphs, current, fenced = "", [], [], False
-
-    def flush_paragraph() -> None:
-        if current and any(line.strip() for line in current):
-            paragraphs.append("\n".join(current).strip("\n"))
-        current.clear()
-
-    for line in body.splitlines():
-        if markdown and _FENCE.match(line):
-            fenced = not fenced
-            current.append(line)
-            continue
-        if fenced:
-            current.append(line)
-            continue
-        match = _HEADING.match(line) if markdown else None
-        if match:
-            flush_paragraph()
-            if paragraphs:
-                yield heading, paragraphs
-            heading, paragraphs = match.group(2).strip(), []
-            continue
-        if not line.strip():
-            flush_paragraph()
-        else:
-            current.append(line.rstrip())
-    flush_paragraph()
-    if paragraphs:
-        yield heading, paragraphs
+SECTION_SEPARATOR = " › "
 
 
 def _split_long(paragraph: str, limit: int) -> list[str]:
@@ -315,51 +330,49 @@ def _split_long(paragraph: str, limit: int) -> list[str]:
     return [p for p in pieces if p]
 
 
-def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
-    """``body`` cut into (section heading, content) chunks of at most about ``limit`` characters:
-    a new chunk at every heading, paragraphs packed together while they fit."""
+def chunk_sections(sections: Iterable[reading.Section], limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
+    """(section path, content) chunks of at most about ``limit`` characters: a new chunk at every
+    section, its paragraphs packed together while they fit. The path is the section's headings
+    joined by " › " ("Installation › Linux"), '' before the first heading."""
     chunks: list[tuple[str, str]] = []
-    for heading, paragraphs in _sections(body, markdown):
+    for section in sections:
+        where = SECTION_SEPARATOR.join(section.path)
         current = ""
-        for paragraph in paragraphs:
+        for paragraph in section.paragraphs:
             for piece in _split_long(paragraph, limit):
                 if current and len(current) + 2 + len(piece) > limit:
-                    chunks.append((heading, current))
+                    chunks.append((where, current))
                     current = piece
                 else:
                     current = f"{current}\n\n{piece}" if current else piece
         if current:
-            chunks.append((heading, current))
+            chunks.append((where, current))
     return chunks
 
 
-def _title_from_name(path: Path) -> str:
-    words = re.sub(r"[-_]+", " ", path.stem).strip()
-    return words[:1].upper() + words[1:] if words else path.name
+def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
+    """``body`` (Markdown, or plain text) parsed and cut as :func:`chunk_sections` does."""
+    name = Path("text.md" if markdown else "text.txt")
+    parsed = reading.parse_markdown(body, name) if markdown else reading.parse_text(body, name)
+    return chunk_sections(parsed.sections, limit)
 
 
 def read_document(path: Path) -> list[dict[str, Any]]:
-    """The chunk rows (without embeddings) of one file."""
-    raw = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").lstrip("\ufeff")
-    markdown = path.suffix.lower() != ".txt"
-    meta, body = _front_matter(raw) if markdown else ({}, raw)
-    title = str(meta.pop("title", "") or "")
-    if not title and markdown:
-        title = next((m.group(2).strip() for m in map(_HEADING.match, body.splitlines()) if m), "")
-    title = title or _title_from_name(path)
+    """The chunk rows (without embeddings) of one file (:class:`reading.Unreadable` if it cannot be read)."""
+    parsed = reading.read(path)
     source = str(path)
     rows = []
-    for index, (heading, content) in enumerate(chunk_text(body, markdown)):
-        metadata = {**meta, "source": source, "file": path.name}
-        if heading:
-            metadata["section"] = heading
-        rows.append({"id": f"{source}#{index}", "document_id": source, "source": source, "title": title,
+    for index, (where, content) in enumerate(chunk_sections(parsed.sections)):
+        metadata = {**parsed.meta, "source": source, "file": path.name}
+        if where:
+            metadata["section"] = where
+        rows.append({"id": f"{source}#{index}", "document_id": source, "source": source, "title": parsed.title,
                      "chunk_index": index, "content": content, "doc_metadata": metadata})
     return rows
 
 
 def embedding_text(row: dict[str, Any]) -> str:
-    """What is embedded for a chunk: its document's title and section heading give it context."""
+    """What is embedded for a chunk: its document's title and section path give it context."""
     head = [row["title"]]
     section = (row.get("doc_metadata") or {}).get("section")
     if section and section != row["title"]:
@@ -379,7 +392,7 @@ def _files(paths: Iterable[str]) -> list[Path]:
                          and not any(part.startswith(".") for part in p.relative_to(path).parts))
         elif path.is_file():
             if path.suffix.lower() not in EXTENSIONS:
-                raise DocumentStoreError(f"{given} is not a .md or .txt file")
+                raise DocumentStoreError(f"{given} is not a {', '.join(EXTENSIONS[:-1])} or {EXTENSIONS[-1]} file")
             found.append(path)
         else:
             raise DocumentStoreError(f"no such file or folder: {given}")
@@ -387,13 +400,16 @@ def _files(paths: Iterable[str]) -> list[Path]:
     return list(unique)
 
 
-def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict[str, Any]:
-    """Chunk, embed and store ``.md`` / ``.txt`` files (folders are walked; hidden ones skipped) as
-    ``owner``'s documents ('' : shared by every caller).
+def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
+           progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
+    """Read, chunk, embed and store Markdown, HTML, PDF and text files (folders are walked; hidden
+    ones skipped) as ``owner``'s documents ('' : shared by every caller).
 
-    A file ingested again for the same owner replaces its chunks (in one transaction per file). With
-    ``reembed`` every chunk already stored is embedded again with the active model
-    first. Returns ``{files, chunks, model, seconds, reembedded}``.
+    A file ingested again for the same owner replaces its chunks (in one transaction per file). A
+    file that cannot be read is skipped (logged, and listed with the reason) and the rest goes on.
+    With ``reembed`` every chunk already stored is embedded again with the active model
+    first. ``progress(files done, files, chunks stored)`` is called after each batch is stored.
+    Returns ``{files, chunks, model, seconds, reembedded, skipped: [{file, reason}]}``.
     """
     started = time.perf_counter()
     files = _files(paths)
@@ -407,29 +423,53 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED) -> dict
     reembedded = _reembed(model, dim) if reembed else 0
 
     chunks = 0
+    skipped: list[dict[str, str]] = []
     group: list[tuple[Path, list[dict[str, Any]]]] = []
-    for index, path in enumerate(files):
-        group.append((path, read_document(path)))
-        if sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1:
-            chunks += _store(group, model, dim, owner)
-            group = []
-    return {"files": len(files), "chunks": chunks, "model": model, "seconds": round(time.perf_counter() - started, 3),
-            "reembedded": reembedded}
+    # a batch is written (one transaction) by a thread of its own while the next one is read and
+    # embedded here: the database's time hides behind the model's
+    with ThreadPoolExecutor(1, thread_name_prefix="ingest-write") as writer:
+        writing: tuple[Future[int], int] | None = None
+
+        def wait_for_write() -> None:
+            nonlocal chunks
+            if writing is not None:
+                chunks += writing[0].result()
+                if progress is not None:
+                    progress(writing[1], len(files), chunks)
+
+        for index, path in enumerate(files):
+            try:
+                group.append((path, read_document(path)))
+            except reading.Unreadable as exc:
+                log.warning("skipped %s: %s", path, exc)
+                skipped.append({"file": str(path), "reason": str(exc)})
+            if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
+                _embed_rows(group, model, dim, owner)
+                wait_for_write()
+                writing = (writer.submit(_write, group, owner), index + 1)
+                group = []
+        wait_for_write()
+    return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
+            "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
 
 
-def _store(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> int:
-    """Embed a group of files' chunks, then replace each file's chunks of ``owner`` (one transaction)."""
+def _embed_rows(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> None:
+    """Embed a group of files' chunks (the rows get their vector, model and owner)."""
     rows = [row for _, file_rows in group for row in file_rows]
     vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
     for row, vector in zip(rows, vectors):
         row.update(owner=owner, embedding=vector, embedding_model=model, embedding_dim=dim)
+
+
+def _write(group: list[tuple[Path, list[dict[str, Any]]]], owner: str = SHARED) -> int:
+    """Replace each file's chunks of ``owner`` with the group's embedded rows (one transaction)."""
     with db.session() as s:
         for path, file_rows in group:
             s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
                                                   DocumentChunk.document_id == str(path)))
             if file_rows:
                 s.execute(insert(DocumentChunk), file_rows)
-    return len(rows)
+    return sum(len(file_rows) for _, file_rows in group)
 
 
 def _reembed(model: str, dim: int) -> int:

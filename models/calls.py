@@ -61,6 +61,9 @@ class ToolCall(Base):
         Index("idx_tool_calls_status", "session_id", "status"),
         Index("idx_tool_calls_open_status", "status", "created_at",
               postgresql_where=text("status IN ('PENDING', 'PREPARED', 'EXECUTING')")),
+        # the retention purge's way to the oldest ended calls (models/retention.py)
+        Index("idx_tool_calls_ended", "completed_at",
+              postgresql_where=text("status IN ('COMPLETED', 'FAILED', 'CANCELLED', 'EXPIRED')")),
         # idempotency keys are per caller (docs/promises.md, Callers); a call with no caller counts as ''
         Index("uq_tool_calls_caller_idempotency_key", func.coalesce(text("caller"), text("''")), "idempotency_key",
               unique=True, postgresql_where=text("idempotency_key IS NOT NULL")),
@@ -145,6 +148,8 @@ class CallbackDelivery(Base):
         CheckConstraint("state IN ('pending', 'delivered', 'failed', 'none')", name="valid_delivery_state"),
         Index("idx_callback_due", "next_attempt_at", postgresql_where=text("state = 'pending'")),
         Index("idx_callback_session_order", "session_id", "commit_seq"),
+        # the retention purge's way to the oldest settled events (models/retention.py)
+        Index("idx_callback_settled", "created_at", postgresql_where=text("state <> 'pending'")),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(
@@ -171,3 +176,18 @@ class CallbackDelivery(Base):
     response_code: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
     delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class SweepRun(Base):
+    """One beat sweep's run in one period (migration 0014): the first of any number of beats' sends
+    of a sweep in a period inserts its row and runs; the others find the row and do nothing
+    (``models/sweep_runs.py``)."""
+
+    __tablename__ = "sweep_runs"
+
+    sweep: Mapped[str] = mapped_column(String(100), primary_key=True)
+    # the period's start: the database's clock floored to a multiple of the sweep's period
+    period_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    claimed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    # the worker that ran it (its Celery hostname and process id)
+    claimed_by: Mapped[str | None] = mapped_column(String(200))

@@ -4,7 +4,9 @@ Searched by query_vector_db and search_documentation (``backends/documents.py``)
 Every chunk records the model that embedded it and the vector's size, so a search
 never compares vectors of two models. ``embedding`` is a pgvector ``vector(384)``
 with an HNSW index (cosine); on a PostgreSQL without pgvector the migration leaves
-the column out and the backend says how to fix it.
+the column out and the backend says how to fix it. ``search_text`` is a generated
+``tsvector`` of the title, section path and text (GIN index), for the full-text half of
+a search.
 """
 from __future__ import annotations
 
@@ -12,13 +14,18 @@ from datetime import datetime
 from typing import Any
 
 from pgvector.sqlalchemy import Vector
-from sqlalchemy import DateTime, Index, Integer, String, Text, func
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import Computed, DateTime, Index, Integer, String, Text, func
+from sqlalchemy.dialects.postgresql import JSONB, TSVECTOR
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.calls import Base
 
 EMBEDDING_DIM = 384
+SEARCH_CONFIG = "english"  # the text search configuration of search_text and of a search's query
+# title (A), section path (B) and text (D) of a chunk, for PostgreSQL's full-text search (migration 0013)
+SEARCH_TEXT = ("setweight(to_tsvector('english'::regconfig, title), 'A') || "
+               "setweight(to_tsvector('english'::regconfig, coalesce(metadata ->> 'section', '')), 'B') || "
+               "setweight(to_tsvector('english'::regconfig, content), 'D')")
 
 
 class DocumentChunk(Base):
@@ -39,11 +46,13 @@ class DocumentChunk(Base):
     embedding_model: Mapped[str] = mapped_column(Text, nullable=False)
     embedding_dim: Mapped[int] = mapped_column(Integer, nullable=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+    search_text: Mapped[Any] = mapped_column(TSVECTOR, Computed(SEARCH_TEXT, persisted=True), nullable=True)
 
     __table_args__ = (
         Index("ix_documents_owner_document_id", "owner", "document_id"),
         Index("ix_documents_embedding_model", "embedding_model"),
         Index("ix_documents_metadata", "metadata", postgresql_using="gin"),
+        Index("ix_documents_search_text", "search_text", postgresql_using="gin"),
         Index("ix_documents_embedding_hnsw", "embedding", postgresql_using="hnsw",
               postgresql_with={"m": 16, "ef_construction": 64}, postgresql_ops={"embedding": "vector_cosine_ops"}),
     )

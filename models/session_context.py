@@ -2,14 +2,15 @@
 (``context_key``), each value its caller's own, until it expires.
 
 Values are written by a tool's step (``query_vector_db``), read by another's
-(``send_email``) and by ``GET /voice-tools/context``, and purged by beat.
+(``send_email``) and by ``GET /voice-tools/context``, and purged by beat in batches
+(``models/retention.py``).
 """
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -44,8 +45,3 @@ def get_context(s: Session, session_id: str, context_key: str, caller: str | Non
             *owned,
         ).order_by(SessionContext.created_at.desc()).limit(1)
     ).one_or_none()
-
-
-def purge_expired_context(s: Session) -> int:
-    result = s.execute(delete(SessionContext).where(SessionContext.expires_at <= func.now()))
-    return result.rowcount or 0

@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 from urllib.parse import parse_qs, urlsplit
 
@@ -73,6 +74,14 @@ class Settings:
     # how long a Google backend keeps looking for what an earlier attempt may have made
     # before it says "unconfirmed" (docs/operations.md, "Real backends")
     google_confirm_s: float = 10.0
+    # retention (docs/operations.md, "Retention"): seconds an ended call (with its events) and a
+    # settled event are kept; 0 keeps them forever. Rows removed per transaction.
+    retain_calls_s: float = 30 * 86400.0
+    retain_events_s: float = 30 * 86400.0
+    purge_batch: int = 1000
+    # after each batch the purge pauses this many times as long as the batch took (3: it takes at
+    # most a quarter of the time, leaving the database to the API between batches; 0: no pause)
+    purge_pause: float = 3.0
 
     def uses_google(self, service: str) -> bool:
         """Is ``service`` (gmail, calendar, people, tasks) served by Google rather than the local tables?"""
@@ -84,7 +93,15 @@ SWEEPS = {  # beat's sweeps (tasks/sweeps.py): task -> (the variable that sets i
     "maintenance.fail_stuck": ("VOICE_TOOLS_STUCK_SWEEP_EVERY", 60.0),
     "maintenance.retry_callbacks": ("VOICE_TOOLS_CALLBACK_SWEEP_EVERY", 15.0),
     "maintenance.purge_context": ("VOICE_TOOLS_CONTEXT_PURGE_EVERY", 300.0),
+    "maintenance.purge_old": ("VOICE_TOOLS_RETENTION_SWEEP_EVERY", 300.0),
 }
+
+RETAIN_DAYS = 30.0  # the default retention of ended calls and of settled events
+
+
+def _days(name: str) -> float:
+    """A retention in days (``VOICE_TOOLS_RETAIN_*``; fractions allowed) as seconds; 0 (or less): forever."""
+    return max(_float(name, RETAIN_DAYS), 0.0) * 86400.0
 
 
 # The ports this system listens on (docs/operations.md, Configuration): the variable, its default
@@ -156,6 +173,12 @@ def redis_url() -> str:
     return ""
 
 
+def data_dir() -> Path:
+    """``VOICE_TOOLS_DATA_DIR``, or ``.voice-tools`` in the current directory (absolute): the embedded
+    servers' data, the local secrets and the prepared embedding model of every process of one system."""
+    return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ".voice-tools").resolve()
+
+
 def api_tokens() -> list[str]:
     """``VOICE_TOOLS_API_TOKENS`` alone (every request reads it: not the whole of :func:`load`)."""
     return _list("VOICE_TOOLS_API_TOKENS")
@@ -203,6 +226,10 @@ def load() -> Settings:
         deployment=deployment_name(os.environ.get("VOICE_TOOLS_DEPLOYMENT", ""),
                                    os.environ.get("DATABASE_URL", "")),
         google_confirm_s=max(_float("VOICE_TOOLS_GOOGLE_CONFIRM_WAIT", 10.0), 0.0),
+        retain_calls_s=_days("VOICE_TOOLS_RETAIN_CALLS_DAYS"),
+        retain_events_s=_days("VOICE_TOOLS_RETAIN_EVENTS_DAYS"),
+        purge_batch=max(_int("VOICE_TOOLS_PURGE_BATCH", 1000), 1),
+        purge_pause=max(_float("VOICE_TOOLS_PURGE_PAUSE", 3.0), 0.0),
     )
 
 

@@ -79,14 +79,197 @@ def test_chunks_follow_headings_and_stay_near_800_characters():
     body = f"# Title\n\nIntro.\n\n## Part one\n\n{paragraph}\n\n{paragraph}\n\n{paragraph}\n\n## Part two\n\n" \
            f"```\n# not a heading, code\n```\n\n{'word ' * 400}"
     cut = documents.chunk_text(body)
-    assert [heading for heading, _ in cut] == ["Title"] + ["Part one"] * 2 + ["Part two"] * 4
+    # the title's own heading is not part of a section's path; "#" in code is no heading
+    assert [heading for heading, _ in cut] == [""] + ["Part one"] * 2 + ["Part two"] * 3
     assert cut[0][1] == "Intro."
     assert cut[1][1].count("expense policy") == 12 and cut[2][1].count("expense policy") == 6  # two paragraphs fit
-    assert cut[3][1] == "```\n# not a heading, code\n```"  # a fenced block stays whole; "#" in it is code
+    assert not any("not a heading" in c or "```" in c for _, c in cut)  # code is not read out
     assert all(len(content) <= 800 for _, content in cut)
     assert "".join(c for _, c in cut[3:]).count("word") == 400  # nothing lost when a paragraph is cut
     assert documents.chunk_text("# Not a heading in a .txt\n\nText.", markdown=False) == [
         ("", "# Not a heading in a .txt\n\nText.")]
+
+
+README = """<!-- YAML added: v9.0.0 -->
+[![Build status](https://img.shields.io/badge/build-passing-green.svg)](https://ci.example.com/job)
+[![crates.io](https://img.shields.io/crates/v/rustfmt.svg)](https://crates.io/crates/rustfmt)
+
+Mosquitto broker
+================
+
+Mosquitto is a message broker that speaks the MQTT protocol; see [the website](https://mosquitto.org/)
+or https://mosquitto.org/documentation/ for more, and `mosquitto.conf` for the settings.
+
+![architecture](docs/architecture.png)
+
+Installation
+------------
+
+### Linux
+
+Install the package from your distribution, then start the service:
+
+```sh
+sudo apt install mosquitto   # not read out
+```
+
+| Distribution | Package |
+|---|---|
+| Debian | mosquitto |
+
+See [the timeouts][primitive] for the limits.
+
+[primitive]: #timeoutsymboltoprimitive
+"""
+
+
+def test_markdown_is_parsed_title_sections_and_plain_text_only(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text(README)
+    rows = documents.read_document(path)
+    assert {r["title"] for r in rows} == {"Mosquitto broker"}  # the setext heading, not the badges or the comment
+    assert [r["doc_metadata"].get("section") for r in rows] == [None, "Installation › Linux"]
+    intro, linux = (r["content"] for r in rows)
+    assert intro == ("Mosquitto is a message broker that speaks the MQTT protocol; see the website or for more, "
+                     "and mosquitto.conf for the settings.")
+    assert linux == ("Install the package from your distribution, then start the service:\n\n"
+                     "Distribution, Package.\n\nDebian, mosquitto.\n\nSee the timeouts for the limits.")
+    for row in rows:
+        text = row["content"] + documents.embedding_text(row)
+        for markup in ("http", "<!--", "![", "](", "`", "|", "#", "apt install", "YAML", "shields"):
+            assert markup not in text, (markup, text)
+    assert documents.embedding_text(rows[1]).startswith("Mosquitto broker\nInstallation › Linux\nInstall the")
+
+    (tmp_path / "front.md").write_text("---\ntitle: The *real* title\nteam: ops\n---\n# Heading\n\nText.\n")
+    (front,) = documents.read_document(tmp_path / "front.md")
+    assert front["title"] == "The real title" and front["doc_metadata"]["team"] == "ops"
+    assert front["doc_metadata"]["section"] == "Heading"
+    (tmp_path / "no-heading_here.md").write_text("Just text.\n")
+    assert documents.read_document(tmp_path / "no-heading_here.md")[0]["title"] == "No heading here"
+
+
+def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_path):
+    from tasks.tools import query_vector_db, search_documentation
+    from tests.speech import markup_in
+
+    (tmp_path / "README.md").write_text(README + "\n## Configuration\n\nThe broker reads its settings from a "
+                                        "configuration file at start; send it a hang-up signal to reload them.\n")
+    (tmp_path / "guide.md").write_text("# Operations guide\n\nRestart the MQTT broker after an upgrade.\n")
+    documents.ingest([str(tmp_path)])
+    found = documents.search("MQTT message broker settings and installation", top_k=5)
+    assert len({f["id"].split("#")[0] for f in found}) == len(found) == 2  # one result per document: its best chunk
+    for tool, params in ((query_vector_db, {"user_query": "MQTT message broker settings"}),
+                         (search_documentation, {"query": "MQTT message broker settings"})):
+        result = {"summary": documents.plain_summary(found), "documents": found, "context_key": "k"}
+        said = tool.voice_response(params, result)
+        assert markup_in(said) == [] and said.rstrip()[-1] in ".!?", said
+    assert query_vector_db.voice_response({}, {"summary": documents.plain_summary(found), "documents": found}) \
+        .startswith("I found 2 documents; the best match is ")
+
+    question = "How do I get a refund for the hotel I booked for the offsite last month?"
+    assert search_documentation.voice_response({"query": question}, {"summary": "", "documents": []}) == (
+        "I couldn't find an answer to that in the documentation.")
+    assert query_vector_db.voice_response({"user_query": question}, {"documents": []}) == (
+        "I couldn't find any documents about that.")
+    assert query_vector_db.voice_response({"user_query": "hotel refunds"}, {"documents": []}) == (
+        "I couldn't find any documents about hotel refunds.")
+
+
+def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_top_k(tmp_path):
+    from backends import embeddings
+
+    for name, text_ in {
+        "printer.md": "# Office printers\n\nThe printers on each floor print double-sided. When the display shows "
+                      "E4471 the paper tray is empty; refill it from the cupboard.\n",
+        "errors.md": "# What an error message means\n\nWhen an application shows an error, note the error code and "
+                     "the message, then call the help desk, who will explain what the error means.\n",
+        "api.md": "# API errors\n\nEvery API error has a code and a message; retry a 503 error later.\n",
+        "log.md": "# Reading the logs\n\nAn error in the log names the component; warnings are not errors.\n",
+        "kestrel.md": "# Project notes\n\nThe Kestrel migration moves the old billing database to the new cluster.\n",
+    }.items():
+        (tmp_path / name).write_text(text_)
+    documents.ingest([str(tmp_path)])
+    model, _ = embeddings.active_model()
+    question = "error E4471"
+    vector = embeddings.embed_query(question)
+    by_vector = [f["title"] for f in documents.search_vector(vector, model, 3, floor=-1)]
+    assert "Office printers" not in by_vector  # the code means nothing to the model
+    fused = documents.search_vector(vector, model, 3, floor=-1, text=question)
+    assert "Office printers" in [f["title"] for f in fused] and len(fused) == 3  # its words find it
+    assert [f["title"] for f in documents.search_vector(vector, model, 5, floor=-1, text=question,
+                                                         filters={"file": "api.md"})] == ["API errors"]
+    assert [f["title"] for f in documents.search_vector(vector, model, 5, floor=-1, text=question,
+                                                         filters={"file": "printer.md"})] == ["Office printers"]
+    assert len(documents.search_vector(vector, model, 2, floor=-1, text=question)) == 2
+    floor = documents.search_vector(vector, model, 5, floor=0.25, text=question)
+    assert floor and all(f["score"] >= 0.25 for f in floor)  # words alone are not relevance: the floor still decides
+    assert "Office printers" not in [f["title"] for f in floor]  # its cosine is under it
+
+
+PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
+<script>var tracking = "https://t.example.com";</script></head>
+<body><nav><a href="/">Home</a> <a href="/docs">Docs</a></nav>
+<main><h1>Backup guide</h1><p>Backups run every night at <b>two</b> o'clock.</p><!-- hidden note -->
+<h2>Restoring</h2><p>Open the <a href="https://example.com/restore">restore page</a> and pick a date.</p>
+<pre><code>restore --date 2024-01-01</code></pre><ul><li>Files come back as they were.</li></ul></main>
+<footer>Copyright and cookie notice</footer></body></html>"""
+
+
+def _pdf(pages: list[list[str]], title: str = "") -> bytes:
+    """A small PDF with one text line per entry (Helvetica), for pypdf to read."""
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", None, "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    kids = []
+    for lines in pages:
+        ops = "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({line}) Tj T*" for line in lines) + " ET"
+        objects.append(f"<< /Length {len(ops)} >>\nstream\n{ops}\nendstream")
+        objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+                       f"/Contents {len(objects)} 0 R >>")
+        kids.append(f"{len(objects)} 0 R")
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    if title:
+        objects.append(f"<< /Title ({title}) >>")
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
+    info = f" /Info {len(objects)} 0 R" if title else ""
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R{info} >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def test_html_and_pdf_are_read_and_an_unreadable_file_is_skipped_saying_why(tmp_path, capsys):
+    library = tmp_path / "library"
+    library.mkdir()
+    (library / "backup.html").write_text(PAGE)
+    (library / "leave.pdf").write_bytes(_pdf([["Annual leave policy", "Staff get 25 days of leave a year."],
+                                              ["Unused days carry over until March."]], title="Leave policy"))
+    (library / "broken.pdf").write_text("not a PDF at all")
+    (library / "notes.md").write_text("# Notes\n\nThe canteen opens at noon.\n")
+    backup = documents.read_document(library / "backup.html")
+    assert [(r["title"], r["doc_metadata"].get("section"), r["content"]) for r in backup] == [
+        ("Backup guide", None, "Backups run every night at two o'clock."),
+        ("Backup guide", "Restoring", "Open the restore page and pick a date.\n\nFiles come back as they were.")]
+    leave = documents.read_document(library / "leave.pdf")
+    assert [(r["title"], r["doc_metadata"]["section"]) for r in leave] == [("Leave policy", "Page 1"),
+                                                                          ("Leave policy", "Page 2")]
+    assert "25 days of leave" in leave[0]["content"] and "carry over" in leave[1]["content"]
+
+    said: list[tuple[int, int, int]] = []
+    report = documents.ingest([str(library)], progress=lambda *how_far: said.append(how_far))
+    assert (report["files"], report["chunks"]) == (3, 5)
+    assert said == [(4, 4, 5)]  # files done (the unreadable one too), files, chunks stored
+    from voice_tools import launcher
+
+    assert launcher.ingest([str(library)]) == 0  # the command says which file it skipped, and why
+    assert f"voice-tools ingest: skipped {(library / 'broken.pdf').resolve()}: it is not a readable PDF" \
+        in capsys.readouterr().err
+    assert [s["file"] for s in report["skipped"]] == [str((library / "broken.pdf").resolve())]
+    assert report["skipped"][0]["reason"].startswith("it is not a readable PDF")
+    assert documents.search("how many vacation days do employees get", top_k=1)[0]["title"] == "Leave policy"
+    assert documents.search("getting files back from a backup", top_k=1)[0]["metadata"]["section"] == "Restoring"
 
 
 # -- ingest and search ---------------------------------------------------------------------------
@@ -123,6 +306,15 @@ def test_ingest_a_folder_then_search_finds_the_right_chunk_with_filters(folder):
     assert documents.search("how do I print in colour", filters={"team": "finance"}) == []
 
 
+def test_ingest_writes_one_batch_while_it_embeds_the_next(folder, monkeypatch):
+    monkeypatch.setattr(documents, "WRITE_BATCH", 1)  # a batch per file
+    said: list[tuple[int, int, int]] = []
+    report = documents.ingest([str(folder)], progress=lambda *how_far: said.append(how_far))
+    assert (report["files"], report["chunks"], len(report["skipped"])) == (2, 4, 1)
+    assert said == [(1, 3, 3), (3, 3, 4)]  # files done (the unreadable PDF between them), files, chunks written
+    assert len(chunks()) == 4 and {c.embedding_model for c in chunks()} == {LOCAL}
+
+
 def test_reingesting_a_file_replaces_its_chunks(folder):
     documents.ingest([str(folder)])
     handbook = folder / "handbook.md"
@@ -141,8 +333,10 @@ def test_reingesting_a_file_replaces_its_chunks(folder):
 def test_ingest_refuses_what_it_cannot_read(folder):
     with pytest.raises(documents.DocumentStoreError, match="no such file or folder: /no/such/place"):
         documents.ingest(["/no/such/place"])
-    with pytest.raises(documents.DocumentStoreError, match="is not a .md or .txt file"):
-        documents.ingest([str(folder / "it" / "ignored.pdf")])
+    (folder / "slides.docx").write_text("not a format we read")
+    with pytest.raises(documents.DocumentStoreError, match=r"slides.docx is not a .md, .markdown, .html, .htm, "
+                                                           r".pdf or .txt file"):
+        documents.ingest([str(folder / "slides.docx")])
     assert chunks() == []
 
 

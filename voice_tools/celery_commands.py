@@ -4,6 +4,7 @@
     celery -A tasks calls show ID [--json]
     celery -A tasks calls cancel ID [--reason TEXT] [--json]
     celery -A tasks calls stats [--since 1d] [--tool NAME] [--json]
+    celery -A tasks calls purge [--older-than 30d] [--dry-run] [--batch N] [--json]
     celery -A tasks callbacks redeliver [--failed] [--call ID] [--json]
 
 A face like the API: arguments are checked with the API's schemas; list, show, stats and
@@ -55,6 +56,20 @@ class Since(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is neither a duration ago (90s, 15m, 2h, 7d, 1w) nor an ISO 8601 time", param, ctx)
         return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+class Age(click.ParamType):
+    """A positive duration, ``90s``, ``15m``, ``2h``, ``30d``, ``1w``, as seconds."""
+
+    name = "age"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        match = _AGO.match(str(value))
+        if not match or float(match[1]) <= 0:
+            self.fail(f"{value!r} is not a positive duration (90s, 15m, 2h, 30d, 1w)", param, ctx)
+        return timedelta(**{_UNITS[match[2].lower()]: float(match[1])}).total_seconds()
 
 
 def _statuses() -> list[str]:
@@ -399,6 +414,44 @@ def stats(ctx: click.Context, since: datetime | None, tool: str | None, as_json:
         ["TOOL", "CALLS", "COMPLETED", "FAILED", "CANCELLED", "EXPIRED", "OPEN", "SUCCESS", "P50 MS", "P95 MS",
          "CB FAILED", "CB FAILED TRIES"],
     ))
+
+
+@calls.command("purge")
+@click.option("--older-than", "older_than", type=Age(),
+              help="Remove ended calls and settled events older than this (30d, 12h, ...); "
+                   "default: each table's retention (VOICE_TOOLS_RETAIN_CALLS_DAYS, VOICE_TOOLS_RETAIN_EVENTS_DAYS).")
+@click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
+@click.option("--batch", type=click.IntRange(1, 100000), help="Rows per transaction (default VOICE_TOOLS_PURGE_BATCH, 1000).")
+@click.option("--json", "as_json", is_flag=True, help="The counts as JSON.")
+@click.pass_context
+def purge(ctx: click.Context, older_than: float | None, dry_run: bool, batch: int | None, as_json: bool) -> None:
+    """Remove what is past its retention, in small batches: ended calls (COMPLETED, FAILED, CANCELLED,
+    EXPIRED) with their events, settled events of ended calls, and expired session context.
+
+    Never an open call, never an event still pending (a call with one is kept until it is settled).
+    Beat's retention sweep does the same every VOICE_TOOLS_RETENTION_SWEEP_EVERY seconds.
+    """
+    from tasks.calls import admin
+
+    _connect(ctx)
+    out = admin.purge(older_than_s=older_than, dry_run=dry_run, batch=batch)
+    counts = {"calls": out.calls, "events": out.events, "context": out.context}
+    if as_json:
+        _json({"dry_run": dry_run, **counts, "batches": out.batches, "retained_s": out.retained})
+        return
+    age = {name: "kept forever" if seconds is None else f"older than {_duration(seconds)}"
+           for name, seconds in out.retained.items()}
+    verb = "Would remove" if dry_run else "Removed"
+    click.echo(f"{verb} {out.calls} ended calls ({age['calls_s']}) with their events, {out.events} events in all "
+               f"(settled ones {age['events_s']}), {out.context} expired context values"
+               + ("." if dry_run else f", in {out.batches} batches."))
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 # -- callbacks --------------------------------------------------------------------------------

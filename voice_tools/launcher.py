@@ -220,11 +220,21 @@ def run(procfile: str | None = None) -> int:
 
 
 def prepare() -> int:
-    """Migrate, and load the demo data set into a database that has never had a call."""
+    """Migrate, prepare the offline embedding model, and load the demo data set into a database
+    that has never had a call."""
     migrate()
+    prepare_model()
     if _never_used():
         _say(f"demo data loaded: {_describe(load_demo())}")
     return 0
+
+
+def prepare_model() -> None:
+    """The offline embedding model made ready in ``<data dir>/models`` now (once for every process of
+    the system: a worker's first query then prepares nothing)."""
+    from backends import embeddings
+
+    embeddings.prepare()
 
 
 def _prepare_in_child(data_dir: Path) -> None:
@@ -232,7 +242,7 @@ def _prepare_in_child(data_dir: Path) -> None:
     what migrating and loading the demo import (Alembic, the embedding model for the documents).
     It works in the data dir, as the Procfile's processes do: ``-c`` puts its folder first on the path."""
     done = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; sys.exit(launcher.prepare())"],
-                          cwd=data_dir, env=dict(os.environ))
+                          cwd=data_dir, env={**os.environ, "VOICE_TOOLS_DATA_DIR": str(data_dir)})
     if done.returncode != 0:
         raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
 
@@ -301,11 +311,21 @@ def _describe(added: dict[str, int]) -> str:
 def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
     from backends import documents
 
+    def progress(done: int, files: int, chunks: int) -> None:  # on a terminal: how far it is, on one line
+        print(f"\rvoice-tools ingest: {done}/{files} files, {chunks} chunks", end="", file=sys.stderr, flush=True)
+
     try:
-        report = documents.ingest(paths, reembed=reembed, owner=owner)
+        report = documents.ingest(paths, reembed=reembed, owner=owner,
+                                  progress=progress if sys.stderr.isatty() else None)
     except documents.PERMANENT_ERRORS as exc:
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
         return 2
+    if sys.stderr.isatty():
+        print(file=sys.stderr, flush=True)  # the end of the progress line
+    for skipped in report["skipped"]:
+        print(f"voice-tools ingest: skipped {skipped['file']}: {skipped['reason']}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2), flush=True)
     return 0
 
@@ -339,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
     sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
-    ingest_parser = sub.add_parser("ingest", help="chunk, embed and store .md/.txt files in the document store")
+    ingest_parser = sub.add_parser("ingest", help="read, chunk, embed and store .md/.html/.pdf/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
     ingest_parser.add_argument("--reembed", action="store_true",
                                help="first re-embed every stored chunk with the active model (after changing it)")
@@ -379,12 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "load-demo":
         migrate()
+        prepare_model()
         print(f"demo data loaded: {_describe(load_demo())}", flush=True)
         return 0
     if command == "ingest":
         if not args.paths and not args.reembed:
             parser.error("ingest needs a PATH (or --reembed)")
         migrate()
+        prepare_model()
         return ingest(args.paths, args.reembed, args.owner.strip())
     urls = ensure_servers()
     # blocked before the exports: whoever reads them may stop this command at once, and that signal

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from models import settings
+
 # Alembic's scripts: in a checkout a link to the top-level migrations/, in the wheel the files.
 MIGRATIONS = Path(__file__).parent / "migrations"
 DATABASE_NAME = "voice_tools"
@@ -37,7 +39,7 @@ _started: dict[str, Any] = {}
 
 def default_data_dir() -> Path:
     """``VOICE_TOOLS_DATA_DIR``, or ``.voice-tools`` in the current directory."""
-    return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ".voice-tools").resolve()
+    return settings.data_dir()
 
 
 LOCAL_SECRETS = "local-secrets.json"  # in the data dir: the secrets ``voice-tools run`` made (mode 0600)

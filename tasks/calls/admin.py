@@ -1,5 +1,5 @@
 """What an operator asks of the calls from the command line (``celery -A tasks calls|callbacks``):
-list, show, count, redeliver callbacks; a cancel is the operation every face shares
+list, show, count, purge what is past its retention, redeliver callbacks; a cancel is the operation every face shares
 (``tasks.calls.operations.cancel``). An operator is unscoped: every caller's calls."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 from models import db, queries
 from models.calls import CallbackDelivery, ToolCall
+from tasks.calls import maintenance
 from tasks.delivery import attempts
 
 
@@ -56,3 +57,9 @@ def redeliver(*, failed_only: bool = False, tool_call_id: str | None = None) -> 
         chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
     queued = set(attempts.redeliver([d.event_id for d in chosen]))
     return [d for d in chosen if d.event_id in queued]
+
+
+def purge(*, older_than_s: float | None = None, dry_run: bool = False, batch: int | None = None) -> maintenance.Purged:
+    """Remove (``dry_run``: count) ended calls with their events and settled events older than
+    ``older_than_s`` (default: each table's retention), and expired context, in batches, to the end."""
+    return maintenance.purge(calls_s=older_than_s, events_s=older_than_s, batch=batch, dry_run=dry_run)

@@ -10,6 +10,7 @@ from marshmallow import Schema, fields, validate
 from models import db, session_context, settings
 from backends import documents, embeddings
 from tasks.tools import PermanentError, Step, StepInput, Tool
+from tasks.tools._speech import topic
 
 CONTEXT_KEY = "last_query_results"
 
@@ -64,9 +65,11 @@ def embed_query(text: str) -> dict[str, Any]:
 
 def find(text: str, query: Mapping[str, Any], top_k: int, filters: Mapping[str, Any] | None,
          caller: str = "") -> dict[str, Any]:
-    """The caller's own and the shared documents nearest to the question, and a sentence about them."""
+    """The caller's own and the shared documents most relevant to the question (its vector and the words
+    that were embedded), and a sentence about them."""
     with store_errors():
-        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}), caller=caller)
+        found = documents.search_vector(query["vector"], query["model"], top_k, dict(filters or {}), caller=caller,
+                                        text=query.get("text") or text)
     return {"documents": found, "summary": documents.summarise(text, found)}
 
 
@@ -106,7 +109,8 @@ def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | None = None, **_: Any) -> str:
     if not result or not result.get("documents"):
-        return f"I couldn't find any documents about {parameters.get('user_query', 'that')}."
+        about = topic(parameters.get("user_query", ""))
+        return f"I couldn't find any documents about {about}." if about else "I couldn't find any documents about that."
     found = result["documents"]
     said = result["summary"]
     if said == documents.plain_summary(found):  # no chat model: say it as a sentence

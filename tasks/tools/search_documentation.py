@@ -9,6 +9,7 @@ from marshmallow import Schema, fields, validate
 
 from backends import documents
 from tasks.tools import Step, StepInput, Tool
+from tasks.tools._speech import passage, topic
 from tasks.tools.query_vector_db import FoundDocument, embed_query, find
 
 
@@ -40,14 +41,14 @@ def result(outputs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | None = None, **_: Any) -> str:
-    query = parameters.get("query", "that")
     if not result or not result.get("documents"):
-        return f"I couldn't find anything about {query} in the documentation."
+        about = topic(parameters.get("query", ""))
+        return (f"I couldn't find anything about {about} in the documentation." if about
+                else "I couldn't find an answer to that in the documentation.")
     best = result["documents"][0]
     if result["summary"] != documents.plain_summary(result["documents"]):
         return result["summary"]  # a chat model's spoken answer
-    said = f"The documentation on {best['title']} says: {best['snippet']}"
-    return said if said.rstrip()[-1] in ".?!" else said + "."
+    return f"The documentation on {best['title']} says: {passage(best['snippet'])}"
 
 
 TOOL = Tool(

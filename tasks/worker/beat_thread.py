@@ -4,7 +4,9 @@ Celery's own ``--beat`` runs the embedded beat (``celery.beat.EmbeddedService``)
 forked process, which costs ~30 MB once its pages are copied; Celery makes the same
 service as a thread when asked (``thread=True``), which this worker option and bootstep
 do. For a system with one worker (``voice-tools run``'s ``Procfile.local``); production
-runs ``celery -A tasks beat`` once, beside its workers.
+runs ``celery -A tasks beat`` beside its workers, on one host or more (each sweep works once a
+period however many beats send it: ``tasks/sweeps.py``). Either keeps its schedule in memory
+(``celeryconfig.beat_scheduler``): the schedule file Celery passes is never written.
 """
 from __future__ import annotations
 

@@ -1,0 +1,32 @@
+"""Helpers for sentences a voice assistant says aloud (the tools' ``voice_response``)."""
+from __future__ import annotations
+
+import re
+
+TOPIC_WORDS = 6  # a question longer than this is not said back: "that"
+_QUESTION_WORDS = frozenset(
+    "how what when where why who whom whose which can could do does did is are was were should would will may "
+    "shall have has had i i'm my we our tell find show give please search look get".split())
+_SENTENCE_END = re.compile(r"[.!?](?=\s)")
+
+
+def topic(question: str) -> str | None:
+    """``question`` as a short topic to say back ("the weather in Paris"), or None when saying it back would
+    repeat a whole question ("How do I ...?", more than six words): the sentence then says "that"."""
+    words = question.strip().rstrip(".!").split()
+    if not words or len(words) > TOPIC_WORDS or question.strip().endswith("?"):
+        return None
+    if words[0].lower().strip(",") in _QUESTION_WORDS:
+        return None
+    return " ".join(words)
+
+
+def passage(snippet: str) -> str:
+    """A snippet cut short ("...") said to its last whole sentence when it has one, else as it is; ends with
+    a full stop."""
+    text = snippet.strip()
+    if text.endswith("..."):
+        ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+        if ends:
+            text = text[:ends[-1]]
+    return text if text[-1:] in (".", "?", "!") else text + "."
