@@ -45,13 +45,22 @@ def _family(pid: int) -> list[psutil.Process]:
         return []
 
 
-def snapshot(stack: Any, side: str) -> dict[str, dict[int, float]]:
-    """CPU seconds so far of each process of each group, by pid (a process that ends is dropped)."""
+def snapshot(stack: Any, side: str, servers: dict[str, int] | None = None) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of each process of each group, by pid (a process that ends is dropped).
+
+    ``servers`` (``{"PostgreSQL": postmaster pid, "Redis": server pid}``) counts those servers'
+    process families only, instead of every process of that name on the machine."""
     taken: dict[str, dict[int, float]] = {group: {} for group in GROUPS}
     for group, names in SIDES[side].items():
         for name in names:
             for process in _family(stack.procs[name].pid):
                 taken[group][process.pid] = _cpu(process)
+    if servers:
+        for group, pid in servers.items():
+            for process in _family(pid):
+                taken[group][process.pid] = _cpu(process)
+        taken["bench (client, relay)"][os.getpid()] = _cpu(psutil.Process())
+        return taken
     for process in psutil.process_iter(["name"]):
         name = process.info["name"] or ""
         group = "PostgreSQL" if name.startswith("postgres") else "Redis" if name.startswith("redis") else None

@@ -45,3 +45,25 @@ def test_the_benchmark_runs_end_to_end(tmp_path):
     assert results["scale"]["seeded"] == {"calls": 2000, "sessions": 200, "seconds": results["scale"]["seeded"]["seconds"]}
     assert [goal["goal"] for goal in results["goals"]][:1] == ["pending p50 vs floor (1 client)"]
     assert "## CPU per call, by process group" in run["table"]
+
+
+def test_the_capacity_figures_are_measured_end_to_end(tmp_path):
+    """``python -m bench.capacity`` with 2 calls of each kind: every kind has its figures, from outside."""
+    env = {key: value for key, value in bare_env().items()
+           if not key.startswith("VOICE_TOOLS_") and key != "PROMETHEUS_MULTIPROC_DIR"}
+    done = subprocess.run([sys.executable, "-m", "bench.capacity", "--calls", "2", "--settle", "1", "--results", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [written] = tmp_path.glob("capacity-*.json")
+    run = json.loads(written.read_text())
+    assert run["command"] == "python -m bench.capacity --calls 2 --settle 1" and run["calls"] == 2
+    results = run["results"]
+    assert set(results) == {"send_email", "get_calendar_availability", "search_contacts", "status", "context",
+                            "idle (per second)"}
+    for kind in ("send_email", "get_calendar_availability", "search_contacts"):
+        row = results[kind]
+        # a call writes: transactions, WAL, a tool_calls row, and broker messages (a chain's links)
+        assert row["write_xacts"] >= 1 and row["wal_bytes"] > 0 and row["redis_lpush"] >= 1, (kind, row)
+        assert set(row["cpu_ms"]) == set(GROUPS) and min(row["cpu_ms"].values()) >= 0, (kind, row)
+        assert row["table_bytes_total"] >= 0
+    assert "## Per call (idle rate subtracted)" in run["table"]
