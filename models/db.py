@@ -38,6 +38,18 @@ def database_url() -> str:
     return url
 
 
+def listen_url() -> str:
+    """The libpq URL of the LISTEN connection (``models/listen.py``): ``DATABASE_LISTEN_URL``, else
+    ``DATABASE_URL``. Every other connection uses ``DATABASE_URL``, which may name a PgBouncer in
+    transaction mode; LISTEN holds session state, so it needs a direct connection to PostgreSQL
+    (or a session-mode pool)."""
+    url = os.environ.get("DATABASE_LISTEN_URL", "").strip() or database_url()
+    for prefix in ("postgresql+psycopg2://", "postgres://"):
+        if url.startswith(prefix):
+            url = "postgresql://" + url[len(prefix):]
+    return url
+
+
 def engine() -> Engine:
     global _engine, _factory
     if _engine is None:
@@ -53,12 +65,26 @@ def _new_engine(pool_size: int, **connect_args: Any) -> Engine:
     return made
 
 
+_UNDURABLE = "SET LOCAL synchronous_commit TO off; "
+
+
 def _undurable_engine() -> Engine:
-    """The engine of :func:`statement` ``(durable=False)``: its connections commit without
-    waiting for the WAL flush (``synchronous_commit = off``, set once per connection)."""
+    """The engine of :func:`statement` ``(durable=False)``: its statements commit without waiting
+    for the WAL flush. Each carries ``SET LOCAL synchronous_commit TO off`` in front, in the same
+    query string: one round trip as before, and the statements of one query string are one
+    transaction, which the ``SET LOCAL`` ends with. Nothing is set on the connection itself, so
+    this holds through a pooler in transaction mode too (PgBouncer passes no ``options`` startup
+    parameter, and a server connection there serves other clients next)."""
     global _undurable
     if _undurable is None:
-        _undurable = _new_engine(pool_size=2, options="-c synchronous_commit=off")
+        made = _new_engine(pool_size=2)
+
+        @event.listens_for(made, "before_cursor_execute", retval=True)
+        def _no_flush(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
+                      executemany: bool) -> tuple[str, Any]:
+            return _UNDURABLE + statement, parameters
+
+        _undurable = made
     return _undurable
 
 

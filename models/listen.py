@@ -10,7 +10,8 @@ fails as any other (an ``OperationalError``, answered 503 like every database ou
 
 The event stream: a trigger NOTIFYs channel ``voice_tools_events`` with the session id
 when an event is recorded (migration 0007); the same listener thread (one database connection
-of its own per process) wakes the streams of that session. The events are the callback
+of its own per process, to ``DATABASE_LISTEN_URL``: PostgreSQL itself when ``DATABASE_URL`` names a
+pooler in transaction mode) wakes the streams of that session. The events are the callback
 rows themselves, read in ``commit_seq`` order: a number each row takes when its
 transaction commits (migration 0012: a deferred constraint trigger takes a transaction-scoped
 advisory lock of this database, then ``nextval``; the lock is released only after the
@@ -159,8 +160,7 @@ class Listener:
     def _listen(self) -> None:
         import psycopg2
 
-        conn = psycopg2.connect(db.engine().url.render_as_string(hide_password=False).replace(
-            "postgresql+psycopg2://", "postgresql://"))
+        conn = psycopg2.connect(db.listen_url())  # direct: LISTEN cannot pass a transaction-mode pooler
         try:
             conn.autocommit = True
             with conn.cursor() as cur:
