@@ -99,13 +99,18 @@ def schema_tables(database_and_broker) -> tuple[str, ...]:
 
 @pytest.fixture(autouse=True)
 def clean_database(schema_tables):
-    """Every test starts with empty tables (and no caller's fair share used)."""
+    """Every test starts with empty tables (and no caller's fair share used). Only the tables that
+    hold rows are truncated: a TRUNCATE makes each table's and index's files anew, about 10 ms a
+    table, and most tests fill two or three of them."""
     from sqlalchemy import text
 
     from models import db
 
+    holding = " UNION ALL ".join(f"SELECT '{t}' WHERE EXISTS (SELECT 1 FROM {t})" for t in schema_tables)
     with db.engine().begin() as conn:
-        conn.execute(text(f"TRUNCATE {', '.join(schema_tables)} RESTART IDENTITY CASCADE"))
+        dirty = conn.execute(text(holding)).scalars().all()
+        if dirty:
+            conn.execute(text(f"TRUNCATE {', '.join(dirty)} RESTART IDENTITY CASCADE"))
     clear_shares()
     yield
 

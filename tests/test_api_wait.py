@@ -115,6 +115,7 @@ def test_the_waiting_connection_goes_back_to_the_pool_listening_to_nothing():
             proxy.close()
 
 
+@pytest.mark.slow
 def test_waiting_holds_no_connection_between_reads():
     """Four waits on calls that do not move: each borrows a pooled connection to read the status,
     gives it back, and holds none while it waits (the process's listener wakes it)."""

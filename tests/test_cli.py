@@ -96,6 +96,7 @@ def test_setup_cfg_registers_the_commands_as_celery_entry_points():
         assert installed["calls"] == "voice_tools.celery_commands:calls" and installed["callbacks"] == "voice_tools.celery_commands:callbacks"
 
 
+@pytest.mark.slow
 def test_the_real_cli_in_its_own_process_lists_and_counts():
     """``python -m celery -A tasks calls ...`` when the entry points are installed; the same
     main() with the commands added otherwise. This run's DATABASE_URL/REDIS_URL are inherited."""

@@ -291,6 +291,7 @@ def test_the_migration_gives_every_owned_table_its_owner_and_the_reads_an_index_
         assert "(owner)" in indexes[name]
 
 
+@pytest.mark.slow
 def test_rows_stored_before_the_migration_become_shared_and_its_downgrade_keeps_one_row_per_address():
     """Down to 0010 (two owners' contacts with one address become one row, the shared one) and up again
     (a contact stored without an owner is shared)."""

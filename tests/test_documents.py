@@ -434,6 +434,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder):
     """The embedded server HAS pgvector; this database is made to look as if it had not:
     its ``search_path`` puts a view hiding ``vector`` from ``pg_available_extensions`` before

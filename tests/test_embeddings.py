@@ -89,6 +89,7 @@ def test_local_batches_pool_over_the_mask_only_and_cut_at_256_tokens():
     assert float(bulk @ alone) > 0.9999
 
 
+@pytest.mark.slow
 def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch):
     import onnx
     import onnxruntime
@@ -116,6 +117,7 @@ def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path,
         assert float(vector @ (hidden / np.linalg.norm(hidden))) > 0.98  # the same meaning as the package's float run
 
 
+@pytest.mark.slow
 def test_a_damaged_prepared_model_is_made_again_and_a_changed_package_model_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
     path = embeddings.prepared_model()

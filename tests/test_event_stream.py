@@ -149,6 +149,7 @@ def test_an_open_transaction_in_another_database_does_not_stall_the_stream(api_u
     assert got[0] == event_id
 
 
+@pytest.mark.slow
 def test_a_stream_with_nothing_new_reads_no_more_often_than_its_keep_alive(api_url, open_transaction_elsewhere):
     """docs/operations.md, Event streams, waits and threads: woken by NOTIFY, not a polling loop,
     also while a transaction of another database is open."""

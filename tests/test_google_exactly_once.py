@@ -191,6 +191,7 @@ def test_gmail_a_refusal_with_the_draft_still_there_is_not_sent(google_api, quic
     assert mail.sent == [] and len(mail.drafts) == 1, "the draft is still there: nothing was sent"
 
 
+@pytest.mark.slow
 def test_gmail_two_sends_of_one_call_at_once_send_one_email(google_api, quick_confirm):
     mail = GmailDouble(google_api, lag=1.0)
     prepared = prepared_email("tc_gm_race")

@@ -487,6 +487,7 @@ def run_together(work):
     return outcomes
 
 
+@pytest.mark.slow
 def test_fifty_confirms_give_one_transition_and_one_enqueue(worker):
     call = make_call()
     with TaskLog() as log:

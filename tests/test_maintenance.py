@@ -246,6 +246,7 @@ def test_fail_stuck_leaves_a_call_whose_link_waits_for_its_eta(worker, relay, ta
         app.control.revoke(held.id)
 
 
+@pytest.mark.slow
 def test_the_facts_read_a_long_backlog_from_its_oldest_end_only(worker, monkeypatch):
     """Past ``SCAN_LIMIT`` waiting messages a queue is not copied whole: its oldest messages (where
     overdue calls wait) are read, and a call not seen there is "cannot tell", not "lost"."""

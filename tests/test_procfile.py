@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.procs import ROOT
 from tasks import app as celery_app
 from tasks import tools
@@ -196,6 +198,7 @@ def test_the_lock_files_pin_every_requirement_with_hashes_and_agree():
                 assert pinned and req.specifier.contains(pinned, prereleases=True), (side, str(req), pinned)
 
 
+@pytest.mark.slow
 def test_flask_cli_finds_the_app_factory():
     """``flask --app app`` (as docs/operations.md says) loads ``create_app``."""
     flask = Path(sys.executable).with_name("flask")

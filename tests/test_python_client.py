@@ -218,6 +218,7 @@ class Refusing:
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
 
+@pytest.mark.slow
 def test_a_429_is_sent_again_after_its_retry_after_with_the_same_idempotency_key():
     double = Refusing(refusals=2)
     try:

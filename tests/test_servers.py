@@ -141,6 +141,7 @@ def alembic(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_alembic_downgrade_base_then_upgrade_head_from_the_repo_root():
     """On this run's DATABASE_URL (conftest migrated it): down to nothing and back up."""
     engine = create_engine(os.environ["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg2://", 1))
