@@ -361,8 +361,9 @@ def create_mcp_app() -> Starlette:
 
 def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Run at most ``MCP_THREADS`` (default 16) operations at once: each is a blocking call in a
-    worker thread that holds a pooled database connection (for up to 30 s with ``wait``), so the
-    count stays within the pool (``VOICE_TOOLS_DB_POOL_SIZE`` + 20 overflow) instead of anyio's 40."""
+    worker thread (held for up to 30 s with ``wait``, woken by the process's listener) that borrows
+    pooled database connections, so the count stays within the pool (``VOICE_TOOLS_DB_POOL_SIZE`` +
+    20 overflow) instead of anyio's 40."""
     @asynccontextmanager
     async def bounded(app: Any):
         anyio.to_thread.current_default_thread_limiter().total_tokens = int(os.environ.get("MCP_THREADS") or 16)

@@ -292,7 +292,8 @@ def wait_slot(name: str, wait: Any) -> Slot:
 def register(app: Any) -> None:
     """The REST face's hooks (after ``app.auth``'s): every request with a caller counts against its
     rate; one that asks to wait, on a view that waits, holds a slot until it is answered (or, its
-    caller's share full, does not wait). ``/healthz`` names no caller and is never limited."""
+    caller's share full, is refused 429 before it does anything). ``/healthz`` names no caller and
+    is never limited."""
     from flask import g, request
 
     from tasks.calls import schemas
