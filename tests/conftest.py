@@ -3,7 +3,8 @@
 Each embedded server starts once per run (under the system temp folder), in the session
 fixture ``database_and_broker`` that every test uses, so collecting the tests starts nothing; when
 ``DATABASE_URL`` / ``REDIS_URL`` are set those servers are used instead (the tests
-create and migrate their own database ``voice_tools_test`` there). The Celery app reads
+create and migrate their own database ``voice_tools_test`` there; under pytest-xdist each worker
+process has its own servers, or its own database and Redis database number). The Celery app reads
 its broker from ``CELERY_BROKER_URL`` when it connects, so the test modules may import it
 before the servers start. Every test gets clean tables; tests that need a worker take the
 ``worker`` fixture (an in-process Celery worker consuming every queue).
@@ -20,7 +21,10 @@ import pytest
 
 pytest_plugins = ("celery.contrib.pytest", "tests.api_fixtures", "tests.google_fixtures")
 
-TEST_DATABASE = "voice_tools_test"
+# Under pytest-xdist (README: -n 2) each worker process is a run of its own: embedded servers of its
+# own, or, on servers given by DATABASE_URL / REDIS_URL, a database and a Redis database number of its own.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...; empty without xdist
+TEST_DATABASE = "voice_tools_test" + (f"_{XDIST_WORKER}" if XDIST_WORKER else "")
 API_TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
@@ -39,6 +43,11 @@ def _point_at_test_database(url: str) -> str:
     admin = urlunsplit(parts._replace(path="/postgres"))
     servers.create_database(admin, TEST_DATABASE, drop=True)
     return urlunsplit(parts._replace(path=f"/{TEST_DATABASE}"))
+
+
+def _redis_database_of_this_worker(url: str) -> str:
+    """``url`` with the Redis database number 1 + this xdist worker's number (gw0 -> /1, gw1 -> /2 ...)."""
+    return urlunsplit(urlsplit(url)._replace(path=f"/{1 + int(XDIST_WORKER.removeprefix('gw'))}"))
 
 
 def _no_fsync(url: str) -> None:
@@ -74,6 +83,10 @@ def database_and_broker():
             _no_fsync(os.environ["DATABASE_URL"])
         if not (os.environ.get("REDIS_URL") or os.environ.get("CELERY_BROKER_URL")):
             os.environ["REDIS_URL"] = embedded.start_redis(data_dir / "redis")
+        elif XDIST_WORKER:
+            for name in ("REDIS_URL", "CELERY_BROKER_URL"):
+                if os.environ.get(name, "").startswith("redis://"):
+                    os.environ[name] = _redis_database_of_this_worker(os.environ[name])
         os.environ.setdefault("CELERY_BROKER_URL", os.environ.get("REDIS_URL", ""))
         embedded.migrate()
         yield

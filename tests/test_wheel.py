@@ -134,7 +134,9 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(outside):
     assert tops == {"app", "backends", "celeryconfig", "models", "tasks", "voice_tools"}
 
     _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # --no-compile: Python writes the bytecode of what it imports when it imports it; pip's compiling of
+    # every module of every package at install was most of this test's time
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
     _run([*pip, "--require-hashes", "-r", str(ROOT / "requirements.lock")], cwd=outside)
     _run([*pip, "--no-deps", str(wheel)], cwd=outside)
 
