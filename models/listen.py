@@ -25,16 +25,19 @@ resumes after an event gets exactly what it missed (no loss, no duplicate), and 
 events are in ``seq`` order (the transition that records event ``k + 1`` waits on the
 call's row until the one that recorded ``k`` committed). A stream borrows a pooled
 connection only to read new rows, holds none while it waits, and reads again only when
-NOTIFY wakes it or its keep-alive interval has passed.
+NOTIFY wakes it or its keep-alive interval has passed. The same reads serve a thread
+(:func:`session_events`) and an asyncio task (:func:`session_events_async`, the API's streams:
+``app/stream_loop.py``), which waits on the loop and reads in its executor.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import select
 import threading
 import time
-from typing import Iterator
+from typing import AsyncIterator, Iterator, Protocol
 
 from sqlalchemy import Row, text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -100,13 +103,31 @@ _POSITION = text("""
 """)
 
 
+class Waker(Protocol):
+    def set(self) -> None: ...
+
+
+class LoopEvent:
+    """An :class:`asyncio.Event` of ``loop`` that the listener's thread can set."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+
+    def set(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+
 class Listener:
     """One LISTEN connection per process, on both channels; wakes the streams of a session when it has
     news, and the waits on a call when its status changed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[tuple[str, str], set[threading.Event]] = {}
+        self._waiters: dict[tuple[str, str], set[Waker]] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._reconnecting = False
@@ -114,13 +135,23 @@ class Listener:
     def subscribe(self, key: str, channel: str = EVENTS_CHANNEL) -> threading.Event:
         """An event set when ``channel`` notifies ``key`` (a session id on the events channel, a
         tool_call_id on the status channel), or when the listener (re)connects."""
-        self._ensure_running()
         woken = threading.Event()
-        with self._lock:
-            self._waiters.setdefault((channel, key), set()).add(woken)
+        self.add(key, woken, channel)
         return woken
 
-    def unsubscribe(self, key: str, woken: threading.Event, channel: str = EVENTS_CHANNEL) -> None:
+    def subscribe_loop(self, key: str, loop: asyncio.AbstractEventLoop,
+                       channel: str = EVENTS_CHANNEL) -> LoopEvent:
+        """As :meth:`subscribe`, for a task of ``loop``: its ``event`` is set on the loop."""
+        woken = LoopEvent(loop)
+        self.add(key, woken, channel)
+        return woken
+
+    def add(self, key: str, woken: Waker, channel: str = EVENTS_CHANNEL) -> None:
+        self._ensure_running()
+        with self._lock:
+            self._waiters.setdefault((channel, key), set()).add(woken)
+
+    def unsubscribe(self, key: str, woken: Waker, channel: str = EVENTS_CHANNEL) -> None:
         with self._lock:
             waiters = self._waiters.get((channel, key))
             if waiters is not None:
@@ -191,6 +222,13 @@ def event_position(event_id: str, caller: str | None = None) -> Row | None:
         return conn.execute(_POSITION, {"event_id": event_id, "caller": caller}).one_or_none()
 
 
+def read_events(session_id: str, after: int, caller: str | None = None) -> list[Row]:
+    """Up to :data:`BATCH` of the session's events numbered after ``after`` (of ``caller``'s calls when
+    given), in order; a pooled connection is borrowed for the read only."""
+    with db.engine().connect() as conn:
+        return conn.execute(_READ, {"session_id": session_id, "after": after, "caller": caller}).all()
+
+
 def session_events(session_id: str, after: int, keepalive_s: float,
                    caller: str | None = None) -> Iterator[Row | None]:
     """The session's events numbered after ``after``, then new ones as they are recorded, until the
@@ -205,8 +243,7 @@ def session_events(session_id: str, after: int, keepalive_s: float,
         while True:
             woken.clear()
             try:
-                with db.engine().connect() as conn:  # borrowed for the read only
-                    rows = conn.execute(_READ, {"session_id": session_id, "after": after, "caller": caller}).all()
+                rows = read_events(session_id, after, caller)
             except (OperationalError, InterfaceError):  # the database is away: end; the reader resumes later
                 log.warning("event stream of %s ended: database unavailable", session_id)
                 return
@@ -216,6 +253,33 @@ def session_events(session_id: str, after: int, keepalive_s: float,
             if len(rows) == BATCH:
                 continue
             if not woken.wait(keepalive_s):
+                yield None
+    finally:
+        LISTENER.unsubscribe(session_id, woken)
+
+
+async def session_events_async(session_id: str, after: int, keepalive_s: float,
+                               caller: str | None = None) -> AsyncIterator[Row | None]:
+    """:func:`session_events` for an asyncio task: the same rows in the same order, the same keep-alive
+    Nones; it waits on its loop (no thread) and reads in the loop's default executor, only when woken."""
+    loop = asyncio.get_running_loop()
+    woken = LISTENER.subscribe_loop(session_id, loop)
+    try:
+        while True:
+            woken.event.clear()  # on the loop, as the listener's set: a wake during the read is kept
+            try:
+                rows = await loop.run_in_executor(None, read_events, session_id, after, caller)
+            except (OperationalError, InterfaceError):
+                log.warning("event stream of %s ended: database unavailable", session_id)
+                return
+            for row in rows:
+                after = row.commit_seq
+                yield row
+            if len(rows) == BATCH:
+                continue
+            try:
+                await asyncio.wait_for(woken.event.wait(), keepalive_s)
+            except asyncio.TimeoutError:
                 yield None
     finally:
         LISTENER.unsubscribe(session_id, woken)
