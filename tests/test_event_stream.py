@@ -109,6 +109,36 @@ def test_an_idle_stream_sends_keep_alive_comments_and_holds_no_connection(api_ur
     gen.close()
 
 
+def test_a_stream_is_served_by_the_stream_loop_and_idle_holds_no_thread_and_no_connection(api_url, monkeypatch):
+    """The server's socket is handed to the process's stream loop (app/stream_loop.py): the request's
+    thread is free once the opening is written; idle, the stream holds no pooled connection and still
+    sends its keep-alives."""
+    from app import stream, stream_loop
+    from models import db
+
+    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.2)
+    served_before = stream_loop.open_streams()
+    checked_out_before = db.engine().pool.checkedout()
+    idle = Stream(f"{api_url}/voice-tools/events/sess_loop", AUTH)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(idle.next_event)
+            deadline = time.monotonic() + 5
+            while len(idle.comments) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert idle.comments[1:3] == [": keep-alive", ": keep-alive"], idle.comments
+            assert stream_loop.open_streams() == served_before + 1
+            assert db.engine().pool.checkedout() == checked_out_before  # idle: no connection held
+            event_id = record_progress("sess_loop")
+            assert pending.result(timeout=5)[0] == event_id
+    finally:
+        idle.close()
+    deadline = time.monotonic() + 5
+    while stream_loop.open_streams() > served_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream_loop.open_streams() == served_before  # the client gone, the task ended
+
+
 @pytest.fixture
 def open_transaction_elsewhere():
     """A session idle in a transaction (one that holds a transaction id) in ANOTHER database of the
