@@ -37,7 +37,7 @@ import os
 import select
 import threading
 import time
-from typing import AsyncIterator, Iterator, Protocol
+from typing import Any, AsyncIterator, Iterator, Protocol
 
 from sqlalchemy import Row, text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -261,14 +261,17 @@ def session_events(session_id: str, after: int, keepalive_s: float,
 async def session_events_async(session_id: str, after: int, keepalive_s: float,
                                caller: str | None = None) -> AsyncIterator[Row | None]:
     """:func:`session_events` for an asyncio task: the same rows in the same order, the same keep-alive
-    Nones; it waits on its loop (no thread) and reads in the loop's default executor, only when woken."""
+    Nones; it waits on its loop (no thread) and reads in the loop's default executor only when woken: by
+    NOTIFY, or by the listener's (re)connection, which wakes every stream. A keep-alive reads nothing, so
+    a thousand idle streams do not read a thousand times every interval; the streams of one session woken
+    together read once (:func:`_read_soon`)."""
     loop = asyncio.get_running_loop()
     woken = LISTENER.subscribe_loop(session_id, loop)
     try:
         while True:
             woken.event.clear()  # on the loop, as the listener's set: a wake during the read is kept
             try:
-                rows = await loop.run_in_executor(None, read_events, session_id, after, caller)
+                rows = await asyncio.shield(_read_soon(loop, session_id, after, caller))
             except (OperationalError, InterfaceError):
                 log.warning("event stream of %s ended: database unavailable", session_id)
                 return
@@ -277,9 +280,34 @@ async def session_events_async(session_id: str, after: int, keepalive_s: float,
                 yield row
             if len(rows) == BATCH:
                 continue
-            try:
-                await asyncio.wait_for(woken.event.wait(), keepalive_s)
-            except asyncio.TimeoutError:
-                yield None
+            while True:
+                try:
+                    await asyncio.wait_for(woken.event.wait(), keepalive_s)
+                    break
+                except asyncio.TimeoutError:
+                    yield None
     finally:
         LISTENER.unsubscribe(session_id, woken)
+
+
+_joinable: dict[tuple[Any, ...], asyncio.Future] = {}
+
+
+def _read_soon(loop: asyncio.AbstractEventLoop, session_id: str, after: int,
+               caller: str | None) -> asyncio.Future:
+    """:func:`read_events` in ``loop``'s executor, started at the loop's next turn and shared by every
+    stream that asks for the same read before then: each asked after its wake was cleared, so the one
+    read, begun after all of them asked, sees what woke each of them."""
+    key = (loop, session_id, after, caller)
+    future = _joinable.get(key)
+    if future is None:
+        future = _joinable[key] = loop.create_future()
+
+        def start() -> None:
+            del _joinable[key]
+            job = loop.run_in_executor(None, read_events, session_id, after, caller)
+            job.add_done_callback(lambda done: future.cancel() if done.cancelled() else (
+                future.set_exception(done.exception()) if done.exception() else future.set_result(done.result())))
+
+        loop.call_soon(start)
+    return future
