@@ -5,7 +5,8 @@
 The Procfile's ``web`` line (gunicorn, one worker: the one process that serves every stream) and a
 ``celery -A tasks worker --pool prefork -c 2`` subprocess, on one database and one broker:
 
-1. REST ``POST /voice-tools/pending`` p50 with no stream open (one client, keep-alive);
+1. REST ``POST /voice-tools/pending`` p50 with no stream open (one client, keep-alive), before the
+   streams and again after they closed (the two together are the reference);
 2. ``--streams`` streams opened at once (asyncio sockets in this process), spread over ``--callers``
    callers whose open share is raised for the bench (``VOICE_TOOLS_CALLER_LIMITS``), five streams per
    session; the worker process's PSS and RSS before and after, idle: the memory of an idle stream;
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -40,10 +40,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.run import bench_servers, machine  # noqa: E402
+from bench.run import STREAM_SECTION, bench_servers, machine  # noqa: E402
 
 PER_SESSION = 5
-SECTION = re.compile(r"\n## Event streams: .*?(?=\n## |\Z)", re.S)
 
 
 def pct(values: list[float], p: int) -> float:
@@ -142,8 +141,13 @@ class Streams:
                         self.got[i].append((line[4:], time.time()))
 
     def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
@@ -244,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         len(streams.got[i]) < len(expected[session]) for i, (_, session) in enumerate(plan)):
                     time.sleep(0.1)
                 streams.close()
+                time.sleep(1.0)
+                print(f"REST pending, the streams closed ({args.requests}) ...", flush=True)
+                alone += pending_ms(api, token, args.requests)
         finally:
             stop_process(web)
         text = report(args, alone, loaded, before, after, took, statuses, streams, plan, expected, arrived_cb)
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     results = ROOT / "bench" / "RESULTS.md"
     summary = summary_section(text)
     current = results.read_text()
-    results.write_text(SECTION.sub(lambda _: summary, current) if SECTION.search(current) else current.rstrip("\n") + "\n" + summary)
+    results.write_text(STREAM_SECTION.sub(lambda _: summary, current) if STREAM_SECTION.search(current) else current.rstrip("\n") + "\n" + summary)
     print(text)
     print(f"written to {args.output} and the summary to {results}")
     return 0
@@ -286,6 +293,8 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         out_of_order += got != want and sorted(got) == sorted(want)
         stream_ms += [(at - recorded[event_id]) * 1000 for event_id, at in streams.got[i] if event_id in recorded]
     callback_ms = [(arrived_cb[e] - at) * 1000 for e, at in recorded.items() if e in arrived_cb]
+    paired = [(at - arrived_cb[event_id]) * 1000 for got in streams.got for event_id, at in got
+              if event_id in arrived_cb]  # a stream's arrival less the same event's callback arrival
     n = args.streams
     pss, rss = (after[0] - before[0]) / n, (after[1] - before[1]) / n
     rest_ratio = statistics.median(loaded) / statistics.median(alone)
@@ -310,7 +319,8 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         "",
         "| measurement | value | goal | |",
         "|---|---|---|---|",
-        f"| REST `pending` p50, no stream open (ms) | {statistics.median(alone):.2f} | | |",
+        f"| REST `pending` p50, no stream open, before and after (ms) | {statistics.median(alone[:len(loaded)]):.2f}"
+        f", {statistics.median(alone[len(loaded):]):.2f} | | |",
         f"| REST `pending` p50, {n} streams open (ms) | {statistics.median(loaded):.2f} | | |",
         f"| ratio | **{rest_ratio:.2f}x** | at most 1.2x | {ok(rest_ratio <= 1.2)} |",
         f"| events missed / duplicated / out of order, over {n} streams | {missed} / {duplicated} / {out_of_order} "
@@ -320,12 +330,17 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         f"| event delay to the callback p50 / p99 (ms) | {c50:.1f} / {pct(callback_ms, 99):.1f} | | |",
         f"| stream p50 against the callback's p50 | **{s50 / c50:.2f}x** | at most 1x | {ok(s50 <= c50)} |",
         f"| stream p99 against its p50 | **{s99 / s50:.2f}x** | at most 2x | {ok(s99 <= 2 * s50)} |",
+        f"| the callback's p99 against its p50, for comparison | {pct(callback_ms, 99) / c50:.2f}x | | |",
+        f"| a stream's arrival less the same event's callback arrival, p50 / p99 (ms) "
+        f"| {statistics.median(paired):.1f} / {pct(paired, 99):.1f} | | |",
         f"| memory per idle stream, PSS / RSS of the worker (KB) | **{pss:.1f}** / {rss:.1f} | at most 50 | "
         f"{ok(pss <= 50 and rss <= 50)} |",
         "",
         "An event's delay is counted from its row's `created_at` (the start of the transaction that recorded "
         "it), the same instant for the stream and the callback. The callback is posted by the link right "
-        "after its commit; a stream is woken by NOTIFY at the commit and reads the row.",
+        "after its commit; a stream is woken by NOTIFY at the commit and reads the row. Both delays include the "
+        "recording transaction's own time (its statements and its commit), which the machine's load stretches "
+        "alike on both sides: the paired difference is what the stream itself adds.",
         "",
     ])
 
