@@ -1,5 +1,5 @@
 """LISTEN/NOTIFY, for both waits that must not poll: ``?wait=S`` (:func:`until_settled`) and the
-session's event stream (:func:`session_events`, woken by one :class:`Listener` per process).
+session's event stream (:func:`session_events_async`, woken by one :class:`Listener` per process).
 
 ``?wait``: a trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every
 status change (migration 0001). The process's one listener (below) wakes the waits on that
@@ -24,10 +24,12 @@ left open in this database or in any other of the server delays no stream. A rea
 resumes after an event gets exactly what it missed (no loss, no duplicate), and a call's
 events are in ``seq`` order (the transition that records event ``k + 1`` waits on the
 call's row until the one that recorded ``k`` committed). A stream borrows a pooled
-connection only to read new rows, holds none while it waits, and reads again only when
-NOTIFY wakes it or its keep-alive interval has passed. The same reads serve a thread
-(:func:`session_events`) and an asyncio task (:func:`session_events_async`, the API's streams:
-``app/stream_loop.py``), which waits on the loop and reads in its executor.
+connection only to read new rows and holds none while it waits. The same reads serve an
+asyncio task (:func:`session_events_async`, the API's streams: ``app/stream_loop.py``), which
+waits on its loop, reads in the loop's executor only when woken (by NOTIFY, or by the listener's
+reconnection, which wakes everyone) and shares one read with the streams of its session woken
+with it; and a thread (:func:`session_events`, a stream a server gave no socket for), which
+reads again when woken or when its keep-alive interval has passed.
 """
 from __future__ import annotations
 
