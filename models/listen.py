@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
+import selectors
 import threading
 import time
 from typing import Any, AsyncIterator, Iterator, Protocol
@@ -200,16 +200,18 @@ class Listener:
                 cur.execute(f"LISTEN {EVENTS_CHANNEL}; LISTEN {STATUS_CHANNEL}")
             self._reconnecting = False
             self._wake(None)  # anything before the LISTEN is read by the woken streams and waits
-            while True:
-                if select.select([conn], [], [], 60.0)[0]:
-                    conn.poll()
-                    news = {(note.channel, note.payload) for note in conn.notifies}
-                    conn.notifies.clear()
-                    for target in news:
-                        self._wake(target)
-                else:
-                    with conn.cursor() as cur:  # an idle check that the connection is alive
-                        cur.execute("SELECT 1")
+            with selectors.DefaultSelector() as ready:  # epoll: select() takes no descriptor past 1024
+                ready.register(conn, selectors.EVENT_READ)
+                while True:
+                    if ready.select(60.0):
+                        conn.poll()
+                        news = {(note.channel, note.payload) for note in conn.notifies}
+                        conn.notifies.clear()
+                        for target in news:
+                            self._wake(target)
+                    else:
+                        with conn.cursor() as cur:  # an idle check that the connection is alive
+                            cur.execute("SELECT 1")
         finally:
             conn.close()
 

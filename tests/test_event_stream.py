@@ -238,3 +238,32 @@ def record_progress_of(tool_call_id: str) -> str:
     with session() as s:
         lifecycle.record_event(s, tool_call_id, events.event("progress", step="PREPARING", gate=1, progress=0.1))
     return deliveries(tool_call_id)[0].event_id
+
+
+@pytest.mark.slow
+def test_the_listener_hears_notify_when_its_process_has_more_than_1024_descriptors_open():
+    """A process serving a thousand streams has a socket each open: the listener's connection, made (or
+    made again after an outage) past descriptor 1024, must still be woken by NOTIFY, not only by its
+    reconnect loop's wake-up every second."""
+    import resource
+    import socket
+
+    from models import listen
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1300:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1300, hard), hard))
+    held = [socket.socketpair() for _ in range(600)]  # 1,200 descriptors: the listener's comes after
+    listener = listen.Listener()
+    try:
+        woken = listener.subscribe("sess_many_fds")
+        time.sleep(1.5)  # connected (a first wake-up of everyone), then nothing: no wake-up
+        woken.clear()
+        time.sleep(1.5)
+        assert not woken.is_set(), "woken with nothing new: the listener is not listening"
+        record_progress("sess_many_fds")
+        assert woken.wait(5), "NOTIFY did not wake the stream"
+    finally:
+        for a, b in held:
+            a.close()
+            b.close()
