@@ -9,7 +9,8 @@ counter (the library beneath Flask-Limiter, which serves Flask only: the MCP fac
 long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
 renewed while the request lasts, so a process killed while holding one leaks it only until the lease
 lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
-long-held requests, whoever holds them. Past the rate, or past the open share (an event stream or
+long-held requests that hold a thread (``?wait``; an event stream handed to the stream loop holds none),
+whoever holds them. Past the rate, or past the open share (an event stream or
 a ``?wait``): :class:`ApiError` 429 with ``Retry-After``, before the request does anything. A Redis
 that does not answer lets requests through (logged): the limits protect the service, they must not
 stop it.
