@@ -67,10 +67,9 @@ async def _serve(sock: socket.socket, session_id: str, after: int, caller: str |
         for task in (pump, gone):
             task.cancel()
         await asyncio.gather(pump, gone, return_exceptions=True)
-        if pump in done and pump.exception() is None:  # the stream ended (the database is away): end the answer
-            if chunked:
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
+        if chunked and pump in done and pump.exception() is None:  # the stream ended (the database is away)
+            writer.write(b"0\r\n\r\n")  # the answer's end: the client reconnects with Last-Event-ID
+            await writer.drain()
     except (OSError, asyncio.CancelledError):
         pass
     except Exception:

@@ -288,7 +288,7 @@ async def session_events_async(session_id: str, after: int, keepalive_s: float,
                 try:
                     await asyncio.wait_for(woken.event.wait(), keepalive_s)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield None
     finally:
         LISTENER.unsubscribe(session_id, woken)

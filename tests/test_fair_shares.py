@@ -280,7 +280,7 @@ def test_event_streams_hold_no_gunicorn_thread(own_broker):
             cancelled = requests.delete(f"{url}/voice-tools/cancel/{created.json()['tool_call_id']}", headers=a,
                                         timeout=5)
             assert cancelled.status_code == 200, cancelled.text
-            event_id, data = streams[7].next_event()  # the cancel's event, on its session's stream only
+            _, data = streams[7].next_event()  # the cancel's event, on its session's stream only
             assert data["event"] == "cancelled" and data["tool_call_id"] == created.json()["tool_call_id"]
             assert streams[7].retry == 2000 and streams[7].kinds == ["cancelled"]
         finally:
