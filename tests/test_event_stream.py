@@ -267,3 +267,45 @@ def test_the_listener_hears_notify_when_its_process_has_more_than_1024_descripto
         for a, b in held:
             a.close()
             b.close()
+
+
+@pytest.mark.slow
+def test_a_stream_cut_by_a_database_restart_ends_and_resumes_with_no_loss_and_no_duplicate(api_url):
+    """The database goes away under an open stream: the stream loop ends the answer (the client sees its
+    end, not a silent hang) and a reconnect with Last-Event-ID gets what it missed, once."""
+    from sqlalchemy.exc import DBAPIError
+
+    from support.system import restart_postgres
+
+    first = record_progress("sess_restart")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_restart", AUTH)
+    try:
+        assert stream.next_event()[0] == first
+        restart_postgres(down_s=1.0)
+        with pytest.raises(AssertionError, match="stream ended"):
+            stream.next_event()
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 20
+    while True:  # the first use of each stale pooled connection fails once
+        try:
+            second = record_progress("sess_restart")
+            break
+        except DBAPIError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    again = None
+    while again is None:
+        candidate = Stream(f"{api_url}/voice-tools/events/sess_restart", {**AUTH, "Last-Event-ID": first})
+        if candidate.response.status_code == 503 and time.monotonic() < deadline:
+            candidate.close()
+            time.sleep(0.2)
+            continue
+        again = candidate
+    try:
+        assert again.response.status_code == 200, again.response.text
+        assert again.next_event()[0] == second
+        third = record_progress("sess_restart")
+        assert again.next_event()[0] == third  # live again: the listener is back
+    finally:
+        again.close()
