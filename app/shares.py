@@ -9,7 +9,8 @@ counter (the library beneath Flask-Limiter, which serves Flask only: the MCP fac
 long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
 renewed while the request lasts, so a process killed while holding one leaks it only until the lease
 lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
-long-held requests, whoever holds them. Past the rate, or past the open share (an event stream or
+long-held requests that hold a thread (``?wait``; an event stream handed to the stream loop holds none),
+whoever holds them. Past the rate, or past the open share (an event stream or
 a ``?wait``): :class:`ApiError` 429 with ``Retry-After``, before the request does anything. A Redis
 that does not answer lets requests through (logged): the limits protect the service, they must not
 stop it.
@@ -207,9 +208,13 @@ class Slot:
         except redis.RedisError as exc:
             log.warning("open slot not renewed (Redis: %s)", exc)
 
+    def renewal_due(self) -> bool:
+        """Was it last renewed ``RENEW_EVERY_S`` ago?"""
+        return time.monotonic() - self.renewed >= RENEW_EVERY_S
+
     def renew_now_and_then(self) -> None:
         """Renew if it was last renewed ``RENEW_EVERY_S`` ago (a stream calls it at every frame)."""
-        if time.monotonic() - self.renewed >= RENEW_EVERY_S:
+        if self.renewal_due():
             self.renew()
 
     def release(self) -> None:
@@ -233,11 +238,15 @@ def _open_key(name: str) -> str:
     return f"{KEY_PREFIX}:open:{name}"
 
 
-def take_slot(name: str, kind: str, limit: int | None = None, lease_s: float = LEASE_S) -> Slot:
+def take_slot(name: str, kind: str, limit: int | None = None, lease_s: float = LEASE_S,
+              holds_thread: bool = True) -> Slot:
     """A slot of caller ``name``'s open share for a long-held request (``kind``: ``wait`` or
-    ``stream``); :class:`ApiError` 429 ``too_many_open`` when it holds ``limit`` (its share) already."""
+    ``stream``); :class:`ApiError` 429 ``too_many_open`` when it holds ``limit`` (its share) already.
+    A request that ``holds_thread`` counts against this process's threads too (an event stream served by
+    the process's stream loop holds none)."""
     limit = limit if limit is not None else share_of(name).open
-    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic(), in_process=_enter_process(kind))
+    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic(),
+                in_process=_enter_process(kind) if holds_thread else False)
     try:
         return _take_share(slot, name, kind, limit, lease_s)
     except BaseException:

@@ -13,22 +13,28 @@ in the stable order ``models/listen.py`` reads them in, woken by its LISTEN/NOTI
 listener; a client that reconnects with ``Last-Event-ID`` (the header, or the
 ``last_event_id`` query parameter for clients that cannot set headers) gets exactly what
 it missed: no loss, no duplicate. A call's own events are also in ``seq`` order. A
-keep-alive comment is written every ``KEEPALIVE_S`` seconds. Each open stream holds one
-gunicorn thread (docs/operations.md, "Event streams, waits and threads"), and so one slot of its
-caller's open share (``app/shares.py``) until it closes: past the share, 429. Browsers are not
-served: an ``EventSource`` cannot send the ``Authorization`` header every request needs.
+keep-alive comment is written every ``KEEPALIVE_S`` seconds.
+
+The view answers as any other (token, rate, the caller's open share of ``app/shares.py``: past
+it, 429; its errors), writes the head and the opening, then hands the connection to the
+process's stream loop (``app/stream_loop.py``): an open stream holds no web thread, and no
+database connection while idle (docs/operations.md, "Event streams, waits and threads"). A server
+that hands the app no plain socket (HTTP/2, TLS in the app server, a test client) streams from
+the request's thread instead. Browsers are not served: an ``EventSource`` cannot send the
+``Authorization`` header every request needs.
 """
 from __future__ import annotations
 
-import json
+import os
 import re
+import socket
 from contextlib import closing
 from typing import Any, Iterator
 
 from flask import Blueprint, Response, g, request, stream_with_context
 from marshmallow import RAISE, Schema, fields
 
-from app import inputs, shares
+from app import inputs, shares, sse, stream_loop
 from app.openapi import doc
 from models import listen
 from models.events import KINDS as EVENT_KINDS
@@ -38,7 +44,7 @@ from tasks.calls.errors import validation_error
 bp = Blueprint("events", __name__)
 
 KEEPALIVE_S = 15.0
-RETRY_MS = 2000  # the stream's ``retry:`` hint: how long a client waits before reconnecting
+RETRY_MS = sse.RETRY_MS
 # every event id is 32 lowercase hex digits (models/events.py: uuid4().hex)
 EVENT_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -63,21 +69,56 @@ def _cursor_after(session_id: str, last_event_id: str | None, caller: str | None
     return found.commit_seq
 
 
-def _frame(event_id: str, payload: dict[str, Any]) -> str:
-    return f"id: {event_id}\nevent: {payload['event']}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
 def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
            caller: str | None = None, slot: shares.Slot | None = None) -> Iterator[str]:
     """The session's events numbered after ``after`` (``models/listen.py``) as frames, then new ones as they are recorded,
     with keep-alive comments; only those of ``caller``'s calls when it is given (None: an
     operator's, every event). The stream's ``slot`` of its caller's open share is renewed as it goes."""
-    yield f": voice-tools event stream\nretry: {RETRY_MS}\n\n"
+    yield sse.OPENING
     with closing(listen.session_events(session_id, after, keepalive_s, caller)) as events:
         for event in events:  # a client gone closes this generator, and so the listener's subscription
             if slot is not None:
                 slot.renew_now_and_then()
-            yield ": keep-alive\n\n" if event is None else _frame(event.event_id, event.payload)
+            yield sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload)
+
+
+def _socket_of(environ: dict[str, Any]) -> socket.socket | None:
+    """The client's plain TCP socket, if the server hands one over (gunicorn's and werkzeug's do) and
+    the request is HTTP/1.1 over it (both servers then frame the answer in chunks); else None."""
+    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+    if type(sock) is not socket.socket or environ.get("SERVER_PROTOCOL") != "HTTP/1.1":
+        return None  # TLS or HTTP/2 in the app server, HTTP/1.0, a test client: served from the thread
+    if environ.get("wsgi.url_scheme") != "http" or environ.get("REQUEST_METHOD") != "GET":
+        return None
+    return sock
+
+
+class HandOver:
+    """The answer's body under a server that gave its socket: the opening (the server writes it after
+    the head), then the connection goes to the stream loop with the stream's slot, and the server is
+    left a closed pipe in its place, so what it writes to end the answer reaches no one."""
+
+    def __init__(self, sock: socket.socket, session_id: str, after: int, caller: str | None,
+                 slot: shares.Slot, keepalive_s: float) -> None:
+        self.sock, self.session_id, self.after, self.caller = sock, session_id, after, caller
+        self.slot, self.keepalive_s = slot, keepalive_s
+        self.handed = False
+
+    def __iter__(self) -> Iterator[str]:
+        yield sse.OPENING
+        own = socket.socket(fileno=os.dup(self.sock.fileno()))
+        dead, peer = socket.socketpair()
+        peer.close()
+        os.dup2(dead.fileno(), self.sock.fileno())  # the server's descriptor now names the pipe, not the client
+        dead.close()
+        self.handed = True
+        stream_loop.serve(own, self.session_id, self.after, self.caller, self.slot, chunked=True,
+                          keepalive_s=self.keepalive_s)
+
+    def closed(self) -> None:
+        """The server closed the answer: the slot is the stream loop's if it was handed over, else free."""
+        if not self.handed:
+            self.slot.release()
 
 
 @bp.get("/voice-tools/events/<session_id>")
@@ -103,10 +144,16 @@ def events(session_id: str):
     last = request.headers.get("Last-Event-ID") or query.get("last_event_id")
     scope = g.who.scope  # a caller sees the events of its own calls only; an admin, all of them
     after = _cursor_after(session_id, last, scope)
-    slot = shares.take_slot(g.who.name, "stream")  # 429 past the caller's open share
-    response = Response(stream_with_context(stream(session_id, after, caller=scope, slot=slot)),
-                        mimetype="text/event-stream")
-    response.call_on_close(slot.release)  # when the server closes the answer, begun or not
+    sock = _socket_of(request.environ)
+    slot = shares.take_slot(g.who.name, "stream", holds_thread=sock is None)  # 429 past the caller's open share
+    if sock is not None:
+        body = HandOver(sock, session_id, after, scope, slot, KEEPALIVE_S)
+        response = Response(body, mimetype="text/event-stream")
+        response.call_on_close(body.closed)
+    else:
+        response = Response(stream_with_context(stream(session_id, after, caller=scope, slot=slot)),
+                            mimetype="text/event-stream")
+        response.call_on_close(slot.release)  # when the server closes the answer, begun or not
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # no proxy buffering
     return response

@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -52,6 +53,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+# the section ``python -m bench.stream`` writes into RESULTS.md, which a full run keeps
+STREAM_SECTION = re.compile(r"\n## Event streams: .*?(?=\n## |\Z)", re.S)
 sys.path.insert(0, str(ROOT))
 
 from voice_tools import servers
@@ -385,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "machine": info, "sizes": size, "results": results, "table": text},
                                   indent=1, ensure_ascii=False) + "\n")
         if not args.quick:
-            (ROOT / "bench" / "RESULTS.md").write_text(text)
+            results_md = ROOT / "bench" / "RESULTS.md"
+            kept = STREAM_SECTION.search(results_md.read_text()) if results_md.exists() else None
+            results_md.write_text(text.rstrip("\n") + "\n" + kept.group(0) if kept else text)  # bench.stream's
         print(text)
         print(f"written to {out}")
         return 0

@@ -1,5 +1,5 @@
 """LISTEN/NOTIFY, for both waits that must not poll: ``?wait=S`` (:func:`until_settled`) and the
-session's event stream (:func:`session_events`, woken by one :class:`Listener` per process).
+session's event stream (:func:`session_events_async`, woken by one :class:`Listener` per process).
 
 ``?wait``: a trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every
 status change (migration 0001). The process's one listener (below) wakes the waits on that
@@ -24,17 +24,22 @@ left open in this database or in any other of the server delays no stream. A rea
 resumes after an event gets exactly what it missed (no loss, no duplicate), and a call's
 events are in ``seq`` order (the transition that records event ``k + 1`` waits on the
 call's row until the one that recorded ``k`` committed). A stream borrows a pooled
-connection only to read new rows, holds none while it waits, and reads again only when
-NOTIFY wakes it or its keep-alive interval has passed.
+connection only to read new rows and holds none while it waits. The same reads serve an
+asyncio task (:func:`session_events_async`, the API's streams: ``app/stream_loop.py``), which
+waits on its loop, reads in the loop's executor only when woken (by NOTIFY, or by the listener's
+reconnection, which wakes everyone) and shares one read with the streams of its session woken
+with it; and a thread (:func:`session_events`, a stream a server gave no socket for), which
+reads again when woken or when its keep-alive interval has passed.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import select
+import selectors
 import threading
 import time
-from typing import Iterator
+from typing import Any, AsyncIterator, Iterator, Protocol
 
 from sqlalchemy import Row, text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -100,13 +105,31 @@ _POSITION = text("""
 """)
 
 
+class Waker(Protocol):
+    def set(self) -> None: ...
+
+
+class LoopEvent:
+    """An :class:`asyncio.Event` of ``loop`` that the listener's thread can set."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+
+    def set(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+
 class Listener:
     """One LISTEN connection per process, on both channels; wakes the streams of a session when it has
     news, and the waits on a call when its status changed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[tuple[str, str], set[threading.Event]] = {}
+        self._waiters: dict[tuple[str, str], set[Waker]] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._reconnecting = False
@@ -114,13 +137,23 @@ class Listener:
     def subscribe(self, key: str, channel: str = EVENTS_CHANNEL) -> threading.Event:
         """An event set when ``channel`` notifies ``key`` (a session id on the events channel, a
         tool_call_id on the status channel), or when the listener (re)connects."""
-        self._ensure_running()
         woken = threading.Event()
-        with self._lock:
-            self._waiters.setdefault((channel, key), set()).add(woken)
+        self.add(key, woken, channel)
         return woken
 
-    def unsubscribe(self, key: str, woken: threading.Event, channel: str = EVENTS_CHANNEL) -> None:
+    def subscribe_loop(self, key: str, loop: asyncio.AbstractEventLoop,
+                       channel: str = EVENTS_CHANNEL) -> LoopEvent:
+        """As :meth:`subscribe`, for a task of ``loop``: its ``event`` is set on the loop."""
+        woken = LoopEvent(loop)
+        self.add(key, woken, channel)
+        return woken
+
+    def add(self, key: str, woken: Waker, channel: str = EVENTS_CHANNEL) -> None:
+        self._ensure_running()
+        with self._lock:
+            self._waiters.setdefault((channel, key), set()).add(woken)
+
+    def unsubscribe(self, key: str, woken: Waker, channel: str = EVENTS_CHANNEL) -> None:
         with self._lock:
             waiters = self._waiters.get((channel, key))
             if waiters is not None:
@@ -167,16 +200,18 @@ class Listener:
                 cur.execute(f"LISTEN {EVENTS_CHANNEL}; LISTEN {STATUS_CHANNEL}")
             self._reconnecting = False
             self._wake(None)  # anything before the LISTEN is read by the woken streams and waits
-            while True:
-                if select.select([conn], [], [], 60.0)[0]:
-                    conn.poll()
-                    news = {(note.channel, note.payload) for note in conn.notifies}
-                    conn.notifies.clear()
-                    for target in news:
-                        self._wake(target)
-                else:
-                    with conn.cursor() as cur:  # an idle check that the connection is alive
-                        cur.execute("SELECT 1")
+            with selectors.DefaultSelector() as ready:  # epoll: select() takes no descriptor past 1024
+                ready.register(conn, selectors.EVENT_READ)
+                while True:
+                    if ready.select(60.0):
+                        conn.poll()
+                        news = {(note.channel, note.payload) for note in conn.notifies}
+                        conn.notifies.clear()
+                        for target in news:
+                            self._wake(target)
+                    else:
+                        with conn.cursor() as cur:  # an idle check that the connection is alive
+                            cur.execute("SELECT 1")
         finally:
             conn.close()
 
@@ -189,6 +224,13 @@ def event_position(event_id: str, caller: str | None = None) -> Row | None:
     is no such event (of ``caller``'s calls, when given)."""
     with db.engine().connect() as conn:
         return conn.execute(_POSITION, {"event_id": event_id, "caller": caller}).one_or_none()
+
+
+def read_events(session_id: str, after: int, caller: str | None = None) -> list[Row]:
+    """Up to :data:`BATCH` of the session's events numbered after ``after`` (of ``caller``'s calls when
+    given), in order; a pooled connection is borrowed for the read only."""
+    with db.engine().connect() as conn:
+        return conn.execute(_READ, {"session_id": session_id, "after": after, "caller": caller}).all()
 
 
 def session_events(session_id: str, after: int, keepalive_s: float,
@@ -205,8 +247,7 @@ def session_events(session_id: str, after: int, keepalive_s: float,
         while True:
             woken.clear()
             try:
-                with db.engine().connect() as conn:  # borrowed for the read only
-                    rows = conn.execute(_READ, {"session_id": session_id, "after": after, "caller": caller}).all()
+                rows = read_events(session_id, after, caller)
             except (OperationalError, InterfaceError):  # the database is away: end; the reader resumes later
                 log.warning("event stream of %s ended: database unavailable", session_id)
                 return
@@ -219,3 +260,58 @@ def session_events(session_id: str, after: int, keepalive_s: float,
                 yield None
     finally:
         LISTENER.unsubscribe(session_id, woken)
+
+
+async def session_events_async(session_id: str, after: int, keepalive_s: float,
+                               caller: str | None = None) -> AsyncIterator[Row | None]:
+    """:func:`session_events` for an asyncio task: the same rows in the same order, the same keep-alive
+    Nones; it waits on its loop (no thread) and reads in the loop's default executor only when woken: by
+    NOTIFY, or by the listener's (re)connection, which wakes every stream. A keep-alive reads nothing, so
+    a thousand idle streams do not read a thousand times every interval; the streams of one session woken
+    together read once (:func:`_read_soon`)."""
+    loop = asyncio.get_running_loop()
+    woken = LISTENER.subscribe_loop(session_id, loop)
+    try:
+        while True:
+            woken.event.clear()  # on the loop, as the listener's set: a wake during the read is kept
+            try:
+                rows = await asyncio.shield(_read_soon(loop, session_id, after, caller))
+            except (OperationalError, InterfaceError):
+                log.warning("event stream of %s ended: database unavailable", session_id)
+                return
+            for row in rows:
+                after = row.commit_seq
+                yield row
+            if len(rows) == BATCH:
+                continue
+            while True:
+                try:
+                    await asyncio.wait_for(woken.event.wait(), keepalive_s)
+                    break
+                except TimeoutError:
+                    yield None
+    finally:
+        LISTENER.unsubscribe(session_id, woken)
+
+
+_joinable: dict[tuple[Any, ...], asyncio.Future] = {}
+
+
+def _read_soon(loop: asyncio.AbstractEventLoop, session_id: str, after: int,
+               caller: str | None) -> asyncio.Future:
+    """:func:`read_events` in ``loop``'s executor, started at the loop's next turn and shared by every
+    stream that asks for the same read before then: each asked after its wake was cleared, so the one
+    read, begun after all of them asked, sees what woke each of them."""
+    key = (loop, session_id, after, caller)
+    future = _joinable.get(key)
+    if future is None:
+        future = _joinable[key] = loop.create_future()
+
+        def start() -> None:
+            del _joinable[key]
+            job = loop.run_in_executor(None, read_events, session_id, after, caller)
+            job.add_done_callback(lambda done: future.cancel() if done.cancelled() else (
+                future.set_exception(done.exception()) if done.exception() else future.set_result(done.result())))
+
+        loop.call_soon(start)
+    return future

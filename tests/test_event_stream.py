@@ -109,6 +109,36 @@ def test_an_idle_stream_sends_keep_alive_comments_and_holds_no_connection(api_ur
     gen.close()
 
 
+def test_a_stream_is_served_by_the_stream_loop_and_idle_holds_no_thread_and_no_connection(api_url, monkeypatch):
+    """The server's socket is handed to the process's stream loop (app/stream_loop.py): the request's
+    thread is free once the opening is written; idle, the stream holds no pooled connection and still
+    sends its keep-alives."""
+    from app import stream, stream_loop
+    from models import db
+
+    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.2)
+    served_before = stream_loop.open_streams()
+    checked_out_before = db.engine().pool.checkedout()
+    idle = Stream(f"{api_url}/voice-tools/events/sess_loop", AUTH)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(idle.next_event)
+            deadline = time.monotonic() + 5
+            while len(idle.comments) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert idle.comments[1:3] == [": keep-alive", ": keep-alive"], idle.comments
+            assert stream_loop.open_streams() == served_before + 1
+            assert db.engine().pool.checkedout() == checked_out_before  # idle: no connection held
+            event_id = record_progress("sess_loop")
+            assert pending.result(timeout=5)[0] == event_id
+    finally:
+        idle.close()
+    deadline = time.monotonic() + 5
+    while stream_loop.open_streams() > served_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream_loop.open_streams() == served_before  # the client gone, the task ended
+
+
 @pytest.fixture
 def open_transaction_elsewhere():
     """A session idle in a transaction (one that holds a transaction id) in ANOTHER database of the
@@ -208,3 +238,74 @@ def record_progress_of(tool_call_id: str) -> str:
     with session() as s:
         lifecycle.record_event(s, tool_call_id, events.event("progress", step="PREPARING", gate=1, progress=0.1))
     return deliveries(tool_call_id)[0].event_id
+
+
+@pytest.mark.slow
+def test_the_listener_hears_notify_when_its_process_has_more_than_1024_descriptors_open():
+    """A process serving a thousand streams has a socket each open: the listener's connection, made (or
+    made again after an outage) past descriptor 1024, must still be woken by NOTIFY, not only by its
+    reconnect loop's wake-up every second."""
+    import resource
+    import socket
+
+    from models import listen
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1300:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1300, hard), hard))
+    held = [socket.socketpair() for _ in range(600)]  # 1,200 descriptors: the listener's comes after
+    listener = listen.Listener()
+    try:
+        woken = listener.subscribe("sess_many_fds")
+        time.sleep(1.5)  # connected (a first wake-up of everyone), then nothing: no wake-up
+        woken.clear()
+        time.sleep(1.5)
+        assert not woken.is_set(), "woken with nothing new: the listener is not listening"
+        record_progress("sess_many_fds")
+        assert woken.wait(5), "NOTIFY did not wake the stream"
+    finally:
+        for a, b in held:
+            a.close()
+            b.close()
+
+
+@pytest.mark.slow
+def test_a_stream_cut_by_a_database_restart_ends_and_resumes_with_no_loss_and_no_duplicate(api_url):
+    """The database goes away under an open stream: the stream loop ends the answer (the client sees its
+    end, not a silent hang) and a reconnect with Last-Event-ID gets what it missed, once."""
+    from sqlalchemy.exc import DBAPIError
+
+    from support.system import restart_postgres
+
+    first = record_progress("sess_restart")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_restart", AUTH)
+    try:
+        assert stream.next_event()[0] == first
+        restart_postgres(down_s=1.0)
+        with pytest.raises(AssertionError, match="stream ended"):
+            stream.next_event()
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 20
+    while True:  # the first use of each stale pooled connection fails once
+        try:
+            second = record_progress("sess_restart")
+            break
+        except DBAPIError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    again = None
+    while again is None:
+        candidate = Stream(f"{api_url}/voice-tools/events/sess_restart", {**AUTH, "Last-Event-ID": first})
+        if candidate.response.status_code == 503 and time.monotonic() < deadline:
+            candidate.close()
+            time.sleep(0.2)
+            continue
+        again = candidate
+    try:
+        assert again.response.status_code == 200, again.response.text
+        assert again.next_event()[0] == second
+        third = record_progress("sess_restart")
+        assert again.next_event()[0] == third  # live again: the listener is back
+    finally:
+        again.close()

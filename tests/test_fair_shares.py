@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from support.brokers import RedisServer
+from support.sse_client import Stream
 from support.procs import ROOT
 from tests.api_fixtures import GUIDE_EMAIL
 from tests.conftest import AUTH
@@ -226,26 +227,63 @@ def test_fifty_made_up_methods_add_no_metric_label(api_url):
 
 @pytest.mark.slow
 def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker):
-    """Each caller within its share, two callers' streams together would fill the worker's 8 threads:
-    each gunicorn worker keeps 2 threads from long-held requests, so ``/healthz`` and short
-    requests are still answered at once."""
+    """Each caller within its share, two callers' ``?wait`` requests together would fill the worker's 8
+    threads: each gunicorn worker keeps 2 threads from long-held requests, so ``/healthz`` and short
+    requests are still answered at once. Their event streams hold no thread, so none is refused for it."""
     a, b, c = ({"Authorization": f"Bearer token-{x}"} for x in "abc")
     with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b,c:token-c", WEB_CONCURRENCY="1",
                       GUNICORN_THREADS="8", CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
-        def stream(auth: dict[str, str], i: int):
+        calls = [(auth, requests.post(f"{url}/voice-tools/pending", headers=auth, timeout=10,
+                                      json={"session_id": "sw", "function": "send_email", "parameters": GUIDE_EMAIL})
+                  .json()["tool_call_id"]) for auth in (a, b) for _ in range(4)]
+
+        def wait(auth: dict[str, str], tool_call_id: str):
             try:
-                return requests.get(f"{url}/voice-tools/events/s{i}", headers=auth, stream=True, timeout=(3, 3))
-            except requests.RequestException as exc:
+                return requests.post(f"{url}/voice-tools/confirm/{tool_call_id}?wait=8", headers=auth, timeout=(3, 3))
+            except requests.RequestException as exc:  # held past the client's patience
                 return exc
 
-        opened = [stream(a, i) for i in range(4)] + [stream(b, i) for i in range(4)]
+        pool = ThreadPoolExecutor(8)
+        waits = [pool.submit(wait, auth, c_id) for auth, c_id in calls]
+        time.sleep(1.5)  # every wait arrived: those admitted hold their threads
         started = time.monotonic()
         assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
         assert requests.get(f"{url}/voice-tools/context/sc", headers=c, timeout=5).status_code == 200
         assert time.monotonic() - started < 2.0
-        codes = [r.status_code if isinstance(r, requests.Response) else None for r in opened]
-        assert codes == [200] * 6 + [429] * 2, codes
-        assert opened[-1].json()["details"]["scope"] == "server"
-        for r in opened:
-            if isinstance(r, requests.Response):
-                r.close()
+        streams = [requests.get(f"{url}/voice-tools/events/s{i}", headers=c, stream=True, timeout=(3, 3))
+                   for i in range(4)]  # within c's share; no thread left for them, and none needed
+        assert [r.status_code for r in streams] == [200] * 4
+        waited = [f.result() for f in waits]
+        refused = [r for r in waited if isinstance(r, requests.Response) and r.status_code == 429]
+        assert len(refused) == 2, waited
+        assert all(r.json()["details"]["scope"] == "server" for r in refused), [r.text for r in refused]
+        assert sum(isinstance(r, requests.RequestException) for r in waited) == 6, waited  # held
+        for r in streams + refused:
+            r.close()
+        pool.shutdown(wait=False)
+
+
+@pytest.mark.slow
+def test_event_streams_hold_no_gunicorn_thread(own_broker):
+    """60 event streams open at once on a gunicorn worker of 2 threads: each is answered and follows its
+    session, and a REST call and ``/healthz`` are still answered while they are all open."""
+    a = {"Authorization": "Bearer token-a"}
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a", VOICE_TOOLS_CALLER_LIMITS="a::100", WEB_CONCURRENCY="1",
+                      GUNICORN_THREADS="2", CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+        streams = [Stream(f"{url}/voice-tools/events/many{i}", a) for i in range(60)]
+        try:
+            assert all(s.response.status_code == 200 for s in streams)
+            assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+            created = requests.post(f"{url}/voice-tools/pending", headers=a, timeout=5,
+                                    json={"session_id": "many7", "function": "send_email", "parameters": GUIDE_EMAIL})
+            assert created.status_code == 201, created.text
+            cancelled = requests.delete(f"{url}/voice-tools/cancel/{created.json()['tool_call_id']}", headers=a,
+                                        timeout=5)
+            assert cancelled.status_code == 200, cancelled.text
+            _, data = streams[7].next_event()  # the cancel's event, on its session's stream only
+            assert data["event"] == "cancelled" and data["tool_call_id"] == created.json()["tool_call_id"]
+            assert streams[7].retry == 2000 and streams[7].kinds == ["cancelled"]
+        finally:
+            for s in streams:
+                s.close()
+        assert requests.get(f"{url}/voice-tools/context/many7", headers=a, timeout=5).status_code == 200

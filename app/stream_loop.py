@@ -1,0 +1,104 @@
+"""The asyncio thread of an API process that serves the event streams handed over to it: each open stream is
+a task writing to the client's socket, holding no web thread and, while idle, no database connection."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from app import shares, sse
+from models import listen
+
+log = logging.getLogger(__name__)
+
+READERS = 2  # threads (and so pooled connections at most) that read new rows for all of a process's streams
+
+_lock = threading.Lock()
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+_open = 0  # streams this process serves now
+
+
+def loop() -> asyncio.AbstractEventLoop:
+    """This process's stream loop, started on first use (after a fork too: a gunicorn worker starts its own)."""
+    global _loop
+    with _lock:
+        if _loop is not None and _loop[0] == os.getpid():
+            return _loop[1]
+        made = asyncio.new_event_loop()
+        made.set_default_executor(ThreadPoolExecutor(READERS, thread_name_prefix="voice-tools-stream-read"))
+        threading.Thread(target=made.run_forever, name="voice-tools-streams", daemon=True).start()
+        _loop = (os.getpid(), made)
+        return made
+
+
+def open_streams() -> int:
+    """How many event streams this process serves now."""
+    return _open
+
+
+def serve(sock: socket.socket, session_id: str, after: int, caller: str | None, slot: shares.Slot,
+          chunked: bool, keepalive_s: float) -> None:
+    """Go on with a stream whose head and opening were written on ``sock`` (a connected socket this
+    call now owns): its events after ``after`` (``models/listen.py``), chunk-framed if ``chunked``, with
+    keep-alives, until the client goes or the database is away; then ``slot`` is released."""
+    asyncio.run_coroutine_threadsafe(_serve(sock, session_id, after, caller, slot, chunked, keepalive_s), loop())
+
+
+def _chunk(text: str, chunked: bool) -> bytes:
+    data = text.encode()
+    return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
+
+
+async def _serve(sock: socket.socket, session_id: str, after: int, caller: str | None, slot: shares.Slot,
+                 chunked: bool, keepalive_s: float) -> None:
+    global _open
+    _open += 1
+    running = asyncio.get_running_loop()
+    writer: asyncio.StreamWriter | None = None
+    try:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        pump = asyncio.ensure_future(_pump(writer, session_id, after, caller, slot, chunked, keepalive_s))
+        gone = asyncio.ensure_future(_until_closed(reader))
+        done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (pump, gone):
+            task.cancel()
+        await asyncio.gather(pump, gone, return_exceptions=True)
+        if chunked and pump in done and pump.exception() is None:  # the stream ended (the database is away)
+            writer.write(b"0\r\n\r\n")  # the answer's end: the client reconnects with Last-Event-ID
+            await writer.drain()
+    except (OSError, asyncio.CancelledError):
+        pass
+    except Exception:
+        log.exception("event stream of %s failed", session_id)
+    finally:
+        _open -= 1
+        if writer is not None:
+            writer.close()
+        else:
+            sock.close()
+        await running.run_in_executor(None, slot.release)
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Returns when the client closed its side (an SSE client sends nothing after its request)."""
+    while await reader.read(4096):
+        pass
+
+
+async def _pump(writer: asyncio.StreamWriter, session_id: str, after: int, caller: str | None,
+                slot: shares.Slot, chunked: bool, keepalive_s: float) -> None:
+    running = asyncio.get_running_loop()
+    events: Any = listen.session_events_async(session_id, after, keepalive_s, caller)
+    try:
+        async for event in events:
+            writer.write(_chunk(sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload),
+                                chunked))
+            await writer.drain()
+            if slot.renewal_due():
+                await running.run_in_executor(None, slot.renew)
+    finally:
+        await events.aclose()

@@ -1,0 +1,401 @@
+"""``python -m bench.stream``: 1,000 event streams open at once on one API process, measured in one run.
+
+    .venv/bin/python -m bench.stream [--streams 1000] [--callers 4] [--requests 300]
+
+The Procfile's ``web`` line (gunicorn, one worker: the one process that serves every stream) and a
+``celery -A tasks worker --pool prefork -c 2`` subprocess, on one database and one broker:
+
+1. REST ``POST /voice-tools/pending`` p50 with no stream open (one client, keep-alive), before the
+   streams and again after they closed (the two together are the reference);
+2. ``--streams`` streams opened at once (asyncio sockets in this process), spread over ``--callers``
+   callers whose open share is raised for the bench (``VOICE_TOOLS_CALLER_LIMITS``), five streams per
+   session; the worker process's PSS and RSS before and after, idle: the memory of an idle stream;
+3. the same REST p50 with every stream open (goal: at most 1.2x the first);
+4. one ``search_contacts`` call per session (``/voice-tools/execute`` with a callback URL): each event's
+   delay from its commit (its NOTIFY's arrival at a LISTEN connection of this process) to its arrival
+   on each of its session's streams and at the callback receiver (goals: stream p50 at most the
+   callback's, stream p99 at most 2x the stream's p50); every stream must get exactly its session's
+   events, in their order, none missed, none twice.
+
+Results are printed and written to ``bench/STREAM.md``, and their summary to the "Event streams"
+section of ``bench/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.run import STREAM_SECTION, bench_servers, machine  # noqa: E402
+
+PER_SESSION = 5
+
+
+def pct(values: list[float], p: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+
+
+# -- the API: the Procfile's web line, one worker ----------------------------------------------------
+
+def web_line() -> str:
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        if line.startswith("web:"):
+            return line.split(":", 1)[1].strip()
+    raise SystemExit("the Procfile has no web line")
+
+
+def start_web(port: int, log_dir: Path, **env: str) -> subprocess.Popen:
+    import requests
+
+    metrics = log_dir / "prometheus"
+    metrics.mkdir(exist_ok=True)
+    environ = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "WEB_CONCURRENCY": "1",
+               "PROMETHEUS_MULTIPROC_DIR": str(metrics), "PYTHONPATH": str(ROOT),
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+    log = open(log_dir / "web.log", "wb")
+    proc = subprocess.Popen(["sh", "-c", f"exec {web_line()}"], cwd=ROOT, env=environ, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit((log_dir / "web.log").read_text(errors="replace"))
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return proc
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+
+
+def the_worker(master: int) -> int:
+    children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def memory_kb(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of ``pid`` in KiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return int(fields["Pss"].split()[0]), int(fields["Rss"].split()[0])
+
+
+# -- the streams' client: asyncio sockets in a thread of this process ----------------------------------
+
+class Streams:
+    """``count`` SSE connections read by one asyncio loop: per stream, the events' ids and arrival times."""
+
+    def __init__(self, port: int, plan: list[tuple[str, str]]):
+        self.port, self.plan = port, plan  # per stream: (token, session_id)
+        self.statuses: list[int | None] = [None] * len(plan)
+        self.opened = 0
+        self.got: list[list[tuple[str, float]]] = [[] for _ in plan]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tasks: list[Any] = []
+
+    def open(self, timeout: float = 120.0) -> float:
+        started = time.monotonic()
+        self.tasks = [asyncio.run_coroutine_threadsafe(self._follow(i), self.loop) for i in range(len(self.plan))]
+        while self.opened < len(self.plan):
+            failed = [t.exception() for t in self.tasks if t.done() and t.exception()]
+            if failed or time.monotonic() - started > timeout:
+                raise SystemExit(f"{self.opened} streams opened; {failed[:3]} statuses {set(self.statuses)}")
+            time.sleep(0.05)
+        return time.monotonic() - started
+
+    async def _follow(self, i: int) -> None:
+        token, session_id = self.plan[i]
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 20)
+        writer.write(f"GET /voice-tools/events/{session_id} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                     f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        self.statuses[i] = int(head.split()[1])
+        assert b"transfer-encoding: chunked" in head.lower(), head
+        buffer = ""
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                return
+            buffer += (await reader.readexactly(size + 2))[:-2].decode()
+            while "\n\n" in buffer:
+                block, buffer = buffer.split("\n\n", 1)
+                if block.startswith(": voice-tools event stream"):
+                    self.opened += 1
+                for line in block.splitlines():
+                    if line.startswith("id: "):
+                        self.got[i].append((line[4:], time.time()))
+
+    def close(self) -> None:
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+# -- the measurements -----------------------------------------------------------------------------------
+
+def pending_ms(api: str, token: str, n: int) -> list[float]:
+    import requests
+
+    http = requests.Session()
+    http.headers["Authorization"] = f"Bearer {token}"
+    body = {"session_id": "bench_stream_rest", "function": "send_email",
+            "parameters": {"to": "bench@example.com", "subject": "Bench"}}
+    ms = []
+    for _ in range(n):
+        started = time.perf_counter()
+        answer = http.post(f"{api}/voice-tools/pending", json=body)
+        ms.append((time.perf_counter() - started) * 1000)
+        assert answer.status_code == 201, answer.text
+    return ms
+
+
+def run_calls(api: str, plan: list[tuple[str, str]], relay: Any) -> None:
+    import requests
+
+    http = requests.Session()
+    for token, session_id in sorted(set(plan)):
+        started = http.post(f"{api}/voice-tools/execute", headers={"Authorization": f"Bearer {token}"}, json={
+            "session_id": session_id, "function": "search_contacts", "parameters": {"query": "Ann"},
+            "callback_url": relay.url})
+        assert started.status_code == 202, started.text
+        relay.wait_for(started.json()["tool_call_id"], "completed", timeout=60)
+
+
+class Commits:
+    """When each event committed, as a LISTEN connection of this process sees it: PostgreSQL delivers a
+    NOTIFY at its transaction's commit, the trigger sends one per event with its session id, in commit
+    order; the k-th of a session is the session's k-th event."""
+
+    def __init__(self) -> None:
+        import psycopg2
+
+        from models import db
+
+        self.seen: dict[str, list[float]] = defaultdict(list)
+        self.conn = psycopg2.connect(db.listen_url())
+        self.conn.autocommit = True
+        with self.conn.cursor() as cur:
+            cur.execute("LISTEN voice_tools_events")
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import selectors
+
+        ready = selectors.DefaultSelector()
+        ready.register(self.conn, selectors.EVENT_READ)
+        while self.running:
+            if ready.select(0.2):
+                self.conn.poll()
+                now = time.time()
+                for note in self.conn.notifies:
+                    self.seen[note.payload].append(now)
+                self.conn.notifies.clear()
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--callers", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=300, help="REST pendings timed, each time (default 300)")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "STREAM.md"))
+    args = parser.parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * args.streams + 500  # this process's client sockets, and the web worker's (it inherits this limit)
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+
+    callers = [(f"bench{k}", f"bench-stream-token-{k}") for k in range(args.callers)]
+    os.environ["VOICE_TOOLS_API_TOKENS"] = ",".join(f"{name}:{token}" for name, token in callers)
+    os.environ["VOICE_TOOLS_CALLBACK_SECRET"] = "bench-callback-secret"
+    share = args.streams // args.callers + 10
+    limits = ",".join(f"{name}::{share}" for name, _ in callers)  # the open share raised for the bench
+    plan = [(callers[i % args.callers][1], f"bs{i % args.callers}_{i // (args.callers * PER_SESSION)}")
+            for i in range(args.streams)]
+
+    with bench_servers("voice-tools-bench-stream-") as data_dir:
+        from tasks import app, tools
+        from backends import load_demo
+        from support.procs import free_port, stop_process
+        from support.relay import Relay
+        from support.worker_process import WorkerProcess
+
+        load_demo()
+        queues = [tools.TOOLS["search_contacts"].queue, "callbacks"]
+        with app.connection_for_write() as conn:
+            for name in queues:
+                conn.default_channel.queue_purge(name)
+        port = free_port()
+        api = f"http://127.0.0.1:{port}"
+        log_dir = Path(tempfile.mkdtemp(prefix="voice-tools-bench-stream-web-"))
+        web = start_web(port, log_dir, VOICE_TOOLS_CALLER_LIMITS=limits)
+        arrived_cb: dict[str, float] = {}
+        try:
+            with WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=data_dir, name="bench-stream"), \
+                    Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay:
+                relay.answer(lambda event: arrived_cb.setdefault(event["event_id"], time.time()) and None)
+                worker = the_worker(web.pid)
+                token = callers[0][1]
+                pending_ms(api, token, 50)  # warm-up
+                warm = Streams(port, plan[:10])
+                warm.open()
+                warm.close()
+                time.sleep(1.0)
+                print(f"REST pending, no stream open ({args.requests}) ...", flush=True)
+                alone = pending_ms(api, token, args.requests)
+                before = memory_kb(worker)
+                print(f"opening {args.streams} streams ...", flush=True)
+                streams = Streams(port, plan)
+                took = streams.open()
+                time.sleep(2.0)  # idle
+                after = memory_kb(worker)
+                statuses = set(streams.statuses)
+                print(f"REST pending, {args.streams} streams open ...", flush=True)
+                loaded = pending_ms(api, token, args.requests)
+                print(f"events: one call per session ({len(set(plan))}) ...", flush=True)
+                commits = Commits()
+                run_calls(api, plan, relay)
+                expected = expected_events(plan)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and any(
+                        len(streams.got[i]) < len(expected[session]) for i, (_, session) in enumerate(plan)):
+                    time.sleep(0.1)
+                streams.close()
+                commits.close()
+                time.sleep(1.0)
+                print(f"REST pending, the streams closed ({args.requests}) ...", flush=True)
+                alone += pending_ms(api, token, args.requests)
+        finally:
+            stop_process(web)
+        text = report(args, alone, loaded, before, after, took, statuses, streams, plan, expected, arrived_cb,
+                      commits.seen)
+    Path(args.output).write_text(text)
+    results = ROOT / "bench" / "RESULTS.md"
+    summary = summary_section(text)
+    current = results.read_text()
+    results.write_text(STREAM_SECTION.sub(lambda _: summary, current) if STREAM_SECTION.search(current) else current.rstrip("\n") + "\n" + summary)
+    print(text)
+    print(f"written to {args.output} and the summary to {results}")
+    return 0
+
+
+def expected_events(plan: list[tuple[str, str]]) -> dict[str, list[tuple[str, float]]]:
+    """Each session's events in their stream order, with their rows' ``created_at``."""
+    from sqlalchemy import text
+
+    from models import db
+
+    sessions = sorted({session for _, session in plan})
+    found: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    with db.engine().connect() as conn:
+        for row in conn.execute(text("SELECT session_id, event_id, created_at FROM callback_deliveries "
+                                     "WHERE session_id = ANY(:s) ORDER BY commit_seq"), {"s": sessions}):
+            found[row.session_id].append((row.event_id, row.created_at.timestamp()))
+    return found
+
+
+def report(args: argparse.Namespace, alone: list[float], loaded: list[float], before: tuple[int, int],
+           after: tuple[int, int], took: float, statuses: set, streams: Streams, plan: list[tuple[str, str]],
+           expected: dict[str, list[tuple[str, float]]], arrived_cb: dict[str, float],
+           notified: dict[str, list[float]]) -> str:
+    recorded = {event_id: at for events in expected.values() for event_id, at in events}
+    assert all(len(notified[session]) == len(events) for session, events in expected.items()), "a NOTIFY missing"
+    committed = {event_id: notified[session][k] for session, events in expected.items()
+                 for k, (event_id, _) in enumerate(events)}
+    missed = duplicated = out_of_order = 0
+    for i, (_, session) in enumerate(plan):
+        got = [event_id for event_id, _ in streams.got[i]]
+        want = [event_id for event_id, _ in expected[session]]
+        missed += len(set(want) - set(got))
+        duplicated += len(got) - len(set(got))
+        out_of_order += got != want and sorted(got) == sorted(want)
+
+    def delays(origin: dict[str, float]) -> tuple[list[float], list[float]]:
+        """(each stream arrival's delay, each callback's), in ms from ``origin``'s instant of the event."""
+        stream_ms = [(at - origin[e]) * 1000 for got in streams.got for e, at in got if e in origin]
+        return stream_ms, [(arrived_cb[e] - at) * 1000 for e, at in origin.items() if e in arrived_cb]
+
+    stream_ms, callback_ms = delays(committed)
+    row_stream, row_callback = delays(recorded)
+    n = args.streams
+    pss, rss = (after[0] - before[0]) / n, (after[1] - before[1]) / n
+    rest_ratio = statistics.median(loaded) / statistics.median(alone)
+    s50, s99, c50 = statistics.median(stream_ms), pct(stream_ms, 99), statistics.median(callback_ms)
+    info = machine()
+
+    def ok(good: bool) -> str:
+        return "met" if good else "**not met**"
+
+    return "\n".join([
+        "# voice-tools event stream benchmark",
+        "",
+        f"- measured on {datetime.now(timezone.utc).strftime('%Y-%m-%d')} with `.venv/bin/python -m bench.stream "
+        f"--streams {n} --callers {args.callers} --requests {args.requests}`",
+        f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
+        f"- {info['versions']}; servers {info['servers']}",
+        f"- {info['load']}",
+        f"- the Procfile's web line, one gunicorn worker (8 threads), serving every stream; {n} streams over "
+        f"{args.callers} callers, {PER_SESSION} per session, opened in {took:.1f} s (answers: {sorted(statuses)})",
+        "",
+        "## Event streams: 1,000 open on one API process",
+        "",
+        "| measurement | value | goal | |",
+        "|---|---|---|---|",
+        f"| REST `pending` p50, no stream open, before and after (ms) | {statistics.median(alone[:len(loaded)]):.2f}"
+        f", {statistics.median(alone[len(loaded):]):.2f} | | |",
+        f"| REST `pending` p50, {n} streams open (ms) | {statistics.median(loaded):.2f} | | |",
+        f"| ratio | **{rest_ratio:.2f}x** | at most 1.2x | {ok(rest_ratio <= 1.2)} |",
+        f"| events missed / duplicated / out of order, over {n} streams | {missed} / {duplicated} / {out_of_order} "
+        f"| 0 / 0 / 0 | {ok(missed == duplicated == out_of_order == 0)} |",
+        f"| an event's delay from its commit to the stream, p50 / p99 (ms; {len(stream_ms)} arrivals of "
+        f"{len(recorded)} events) | {s50:.1f} / {s99:.1f} | | |",
+        f"| the same to the callback, p50 / p99 (ms) | {c50:.1f} / {pct(callback_ms, 99):.1f} | | |",
+        f"| stream p50 against the callback's p50 | **{s50 / c50:.2f}x** | at most 1x | {ok(s50 <= c50)} |",
+        f"| stream p99 against its p50 | **{s99 / s50:.2f}x** | at most 2x | {ok(s99 <= 2 * s50)} |",
+        f"| the callback's p99 against its p50, for comparison | {pct(callback_ms, 99) / c50:.2f}x | | |",
+        f"| from the row's `created_at` instead: stream p50 / p99, callback p50 / p99 (ms) "
+        f"| {statistics.median(row_stream):.1f} / {pct(row_stream, 99):.1f}, {statistics.median(row_callback):.1f}"
+        f" / {pct(row_callback, 99):.1f} | | |",
+        f"| memory per idle stream, PSS / RSS of the worker (KB) | **{pss:.1f}** / {rss:.1f} | at most 50 | "
+        f"{ok(pss <= 50 and rss <= 50)} |",
+        "",
+        "An event's commit is when a LISTEN connection of the bench received its NOTIFY (PostgreSQL delivers "
+        "it at the commit); the callback is posted by the link right after its commit; a stream is woken by "
+        "the API's own listener at the commit and reads the row. From the row's `created_at` (the start of "
+        "the recording transaction), both delays also carry that transaction's own time.",
+        "",
+    ])
+
+
+def summary_section(text: str) -> str:
+    return "\n" + text[text.index("## Event streams: "):].rstrip("\n") + "\n\nFull figures: [STREAM.md](STREAM.md) (`python -m bench.stream`).\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
