@@ -43,3 +43,23 @@ def test_footprint_shows_each_command_line_whole(tmp_path):
     for end in ("the-first-end", "the-second-end"):
         assert sum(line.endswith(f"{PREFIX} {end}") for line in measured.stdout.splitlines()) == 1, measured.stdout
     assert "voice-tools run: 3 processes, " in measured.stdout
+
+
+def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_tool_module():
+    """Flower's app (``tasks/flower_app.py``) has the tasks app's queues, exchanges and keys, read without
+    importing the registry, the task modules or what they pull in (SQLAlchemy, marshmallow, the backends)."""
+    from tasks import app as tasks_app
+    from tasks import flower_app
+
+    def declared(app):
+        return sorted((q.name, q.exchange.name, q.exchange.type, q.routing_key) for q in app.conf.task_queues)
+
+    assert declared(flower_app.app) == declared(tasks_app)
+    assert flower_app.app.main == tasks_app.main
+    probe = ("import sys, tasks.flower_app; print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('sqlalchemy', 'marshmallow', 'backends', 'psycopg2', 'requests') or m.startswith(('tasks.tools', "
+             "'tasks.celery_app', 'tasks.chains', 'tasks.worker')))))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], done.stdout

@@ -99,7 +99,7 @@ def test_web_beat_and_flower_lines():
     assert lines["beat"][:5] == ["celery", "-A", "tasks", "--quiet", "beat"]  # no banner: its log is JSON lines
     flower = lines["flower"]
     assert env_of(flower)[1] == ["FLOWER_UNAUTHENTICATED_API", "PROMETHEUS_MULTIPROC_DIR"]
-    assert command(flower)[:2] == ["voice-tools", "flower"]  # celery -A tasks flower, ending promptly on SIGTERM
+    assert command(flower)[:2] == ["voice-tools", "flower"]  # celery -A tasks.flower_app flower, ending promptly on SIGTERM
     assert option(flower, "--port") == "${FLOWER_PORT:-5555}"
     # every face binds HOST: 0.0.0.0 in production, 127.0.0.1 under `voice-tools run`
     assert option(flower, "--address") == "${HOST:-0.0.0.0}"

@@ -1,4 +1,7 @@
-"""``voice-tools flower``: Celery's Flower on the tasks app (``celery -A tasks flower``), ending on SIGTERM.
+"""``voice-tools flower``: Celery's Flower on the tasks app's queues (``celery -A tasks.flower_app flower``), ending on SIGTERM.
+
+Its app (``tasks/flower_app.py``) has the tasks app's name, settings and queues but no task: Flower
+never runs one, and importing every task module cost it about 30 MB.
 
 Flower answers SIGTERM by leaving its event loop, and then Python waits, before it ends,
 for every thread of Flower's executor; a thread inspecting the workers while the broker
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics_behind_auth()
     workers_from_their_events()
-    args = ["-A", "tasks", "flower", *given]
+    args = ["-A", "tasks.flower_app", "flower", *given]
     try:
         code = celery.main(args=args, prog_name="celery", auto_envvar_prefix="CELERY")
     except SystemExit as exc:
