@@ -63,3 +63,12 @@ def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [], done.stdout
+
+
+def test_the_mcp_face_imports_no_flask():
+    """The MCP face is served by uvicorn and starlette: Flask, Werkzeug and Jinja2 (about 5 MB) stay out of its process."""
+    probe = "import sys, app.mcp_server; print(' '.join(m for m in ('flask', 'werkzeug', 'jinja2') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], done.stdout
