@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from models import logs
-from tasks.delivery import signing
-from voice_tools import procfile_run
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
                                  record_run, stop_servers)
 
@@ -51,6 +49,8 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
     Made once and kept in ``<data_dir>/local-secrets.json`` (mode 0600), so a restart
     keeps the same token. Variables that are set always win.
     """
+    from tasks.delivery import signing  # here: the other commands (voice-tools mcp, flower) need it not
+
     path = data_dir / LOCAL_SECRETS
     try:
         stored = json.loads(path.read_text())
@@ -159,6 +159,8 @@ def _lock_data_dir(data_dir: Path) -> Any:
 
 def run(procfile: str | None = None) -> int:
     """Start what is missing, migrate, run the Procfile; stop everything on a signal."""
+    from voice_tools import procfile_run  # here: the other commands (voice-tools mcp, flower) need not honcho
+
     data_dir = default_data_dir()
     lock = _lock_data_dir(data_dir)
     if lock is None:
