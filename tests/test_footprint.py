@@ -72,3 +72,18 @@ def test_the_mcp_face_imports_no_flask():
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [], done.stdout
+
+
+def test_flowers_process_imports_no_repl():
+    """``voice-tools flower`` loads Celery's CLI without ``click_repl`` and prompt_toolkit (about 6.5 MB),
+    which only ``celery amqp repl`` uses; the other ``amqp`` commands are still there."""
+    probe = ("import sys; from voice_tools import flower; flower.without_the_amqp_repl(); "
+             "from celery.bin.celery import celery; from flower.command import flower as command; "
+             "print(' '.join(m for m in ('prompt_toolkit', 'wcwidth', 'click_repl._repl') if m in sys.modules)); "
+             "print(sorted(celery.commands['amqp'].commands))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    loaded, amqp_commands = done.stdout.splitlines()
+    assert loaded.split() == [], loaded
+    assert "repl" not in amqp_commands and "queue.declare" in amqp_commands, amqp_commands

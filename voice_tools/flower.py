@@ -23,6 +23,7 @@ import atexit
 import logging
 import os
 import sys
+import types
 from functools import partial
 from typing import Any
 
@@ -136,12 +137,24 @@ def workers_from_their_events() -> None:
     command.Flower = Flower
 
 
+def without_the_amqp_repl() -> None:
+    """Celery's CLI imports ``click_repl`` (and through it prompt_toolkit: 6.5 MB PSS in Flower's process) only to
+    give ``celery amqp`` its ``repl`` subcommand, which Flower's process never runs: here that subcommand
+    is not registered, and none of them is imported. Call it before ``celery.bin`` is imported."""
+    if "click_repl" in sys.modules:
+        return
+    stand_in = types.ModuleType("click_repl", "not imported by voice-tools flower: no `celery amqp repl` here")
+    stand_in.register_repl = lambda group, name="repl": None  # type: ignore[attr-defined]
+    sys.modules["click_repl"] = stand_in
+
+
 def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[2:] if argv is None else argv)
     if not _has_auth(given):
         print("voice-tools flower: set FLOWER_BASIC_AUTH=user:password (Flower is not served without a password)",
               file=sys.stderr, flush=True)
         return EXIT_NO_AUTH
+    without_the_amqp_repl()
     from celery.bin.celery import celery
 
     metrics_behind_auth()
