@@ -12,6 +12,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
 from app import request_log
+from app.json_depth import MAX_DEPTH, depth
 from tasks.calls.errors import ApiError
 
 
@@ -24,22 +25,6 @@ def _finite(text: str) -> float:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
-
-
-MAX_DEPTH = 32
-
-
-def depth(value: Any) -> int:
-    """How deeply ``value`` nests objects and arrays (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, list):
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in item)
-    return deepest
 
 
 def raw_body() -> bytes:

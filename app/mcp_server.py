@@ -58,7 +58,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import inputs, shares
+from app import json_depth, shares
 from app.limits import MAX_BODY_BYTES
 from models import logs
 from tasks import tools
@@ -193,9 +193,9 @@ FACES = (
 
 def _bad_arguments(arguments: Arguments) -> ApiError | None:
     """The REST body's JSON rules (docs/relay-guide.md, Errors) for arguments: finite numbers, bounded nesting."""
-    if inputs.depth(arguments) > inputs.MAX_DEPTH:
-        return ApiError(400, "bad_json", f"The arguments nest deeper than {inputs.MAX_DEPTH} levels.",
-                        {"max_depth": inputs.MAX_DEPTH})
+    if json_depth.depth(arguments) > json_depth.MAX_DEPTH:
+        return ApiError(400, "bad_json", f"The arguments nest deeper than {json_depth.MAX_DEPTH} levels.",
+                        {"max_depth": json_depth.MAX_DEPTH})
     stack: list[Any] = [arguments]
     while stack:
         item = stack.pop()

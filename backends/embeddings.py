@@ -81,6 +81,20 @@ def _normalise(vectors: np.ndarray) -> np.ndarray:
     return (vectors / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
+def give_back_freed_memory() -> None:
+    """Return to the system what the C heap keeps of the memory freed so far (glibc's ``malloc_trim``).
+
+    Making the session reads the model file and builds and optimises its graph, then frees most
+    of that: glibc keeps the freed memory in its heap for later allocations, about 10 MB that a
+    worker's pool child would hold as long as it lives. Elsewhere than glibc this does nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class LocalEmbedder:
     """all-MiniLM-L6-v2, int8 on onnxruntime (CPUExecutionProvider); the session is made on first use.
 
@@ -123,6 +137,7 @@ class LocalEmbedder:
             self._input_names = {i.name for i in session.get_inputs()}
             self._tokenizer = tokenizer
             self._session = session
+            give_back_freed_memory()
 
     def _workers(self) -> int:
         return max(1, self._threads or settings.load().embedding_threads)

@@ -7,13 +7,13 @@ plain ``celery -A tasks worker`` consumes them all.
 """
 import gc
 
-import click
 from celery import Celery
 from celery.signals import worker_before_create_process, worker_process_init
 
 from celeryconfig import queue
 from models import db
 from tasks import base, tools
+from tasks.flower_app import data_dir_option
 from tasks.worker import beat_thread
 from tasks.worker import log_context
 from tasks.worker import metrics_thread
@@ -29,10 +29,7 @@ app.conf.task_queues = tuple(
 # and sends ``user_preload_options`` with it before the command runs. The handler, which joins the
 # data dir's embedded servers when no server variable is set, is the commands floor's
 # (``voice_tools/celery_commands.py``, loaded by Celery's CLI as the ``celery.commands`` plug-in).
-app.user_options["preload"].add(click.Option(
-    ["--data-dir"], default=None, metavar="PATH",
-    help="voice-tools: the data dir whose embedded servers to join when DATABASE_URL, REDIS_URL and "
-         "CELERY_BROKER_URL are unset (default: VOICE_TOOLS_DATA_DIR, else ./.voice-tools)."))
+app.user_options["preload"].add(data_dir_option())
 
 groups.install(app)
 beat_thread.install(app)

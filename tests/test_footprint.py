@@ -43,3 +43,47 @@ def test_footprint_shows_each_command_line_whole(tmp_path):
     for end in ("the-first-end", "the-second-end"):
         assert sum(line.endswith(f"{PREFIX} {end}") for line in measured.stdout.splitlines()) == 1, measured.stdout
     assert "voice-tools run: 3 processes, " in measured.stdout
+
+
+def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_tool_module():
+    """Flower's app (``tasks/flower_app.py``) has the tasks app's queues, exchanges and keys, read without
+    importing the registry, the task modules or what they pull in (SQLAlchemy, marshmallow, the backends)."""
+    from tasks import app as tasks_app
+    from tasks import flower_app
+
+    def declared(app):
+        return sorted((q.name, q.exchange.name, q.exchange.type, q.routing_key) for q in app.conf.task_queues)
+
+    assert declared(flower_app.app) == declared(tasks_app)
+    assert flower_app.app.main == tasks_app.main
+    probe = ("import sys, tasks.flower_app; print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('sqlalchemy', 'marshmallow', 'backends', 'psycopg2', 'requests') or m.startswith(('tasks.tools', "
+             "'tasks.celery_app', 'tasks.chains', 'tasks.worker')))))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], done.stdout
+
+
+def test_the_mcp_face_imports_no_flask():
+    """The MCP face is served by uvicorn and starlette: Flask, Werkzeug and Jinja2 (about 5 MB) stay out of its process."""
+    probe = "import sys, app.mcp_server; print(' '.join(m for m in ('flask', 'werkzeug', 'jinja2') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], done.stdout
+
+
+def test_flowers_process_imports_no_repl():
+    """``voice-tools flower`` loads Celery's CLI without ``click_repl`` and prompt_toolkit (about 6.5 MB),
+    which only ``celery amqp repl`` uses; the other ``amqp`` commands are still there."""
+    probe = ("import sys; from voice_tools import flower; flower.without_the_amqp_repl(); "
+             "from celery.bin.celery import celery; from flower.command import flower as command; "
+             "print(' '.join(m for m in ('prompt_toolkit', 'wcwidth', 'click_repl._repl') if m in sys.modules)); "
+             "print(sorted(celery.commands['amqp'].commands))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    loaded, amqp_commands = done.stdout.splitlines()
+    assert loaded.split() == [], loaded
+    assert "repl" not in amqp_commands and "queue.declare" in amqp_commands, amqp_commands

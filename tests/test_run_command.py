@@ -1,5 +1,5 @@
 """``voice-tools run`` as a user starts it: embedded servers, migrations, ``Procfile.local``
-under honcho (gunicorn, MCP loaded at its first connection, one worker for every queue with
+under honcho's manager in that process (gunicorn, MCP loaded at its first connection, one worker for every queue with
 beat and the workers' /metrics inside it, Flower); the API answers, Flower asks for its password and shows the tools' tasks and queues, the demo
 plays its scenarios through the real worker, ``voice-tools env`` and ``migrate``
 come and go beside it, ``voice-tools footprint`` measures it, and SIGTERM leaves no process
@@ -544,6 +544,17 @@ def test_footprint_lists_every_process_of_the_run(system):
     total = next(line for line in lines if line.startswith("voice-tools run: "))
     assert total.startswith(f"voice-tools run: {len(tree)} processes, ") and total.endswith(" MB PSS"), total
     assert any(line.startswith("embedded servers (PostgreSQL, Redis): ") for line in lines), measured.stdout
+    # no honcho process, nor a forked Python process per line: the run's own children are the Procfile's
+    # lines (each one's shell), and the light Flower app maps none of the product's libraries
+    from honcho.environ import parse_procfile
+
+    lines_run = parse_procfile((ROOT / "Procfile.local").read_text()).processes
+    children = psutil.Process(system.proc.pid).children()
+    assert sorted(child.cmdline()[:2] for child in children) == [["/bin/sh", "-c"]] * len(lines_run), describe(children)
+    flower = next(proc for proc in psutil.Process(system.proc.pid).children(recursive=True)
+                  if "voice-tools flower" in " ".join(proc.cmdline()))
+    mapped = [m.path for m in flower.memory_maps()]
+    assert not [path for path in mapped if "/sqlalchemy/" in path or "/psycopg2" in path], mapped
 
 
 def test_a_second_run_on_the_same_data_dir_is_refused(system):
@@ -560,8 +571,9 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "--beat", "--worker-metrics-port", "voice-tools flower", "honcho", "voice-tools mcp"):
+                 "--beat", "--worker-metrics-port", "voice-tools flower", "voice-tools mcp"):
         assert part in commands, f"{part} not running: {describe(before)}"
+    assert "honcho" not in commands, describe(before)  # its manager runs inside `voice-tools run`
 
     assert system.stop() == 128 + signal.SIGTERM
     assert not (system.data_dir / "run.json").exists()  # a stopped run is no longer where the demo looks

@@ -1,4 +1,7 @@
-"""``voice-tools flower``: Celery's Flower on the tasks app (``celery -A tasks flower``), ending on SIGTERM.
+"""``voice-tools flower``: Celery's Flower on the tasks app's queues (``celery -A tasks.flower_app flower``), ending on SIGTERM.
+
+Its app (``tasks/flower_app.py``) has the tasks app's name, settings and queues but no task: Flower
+never runs one, and importing every task module cost it about 30 MB.
 
 Flower answers SIGTERM by leaving its event loop, and then Python waits, before it ends,
 for every thread of Flower's executor; a thread inspecting the workers while the broker
@@ -20,6 +23,7 @@ import atexit
 import logging
 import os
 import sys
+import types
 from functools import partial
 from typing import Any
 
@@ -133,17 +137,29 @@ def workers_from_their_events() -> None:
     command.Flower = Flower
 
 
+def without_the_amqp_repl() -> None:
+    """Celery's CLI imports ``click_repl`` (and through it prompt_toolkit: 6.5 MB PSS in Flower's process) only to
+    give ``celery amqp`` its ``repl`` subcommand, which Flower's process never runs: here that subcommand
+    is not registered, and none of them is imported. Call it before ``celery.bin`` is imported."""
+    if "click_repl" in sys.modules:
+        return
+    stand_in = types.ModuleType("click_repl", "not imported by voice-tools flower: no `celery amqp repl` here")
+    stand_in.register_repl = lambda group, name="repl": None  # type: ignore[attr-defined]
+    sys.modules["click_repl"] = stand_in
+
+
 def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[2:] if argv is None else argv)
     if not _has_auth(given):
         print("voice-tools flower: set FLOWER_BASIC_AUTH=user:password (Flower is not served without a password)",
               file=sys.stderr, flush=True)
         return EXIT_NO_AUTH
+    without_the_amqp_repl()
     from celery.bin.celery import celery
 
     metrics_behind_auth()
     workers_from_their_events()
-    args = ["-A", "tasks", "flower", *given]
+    args = ["-A", "tasks.flower_app", "flower", *given]
     try:
         code = celery.main(args=args, prog_name="celery", auto_envvar_prefix="CELERY")
     except SystemExit as exc:

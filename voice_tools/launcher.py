@@ -1,9 +1,10 @@
 """The ``voice-tools`` command: run the whole system, migrate, print the servers, demo, serve worker metrics.
 
 ``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
-then runs ``Procfile.local`` with honcho (API, MCP loaded at its first connection, one
-worker for every queue with beat and the workers' metrics inside it, Flower) until
-interrupted; on SIGINT or SIGTERM it stops honcho's processes first and the embedded
+then runs ``Procfile.local`` with honcho's manager in this process (``voice_tools/procfile_run.py``:
+API, MCP loaded at its first connection, one worker for every queue with beat and the
+workers' metrics inside it, Flower) until
+interrupted; on SIGINT or SIGTERM it stops the Procfile's processes first and the embedded
 servers last. ``Procfile`` keeps production's process groups
 (``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
 
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from models import logs
-from tasks.delivery import signing
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
                                  record_run, stop_servers)
 
@@ -49,6 +49,8 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
     Made once and kept in ``<data_dir>/local-secrets.json`` (mode 0600), so a restart
     keeps the same token. Variables that are set always win.
     """
+    from tasks.delivery import signing  # here: the other commands (voice-tools mcp, flower) need it not
+
     path = data_dir / LOCAL_SECRETS
     try:
         stored = json.loads(path.read_text())
@@ -132,29 +134,6 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     raise _Stop(signum)
 
 
-def _stop_honcho(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGTERM honcho (which SIGTERMs each process group, then SIGKILLs after 5 s)."""
-    import psutil
-
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        family = []
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    _gone, left = psutil.wait_procs(family, timeout=5)
-    for child in left:  # honcho itself was killed before it could clean up
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-
-
 def _lock_data_dir(data_dir: Path) -> Any:
     """Hold ``<data_dir>/run.lock`` for this process's life, or None if another run holds it.
 
@@ -180,6 +159,8 @@ def _lock_data_dir(data_dir: Path) -> Any:
 
 def run(procfile: str | None = None) -> int:
     """Start what is missing, migrate, run the Procfile; stop everything on a signal."""
+    from voice_tools import procfile_run  # here: the other commands (voice-tools mcp, flower) need not honcho
+
     data_dir = default_data_dir()
     lock = _lock_data_dir(data_dir)
     if lock is None:
@@ -201,11 +182,9 @@ def run(procfile: str | None = None) -> int:
         if "VOICE_TOOLS_API_TOKENS" in filled:
             token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
             _say(f"API token: {token}   (try: voice-tools demo)")
-        honcho = subprocess.Popen(
-            [sys.executable, "-m", "honcho", "start", "-f", str(procfile_file), "-d", str(data_dir),
-             "-e", str(Path.cwd() / ".env")], env=env
-        )
-        return honcho.wait()
+        honcho = procfile_run.manager_for(procfile_file, env, Path.cwd() / ".env")
+        honcho.loop()  # its own SIGINT and SIGTERM handlers stop every process, then it returns
+        return int(honcho.returncode or 0)
     except _Stop as stop:
         _say(f"{signal.Signals(stop.signum).name} received, stopping")
         return 128 + stop.signum
@@ -213,7 +192,7 @@ def run(procfile: str | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if honcho is not None:
-            _stop_honcho(honcho)
+            procfile_run.stop(honcho)
         forget_run(data_dir)
         stop_servers()
         _say("stopped")

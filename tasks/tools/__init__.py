@@ -176,6 +176,9 @@ def _discover() -> dict[str, Tool]:
     for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         tool = getattr(importlib.import_module(f"{__name__}.{module.name}"), "TOOL", None)
         if isinstance(tool, Tool):
+            if tool.name != module.name:  # Flower's app reads the tools' names from the file names
+                raise ImportError(f"{__name__}.{module.name} declares the tool {tool.name!r}: "
+                                  f"a tool's module is named after it")
             found[tool.name] = tool
     return found
 
