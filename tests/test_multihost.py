@@ -43,6 +43,7 @@ from typing import Any, Callable
 import pytest
 from sqlalchemy import select, text
 
+from models.lifecycle import REDRIVEN_REASON
 from tests import netns
 from tests.invariants import check, settle
 
@@ -132,6 +133,18 @@ def stream_rows() -> dict[str, list[tuple[str, str, int]]]:
     return rows
 
 
+def fault_marks() -> str:
+    """What the faults left on the calls: side effects claimed more than once, runs again by the sweep."""
+    from models import db
+
+    with db.session() as s:
+        claimed, redriven = s.execute(text(
+            "SELECT count(*) FILTER (WHERE effect_attempts > 1), "
+            "count(*) FILTER (WHERE status_history::text LIKE :redriven) FROM tool_calls"),
+            {"redriven": f"%{REDRIVEN_REASON}%"}).one()
+    return f"{claimed} side effects claimed again after a lost claim, {redriven} calls run again by the sweep"
+
+
 def longest_executing_s() -> tuple[float, str]:
     """The longest time any call stayed EXECUTING (from entering it to leaving it, redrives included)."""
     from models import db
@@ -216,6 +229,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             followers.stop()
             verdict = check(relay, once_at_relay=True, answered_cancelled=traffic.cancelled)
             longest, longest_call = longest_executing_s()
+            marks = fault_marks()
     finally:
         followers.stop()
         relay.__exit__(None, None, None)
@@ -226,7 +240,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
     print(f"\nmultihost on {hosts.kind}: {verdict.calls} calls, {verdict.events} events "
           f"({followers.received()} on {len(rows)} streams, resumed {followers.resumed} times), "
           f"{len(faults)} faults, {len(problems)} problems; {verdict.summary()}; {traffic.summary()}; "
-          f"longest EXECUTING {longest:.0f} s; traffic {traffic_s:.0f} s, settled in {settle_s:.0f} s\n  faults: "
+          f"{marks}; longest EXECUTING {longest:.0f} s; traffic {traffic_s:.0f} s, settled in {settle_s:.0f} s\n  faults: "
           + "; ".join(faults))
     assert problems == [], problems[:20]
     # each fault did what it says: the relays went over to api-2, and every tool ran
