@@ -100,10 +100,15 @@ class MultiHost:
         self.wait_ready()
         return self
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: Path | None = None) -> None:
+        """Remove every host, process and file; each process's log is kept in ``keep_logs`` first."""
         try:
             self.net.remove()
         finally:
+            if keep_logs is not None:
+                keep_logs.mkdir(parents=True, exist_ok=True)
+                for log in self.dir.glob("*.log"):
+                    shutil.copy(log, keep_logs / log.name)
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def log_path(self, host: str, name: str) -> Path:
@@ -270,6 +275,25 @@ class MultiHost:
         finally:
             control.close()
         return {name for reply in replies for name in reply}
+
+    def running_links(self, host: str) -> int:
+        """How many tasks the workers of ``host`` say they are running now (0 when they do not answer)."""
+        control = ControlApp(self.broker_url)
+        try:
+            active = control.control.inspect(destination=sorted(self.expected_workers([host])), timeout=0.5).active()
+        except Exception:  # noqa: BLE001 - the broker not answering: nothing seen
+            active = None
+        finally:
+            control.close()
+        return sum(len(tasks) for tasks in (active or {}).values())
+
+    def wait_busy(self, host: str, timeout: float) -> int:
+        """Wait (up to ``timeout``) until ``host``'s workers run a link; how many they run then (0: none seen)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if busy := self.running_links(host):
+                return busy
+        return 0
 
     def api_ready(self, host: str) -> bool:
         try:

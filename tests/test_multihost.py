@@ -62,6 +62,7 @@ OPS = 4  # operations per session
 AROUND_S = 5  # the stream runs this long before the first fault and after each
 CUT_S = 15  # worker-3 cut off: past VISIBILITY_TIMEOUT (8 s) and 2 x HEARTBEAT_S (10 s)
 SETTLE_S = 150
+BUSY_WAIT_S = 15  # how long a fault waits for its host to be running a link
 # The longest a call may stay EXECUTING: a link lost with a lost host is judged by the stuck-call
 # sweep once its call has been quiet past the link's hard time limit (the tool's time_limit + 10 s,
 # 70 s at most here) or, when its queue cannot be read whole, past STUCK_AFTER; the sweep runs
@@ -72,7 +73,8 @@ assert CUT_S > max(VISIBILITY_TIMEOUT, 2 * HEARTBEAT_S)
 
 
 @pytest.fixture(params=["rabbitmq", "redis"])
-def hosts(request):
+def hosts(request, tmp_path):
+    """The hosts, on RabbitMQ and on Redis; removed afterwards, pass or fail (their logs kept in tmp_path)."""
     for leftover in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}-*")):
         shutil.rmtree(leftover, ignore_errors=True)  # a killed run's data dirs
     system = MultiHost(Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{request.param}-")), request.param)
@@ -80,7 +82,7 @@ def hosts(request):
         system.start()
         yield system
     finally:
-        system.stop()
+        system.stop(keep_logs=tmp_path / "logs")
 
 
 def on_host(system: MultiHost, host: str, fn: Callable[[], Any]) -> Any:
@@ -187,16 +189,22 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
         try:
             time.sleep(AROUND_S)
 
-            # 1. a worker host killed mid-send
+            # 1. a worker host killed mid-send (while its workers run a link, when that is seen in time)
+            busy = hosts.wait_busy("worker-2", BUSY_WAIT_S)
             killed = hosts.lose_host("worker-2")
-            faults.append(f"worker-2 lost ({killed} processes SIGKILLed, link down)")
+            faults.append(f"worker-2 lost running {busy} links ({killed} processes SIGKILLed, link down)")
             time.sleep(AROUND_S)
 
             # 2. a host cut off, then back
+            busy = hosts.wait_busy("worker-3", BUSY_WAIT_S)
             hosts.net.link("worker-3", up=False)
             time.sleep(CUT_S)
             hosts.net.link("worker-3", up=True)
-            faults.append(f"worker-3 cut off {CUT_S} s")
+            restored = time.monotonic()
+            rejoined = wait_until(lambda: hosts.expected_workers(["worker-3"]) <= hosts.answering_workers(), 60,
+                                  "worker-3's workers answering again after its link came back") - restored
+            faults.append(f"worker-3 cut off {CUT_S} s running {busy} links (its workers answered again "
+                          f"{rejoined:.0f} s after)")
             time.sleep(AROUND_S)
 
             # 3. an API host lost while relays hold ?wait requests and streams on it
