@@ -50,6 +50,8 @@ class HostsTraffic(Traffic):
         self.waiting: Counter = Counter()  # ?wait requests under way, by API host (its index in bases)
         self.races: list[tuple[str, int | None, int | None]] = []  # (call, resume's status, cancel's status)
         self.tools_used: set[str] = set()
+        self.confirmed: set[str] = set()  # calls whose confirm was taken (200 or 202)
+        self.resumed: set[str] = set()  # calls whose resume was taken
         self._meetings = iter(range(10**6))
         self._write_tools = [name for name in tools.names()
                              if any(step.checkpoint for step in tools.TOOLS[name].steps)]
@@ -104,11 +106,19 @@ class HostsTraffic(Traffic):
                         self.waiting[host] -= 1
             break
         self._local.status = response.status_code
+        if operation in ("confirm", "resume"):
+            self._took(operation, path)
         self._record(Answer(operation, response.status_code, started, time.monotonic(),
                             "" if response.status_code in EXPECTED else response.text[:300]))
         if response.status_code >= 300:
             return None
         return response.json()
+
+    def _took(self, operation: str, path: str) -> None:
+        """Keep the call of a confirm or resume that was taken (the request just answered)."""
+        if self._local.status in (200, 202):
+            with self._lock:
+                (self.confirmed if operation == "confirm" else self.resumed).add(path.rsplit("/", 1)[1])
 
     # -- calls of every tool ---------------------------------------------------------------------
 
@@ -164,6 +174,15 @@ class HostsTraffic(Traffic):
             if outcome[2] == 200:
                 self.cancelled.add(tool_call_id)
         return {}
+
+    def waiting_problems(self, statuses: dict[str, str]) -> list[str]:
+        """A call still waiting for what its caller already did: PENDING after its confirm was taken, or
+        PREPARED (or PENDING) after its resume was (``statuses``: call -> its status now)."""
+        with self._lock:
+            confirmed, resumed = set(self.confirmed), set(self.resumed)
+        return ([f"PENDING though its confirm was taken: {c}" for c in confirmed if statuses.get(c) == "PENDING"]
+                + [f"{statuses[c]} though its resume was taken: {c}" for c in resumed
+                   if statuses.get(c) in ("PENDING", "PREPARED")])
 
     def summary(self) -> str:
         cancelled = sum(1 for _i, _r, c in self.races if c == 200)

@@ -19,7 +19,9 @@ every session's event stream followed), one after the other:
 4. **the beat host lost**: beat on ``worker-1`` SIGKILLed (``worker-2``'s died in 1): the sweeps
    still run, from ``worker-3``'s beat, once a period (``models/sweep_runs.py``).
 
-Then, once the system settles: every call terminal or waiting (PENDING, PREPARED); every side
+Then, once the system settles: every call terminal or waiting (PENDING, PREPARED), and waiting
+only for what its caller has not done (never PENDING after a confirm taken, nor PREPARED after a
+resume taken); every side
 effect at most once (``email_outbox``, ``calendar_events``, ``todo_tasks``: one for each COMPLETED
 write call, none otherwise); every event delivered, each event_id once at the relay, and each
 stream gapless by seq with each event once; a call whose cancel answered 200 CANCELLED (and never
@@ -135,6 +137,13 @@ def stream_rows() -> dict[str, list[tuple[str, str, int]]]:
     return rows
 
 
+def call_statuses() -> dict[str, str]:
+    from models import db
+
+    with db.session() as s:
+        return dict(s.execute(text("SELECT tool_call_id, status FROM tool_calls")).all())
+
+
 def fault_marks() -> str:
     """What the faults left on the calls: side effects claimed more than once, runs again by the sweep."""
     from models import db
@@ -238,11 +247,13 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             verdict = check(relay, once_at_relay=True, answered_cancelled=traffic.cancelled)
             longest, longest_call = longest_executing_s()
             marks = fault_marks()
+            statuses = call_statuses()
     finally:
         followers.stop()
         relay.__exit__(None, None, None)
 
-    problems = (verdict.problems + traffic.problems() + followers.problems(rows)
+    problems = (verdict.problems + traffic.problems() + traffic.waiting_problems(statuses)
+                + followers.problems(rows)
                 + ([f"{longest_call} EXECUTING {longest:.0f} s, past the bound of {STUCK_BOUND_S} s"]
                    if longest > STUCK_BOUND_S else []))
     print(f"\nmultihost on {hosts.kind}: {verdict.calls} calls, {verdict.events} events "
