@@ -3,7 +3,8 @@
 :class:`HostsTraffic` is ``tests/traffic.py``'s relay with what a relay in front of several API
 hosts does: each session picks one API host, and a request that got no answer (its host gone)
 is sent again to the other one, the ``pending`` with the same ``Idempotency-Key`` (counted in
-``failovers``). Its calls are of all nine tools, each with its registry ``example`` parameters
+``failovers``); one operation, ``mcp``, records its call through the host's MCP face instead
+(``request_tool``, with an idempotency key). Its calls are of all nine tools, each with its registry ``example`` parameters
 (a meeting each at its own hour); a write tool is confirmed to its checkpoint and resumed. One
 more operation, ``race``, sends a resume and a cancel of one PREPARED call at the same moment,
 one to each API host: the cancel wins before the point of no return (after the resume too),
@@ -17,6 +18,8 @@ missing, none extra, and each call's events in the order 1, 2, 3 ... of their se
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import socket
 import threading
@@ -27,13 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
+import httpx2
 import requests
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from support.sse_client import Stream
 from tasks import tools
 from tests.traffic import EXPECTED, Answer, Traffic
 
-OPERATIONS = ("pending", "modify", "confirm", "resume", "cancel", "relay_cancel", "race")
+OPERATIONS = ("pending", "modify", "confirm", "resume", "cancel", "relay_cancel", "race", "mcp")
 STREAMS = 6  # session ids, each followed by one stream
 
 
@@ -43,9 +49,10 @@ def session_id(number: int) -> str:
 
 class HostsTraffic(Traffic):
     def __init__(self, bases: list[str], auth: dict[str, str], relay: Any, *, ops: int, seed: int,
-                 timeout: float = 60.0):
+                 mcp_urls: list[str] = (), timeout: float = 60.0):
         super().__init__(bases[0], auth, relay, ops=ops, seed=seed, timeout=timeout)
         self.bases = list(bases)
+        self.mcp_urls = list(mcp_urls)  # each API host's MCP endpoint, beside its REST base
         self.failovers = 0
         self.waiting: Counter = Counter()  # ?wait requests under way, by API host (its index in bases)
         self.races: list[tuple[str, int | None, int | None]] = []  # (call, resume's status, cancel's status)
@@ -148,6 +155,37 @@ class HostsTraffic(Traffic):
                                 json={"parameters": {"subject": f"Changed {rng.randrange(10**6)}"}})
         return {**call, **(changed or {})}
 
+    def _mcp(self, number: int, call: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+        """Record a call through the MCP face of the session's API host (the other's if that one is gone)."""
+        name = rng.choice(tools.names())
+        with self._lock:
+            self.tools_used.add(name)
+        arguments = {"session_id": self._local.session_id, "function": name, "callback_url": self.relay.url,
+                     "parameters": self._parameters(name), "idempotency_key": uuid.uuid4().hex}
+        started = time.monotonic()
+        first = self._local.preferred
+        for attempt, host in enumerate((first, 1 - first)):
+            try:
+                result = asyncio.run(self._mcp_call(self.mcp_urls[host], "request_tool", arguments))
+            except Exception as exc:  # noqa: BLE001 - no answer from this host: the other one
+                if attempt == 0:
+                    with self._lock:
+                        self.failovers += 1
+                    continue
+                self._record(Answer("mcp_request", None, started, time.monotonic(), f"{type(exc).__name__}: {exc}"[:300]))
+                return {}
+            break
+        if result.is_error:
+            self._record(Answer("mcp_request", None, started, time.monotonic(), result.content[0].text[:300]))
+            return {}
+        self._record(Answer("mcp_request", 201, started, time.monotonic()))
+        return json.loads(result.content[0].text)
+
+    async def _mcp_call(self, url: str, name: str, arguments: dict[str, Any]) -> Any:
+        async with httpx2.AsyncClient(headers=self.auth, timeout=self.timeout) as http:
+            async with Client(streamable_http_client(url, http_client=http)) as client:
+                return await client.call_tool(name, arguments)
+
     def _race(self, number: int, call: dict[str, Any], rng: random.Random) -> dict[str, Any]:
         """A resume and a cancel of one PREPARED call at once, one to each API host."""
         call = self._confirm(number, self._new(number, rng, rng.choice(self._write_tools)), rng)
@@ -186,7 +224,9 @@ class HostsTraffic(Traffic):
 
     def summary(self) -> str:
         cancelled = sum(1 for _i, _r, c in self.races if c == 200)
-        return (f"{super().summary()}, {self.failovers} sent again to the other API host, "
+        with self._lock:
+            mcp = sum(1 for a in self.answers if a.operation == "mcp_request")
+        return (f"{super().summary()}, {mcp} of them over MCP, {self.failovers} sent again to the other API host, "
                 f"{len(self.races)} resume/cancel races ({cancelled} cancelled), "
                 f"tools {len(self.tools_used)}")
 

@@ -7,7 +7,8 @@ and a beat each) and ``relay`` (the test's relay: its callback receiver, its ses
 event streams). Each talks to the others by their namespace addresses only.
 
 While relay sessions run (``tests/multihost_traffic.py``: all nine tools by their registry
-examples, write tools confirmed and resumed, cancels racing resumes across the two API hosts,
+examples, some recorded through the MCP face, write tools confirmed and resumed, cancels racing
+resumes across the two API hosts,
 every session's event stream followed), one after the other:
 
 1. **a worker host killed**: ``worker-2``'s link taken down and every process on it SIGKILLed,
@@ -55,7 +56,7 @@ _why_not = netns.unavailable()
 if _why_not:
     pytest.skip(_why_not, allow_module_level=True)
 
-from tests.multihost_system import (APIS, PREFIX, RELAY_PORT, STUCK_AFTER, SWEEP_EVERY, MultiHost,  # noqa: E402
+from tests.multihost_system import (APIS, MCP_PORT, PREFIX, RELAY_PORT, STUCK_AFTER, SWEEP_EVERY, MultiHost,  # noqa: E402
                                     VISIBILITY_TIMEOUT, HEARTBEAT_S)
 from tests.multihost_traffic import Followers, HostsTraffic  # noqa: E402
 
@@ -188,7 +189,8 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
     assert relay.url == hosts.relay_url
     bases = [hosts.api_url(host) for host in APIS]
     seed = random.randrange(10**6)
-    traffic = HostsTraffic(bases, hosts.auth, relay, ops=OPS, seed=seed)
+    traffic = HostsTraffic(bases, hosts.auth, relay, ops=OPS, seed=seed,
+                           mcp_urls=[f"http://{hosts.address(host)}:{MCP_PORT}/mcp" for host in APIS])
     followers = Followers(bases, hosts.auth, seed=seed)
     faults: list[str] = []
     try:
@@ -267,3 +269,4 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
     assert len(traffic.tools_used) == 9, traffic.tools_used
     assert verdict.statuses["COMPLETED"] > 0 and verdict.statuses["CANCELLED"] > 0, verdict.statuses
     assert traffic.races, "no resume raced a cancel"
+    assert traffic.codes()[201] and any(a.operation == "mcp_request" and a.status == 201 for a in traffic.answers)
