@@ -57,11 +57,27 @@ class HostsTraffic(Traffic):
         self.waiting: Counter = Counter()  # ?wait requests under way, by API host (its index in bases)
         self.races: list[tuple[str, int | None, int | None]] = []  # (call, resume's status, cancel's status)
         self.tools_used: set[str] = set()
+        self.arrivals: dict[str, list[float]] = defaultdict(list)  # event_id -> when each copy reached the relay
         self.confirmed: set[str] = set()  # calls whose confirm was taken (200 or 202)
         self.resumed: set[str] = set()  # calls whose resume was taken
         self._meetings = iter(range(10**6))
         self._write_tools = [name for name in tools.names()
                              if any(step.checkpoint for step in tools.TOOLS[name].steps)]
+
+    def _relay_answer(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        with self._lock:
+            self.arrivals[event["event_id"]].append(time.monotonic())
+        return super()._relay_answer(event)
+
+    def duplicate_problems(self, windows: list[tuple[float, float]]) -> list[str]:
+        """Events the relay received more than once although their first copy came outside every fault
+        window (delivery is at least once: a copy again only when the sender may not have had the
+        relay's answer, its host lost or cut off as the answer came)."""
+        with self._lock:
+            arrivals = {event_id: list(times) for event_id, times in self.arrivals.items()}
+        return [f"event {event_id} received {len(times)} times, its first copy outside every fault"
+                for event_id, times in arrivals.items()
+                if len(times) > 1 and not any(start <= times[0] <= end for start, end in windows)]
 
     # -- a session on one of the API hosts -------------------------------------------------
 
@@ -234,7 +250,8 @@ class HostsTraffic(Traffic):
 class Followers:
     """One thread per session id following its event stream across the API hosts."""
 
-    def __init__(self, bases: list[str], auth: dict[str, str], sessions: int = STREAMS, seed: int = 0):
+    def __init__(self, bases: list[str], auth: dict[str, str], sessions: int = STREAMS):
+        """``sessions`` streams, opened on the API hosts in turn."""
         self.bases, self.auth = list(bases), auth
         self.events: dict[str, list[dict[str, Any]]] = defaultdict(list)  # session -> events as received
         self.resumed = 0
@@ -243,9 +260,8 @@ class Followers:
         self._lock = threading.Lock()
         self._open: dict[str, Stream] = {}
         self.on_host: dict[str, int] = {}  # session -> the API host its stream is open on now
-        rng = random.Random(seed)
-        self._threads = [threading.Thread(target=self._follow, args=(session_id(n), rng.randrange(len(bases))),
-                                          daemon=True) for n in range(sessions)]
+        self._threads = [threading.Thread(target=self._follow, args=(session_id(n), n % len(bases)), daemon=True)
+                         for n in range(sessions)]
 
     def start(self) -> "Followers":
         for thread in self._threads:

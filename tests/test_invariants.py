@@ -164,3 +164,14 @@ def test_events_missing_repeated_or_undelivered_at_the_relay_are_named(relay):
     relay.events.append(dict(relay.events[0]))  # the same event_id again: at least once allows it
     assert check(relay).problems == [] and check(relay).relay_duplicates == 1
     assert check(relay, once_at_relay=True).problems == [f"1 events received more than once, e.g. {[first.event_id]}"]
+
+
+def test_an_event_received_twice_is_named_unless_its_first_copy_came_during_a_fault():
+    from types import SimpleNamespace
+
+    from tests.multihost_traffic import HostsTraffic
+
+    traffic = HostsTraffic(["http://a", "http://b"], {}, SimpleNamespace(answer=lambda fn: None), ops=1, seed=0)
+    traffic.arrivals.update({"once": [5.0], "in_fault": [10.5, 30.0], "outside": [20.0, 21.0]})
+    assert traffic.duplicate_problems([(10.0, 12.0)]) == [
+        "event outside received 2 times, its first copy outside every fault"]
