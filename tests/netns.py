@@ -49,8 +49,9 @@ def unavailable() -> str | None:
 
 
 def pids_in(namespace: str) -> list[int]:
+    """The processes in ``namespace`` (never this one: only threads of it enter a namespace)."""
     out = ip("netns", "pids", namespace, check=False)
-    return [int(pid) for pid in out.split() if pid.isdigit()]
+    return [int(pid) for pid in out.split() if pid.isdigit() and int(pid) != os.getpid()]
 
 
 def remove_leftovers(prefix: str) -> None:
