@@ -240,7 +240,9 @@ class MultiHost:
         address = self.address(host)
         env.update({
             "HOST": address, "PORT": str(API_PORT), "VOICE_TOOLS_API_PORT": str(API_PORT), "MCP_PORT": str(MCP_PORT),
-            "VOICE_TOOLS_PUBLIC_URL": f"http://{address}:{API_PORT}",
+            # where relays reach the API (a load balancer's address in production; api-1's here): the
+            # workers write it into each checkpoint's resume URL, so every host is given the same
+            "VOICE_TOOLS_PUBLIC_URL": self.api_url("api-1"),
             "DATABASE_URL": self.database_url, "CELERY_BROKER_URL": self.broker_url,
             "VOICE_TOOLS_API_TOKENS": f"multihost:{self.token}",
             "VOICE_TOOLS_CALLBACK_HOSTS": self.address("relay"),

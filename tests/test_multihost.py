@@ -140,6 +140,16 @@ def stream_rows() -> dict[str, list[tuple[str, str, int]]]:
     return rows
 
 
+def resume_url_problems(relay: Any, hosts: MultiHost) -> list[str]:
+    """Every resume URL the relay was sent names the API's public URL (never a worker host's)."""
+    public = hosts.env("relay")["VOICE_TOOLS_PUBLIC_URL"]
+    with relay._lock:
+        urls = {event[key] for event in relay.events for key in ("resume_url", "resume_webhook") if event.get(key)}
+    if not urls:
+        return ["no event carried a resume URL"]
+    return [f"a resume URL off the API: {url}" for url in urls if not url.startswith(f"{public}/voice-tools/")]
+
+
 def call_statuses() -> dict[str, str]:
     from models import db
 
@@ -264,7 +274,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
 
     problems = (verdict.problems + traffic.problems() + traffic.waiting_problems(statuses)
                 + traffic.duplicate_problems(windows)
-                + followers.problems(rows)
+                + followers.problems(rows) + resume_url_problems(relay, hosts)
                 + ([f"{longest_call} EXECUTING {longest:.0f} s, past the bound of {STUCK_BOUND_S} s"]
                    if longest > STUCK_BOUND_S else []))
     print(f"\nmultihost on {hosts.kind} (seed {seed}): {verdict.calls} calls, {verdict.events} events "
