@@ -21,20 +21,20 @@ SELECT 'tc_s' || lpad(to_hex(i), 9, '0'), 'seed_' || (i % :sessions), 'search_co
        CASE WHEN i % 20 = 0 THEN NULL ELSE now() - make_interval(secs => i) END,
        CASE WHEN i % 20 = 0 THEN NULL ELSE jsonb_build_object('contacts', jsonb_build_array()) END,
        CASE WHEN i % 20 = 0 THEN NULL ELSE 'No contact found.' END
-FROM generate_series(1, :calls) AS i
+FROM generate_series(:first, :last) AS i
 ON CONFLICT (tool_call_id) DO NOTHING
 """)
 
 
-def seed(calls: int, sessions: int) -> float:
-    """Insert the rows; the seconds it took."""
+def seed(calls: int, sessions: int, first: int = 1) -> float:
+    """Insert calls ``first`` .. ``calls`` (one transaction); the seconds it took."""
     import time
 
     from models import db
 
     started = time.perf_counter()
     with db.engine().begin() as conn:
-        conn.execute(SEED, {"calls": calls, "sessions": sessions, "caller": CALLER})
+        conn.execute(SEED, {"first": first, "last": calls, "sessions": sessions, "caller": CALLER})
     with db.engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.exec_driver_sql("ANALYZE tool_calls")
     return time.perf_counter() - started

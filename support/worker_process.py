@@ -147,17 +147,37 @@ class WorkerProcess:
 
 
 @contextmanager
-def queues_taken_from_others(app: Any, queues: list[str]) -> Iterator[None]:
-    """Stop every worker now on the broker from consuming ``queues``; undo afterwards."""
-    replies = app.control.inspect(timeout=1.0).active_queues() or {}
+def queues_taken_from_others(app: Any, queues: list[str], within_s: float = 30.0) -> Iterator[None]:
+    """Stop every worker now on the broker from consuming ``queues``; undo afterwards.
+
+    A worker slow to answer the first ``inspect`` (a loaded machine) would keep consuming, so
+    where the broker counts consumers (RabbitMQ) this asks again until it counts none on
+    ``queues``; Redis counts none, and the first round is the only one.
+    """
     taken: list[tuple[str, str]] = []
+    deadline = time.monotonic() + within_s
     try:
-        for worker, consumed in replies.items():
-            for queue in queues:
-                if any(q["name"] == queue for q in consumed):
-                    app.control.cancel_consumer(queue, destination=[worker], reply=True, timeout=5.0)
-                    taken.append((worker, queue))
+        while True:
+            replies = app.control.inspect(timeout=2.0).active_queues() or {}
+            for worker, consumed in replies.items():
+                for queue in queues:
+                    if (worker, queue) not in taken and any(q["name"] == queue for q in consumed):
+                        app.control.cancel_consumer(queue, destination=[worker], reply=True, timeout=5.0)
+                        taken.append((worker, queue))
+            still = {queue: n for queue in queues if (n := _consumers(app, queue))}
+            if not still:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"queues still consumed after {within_s:.0f} s: {still}")
         yield
     finally:
         for worker, queue in taken:
             app.control.add_consumer(queue, destination=[worker], reply=True, timeout=5.0)
+
+
+def _consumers(app: Any, queue: str) -> int:
+    """How many consumers the broker counts on ``queue`` (0 where it counts none: Redis)."""
+    with app.connection_for_write() as conn:
+        if conn.transport.driver_type != "amqp":
+            return 0
+        return conn.default_channel.queue_declare(queue=queue, passive=True).consumer_count
