@@ -150,6 +150,17 @@ def resume_url_problems(relay: Any, hosts: MultiHost) -> list[str]:
     return [f"a resume URL off the API: {url}" for url in urls if not url.startswith(f"{public}/voice-tools/")]
 
 
+def failed_calls() -> list[str]:
+    """Each FAILED call: its tool, step and history (to follow it in the processes' logs)."""
+    from models import db
+    from models.calls import ToolCall
+
+    with db.session() as s:
+        return [f"{c.tool_call_id} {c.function_name} at {c.current_step}: "
+                + " -> ".join(f"{h['status']} {h['at'][11:23]}" for h in c.status_history)
+                for c in s.scalars(select(ToolCall).where(ToolCall.status == "FAILED"))]
+
+
 def call_statuses() -> dict[str, str]:
     from models import db
 
@@ -268,6 +279,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             longest, longest_call = longest_executing_s()
             marks = fault_marks()
             statuses = call_statuses()
+            failed = failed_calls()
     finally:
         followers.stop()
         relay.__exit__(None, None, None)
@@ -281,7 +293,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
           f"({followers.received()} on {len(rows)} streams, resumed {followers.resumed} times), "
           f"{len(faults)} faults, {len(problems)} problems; {verdict.summary()}; {traffic.summary()}; "
           f"{marks}; longest EXECUTING {longest:.0f} s; traffic {traffic_s:.0f} s, settled in {settle_s:.0f} s\n  faults: "
-          + "; ".join(faults))
+          + "; ".join(faults) + "".join(f"\n  FAILED {line}" for line in failed))
     assert problems == [], problems[:20]
     # each fault did what it says: the relays went over to api-2, and every tool ran
     assert traffic.failovers > failovers and followers.resumed > resumed, (traffic.failovers, followers.resumed)
