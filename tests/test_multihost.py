@@ -109,6 +109,12 @@ def on_host(system: MultiHost, host: str, fn: Callable[[], Any]) -> Any:
     return result.get("value")
 
 
+def clock(moment: float | None = None) -> str:
+    """The wall-clock time (UTC, to the millisecond) of a ``time.monotonic()`` moment (now by default)."""
+    ago = 0.0 if moment is None else time.monotonic() - moment
+    return datetime.fromtimestamp(time.time() - ago, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -230,7 +236,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             lost = time.monotonic()
             killed = hosts.lose_host("worker-2")
             windows.append((lost - pad, time.monotonic() + pad))
-            faults.append(f"worker-2 lost running {busy} links ({killed} processes SIGKILLed, link down)")
+            faults.append(f"{clock(lost)} worker-2 lost running {busy} links ({killed} processes SIGKILLed, link down)")
             time.sleep(AROUND_S)
 
             # 2. a host cut off, then back
@@ -243,7 +249,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             windows.append((cut - pad, restored + pad))
             rejoined = wait_until(lambda: hosts.expected_workers(["worker-3"]) <= hosts.answering_workers(), 60,
                                   "worker-3's workers answering again after its link came back") - restored
-            faults.append(f"worker-3 cut off {CUT_S} s running {busy} links (its workers answered again "
+            faults.append(f"{clock(cut)} worker-3 cut off {CUT_S} s running {busy} links (its workers answered again "
                           f"{rejoined:.0f} s after)")
             time.sleep(AROUND_S)
 
@@ -252,18 +258,20 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
                        "a ?wait request and a stream under way on api-1")
             held = (traffic.waiting[0], sum(1 for h in followers.on_host.values() if h == 0))
             failovers, resumed = traffic.failovers, followers.resumed
+            api_lost = time.monotonic()
             killed = hosts.kill_api_host("api-1")
-            faults.append(f"api-1 lost ({killed} processes SIGKILLed holding {held[0]} ?wait requests "
+            faults.append(f"{clock(api_lost)} api-1 lost ({killed} processes SIGKILLed holding {held[0]} ?wait requests "
                           f"and {held[1]} streams)")
             time.sleep(AROUND_S)
 
             # 4. a beat host lost: the sweeps still run from another
+            lost_beat = time.monotonic()
             hosts.kill_line("worker-1", "beat")
             with hosts.database():
                 beat_lost = datetime.now(timezone.utc)
                 wait_until(lambda: sweeps_claimed_since(beat_lost) > 0, 6 * SWEEP_EVERY,
                            "a stuck-call sweep run after worker-1's beat was lost")
-            faults.append("beat on worker-1 lost (worker-2's went with its host)")
+            faults.append(f"{clock(lost_beat)} beat on worker-1 lost (worker-2's went with its host)")
         finally:
             stream.__exit__(None, None, None)
         traffic_s = time.monotonic() - began
