@@ -33,11 +33,11 @@ from typing import Any, Iterable
 from sqlalchemy import func, select
 
 from models import db
-from models.calls import CANCELLED, COMPLETED, EXECUTING, PENDING, PREPARED, TERMINAL, CallbackDelivery, ToolCall
 from models.calendar import CalendarEvent
+from models.calls import CANCELLED, COMPLETED, EXECUTING, PENDING, PREPARED, TERMINAL, CallbackDelivery, ToolCall
 from models.email import EmailOutbox
-from models.task_list import TodoTask
 from models.lifecycle import REDRIVEN_REASON
+from models.task_list import TodoTask
 
 # Every status change docs/promises.md allows (EXECUTING -> PENDING is the undo of a
 # confirm whose chain the broker refused; EXECUTING -> EXECUTING is the stuck-call
