@@ -20,8 +20,11 @@ from tasks.delivery.signing import verify, verify_standard
 
 
 class Relay:
-    def __init__(self, secret: str, webhook_secrets: list[str] | None = None):
+    def __init__(self, secret: str, webhook_secrets: list[str] | None = None, host: str = "127.0.0.1",
+                 port: int = 0):
+        """Listening on ``host:port`` (any free port by default; another host's address in the multi-host test)."""
         self.secret = secret
+        self.host = host
         self.webhook_secrets = webhook_secrets or []  # Standard Webhooks secrets: checked too when given
         self.events: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
@@ -72,11 +75,11 @@ class Relay:
                     pass  # the sender gave up waiting (a slow relay): it was received all the same
 
         self._handler = Handler
-        self._listen(0)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/tool-progress"
+        self._listen(port)
+        self.url = f"http://{host}:{self.server.server_address[1]}/tool-progress"
 
     def _listen(self, port: int) -> None:
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        self.server = ThreadingHTTPServer((self.host, port), self._handler)
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -104,7 +107,7 @@ class Relay:
 
     @property
     def base(self) -> str:
-        """``http://127.0.0.1:<port>``: any path on it reaches this relay (``/tool-checkpoint``, ...)."""
+        """``http://<host>:<port>``: any path on it reaches this relay (``/tool-checkpoint``, ...)."""
         return self.url.rsplit("/", 1)[0]
 
     def events_at(self, tool_call_id: str) -> list[tuple[str, str]]:

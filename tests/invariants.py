@@ -9,8 +9,9 @@ returns a :class:`Verdict` whose ``problems`` must be empty:
   EXECUTING (or MODIFIED, which is never a stored status);
 - every status history follows the state machine (:data:`ALLOWED`), in time order, and
   ends at the stored status;
-- side effects == COMPLETED write calls, exactly once: one ``email_outbox`` row (the
-  local email backend) for each COMPLETED ``send_email`` call, none for any other;
+- side effects == COMPLETED write calls, exactly once: one row of the local backend's
+  table (``email_outbox``, ``calendar_events``, ``todo_tasks``: :data:`EFFECT_ROWS`) for each
+  COMPLETED call of its tool, none for any other call;
 - no call is CANCELLED with ``committed_at`` set;
 - every ended call says its outcome (done, not_done, unconfirmed), no open call does;
 - what the API answered agrees with the rows: a call whose cancel answered 200 is
@@ -32,9 +33,11 @@ from typing import Any, Iterable
 from sqlalchemy import func, select
 
 from models import db
+from models.calendar import CalendarEvent
 from models.calls import CANCELLED, COMPLETED, EXECUTING, PENDING, PREPARED, TERMINAL, CallbackDelivery, ToolCall
 from models.email import EmailOutbox
 from models.lifecycle import REDRIVEN_REASON
+from models.task_list import TodoTask
 
 # Every status change docs/promises.md allows (EXECUTING -> PENDING is the undo of a
 # confirm whose chain the broker refused; EXECUTING -> EXECUTING is the stuck-call
@@ -46,6 +49,8 @@ ALLOWED = {
     "PREPARED": {"EXECUTING", "CANCELLED", "EXPIRED"},
 }
 WAITING = (PENDING, PREPARED)
+# the side effect of each write tool: a row of its local backend's table, by tool_call_id
+EFFECT_ROWS = {"send_email": EmailOutbox, "schedule_meeting": CalendarEvent, "create_task": TodoTask}
 TERMINAL_EVENTS = {"completed", "failed", "cancelled", "expired"}
 
 
@@ -84,7 +89,7 @@ class Verdict:
     problems: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{self.calls} calls {dict(sorted(self.statuses.items()))}, {self.side_effects} emails, "
+        return (f"{self.calls} calls {dict(sorted(self.statuses.items()))}, {self.side_effects} side effects, "
                 f"{self.events} events, relay received {self.relay_received} "
                 f"({self.relay_duplicates} duplicates, {self.out_of_seq_arrivals} calls out of seq order), "
                 f"{len(self.problems)} problems" + (f"; failed: {dict(self.failures)}" if self.failures else ""))
@@ -112,11 +117,12 @@ def check(relay: Any = None, *, once_at_relay: bool = False,
     verdict = Verdict()
     with db.session() as s:
         calls = list(s.scalars(select(ToolCall)))
-        outbox = Counter(s.scalars(select(EmailOutbox.tool_call_id)))
+        effects = {name: Counter(s.scalars(select(table.tool_call_id).where(table.tool_call_id.is_not(None))))
+                   for name, table in EFFECT_ROWS.items()}
         deliveries = list(s.scalars(select(CallbackDelivery).order_by(CallbackDelivery.tool_call_id,
                                                                       CallbackDelivery.seq)))
     verdict.calls = len(calls)
-    verdict.side_effects = sum(outbox.values())
+    verdict.side_effects = sum(sum(rows.values()) for rows in effects.values())
     problems = verdict.problems
     by_id = {call.tool_call_id: call for call in calls}
     for call in calls:
@@ -131,14 +137,17 @@ def check(relay: Any = None, *, once_at_relay: bool = False,
             problems.append(f"CANCELLED with committed_at {call.committed_at}: {where}")
         if (call.outcome is None) == (call.status in TERMINAL):  # docs/promises.md, "Exactly once"
             problems.append(f"outcome {call.outcome!r} for a call {call.status}: {where}")
-        sent = outbox.get(call.tool_call_id, 0)
-        if call.function_name == "send_email" and call.status == COMPLETED:
-            if sent != 1:
-                problems.append(f"COMPLETED with {sent} emails: {where}")
-        elif sent:
-            problems.append(f"{sent} emails but not COMPLETED: {where} {call.error_message!r}")
-    for stray in set(outbox) - set(by_id):
-        problems.append(f"an email for no call: {stray}")
+        for name, rows in effects.items():
+            made = rows.get(call.tool_call_id, 0)
+            if call.function_name == name and call.status == COMPLETED:
+                if made != 1:
+                    problems.append(f"COMPLETED with {made} {EFFECT_ROWS[name].__tablename__} rows: {where}")
+            elif made:
+                problems.append(f"{made} {EFFECT_ROWS[name].__tablename__} rows but not a COMPLETED {name}: "
+                                f"{where} {call.error_message!r}")
+    for name, rows in effects.items():
+        for stray in set(rows) - set(by_id):
+            problems.append(f"a {EFFECT_ROWS[name].__tablename__} row for no call: {stray}")
     for tool_call_id in answered_cancelled:
         if by_id[tool_call_id].status != CANCELLED:
             problems.append(f"cancel answered 200 but the call is {by_id[tool_call_id].status}: {tool_call_id}")
