@@ -6,8 +6,9 @@ at every section, paragraphs packed up to about 800 characters), each carrying i
 section path ("Installation › Linux") as metadata and, with the title, as the context
 embedded with it by the active embedder (``backends/embeddings.py``). They are stored in
 ``documents`` (``models/documents.py``) with the model's name and the vector's size. A
-search embeds the question with the same embedder and ranks chunks by cosine
-similarity in PostgreSQL (pgvector, HNSW index).
+search embeds the question with the same embedder, ranks documents by meaning (pgvector,
+HNSW index), by the question's words (PostgreSQL full text, GIN index) and by what each is
+about (its opening chunk), fuses the three, and keeps the relevant ones (:func:`relevant`).
 
 - ``ingest(paths, reembed=False, owner="")``: ``.md``, ``.html``, ``.pdf`` and ``.txt``
   files and folders, for one caller (``owner``) or shared by every caller (''); a file
@@ -16,9 +17,11 @@ similarity in PostgreSQL (pgvector, HNSW index).
   model (after a change of embedder).
 - ``search(text, top_k, filters, caller="")``: ``[{id, title, snippet, score, metadata}]``
   of the caller's own and the shared documents, best first, one per document (its best
-  chunk); ``filters`` must match
-  metadata keys exactly (JSON containment); chunks scoring below
-  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
+  chunk); ``filters`` must match metadata keys exactly (JSON containment). A document is
+  returned only when its closest chunk's cosine (``score``) reaches
+  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.375) or its best chunk holds
+  ``VOICE_TOOLS_SEARCH_MIN_WORDS`` (default 0.6) of the question's word weight: both
+  derived by ``python -m bench.search`` on its calibration split.
 - ``load_demo()``: ten short shared demo documents, embedded; safe to run twice.
 
 Models are never mixed: a search or an ingest with an embedder other than the one
@@ -53,11 +56,17 @@ log = logging.getLogger(__name__)
 
 CHUNK_CHARS = 800
 SNIPPET_CHARS = 240
-DEFAULT_MIN_SCORE = 0.3
+# the relevance decision's two floors, derived by `python -m bench.search` on its calibration split
+# (bench/SEARCH.md): a document is relevant when its closest chunk's cosine reaches DEFAULT_MIN_SCORE or
+# its best chunk holds DEFAULT_MIN_WORDS of the question's word weight
+DEFAULT_MIN_SCORE = 0.375
+DEFAULT_MIN_WORDS = 0.6
 EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
 MAX_QUERY_WORDS = 32  # distinct words of a question the full-text half looks for
-RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.)
-CANDIDATES_PER_RESULT = 4  # chunks a search ranks per document it returns (it returns each document once)
+RRF_K = 20  # reciprocal rank fusion's constant (60 in Cormack et al.; 10 to 45 ranked alike on the bench)
+CANDIDATES_PER_RESULT = 20  # chunks each ranking looks at per document a search returns (each document once)
+MIN_CANDIDATES = 100  # and at least this many, however few documents are asked for
+OPENING_WEIGHT = 0.5  # the weight of the ranking by a document's opening chunk in the fusion
 WRITE_BATCH = 256  # chunks embedded and written together during an ingest
 
 NO_PGVECTOR = ("this PostgreSQL has no pgvector: install the pgvector extension or unset DATABASE_URL "
@@ -83,8 +92,15 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (DocumentStoreError, embeddings.
 
 
 def min_score() -> float:
+    """The cosine floor of relevance: ``VOICE_TOOLS_SEARCH_MIN_SCORE``, else :data:`DEFAULT_MIN_SCORE`."""
     configured = settings.load().search_min_score
     return DEFAULT_MIN_SCORE if configured is None else configured
+
+
+def min_words() -> float:
+    """The words floor of relevance: ``VOICE_TOOLS_SEARCH_MIN_WORDS``, else :data:`DEFAULT_MIN_WORDS`."""
+    configured = settings.load().search_min_words
+    return DEFAULT_MIN_WORDS if configured is None else configured
 
 
 # -- pgvector and model checks ----------------------------------------------------------------
@@ -142,25 +158,64 @@ def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None,
 
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
                   filters: dict[str, Any] | None = None, floor: float | None = None,
-                  caller: str = "", text: str | None = None) -> list[dict[str, Any]]:
-    """The documents of ``caller``'s own and the shared ones most relevant to the question (``vector``,
-    made by ``model``; and its words, ``text``), best first: at most ``top_k`` documents, each by its
-    best chunk (a document's other chunks are not results of their own).
+                  caller: str = "", text: str | None = None,
+                  words_floor: float | None = None) -> list[dict[str, Any]]:
+    """The documents of ``caller``'s own and the shared ones relevant to the question (``vector``,
+    made by ``model``; and its words, ``text``), best first: at most ``top_k`` documents, each said by
+    its chunk that ranks best (a document's other chunks are not results of their own).
 
-    Two rankings of the chunks that pass ``filters`` and the owner: by cosine similarity (the
-    HNSW index) and, given ``text``, by PostgreSQL full-text rank (``ts_rank_cd`` of any of the
-    question's words against ``search_text``, GIN index), fused by reciprocal rank fusion
-    (``1/(60 + rank)`` summed over the rankings). A document is as relevant as its closest chunk:
-    ``score`` is that chunk's cosine similarity, and a document under the relevance floor is not
-    returned, whatever its words; its passage is its chunk that ranks best in the fusion.
+    The order is :func:`rank_documents`'s. A document is returned only if it is relevant
+    (:func:`relevant`): its closest chunk's cosine similarity (``score``) reaches ``floor``
+    (:func:`min_score`), or its best worded chunk holds at least ``words_floor``
+    (:func:`min_words`) of the question's word weight.
+    """
+    floor = min_score() if floor is None else floor
+    words_floor = min_words() if words_floor is None else words_floor
+    found: list[dict[str, Any]] = []
+    for doc in rank_documents(vector, model, top_k, filters, caller=caller, text=text):
+        if not relevant(doc, floor, words_floor):
+            continue
+        row = doc["row"]
+        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content),
+                      "score": round(doc["cosine"], 4), "metadata": row.doc_metadata})
+        if len(found) == top_k:
+            break
+    return found
+
+
+def relevant(doc: dict[str, Any], floor: float, words_floor: float) -> bool:
+    """Whether a ranked document answers the question: its meaning is close enough (cosine), or it
+    holds enough of the question's rarer words (the words' share of the question's weight)."""
+    return doc["cosine"] >= floor or doc["words"] >= words_floor
+
+
+def rank_documents(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
+                   filters: dict[str, Any] | None = None, caller: str = "",
+                   text: str | None = None) -> list[dict[str, Any]]:
+    """Every candidate document for the question, best first, with the evidence for it:
+    ``{document_id, cosine, words, fused, row}`` (no relevance decision: see :func:`search_vector`).
+
+    Three rankings of documents, fused by reciprocal rank fusion (``weight/(RRF_K + rank)`` summed):
+
+    1. by meaning: the documents of the chunks closest to ``vector`` (HNSW), each at its closest
+       chunk's place (weight 1);
+    2. by words, given ``text``: the documents of the chunks that hold the question's words
+       (stemmed, no stop words), each at its best chunk's place: by the sum of the matched words'
+       inverse document frequency, then ``ts_rank_cd`` (weight 1);
+    3. by what the document is about: the documents found by 1 or 2, by the cosine of their
+       opening chunk (embedded with the title) to the question (weight 1/2), so a long document
+       that mentions everything somewhere does not outrank the one that is about it.
+
+    ``cosine`` is the document's closest chunk's similarity; ``words`` the share (0..1) of the
+    question's word weight (words no chunk holds weigh as the rarest) that its best worded chunk
+    holds; ``row`` the chunk it is said by: its best in the chunk-level fusion of 1 and 2.
     """
     import numpy as np
 
-    floor = min_score() if floor is None else floor
     vector = np.asarray(vector, dtype=np.float32)
     if vector.shape != (EMBEDDING_DIM,):
         raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
-    candidates = min(1000, top_k * CANDIDATES_PER_RESULT)  # chunks ranked: several may be one document's
+    candidates = min(1000, max(MIN_CANDIDATES, top_k * CANDIDATES_PER_RESULT))  # chunks ranked by each half
     distance = DocumentChunk.embedding.cosine_distance(vector)
     columns = (DocumentChunk.id, DocumentChunk.owner, DocumentChunk.document_id, DocumentChunk.title,
                DocumentChunk.content, DocumentChunk.doc_metadata, distance.label("distance"))
@@ -178,65 +233,79 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
             s.execute(sql_text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, candidates * (10 if filters else 2)))}"))
             _iterative_scan(s)
             nearest = s.execute(by_vector).all()
-            worded = _by_words(s, text, columns, visible, candidates) if text and text.strip() else []
+            worded, weights, total = (_by_words(s, text, columns, visible, candidates) if text and text.strip()
+                                      else ([], {}, 0.0))
+            pool = {(r.owner, r.document_id) for r in list(nearest) + list(worded)}
+            openings = {(r.owner, r.document_id): float(r.distance) for r in s.execute(
+                select(DocumentChunk.owner, DocumentChunk.document_id, distance.label("distance"))
+                .where(*visible, DocumentChunk.chunk_index == 0,
+                       tuple_(DocumentChunk.owner, DocumentChunk.document_id).in_(sorted(pool))))} if pool else {}
     except ProgrammingError as exc:
         _explain_database_error(exc)
         raise
-    fused: dict[tuple[str, str], float] = {}
+    nearest = sorted(nearest, key=lambda r: (r.distance, r.id))  # relaxed_order may return it nearly sorted
+    # the chunk each document is said by: its best in the chunk-level fusion
+    chunk_fused: dict[tuple[str, str], float] = {}
     rows: dict[tuple[str, str], Any] = {}
-    # relaxed_order may return the vector ranking nearly sorted
-    for ranking in (sorted(nearest, key=lambda r: (r.distance, r.id)), worded):
+    for ranking in (nearest, worded):
         for rank_, row in enumerate(ranking, 1):
             key = (row.owner, row.id)
-            fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
+            chunk_fused[key] = chunk_fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
             rows[key] = row
-    # a document is as relevant as its closest chunk (cosine), and is said by its best fused chunk
-    closest: dict[str, float] = {}
-    for row in rows.values():
-        closest[row.document_id] = max(closest.get(row.document_id, -1.0), 1.0 - float(row.distance))
-    found: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for key in sorted(fused, key=lambda k: (-fused[k], rows[k].distance, k[1])):
+    docs: dict[tuple[str, str], dict[str, Any]] = {}
+    for key in sorted(chunk_fused, key=lambda k: (-chunk_fused[k], rows[k].distance, k[1])):
         row = rows[key]
-        if closest[row.document_id] < floor or row.document_id in seen:
-            continue
-        seen.add(row.document_id)
-        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content),
-                      "score": round(closest[row.document_id], 4), "metadata": row.doc_metadata})
-        if len(found) == top_k:
-            break
-    return found
+        doc = docs.setdefault((row.owner, row.document_id), {
+            "document_id": row.document_id, "cosine": -1.0, "words": 0.0, "fused": 0.0, "row": row})
+        doc["cosine"] = max(doc["cosine"], 1.0 - float(row.distance))
+        if total:
+            doc["words"] = max(doc["words"], weights.get(key, 0.0) / total)
+    by_opening = sorted((d for d in docs if d in openings), key=lambda d: (openings[d], d))
+    for ranking, weight in ((_documents_in(nearest), 1.0), (_documents_in(worded), 1.0), (by_opening, OPENING_WEIGHT)):
+        for rank_, doc_key in enumerate(ranking, 1):
+            docs[doc_key]["fused"] += weight / (RRF_K + rank_)
+    return sorted(docs.values(), key=lambda d: (-d["fused"], -d["cosine"], d["document_id"]))
+
+
+def _documents_in(ranking: Sequence[Any]) -> list[tuple[str, str]]:
+    """A ranking of chunks as a ranking of their documents (each at its first chunk's place)."""
+    return list(dict.fromkeys((row.owner, row.document_id) for row in ranking))
 
 
 def _by_words(session: Session, text: str, columns: Sequence[Any], visible: Sequence[Any],
-              limit: int) -> list[Any]:
+              limit: int) -> tuple[list[Any], dict[tuple[str, str], float], float]:
     """The chunks that hold any of the question's words (stemmed, without stop words: ``english``),
     best first: by the sum of the matched words' inverse document frequency (a word few chunks hold
-    says more than a common one), then ``ts_rank_cd`` (where and how close together they are)."""
+    says more than a common one), then ``ts_rank_cd`` (where and how close together they are).
+    With each chunk's ``(owner, id)`` -> that sum, and the question's whole weight (a word no chunk
+    holds weighs as much as the rarest can)."""
     import math
+
+    from sqlalchemy import case, literal
 
     lexemes = session.execute(select(func.tsvector_to_array(func.to_tsvector(SEARCH_CONFIG, text)))).scalar() or []
     lexemes = sorted(set(lexemes))[:MAX_QUERY_WORDS]
     if not lexemes:
-        return []
+        return [], {}, 0.0
     queries = [func.to_tsquery("simple", func.quote_literal(lexeme)) for lexeme in lexemes]
     any_word = func.to_tsquery("simple", " | ".join(f"'{lexeme.replace(chr(39), chr(39) * 2)}'" for lexeme in lexemes))
     counts = session.execute(select(func.count(), *(func.count().filter(DocumentChunk.search_text.op("@@")(q))
                                                      for q in queries))
                              .where(*visible, DocumentChunk.search_text.op("@@")(any_word))).one()
-    if not counts[0]:
-        return []  # no chunk holds any of the words
     total = max(1.0, float(session.execute(sql_text(
         "SELECT greatest(reltuples, 1) FROM pg_class WHERE oid = 'documents'::regclass")).scalar() or 1))
     total = max(total, float(counts[0]))
     weights = [math.log(1 + total / df) if df else 0.0 for df in counts[1:]]
-    from sqlalchemy import case, literal
-
+    whole = sum(w if w else math.log(1 + total) for w in weights)
+    if not counts[0]:
+        return [], {}, whole  # no chunk holds any of the words
     idf = sum(case((DocumentChunk.search_text.op("@@")(q), literal(w)), else_=literal(0.0))
               for q, w in zip(queries, weights) if w)
     rank = func.ts_rank_cd(DocumentChunk.search_text, any_word)
-    return session.execute(select(*columns).where(*visible, DocumentChunk.search_text.op("@@")(any_word))
-                           .order_by(idf.desc(), rank.desc(), DocumentChunk.id).limit(limit)).all()
+    found = session.execute(select(*columns, idf.label("idf"))
+                            .where(*visible, DocumentChunk.search_text.op("@@")(any_word))
+                            .order_by(idf.desc(), rank.desc(), DocumentChunk.id).limit(limit)).all()
+    return found, {(r.owner, r.id): float(r.idf) for r in found}, whole
 
 
 def _iterative_scan(session: Session) -> None:

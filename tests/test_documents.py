@@ -146,6 +146,13 @@ def test_markdown_is_parsed_title_sections_and_plain_text_only(tmp_path):
     assert front["doc_metadata"]["section"] == "Heading"
     (tmp_path / "no-heading_here.md").write_text("Just text.\n")
     assert documents.read_document(tmp_path / "no-heading_here.md")[0]["title"] == "No heading here"
+    # READMEs write their title as an HTML <h1>; a first heading of level 2 is a section, not the title
+    (tmp_path / "charset.md").write_text('<h1 align="center">Charset <b>Detection</b> 👋</h1>\n\n'
+                                          '<h2 align="center">Why</h2>\n\nTo read text.\n\n## Usage\n\nCall it.\n')
+    assert [(r["title"], r["doc_metadata"].get("section")) for r in documents.read_document(tmp_path / "charset.md")] \
+        == [("Charset Detection 👋", "Why"), ("Charset Detection 👋", "Usage")]
+    (tmp_path / "arrays_lib.md").write_text('<h1><img src="logo.svg"></h1>\n\nArrays.\n\n## Code of Conduct\n\nBe kind.\n')
+    assert {r["title"] for r in documents.read_document(tmp_path / "arrays_lib.md")} == {"Arrays lib"}
 
 
 def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_path):
@@ -201,9 +208,14 @@ def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_
     assert [f["title"] for f in documents.search_vector(vector, model, 5, floor=-1, text=question,
                                                          filters={"file": "printer.md"})] == ["Office printers"]
     assert len(documents.search_vector(vector, model, 2, floor=-1, text=question)) == 2
-    floor = documents.search_vector(vector, model, 5, floor=0.25, text=question)
-    assert floor and all(f["score"] >= 0.25 for f in floor)  # words alone are not relevance: the floor still decides
+    floor = documents.search_vector(vector, model, 5, floor=0.25, text=question, words_floor=2)
+    assert floor and all(f["score"] >= 0.25 for f in floor)  # the words floor out of reach: the cosine decides
     assert "Office printers" not in [f["title"] for f in floor]  # its cosine is under it
+    # by default a document holding most of the question's word weight is relevant: E4471 is in no other
+    relevant = documents.search_vector(vector, model, 5, floor=0.25, text=question)
+    printers = next(f for f in relevant if f["title"] == "Office printers")
+    assert printers["score"] < 0.25  # relevant by its words alone
+    assert documents.search_vector(vector, model, 5, floor=0.25, text="error E9999") == floor  # no such code
 
 
 PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
@@ -345,6 +357,9 @@ def test_relevance_floor(demo, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "-1")
     assert len(documents.search("recipe for a chocolate cake", top_k=3)) == 3
     monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "0.99")
+    assert [f["id"] for f in documents.search("Q3 sales Northwest region")] == [
+        "q3-sales-northwest#0", "q3-sales-southwest#0"]  # every word of it is in their text: relevant by words
+    monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_WORDS", "1.01")
     assert documents.search("Q3 sales Northwest region") == []
 
 
