@@ -37,7 +37,7 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import column as sql_column, delete, func, or_, select, tuple_, update
 from sqlalchemy import text as sql_text
@@ -470,15 +470,23 @@ def _files(paths: Iterable[str]) -> list[Path]:
 
 
 def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
-           progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
+           progress: Callable[[int, int, int], None] | None = None,
+           reembed_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Read, chunk, embed and store Markdown, HTML, PDF and text files (folders are walked; hidden
     ones skipped) as ``owner``'s documents ('' : shared by every caller).
 
-    A file ingested again for the same owner replaces its chunks (in one transaction per file). A
-    file that cannot be read is skipped (logged, and listed with the reason) and the rest goes on.
-    With ``reembed`` every chunk already stored is embedded again with the active model
-    first. ``progress(files done, files, chunks stored)`` is called after each batch is stored.
-    Returns ``{files, chunks, model, seconds, reembedded, skipped: [{file, reason}]}``.
+    A file ingested again for the same owner replaces its chunks (in one transaction per batch of
+    files); a chunk that has not changed (the same title, section and text, embedded by the
+    active model) keeps its stored vector instead of being embedded again, and a text met twice
+    in a batch is embedded once. A file that cannot be read is skipped (logged, and listed with
+    the reason) and the rest goes on. With ``reembed`` every chunk already stored is embedded
+    again with the active model first (:func:`reembed_all`, which calls ``reembed_progress``).
+    ``progress(files done, files, chunks stored)`` is called after each batch is stored. Returns ``{files, chunks, model,
+    seconds, reembedded, skipped: [{file, reason}]}``.
+
+    The batches (``WRITE_BATCH`` chunks) flow through three stages at once: a thread reads and
+    chunks the next files, this thread embeds (the model on every core), and a thread writes
+    the previous batch (one transaction), so reading and the database hide behind the model.
     """
     started = time.perf_counter()
     files = _files(paths)
@@ -489,14 +497,12 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
             stored = _other_model(s, model, exclude_documents=[str(f) for f in files])
             if stored is not None:
                 raise _mismatch(stored, model)
-    reembedded = _reembed(model, dim) if reembed else 0
+    reembedded = reembed_all(model, dim, reembed_progress) if reembed else 0
 
     chunks = 0
     skipped: list[dict[str, str]] = []
-    group: list[tuple[Path, list[dict[str, Any]]]] = []
-    # a batch is written (one transaction) by a thread of its own while the next one is read and
-    # embedded here: the database's time hides behind the model's
-    with ThreadPoolExecutor(1, thread_name_prefix="ingest-write") as writer:
+    with ThreadPoolExecutor(1, thread_name_prefix="ingest-read") as reader, \
+            ThreadPoolExecutor(1, thread_name_prefix="ingest-write") as writer:
         writing: tuple[Future[int], int] | None = None
 
         def wait_for_write() -> None:
@@ -506,64 +512,131 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
                 if progress is not None:
                     progress(writing[1], len(files), chunks)
 
-        for index, path in enumerate(files):
-            try:
-                group.append((path, read_document(path)))
-            except reading.Unreadable as exc:
-                log.warning("skipped %s: %s", path, exc)
-                skipped.append({"file": str(path), "reason": str(exc)})
-            if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
-                _embed_rows(group, model, dim, owner)
-                wait_for_write()
-                writing = (writer.submit(_write, group, owner), index + 1)
-                group = []
+        batches = _read_batches(files, skipped)
+        upcoming = reader.submit(next, batches, None)
+        while True:
+            batch = upcoming.result()
+            if batch is None:
+                break
+            upcoming = reader.submit(next, batches, None)  # the next files are read while this batch embeds
+            group, files_done = batch
+            _embed_rows(group, model, dim, owner)
+            wait_for_write()
+            writing = (writer.submit(_write, group, owner), files_done)
         wait_for_write()
     return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
             "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
 
 
+def _read_batches(files: list[Path], skipped: list[dict[str, str]]) -> Iterator[
+        tuple[list[tuple[Path, list[dict[str, Any]]]], int]]:
+    """The files' chunk rows in groups of about ``WRITE_BATCH`` chunks, each with how many files are done."""
+    group: list[tuple[Path, list[dict[str, Any]]]] = []
+    for index, path in enumerate(files):
+        try:
+            group.append((path, read_document(path)))
+        except reading.Unreadable as exc:
+            log.warning("skipped %s: %s", path, exc)
+            skipped.append({"file": str(path), "reason": str(exc)})
+        if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
+            yield group, index + 1
+            group = []
+    if group:
+        yield group, len(files)
+
+
 def _embed_rows(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> None:
-    """Embed a group of files' chunks (the rows get their vector, model and owner)."""
+    """Give a group of files' chunks their vector, model and owner: a chunk stored unchanged for the same
+    document keeps its vector, a text met twice is embedded once, the rest is embedded."""
     rows = [row for _, file_rows in group for row in file_rows]
-    vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
-    for row, vector in zip(rows, vectors):
-        row.update(owner=owner, embedding=vector, embedding_model=model, embedding_dim=dim)
+    texts = [embedding_text(row) for row in rows]
+    known = _stored_vectors([str(path) for path, _ in group], owner, model)
+    missing = list(dict.fromkeys(t for t in texts if t not in known))
+    known.update(zip(missing, embeddings.embed(missing, bulk=True)))
+    for row, text in zip(rows, texts):
+        row.update(owner=owner, embedding=known[text], embedding_model=model, embedding_dim=dim)
+
+
+def _stored_vectors(document_ids: list[str], owner: str, model: str) -> dict[str, Any]:
+    """embedding text -> the vector stored for it among these documents of ``owner`` made by ``model``."""
+    import numpy as np
+
+    if not document_ids:
+        return {}
+    with db.session() as s:
+        stored = s.execute(select(DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
+                                  DocumentChunk.embedding)
+                           .where(DocumentChunk.owner == owner, DocumentChunk.document_id.in_(document_ids),
+                                  DocumentChunk.embedding_model == model)).all()
+    return {embedding_text({"title": r.title, "content": r.content, "doc_metadata": r.doc_metadata}):
+            np.asarray(r.embedding, dtype=np.float32) for r in stored}
 
 
 def _write(group: list[tuple[Path, list[dict[str, Any]]]], owner: str = SHARED) -> int:
     """Replace each file's chunks of ``owner`` with the group's embedded rows (one transaction)."""
     with db.session() as s:
-        for path, file_rows in group:
-            s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
-                                                  DocumentChunk.document_id == str(path)))
-            if file_rows:
-                s.execute(insert(DocumentChunk), file_rows)
+        s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
+                                              DocumentChunk.document_id.in_([str(path) for path, _ in group])))
+        rows = [row for _, file_rows in group for row in file_rows]
+        if rows:
+            s.execute(insert(DocumentChunk), rows)
     return sum(len(file_rows) for _, file_rows in group)
 
 
-def _reembed(model: str, dim: int) -> int:
-    """Embed every stored chunk (of every owner) again with ``model`` (keyset pages, one transaction per page)."""
+def reembed_all(model: str, dim: int, progress: Callable[[int, int], None] | None = None) -> int:
+    """Embed every stored chunk (of every owner) again with ``model``; the number done.
+
+    Keyset pages of ``WRITE_BATCH`` chunks: a page is embedded while the previous one is written
+    (one transaction, an UPDATE from a list of vectors) by a thread of its own.
+    ``progress(done, total)`` is called after each page is written.
+    """
+    with db.session() as s:
+        total = s.scalar(select(func.count()).select_from(DocumentChunk)) or 0
     done, after = 0, (SHARED, "")
     key = tuple_(DocumentChunk.owner, DocumentChunk.id)
-    while True:
-        with db.session() as s:
-            page = s.execute(
-                select(DocumentChunk.owner, DocumentChunk.id, DocumentChunk.title, DocumentChunk.content,
-                       DocumentChunk.doc_metadata)
-                .where(key > tuple_(*after)).order_by(DocumentChunk.owner, DocumentChunk.id)
-                .limit(WRITE_BATCH)).all()
-        if not page:
-            return done
-        rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content,
-                 "doc_metadata": r.doc_metadata} for r in page]
-        vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
-        with db.session() as s:
-            for row, vector in zip(rows, vectors):
-                s.execute(update(DocumentChunk)
-                          .where(DocumentChunk.owner == row["owner"], DocumentChunk.id == row["id"])
-                          .values(embedding=vector, embedding_model=model, embedding_dim=dim))
-        done += len(rows)
-        after = (page[-1].owner, page[-1].id)
+    with ThreadPoolExecutor(1, thread_name_prefix="reembed-write") as writer:
+        writing: Future[int] | None = None
+
+        def wait_for_write() -> None:
+            nonlocal done
+            if writing is not None:
+                done += writing.result()
+                if progress is not None:
+                    progress(done, total)
+
+        while True:
+            with db.session() as s:
+                page = s.execute(
+                    select(DocumentChunk.owner, DocumentChunk.id, DocumentChunk.title, DocumentChunk.content,
+                           DocumentChunk.doc_metadata)
+                    .where(key > tuple_(*after)).order_by(DocumentChunk.owner, DocumentChunk.id)
+                    .limit(WRITE_BATCH)).all()
+            if not page:
+                break
+            rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content,
+                     "doc_metadata": r.doc_metadata} for r in page]
+            vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
+            wait_for_write()
+            writing = writer.submit(_write_vectors, [(r["owner"], r["id"], v) for r, v in zip(rows, vectors)],
+                                    model, dim)
+            after = (page[-1].owner, page[-1].id)
+        wait_for_write()
+    return done
+
+
+def _write_vectors(vectors: list[tuple[str, str, Any]], model: str, dim: int) -> int:
+    """Store new vectors for chunks by (owner, id), with their model (one transaction, one statement)."""
+    from pgvector.sqlalchemy import Vector
+    from sqlalchemy import String, Text, bindparam, cast, values
+
+    given = values(sql_column("owner", String), sql_column("id", Text), sql_column("embedding", Vector(EMBEDDING_DIM)),
+                   name="given").data(vectors)
+    with db.session() as s:
+        s.execute(update(DocumentChunk)
+                  .where(DocumentChunk.owner == given.c.owner, DocumentChunk.id == given.c.id)
+                  .values(embedding=cast(given.c.embedding, Vector(EMBEDDING_DIM)), embedding_model=bindparam("model", model),
+                          embedding_dim=bindparam("dim", dim)))
+    return len(vectors)
 
 
 # -- demo data ------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def _inline_markdown(text: str) -> str:
     return " ".join(_inline_text(t) for t in tokens).strip()
 
 
-_HTML_HEADING = re.compile(r"\s*<h([1-6])\b[^>]*>(.*?)</h\1>\s*$", re.I | re.S)  # a README's <h1 align=...>
+_HTML_HEADING = re.compile(r"\s*<h([1-6])\b[^>]*>(.*?)</h\1>\s*$", re.IGNORECASE | re.DOTALL)  # a README's <h1 align=...>
 
 
 def parse_markdown(raw: str, path: Path) -> Parsed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -403,6 +404,31 @@ def test_a_new_model_refuses_until_reembedded(folder, openai_api):
     assert inputs[0] == "sick leave"  # the refused search's question
     assert len(inputs[1:]) == 4 and any("If you are ill" in i for i in inputs[1:])
     assert documents.search("doctor's note sickness", top_k=1)[0]["metadata"]["section"] == "Sick leave"
+
+
+def test_reingest_embeds_only_what_changed_and_the_command_says_how_far_it_is(folder, openai_api, capsys):
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer, times=None)
+
+    def sent() -> list[str]:
+        return [i for r in openai_api.requests_to("POST", r"/v1/embeddings$") for i in r.json["input"]]
+
+    assert documents.ingest([str(folder)])["chunks"] == 4 and len(sent()) == 4
+    handbook = folder / "handbook.md"
+    handbook.write_text(handbook.read_text().replace("If you are ill", "If you are sick"))
+    assert documents.ingest([str(folder)])["chunks"] == 4
+    assert len(sent()) == 5 and "If you are sick" in sent()[-1]  # the one changed chunk, not the other three
+    sick = next(c for c in chunks() if c.doc_metadata.get("section") == "Sick leave")
+    assert "If you are sick" in sick.content and sick.embedding == pytest.approx(fake_vector(documents.embedding_text(
+        {"title": sick.title, "content": sick.content, "doc_metadata": sick.doc_metadata})), abs=1e-6)
+
+    from voice_tools import launcher
+
+    capsys.readouterr()
+    assert launcher.ingest([str(folder)], reembed=True) == 0  # not a terminal: plain lines
+    err = capsys.readouterr().err
+    assert "voice-tools ingest: re-embedded 4/4 chunks\n" in err
+    assert re.search(r"^voice-tools ingest: 3/3 files, 4 chunks \(\d+ chunks/s\)$", err, re.MULTILINE), err
+    assert len(sent()) == 5 + 4  # --reembed embeds every chunk again; the ingest after it, none
 
 
 def test_chunks_of_the_package_model_before_int8_dyn_are_refused_until_reembedded(folder):
