@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any, Callable, Mapping
 
 TOPIC_WORDS = 6  # a question longer than this is not said back: "that"
 _QUESTION_WORDS = frozenset(
@@ -30,3 +31,25 @@ def passage(snippet: str) -> str:
         if ends:
             text = text[:ends[-1]]
     return text if text[-1:] in (".", "?", "!") else text + "."
+
+
+def said_back(words: str) -> str:
+    """What the caller asked, said back inside a sentence: "How do I reset my password?" becomes "how do
+    I reset my password" (no closing mark, a capital kept only where it is a name or an acronym)."""
+    text = " ".join(str(words).split()).rstrip("?!. ")
+    if len(text) > 1 and text[0].isupper() and text[1].islower():
+        text = text[0].lower() + text[1:]
+    return text
+
+
+class _Blank(dict):
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def saying_back(template: str, key: str) -> Callable[..., str]:
+    """A tool's sentence that says the parameter ``key`` back as :func:`said_back` does."""
+    def render(parameters: Mapping[str, Any], **extra: Any) -> str:
+        return template.format_map(_Blank({**parameters, **extra, key: said_back(parameters.get(key) or "")}))
+
+    return render
