@@ -18,7 +18,7 @@ MARKUP = {
     "an ISO date": re.compile(r"\b\d{4}-\d{2}-\d{2}(?!\d)"),
     "a 24-hour clock time or seconds": re.compile(r"\b\d{1,2}:\d{2}:\d{2}\b|\b(?:0\d|1[3-9]|2[0-3]):[0-5]\d\b"),
     "a UTC offset or Z": re.compile(r"[+-]\d{2}:\d{2}\b|\d[zZ]\b"),
-    "a raw decimal": re.compile(r"(?<![\d.])0\.\d+|\b\d+\.\d{3,}\b"),
+    "a raw decimal (a ratio, not a percentage)": re.compile(r"(?<![\d.])0\.\d{2,}|\b\d+\.\d{3,}\b"),
     "a percent sign": re.compile(r"%"),
 }
 

@@ -173,6 +173,14 @@ def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_pat
         assert markup_in(said) == [] and said.rstrip()[-1] in ".!?", said
     assert query_vector_db.voice_response({}, {"summary": documents.plain_summary(found), "documents": found}) \
         .startswith("I found 2 documents; the best match is ")
+    # a passage's numbers and dates are read as a person says them
+    sales = {"id": "s#0", "title": "Sales", "score": 0.5, "metadata": {},
+             "snippet": "Sales rose 8% in the quarter to 2026-09-30, against 0.5% a year before."}
+    said = search_documentation.voice_response({"query": "sales"}, {"summary": documents.plain_summary([sales]),
+                                                                      "documents": [sales]})
+    assert said == ("The documentation on Sales says: Sales rose 8 percent in the quarter to September 30, 2026, "
+                    "against 0.5 percent a year before.")
+    assert markup_in(said) == [], said
 
     question = "How do I get a refund for the hotel I booked for the offsite last month?"
     assert search_documentation.voice_response({"query": question}, {"summary": "", "documents": []}) == (

@@ -22,10 +22,27 @@ def topic(question: str) -> str | None:
     return " ".join(words)
 
 
+_ISO_DATE = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b(?!:)")
+_PERCENT = re.compile(r"(\d)\s?%")
+
+
+def spoken_numbers(text: str) -> str:
+    """A document's numbers as a person says them: "8%" as "8 percent", "2026-09-30" as "September 30, 2026"."""
+    import calendar
+
+    def date(match: re.Match[str]) -> str:
+        year, month, day = (int(g) for g in match.groups())
+        if not (1 <= month <= 12 and 1 <= day <= 31):
+            return match.group(0)
+        return f"{calendar.month_name[month]} {day}, {year}"
+
+    return _PERCENT.sub(r"\1 percent", _ISO_DATE.sub(date, text))
+
+
 def passage(snippet: str) -> str:
-    """A snippet cut short ("...") said to its last whole sentence when it has one, else as it is; ends with
-    a full stop."""
-    text = snippet.strip()
+    """A snippet cut short ("...") said to its last whole sentence when it has one, else as it is, its numbers
+    and dates as they are said (:func:`spoken_numbers`); ends with a full stop."""
+    text = spoken_numbers(snippet.strip())
     if text.endswith("..."):
         ends = [m.end() for m in _SENTENCE_END.finditer(text)]
         if ends:
