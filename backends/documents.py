@@ -524,8 +524,17 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
             wait_for_write()
             writing = (writer.submit(_write, group, owner), files_done)
         wait_for_write()
+    if chunks:
+        _analyze()
     return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
             "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
+
+
+def _analyze() -> None:
+    """Refresh the table's statistics: a search weighs a word by how many of all the chunks hold it
+    (``reltuples``), which would otherwise wait for autovacuum (or be unknown on a new table)."""
+    with db.engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sql_text("ANALYZE documents"))
 
 
 def _read_batches(files: list[Path], skipped: list[dict[str, str]]) -> Iterator[
