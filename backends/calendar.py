@@ -304,14 +304,16 @@ def rfc3339(value: datetime) -> str:
 
 
 def clock(value: datetime) -> str:
-    """``2:00 PM``."""
+    """``2 p.m.``, ``9:30 a.m.``, ``noon``, ``midnight``: a time as a person says it."""
+    if value.minute == 0 and value.hour in (0, 12):
+        return "noon" if value.hour == 12 else "midnight"
     hour = value.hour % 12 or 12
-    return f"{hour}:{value.minute:02d} {'AM' if value.hour < 12 else 'PM'}"
+    return f"{hour}{f':{value.minute:02d}' if value.minute else ''} {'a.m.' if value.hour < 12 else 'p.m.'}"
 
 
 def full_day(value: datetime | date) -> str:
-    """``Tuesday November 24``."""
-    return f"{value:%A %B} {value.day}"
+    """``Tuesday, November 24``."""
+    return f"{value:%A}, {value:%B} {value.day}"
 
 
 def spoken_duration(minutes: int) -> str:

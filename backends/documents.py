@@ -6,8 +6,9 @@ at every section, paragraphs packed up to about 800 characters), each carrying i
 section path ("Installation › Linux") as metadata and, with the title, as the context
 embedded with it by the active embedder (``backends/embeddings.py``). They are stored in
 ``documents`` (``models/documents.py``) with the model's name and the vector's size. A
-search embeds the question with the same embedder and ranks chunks by cosine
-similarity in PostgreSQL (pgvector, HNSW index).
+search embeds the question with the same embedder, ranks documents by meaning (pgvector,
+HNSW index), by the question's words (PostgreSQL full text, GIN index) and by what each is
+about (its opening chunk), fuses the three, and keeps the relevant ones (:func:`relevant`).
 
 - ``ingest(paths, reembed=False, owner="")``: ``.md``, ``.html``, ``.pdf`` and ``.txt``
   files and folders, for one caller (``owner``) or shared by every caller (''); a file
@@ -16,9 +17,11 @@ similarity in PostgreSQL (pgvector, HNSW index).
   model (after a change of embedder).
 - ``search(text, top_k, filters, caller="")``: ``[{id, title, snippet, score, metadata}]``
   of the caller's own and the shared documents, best first, one per document (its best
-  chunk); ``filters`` must match
-  metadata keys exactly (JSON containment); chunks scoring below
-  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.3) are not returned.
+  chunk); ``filters`` must match metadata keys exactly (JSON containment). A document is
+  returned only when its closest chunk's cosine (``score``) reaches
+  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.375) or its best chunk holds
+  ``VOICE_TOOLS_SEARCH_MIN_WORDS`` (default 0.6) of the question's word weight: both
+  derived by ``python -m bench.search`` on its calibration split.
 - ``load_demo()``: ten short shared demo documents, embedded; safe to run twice.
 
 Models are never mixed: a search or an ingest with an embedder other than the one
@@ -34,7 +37,7 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from sqlalchemy import column as sql_column, delete, func, or_, select, tuple_, update
 from sqlalchemy import text as sql_text
@@ -53,11 +56,17 @@ log = logging.getLogger(__name__)
 
 CHUNK_CHARS = 800
 SNIPPET_CHARS = 240
-DEFAULT_MIN_SCORE = 0.3
+# the relevance decision's two floors, derived by `python -m bench.search` on its calibration split
+# (bench/SEARCH.md): a document is relevant when its closest chunk's cosine reaches DEFAULT_MIN_SCORE or
+# its best chunk holds DEFAULT_MIN_WORDS of the question's word weight
+DEFAULT_MIN_SCORE = 0.375
+DEFAULT_MIN_WORDS = 0.6
 EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
 MAX_QUERY_WORDS = 32  # distinct words of a question the full-text half looks for
-RRF_K = 60  # reciprocal rank fusion's constant (Cormack et al.)
-CANDIDATES_PER_RESULT = 4  # chunks a search ranks per document it returns (it returns each document once)
+RRF_K = 20  # reciprocal rank fusion's constant (60 in Cormack et al.; 10 to 45 ranked alike on the bench)
+CANDIDATES_PER_RESULT = 20  # chunks each ranking looks at per document a search returns (each document once)
+MIN_CANDIDATES = 100  # and at least this many, however few documents are asked for
+OPENING_WEIGHT = 0.5  # the weight of the ranking by a document's opening chunk in the fusion
 WRITE_BATCH = 256  # chunks embedded and written together during an ingest
 
 NO_PGVECTOR = ("this PostgreSQL has no pgvector: install the pgvector extension or unset DATABASE_URL "
@@ -83,8 +92,15 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (DocumentStoreError, embeddings.
 
 
 def min_score() -> float:
+    """The cosine floor of relevance: ``VOICE_TOOLS_SEARCH_MIN_SCORE``, else :data:`DEFAULT_MIN_SCORE`."""
     configured = settings.load().search_min_score
     return DEFAULT_MIN_SCORE if configured is None else configured
+
+
+def min_words() -> float:
+    """The words floor of relevance: ``VOICE_TOOLS_SEARCH_MIN_WORDS``, else :data:`DEFAULT_MIN_WORDS`."""
+    configured = settings.load().search_min_words
+    return DEFAULT_MIN_WORDS if configured is None else configured
 
 
 # -- pgvector and model checks ----------------------------------------------------------------
@@ -142,25 +158,64 @@ def search(query: str, top_k: int = 5, filters: dict[str, Any] | None = None,
 
 def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
                   filters: dict[str, Any] | None = None, floor: float | None = None,
-                  caller: str = "", text: str | None = None) -> list[dict[str, Any]]:
-    """The documents of ``caller``'s own and the shared ones most relevant to the question (``vector``,
-    made by ``model``; and its words, ``text``), best first: at most ``top_k`` documents, each by its
-    best chunk (a document's other chunks are not results of their own).
+                  caller: str = "", text: str | None = None,
+                  words_floor: float | None = None) -> list[dict[str, Any]]:
+    """The documents of ``caller``'s own and the shared ones relevant to the question (``vector``,
+    made by ``model``; and its words, ``text``), best first: at most ``top_k`` documents, each said by
+    its chunk that ranks best (a document's other chunks are not results of their own).
 
-    Two rankings of the chunks that pass ``filters`` and the owner: by cosine similarity (the
-    HNSW index) and, given ``text``, by PostgreSQL full-text rank (``ts_rank_cd`` of any of the
-    question's words against ``search_text``, GIN index), fused by reciprocal rank fusion
-    (``1/(60 + rank)`` summed over the rankings). A document is as relevant as its closest chunk:
-    ``score`` is that chunk's cosine similarity, and a document under the relevance floor is not
-    returned, whatever its words; its passage is its chunk that ranks best in the fusion.
+    The order is :func:`rank_documents`'s. A document is returned only if it is relevant
+    (:func:`relevant`): its closest chunk's cosine similarity (``score``) reaches ``floor``
+    (:func:`min_score`), or its best worded chunk holds at least ``words_floor``
+    (:func:`min_words`) of the question's word weight.
+    """
+    floor = min_score() if floor is None else floor
+    words_floor = min_words() if words_floor is None else words_floor
+    found: list[dict[str, Any]] = []
+    for doc in rank_documents(vector, model, top_k, filters, caller=caller, text=text):
+        if not relevant(doc, floor, words_floor):
+            continue
+        row = doc["row"]
+        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content),
+                      "score": round(doc["cosine"], 4), "metadata": row.doc_metadata})
+        if len(found) == top_k:
+            break
+    return found
+
+
+def relevant(doc: dict[str, Any], floor: float, words_floor: float) -> bool:
+    """Whether a ranked document answers the question: its meaning is close enough (cosine), or it
+    holds enough of the question's rarer words (the words' share of the question's weight)."""
+    return doc["cosine"] >= floor or doc["words"] >= words_floor
+
+
+def rank_documents(vector: Sequence[float] | np.ndarray, model: str, top_k: int = 5,
+                   filters: dict[str, Any] | None = None, caller: str = "",
+                   text: str | None = None) -> list[dict[str, Any]]:
+    """Every candidate document for the question, best first, with the evidence for it:
+    ``{document_id, cosine, words, fused, row}`` (no relevance decision: see :func:`search_vector`).
+
+    Three rankings of documents, fused by reciprocal rank fusion (``weight/(RRF_K + rank)`` summed):
+
+    1. by meaning: the documents of the chunks closest to ``vector`` (HNSW), each at its closest
+       chunk's place (weight 1);
+    2. by words, given ``text``: the documents of the chunks that hold the question's words
+       (stemmed, no stop words), each at its best chunk's place: by the sum of the matched words'
+       inverse document frequency, then ``ts_rank_cd`` (weight 1);
+    3. by what the document is about: the documents found by 1 or 2, by the cosine of their
+       opening chunk (embedded with the title) to the question (weight 1/2), so a long document
+       that mentions everything somewhere does not outrank the one that is about it.
+
+    ``cosine`` is the document's closest chunk's similarity; ``words`` the share (0..1) of the
+    question's word weight (words no chunk holds weigh as the rarest) that its best worded chunk
+    holds; ``row`` the chunk it is said by: its best in the chunk-level fusion of 1 and 2.
     """
     import numpy as np
 
-    floor = min_score() if floor is None else floor
     vector = np.asarray(vector, dtype=np.float32)
     if vector.shape != (EMBEDDING_DIM,):
         raise DocumentStoreError(f"a query vector must have {EMBEDDING_DIM} numbers, not {vector.size}")
-    candidates = min(1000, top_k * CANDIDATES_PER_RESULT)  # chunks ranked: several may be one document's
+    candidates = min(1000, max(MIN_CANDIDATES, top_k * CANDIDATES_PER_RESULT))  # chunks ranked by each half
     distance = DocumentChunk.embedding.cosine_distance(vector)
     columns = (DocumentChunk.id, DocumentChunk.owner, DocumentChunk.document_id, DocumentChunk.title,
                DocumentChunk.content, DocumentChunk.doc_metadata, distance.label("distance"))
@@ -178,65 +233,79 @@ def search_vector(vector: Sequence[float] | np.ndarray, model: str, top_k: int =
             s.execute(sql_text(f"SET LOCAL hnsw.ef_search = {max(40, min(1000, candidates * (10 if filters else 2)))}"))
             _iterative_scan(s)
             nearest = s.execute(by_vector).all()
-            worded = _by_words(s, text, columns, visible, candidates) if text and text.strip() else []
+            worded, weights, total = (_by_words(s, text, columns, visible, candidates) if text and text.strip()
+                                      else ([], {}, 0.0))
+            pool = {(r.owner, r.document_id) for r in list(nearest) + list(worded)}
+            openings = {(r.owner, r.document_id): float(r.distance) for r in s.execute(
+                select(DocumentChunk.owner, DocumentChunk.document_id, distance.label("distance"))
+                .where(*visible, DocumentChunk.chunk_index == 0,
+                       tuple_(DocumentChunk.owner, DocumentChunk.document_id).in_(sorted(pool))))} if pool else {}
     except ProgrammingError as exc:
         _explain_database_error(exc)
         raise
-    fused: dict[tuple[str, str], float] = {}
+    nearest = sorted(nearest, key=lambda r: (r.distance, r.id))  # relaxed_order may return it nearly sorted
+    # the chunk each document is said by: its best in the chunk-level fusion
+    chunk_fused: dict[tuple[str, str], float] = {}
     rows: dict[tuple[str, str], Any] = {}
-    # relaxed_order may return the vector ranking nearly sorted
-    for ranking in (sorted(nearest, key=lambda r: (r.distance, r.id)), worded):
+    for ranking in (nearest, worded):
         for rank_, row in enumerate(ranking, 1):
             key = (row.owner, row.id)
-            fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
+            chunk_fused[key] = chunk_fused.get(key, 0.0) + 1.0 / (RRF_K + rank_)
             rows[key] = row
-    # a document is as relevant as its closest chunk (cosine), and is said by its best fused chunk
-    closest: dict[str, float] = {}
-    for row in rows.values():
-        closest[row.document_id] = max(closest.get(row.document_id, -1.0), 1.0 - float(row.distance))
-    found: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for key in sorted(fused, key=lambda k: (-fused[k], rows[k].distance, k[1])):
+    docs: dict[tuple[str, str], dict[str, Any]] = {}
+    for key in sorted(chunk_fused, key=lambda k: (-chunk_fused[k], rows[k].distance, k[1])):
         row = rows[key]
-        if closest[row.document_id] < floor or row.document_id in seen:
-            continue
-        seen.add(row.document_id)
-        found.append({"id": row.id, "title": row.title, "snippet": snippet(row.content),
-                      "score": round(closest[row.document_id], 4), "metadata": row.doc_metadata})
-        if len(found) == top_k:
-            break
-    return found
+        doc = docs.setdefault((row.owner, row.document_id), {
+            "document_id": row.document_id, "cosine": -1.0, "words": 0.0, "fused": 0.0, "row": row})
+        doc["cosine"] = max(doc["cosine"], 1.0 - float(row.distance))
+        if total:
+            doc["words"] = max(doc["words"], weights.get(key, 0.0) / total)
+    by_opening = sorted((d for d in docs if d in openings), key=lambda d: (openings[d], d))
+    for ranking, weight in ((_documents_in(nearest), 1.0), (_documents_in(worded), 1.0), (by_opening, OPENING_WEIGHT)):
+        for rank_, doc_key in enumerate(ranking, 1):
+            docs[doc_key]["fused"] += weight / (RRF_K + rank_)
+    return sorted(docs.values(), key=lambda d: (-d["fused"], -d["cosine"], d["document_id"]))
+
+
+def _documents_in(ranking: Sequence[Any]) -> list[tuple[str, str]]:
+    """A ranking of chunks as a ranking of their documents (each at its first chunk's place)."""
+    return list(dict.fromkeys((row.owner, row.document_id) for row in ranking))
 
 
 def _by_words(session: Session, text: str, columns: Sequence[Any], visible: Sequence[Any],
-              limit: int) -> list[Any]:
+              limit: int) -> tuple[list[Any], dict[tuple[str, str], float], float]:
     """The chunks that hold any of the question's words (stemmed, without stop words: ``english``),
     best first: by the sum of the matched words' inverse document frequency (a word few chunks hold
-    says more than a common one), then ``ts_rank_cd`` (where and how close together they are)."""
+    says more than a common one), then ``ts_rank_cd`` (where and how close together they are).
+    With each chunk's ``(owner, id)`` -> that sum, and the question's whole weight (a word no chunk
+    holds weighs as much as the rarest can)."""
     import math
+
+    from sqlalchemy import case, literal
 
     lexemes = session.execute(select(func.tsvector_to_array(func.to_tsvector(SEARCH_CONFIG, text)))).scalar() or []
     lexemes = sorted(set(lexemes))[:MAX_QUERY_WORDS]
     if not lexemes:
-        return []
+        return [], {}, 0.0
     queries = [func.to_tsquery("simple", func.quote_literal(lexeme)) for lexeme in lexemes]
     any_word = func.to_tsquery("simple", " | ".join(f"'{lexeme.replace(chr(39), chr(39) * 2)}'" for lexeme in lexemes))
     counts = session.execute(select(func.count(), *(func.count().filter(DocumentChunk.search_text.op("@@")(q))
                                                      for q in queries))
                              .where(*visible, DocumentChunk.search_text.op("@@")(any_word))).one()
-    if not counts[0]:
-        return []  # no chunk holds any of the words
     total = max(1.0, float(session.execute(sql_text(
         "SELECT greatest(reltuples, 1) FROM pg_class WHERE oid = 'documents'::regclass")).scalar() or 1))
     total = max(total, float(counts[0]))
     weights = [math.log(1 + total / df) if df else 0.0 for df in counts[1:]]
-    from sqlalchemy import case, literal
-
+    whole = sum(w if w else math.log(1 + total) for w in weights)
+    if not counts[0]:
+        return [], {}, whole  # no chunk holds any of the words
     idf = sum(case((DocumentChunk.search_text.op("@@")(q), literal(w)), else_=literal(0.0))
               for q, w in zip(queries, weights) if w)
     rank = func.ts_rank_cd(DocumentChunk.search_text, any_word)
-    return session.execute(select(*columns).where(*visible, DocumentChunk.search_text.op("@@")(any_word))
-                           .order_by(idf.desc(), rank.desc(), DocumentChunk.id).limit(limit)).all()
+    found = session.execute(select(*columns, idf.label("idf"))
+                            .where(*visible, DocumentChunk.search_text.op("@@")(any_word))
+                            .order_by(idf.desc(), rank.desc(), DocumentChunk.id).limit(limit)).all()
+    return found, {(r.owner, r.id): float(r.idf) for r in found}, whole
 
 
 def _iterative_scan(session: Session) -> None:
@@ -401,15 +470,23 @@ def _files(paths: Iterable[str]) -> list[Path]:
 
 
 def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
-           progress: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
+           progress: Callable[[int, int, int], None] | None = None,
+           reembed_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Read, chunk, embed and store Markdown, HTML, PDF and text files (folders are walked; hidden
     ones skipped) as ``owner``'s documents ('' : shared by every caller).
 
-    A file ingested again for the same owner replaces its chunks (in one transaction per file). A
-    file that cannot be read is skipped (logged, and listed with the reason) and the rest goes on.
-    With ``reembed`` every chunk already stored is embedded again with the active model
-    first. ``progress(files done, files, chunks stored)`` is called after each batch is stored.
-    Returns ``{files, chunks, model, seconds, reembedded, skipped: [{file, reason}]}``.
+    A file ingested again for the same owner replaces its chunks (in one transaction per batch of
+    files); a chunk that has not changed (the same title, section and text, embedded by the
+    active model) keeps its stored vector instead of being embedded again, and a text met twice
+    in a batch is embedded once. A file that cannot be read is skipped (logged, and listed with
+    the reason) and the rest goes on. With ``reembed`` every chunk already stored is embedded
+    again with the active model first (:func:`reembed_all`, which calls ``reembed_progress``).
+    ``progress(files done, files, chunks stored)`` is called after each batch is stored. Returns ``{files, chunks, model,
+    seconds, reembedded, skipped: [{file, reason}]}``.
+
+    The batches (``WRITE_BATCH`` chunks) flow through three stages at once: a thread reads and
+    chunks the next files, this thread embeds (the model on every core), and a thread writes
+    the previous batch (one transaction), so reading and the database hide behind the model.
     """
     started = time.perf_counter()
     files = _files(paths)
@@ -420,14 +497,12 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
             stored = _other_model(s, model, exclude_documents=[str(f) for f in files])
             if stored is not None:
                 raise _mismatch(stored, model)
-    reembedded = _reembed(model, dim) if reembed else 0
+    reembedded = reembed_all(model, dim, reembed_progress) if reembed else 0
 
     chunks = 0
     skipped: list[dict[str, str]] = []
-    group: list[tuple[Path, list[dict[str, Any]]]] = []
-    # a batch is written (one transaction) by a thread of its own while the next one is read and
-    # embedded here: the database's time hides behind the model's
-    with ThreadPoolExecutor(1, thread_name_prefix="ingest-write") as writer:
+    with ThreadPoolExecutor(1, thread_name_prefix="ingest-read") as reader, \
+            ThreadPoolExecutor(1, thread_name_prefix="ingest-write") as writer:
         writing: tuple[Future[int], int] | None = None
 
         def wait_for_write() -> None:
@@ -437,64 +512,140 @@ def ingest(paths: list[str], reembed: bool = False, owner: str = SHARED,
                 if progress is not None:
                     progress(writing[1], len(files), chunks)
 
-        for index, path in enumerate(files):
-            try:
-                group.append((path, read_document(path)))
-            except reading.Unreadable as exc:
-                log.warning("skipped %s: %s", path, exc)
-                skipped.append({"file": str(path), "reason": str(exc)})
-            if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
-                _embed_rows(group, model, dim, owner)
-                wait_for_write()
-                writing = (writer.submit(_write, group, owner), index + 1)
-                group = []
+        batches = _read_batches(files, skipped)
+        upcoming = reader.submit(next, batches, None)
+        while True:
+            batch = upcoming.result()
+            if batch is None:
+                break
+            upcoming = reader.submit(next, batches, None)  # the next files are read while this batch embeds
+            group, files_done = batch
+            _embed_rows(group, model, dim, owner)
+            wait_for_write()
+            writing = (writer.submit(_write, group, owner), files_done)
         wait_for_write()
+    if chunks:
+        _analyze()
     return {"files": len(files) - len(skipped), "chunks": chunks, "model": model,
             "seconds": round(time.perf_counter() - started, 3), "reembedded": reembedded, "skipped": skipped}
 
 
+def _analyze() -> None:
+    """Refresh the table's statistics: a search weighs a word by how many of all the chunks hold it
+    (``reltuples``), which would otherwise wait for autovacuum (or be unknown on a new table)."""
+    with db.engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sql_text("ANALYZE documents"))
+
+
+def _read_batches(files: list[Path], skipped: list[dict[str, str]]) -> Iterator[
+        tuple[list[tuple[Path, list[dict[str, Any]]]], int]]:
+    """The files' chunk rows in groups of about ``WRITE_BATCH`` chunks, each with how many files are done."""
+    group: list[tuple[Path, list[dict[str, Any]]]] = []
+    for index, path in enumerate(files):
+        try:
+            group.append((path, read_document(path)))
+        except reading.Unreadable as exc:
+            log.warning("skipped %s: %s", path, exc)
+            skipped.append({"file": str(path), "reason": str(exc)})
+        if group and (sum(len(rows) for _, rows in group) >= WRITE_BATCH or index == len(files) - 1):
+            yield group, index + 1
+            group = []
+    if group:
+        yield group, len(files)
+
+
 def _embed_rows(group: list[tuple[Path, list[dict[str, Any]]]], model: str, dim: int, owner: str = SHARED) -> None:
-    """Embed a group of files' chunks (the rows get their vector, model and owner)."""
+    """Give a group of files' chunks their vector, model and owner: a chunk stored unchanged for the same
+    document keeps its vector, a text met twice is embedded once, the rest is embedded."""
     rows = [row for _, file_rows in group for row in file_rows]
-    vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
-    for row, vector in zip(rows, vectors):
-        row.update(owner=owner, embedding=vector, embedding_model=model, embedding_dim=dim)
+    texts = [embedding_text(row) for row in rows]
+    known = _stored_vectors([str(path) for path, _ in group], owner, model)
+    missing = list(dict.fromkeys(t for t in texts if t not in known))
+    known.update(zip(missing, embeddings.embed(missing, bulk=True)))
+    for row, text in zip(rows, texts):
+        row.update(owner=owner, embedding=known[text], embedding_model=model, embedding_dim=dim)
+
+
+def _stored_vectors(document_ids: list[str], owner: str, model: str) -> dict[str, Any]:
+    """embedding text -> the vector stored for it among these documents of ``owner`` made by ``model``."""
+    import numpy as np
+
+    if not document_ids:
+        return {}
+    with db.session() as s:
+        stored = s.execute(select(DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
+                                  DocumentChunk.embedding)
+                           .where(DocumentChunk.owner == owner, DocumentChunk.document_id.in_(document_ids),
+                                  DocumentChunk.embedding_model == model)).all()
+    return {embedding_text({"title": r.title, "content": r.content, "doc_metadata": r.doc_metadata}):
+            np.asarray(r.embedding, dtype=np.float32) for r in stored}
 
 
 def _write(group: list[tuple[Path, list[dict[str, Any]]]], owner: str = SHARED) -> int:
     """Replace each file's chunks of ``owner`` with the group's embedded rows (one transaction)."""
     with db.session() as s:
-        for path, file_rows in group:
-            s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
-                                                  DocumentChunk.document_id == str(path)))
-            if file_rows:
-                s.execute(insert(DocumentChunk), file_rows)
+        s.execute(delete(DocumentChunk).where(DocumentChunk.owner == owner,
+                                              DocumentChunk.document_id.in_([str(path) for path, _ in group])))
+        rows = [row for _, file_rows in group for row in file_rows]
+        if rows:
+            s.execute(insert(DocumentChunk), rows)
     return sum(len(file_rows) for _, file_rows in group)
 
 
-def _reembed(model: str, dim: int) -> int:
-    """Embed every stored chunk (of every owner) again with ``model`` (keyset pages, one transaction per page)."""
+def reembed_all(model: str, dim: int, progress: Callable[[int, int], None] | None = None) -> int:
+    """Embed every stored chunk (of every owner) again with ``model``; the number done.
+
+    Keyset pages of ``WRITE_BATCH`` chunks: a page is embedded while the previous one is written
+    (one transaction, an UPDATE from a list of vectors) by a thread of its own.
+    ``progress(done, total)`` is called after each page is written.
+    """
+    with db.session() as s:
+        total = s.scalar(select(func.count()).select_from(DocumentChunk)) or 0
     done, after = 0, (SHARED, "")
     key = tuple_(DocumentChunk.owner, DocumentChunk.id)
-    while True:
-        with db.session() as s:
-            page = s.execute(
-                select(DocumentChunk.owner, DocumentChunk.id, DocumentChunk.title, DocumentChunk.content,
-                       DocumentChunk.doc_metadata)
-                .where(key > tuple_(*after)).order_by(DocumentChunk.owner, DocumentChunk.id)
-                .limit(WRITE_BATCH)).all()
-        if not page:
-            return done
-        rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content,
-                 "doc_metadata": r.doc_metadata} for r in page]
-        vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
-        with db.session() as s:
-            for row, vector in zip(rows, vectors):
-                s.execute(update(DocumentChunk)
-                          .where(DocumentChunk.owner == row["owner"], DocumentChunk.id == row["id"])
-                          .values(embedding=vector, embedding_model=model, embedding_dim=dim))
-        done += len(rows)
-        after = (page[-1].owner, page[-1].id)
+    with ThreadPoolExecutor(1, thread_name_prefix="reembed-write") as writer:
+        writing: Future[int] | None = None
+
+        def wait_for_write() -> None:
+            nonlocal done
+            if writing is not None:
+                done += writing.result()
+                if progress is not None:
+                    progress(done, total)
+
+        while True:
+            with db.session() as s:
+                page = s.execute(
+                    select(DocumentChunk.owner, DocumentChunk.id, DocumentChunk.title, DocumentChunk.content,
+                           DocumentChunk.doc_metadata)
+                    .where(key > tuple_(*after)).order_by(DocumentChunk.owner, DocumentChunk.id)
+                    .limit(WRITE_BATCH)).all()
+            if not page:
+                break
+            rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content,
+                     "doc_metadata": r.doc_metadata} for r in page]
+            vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
+            wait_for_write()
+            writing = writer.submit(_write_vectors, [(r["owner"], r["id"], v) for r, v in zip(rows, vectors)],
+                                    model, dim)
+            after = (page[-1].owner, page[-1].id)
+        wait_for_write()
+    return done
+
+
+def _write_vectors(vectors: list[tuple[str, str, Any]], model: str, dim: int) -> int:
+    """Store new vectors for chunks by (owner, id), with their model (one transaction, one statement)."""
+    from pgvector.sqlalchemy import Vector
+    from sqlalchemy import String, Text, bindparam, cast, values
+
+    given = values(sql_column("owner", String), sql_column("id", Text), sql_column("embedding", Vector(EMBEDDING_DIM)),
+                   name="given").data(vectors)
+    with db.session() as s:
+        s.execute(update(DocumentChunk)
+                  .where(DocumentChunk.owner == given.c.owner, DocumentChunk.id == given.c.id)
+                  .values(embedding=cast(given.c.embedding, Vector(EMBEDDING_DIM)), embedding_model=bindparam("model", model),
+                          embedding_dim=bindparam("dim", dim)))
+    return len(vectors)
 
 
 # -- demo data ------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ sections in order, each with its heading path (``("Installation", "Linux")``) an
 paragraphs as plain text: no markup, no URLs, no code.
 
 - Markdown (``.md``, ``.markdown``): parsed by markdown-it-py (CommonMark, with tables).
-  The title is the front matter's ``title``, else the first heading of either style
-  (``# Title`` or ``Title`` underlined with ``===``), else the file name. Images (and so
+  The title is the front matter's ``title``, else the first level-1 heading (``# Title``,
+  ``Title`` underlined with ``===``, or an HTML ``<h1>`` block as READMEs write it), else
+  the file name (a document whose first heading is ``## Licence`` is not titled so).
+  An HTML block that is one heading (``<h2 align="center">Usage</h2>``) starts a section. Images (and so
   badges), HTML comments and tags, link targets (the link's words stay), reference
   definitions and bare URLs are dropped; code blocks are kept out; inline code keeps
   its words.
@@ -139,12 +141,27 @@ def _inline_markdown(text: str) -> str:
     return " ".join(_inline_text(t) for t in tokens).strip()
 
 
+_HTML_HEADING = re.compile(r"\s*<h([1-6])\b[^>]*>(.*?)</h\1>\s*$", re.IGNORECASE | re.DOTALL)  # a README's <h1 align=...>
+
+
 def parse_markdown(raw: str, path: Path) -> Parsed:
     meta, body = front_matter(raw)
     tokens = _markdown_parser().parse(body)
     headings: list[tuple[int, str]] = []  # the open headings: (level, text)
     sections: list[Section] = [Section(())]
-    first_heading = ""
+    first_heading = ""  # the first level-1 heading's words
+
+    def heading(level: int, text: str) -> None:
+        nonlocal first_heading
+        if not text:
+            return  # a heading of badges only
+        if level == 1:
+            first_heading = first_heading or text
+        while headings and headings[-1][0] >= level:
+            headings.pop()
+        headings.append((level, text))
+        sections.append(Section(tuple(h for _, h in headings)))
+
     row: list[str] = []
     in_heading, in_cell = 0, False
     for token in tokens:
@@ -158,14 +175,10 @@ def parse_markdown(raw: str, path: Path) -> Parsed:
         elif kind in ("th_close", "td_close"):
             in_cell = False
         elif kind == "inline" and in_heading:
-            text = _inline_text(token)
-            if not text:
-                continue  # a heading of badges only
-            first_heading = first_heading or text
-            while headings and headings[-1][0] >= in_heading:
-                headings.pop()
-            headings.append((in_heading, text))
-            sections.append(Section(tuple(h for _, h in headings)))
+            heading(in_heading, _inline_text(token))
+        elif kind == "html_block" and _HTML_HEADING.match(token.content):
+            match = _HTML_HEADING.match(token.content)
+            heading(int(match.group(1)), _html_fragment_text(match.group(2)))
         elif kind == "inline" and in_cell:
             row.append(_inline_text(token))
         elif kind == "tr_close":

@@ -155,14 +155,23 @@ def bench_search(n_chunks: int, n_queries: int) -> dict[str, float]:
         hits = documents.search_vector(q, model, 5, filters={"shard": 7}, floor=-1)
         filtered.append(time.perf_counter() - started)
         filtered_counts.append(len(hits))
+    # the index's recall: the HNSW scan the search runs (its candidates, its ef_search) against an exact
+    # scan; the search's own order fuses more than the nearest chunks, so it is not compared here
+    candidates = max(documents.MIN_CANDIDATES, 5 * documents.CANDIDATES_PER_RESULT)
     recall = []
     with conn.cursor() as cur:
+        cur.execute(f"SET hnsw.ef_search = {max(40, min(1000, candidates * 2))}")
+        by_index = []
+        for q in queries[:50]:
+            cur.execute("SELECT id FROM documents ORDER BY embedding <=> %s::vector LIMIT %s",
+                        ("[" + ",".join(f"{x:.7f}" for x in q) + "]", candidates))
+            by_index.append([r[0] for r in cur.fetchall()])
         cur.execute("SET enable_indexscan = off")
-        for q, got in zip(queries[:50], found):
-            cur.execute("SELECT id FROM documents ORDER BY embedding <=> %s::vector LIMIT 5",
-                        ("[" + ",".join(f"{x:.7f}" for x in q) + "]",))
+        for q, got in zip(queries[:50], by_index):
+            cur.execute("SELECT id FROM documents ORDER BY embedding <=> %s::vector LIMIT %s",
+                        ("[" + ",".join(f"{x:.7f}" for x in q) + "]", candidates))
             exact = {r[0] for r in cur.fetchall()}
-            recall.append(len(exact & set(got)) / 5)
+            recall.append(len(exact & set(got)) / len(exact))
         cur.execute("EXPLAIN SELECT embedding_model FROM documents WHERE embedding_model < %(m)s OR "
                     "embedding_model > %(m)s LIMIT 1", {"m": model})
         model_check_plan = " ".join(r[0].strip() for r in cur.fetchall()[:3])
@@ -225,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         ingest = bench_ingest(data_dir / "corpus", args.ingest_files)
         print(f"search over {args.chunks} chunks (load + HNSW build first) ...", flush=True)
         search = bench_search(args.chunks, args.queries)
-        from backends import embeddings
+        from backends import documents, embeddings
 
         threads = os.environ.get("VOICE_TOOLS_EMBEDDING_THREADS", "1")
         lines = [
@@ -237,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             f"- model: {embeddings.LOCAL_MODEL} (onnxruntime, CPU); query embedding on {threads} thread(s), "
             f"ingest on {os.environ.get('VOICE_TOOLS_INGEST_THREADS') or os.cpu_count()}",
             f"- search: {args.chunks:,} chunks, HNSW m=16 ef_construction=64 (COPY {search['load_s']:.1f} s, "
-            f"index build {search['index_s']:.1f} s), top 5, ef_search 40 (50 and an iterative scan with a filter)",
+            f"index build {search['index_s']:.1f} s), top 5 documents, the HNSW scan of "
+            f"{max(documents.MIN_CANDIDATES, 5 * documents.CANDIDATES_PER_RESULT)} chunks (ef_search "
+            f"{max(40, min(1000, 2 * max(documents.MIN_CANDIDATES, 5 * documents.CANDIDATES_PER_RESULT)))}; an "
+            "iterative scan with a filter)",
             "",
             "| measurement | p50 | p95 | goal |",
             "|---|---|---|---|",
@@ -249,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| ingest: {ingest['files']} files, {ingest['chunks']} chunks of ~{ingest['chunk_chars']:.0f} chars | "
             f"{ingest['rate']:.1f} chunks/s | ({ingest['seconds']:.1f} s) | >= 200 chunks/s |",
             "",
-            f"HNSW recall@5 against an exact scan (50 queries): {search['recall']:.2f}. "
+            f"HNSW recall of the search's candidate chunks against an exact scan (50 queries): {search['recall']:.2f}. "
             f"Model check plan: `{search['model_check_plan']}`.",
         ]
         print("\n".join(lines))

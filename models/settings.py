@@ -66,6 +66,7 @@ class Settings:
     embedding_threads: int
     ingest_threads: int
     search_min_score: float | None
+    search_min_words: float | None
     # how often beat sends each sweep task, in seconds (celeryconfig.beat_schedule)
     sweep_every_s: dict[str, float]
     # this installation's name in what it leaves at a service (the Message-ID of its emails),
@@ -222,6 +223,8 @@ def load() -> Settings:
         ingest_threads=_int("VOICE_TOOLS_INGEST_THREADS", 0) or os.cpu_count() or 1,
         search_min_score=_float("VOICE_TOOLS_SEARCH_MIN_SCORE", -1.0) if os.environ.get(
             "VOICE_TOOLS_SEARCH_MIN_SCORE", "").strip() else None,
+        search_min_words=_float("VOICE_TOOLS_SEARCH_MIN_WORDS", 2.0) if os.environ.get(
+            "VOICE_TOOLS_SEARCH_MIN_WORDS", "").strip() else None,
         sweep_every_s={sweep: max(_float(name, default), 1.0) for sweep, (name, default) in SWEEPS.items()},
         deployment=deployment_name(os.environ.get("VOICE_TOOLS_DEPLOYMENT", ""),
                                    os.environ.get("DATABASE_URL", "")),

@@ -147,15 +147,15 @@ def test_availability_sentences():
             {"start": iso(far + timedelta(days=3), 9), "end": iso(far + timedelta(days=3), 17)}]
     said = voice_response({}, {"busy": [], "free": free, "window": planned})
     day = [calendar.full_day(far + timedelta(days=n)) for n in range(3)]
-    assert said == (f"You're free {day[0]} from 2 to 4 pm, {day[1]} from 9:30 am to noon and "
-                    f"{day[2]} from 11 am to 1 pm, plus 1 more free time.")
+    assert said == (f"You're free {day[0]} from 2 to 4 p.m., {day[1]} from 9:30 a.m. to noon and "
+                    f"{day[2]} from 11 a.m. to 1 p.m., plus 1 more free time.")
     assert voice_response({}, {"busy": [], "free": [{"start": iso(today + timedelta(days=1), 9),
                                                      "end": iso(today + timedelta(days=1), 10)}],
-                               "window": planned}) == "You're free tomorrow from 9 to 10 am."
+                               "window": planned}) == "You're free tomorrow from 9 to 10 a.m."
     none = voice_response({}, {"busy": [], "free": [], "window": {
         **planned, "duration_minutes": 45, "start": iso(far, 9), "end": iso(far + timedelta(days=1), 17, 30)}})
-    assert none == (f"You have no free 45-minute slot in working hours between {day[0]} at 9 am "
-                    f"and {day[1]} at 5:30 pm.")
+    assert none == (f"You have no free 45-minute slot in working hours between {day[0]} at 9 a.m. "
+                    f"and {day[1]} at 5:30 p.m.")
 
 
 # -- Google Calendar on HttpMockSequence -----------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -146,6 +147,13 @@ def test_markdown_is_parsed_title_sections_and_plain_text_only(tmp_path):
     assert front["doc_metadata"]["section"] == "Heading"
     (tmp_path / "no-heading_here.md").write_text("Just text.\n")
     assert documents.read_document(tmp_path / "no-heading_here.md")[0]["title"] == "No heading here"
+    # READMEs write their title as an HTML <h1>; a first heading of level 2 is a section, not the title
+    (tmp_path / "charset.md").write_text('<h1 align="center">Charset <b>Detection</b> 👋</h1>\n\n'
+                                          '<h2 align="center">Why</h2>\n\nTo read text.\n\n## Usage\n\nCall it.\n')
+    assert [(r["title"], r["doc_metadata"].get("section")) for r in documents.read_document(tmp_path / "charset.md")] \
+        == [("Charset Detection 👋", "Why"), ("Charset Detection 👋", "Usage")]
+    (tmp_path / "arrays_lib.md").write_text('<h1><img src="logo.svg"></h1>\n\nArrays.\n\n## Code of Conduct\n\nBe kind.\n')
+    assert {r["title"] for r in documents.read_document(tmp_path / "arrays_lib.md")} == {"Arrays lib"}
 
 
 def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_path):
@@ -165,6 +173,14 @@ def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_pat
         assert markup_in(said) == [] and said.rstrip()[-1] in ".!?", said
     assert query_vector_db.voice_response({}, {"summary": documents.plain_summary(found), "documents": found}) \
         .startswith("I found 2 documents; the best match is ")
+    # a passage's numbers and dates are read as a person says them
+    sales = {"id": "s#0", "title": "Sales", "score": 0.5, "metadata": {},
+             "snippet": "Sales rose 8% in the quarter to 2026-09-30, against 0.5% a year before."}
+    said = search_documentation.voice_response({"query": "sales"}, {"summary": documents.plain_summary([sales]),
+                                                                      "documents": [sales]})
+    assert said == ("The documentation on Sales says: Sales rose 8 percent in the quarter to September 30, 2026, "
+                    "against 0.5 percent a year before.")
+    assert markup_in(said) == [], said
 
     question = "How do I get a refund for the hotel I booked for the offsite last month?"
     assert search_documentation.voice_response({"query": question}, {"summary": "", "documents": []}) == (
@@ -201,9 +217,14 @@ def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_
     assert [f["title"] for f in documents.search_vector(vector, model, 5, floor=-1, text=question,
                                                          filters={"file": "printer.md"})] == ["Office printers"]
     assert len(documents.search_vector(vector, model, 2, floor=-1, text=question)) == 2
-    floor = documents.search_vector(vector, model, 5, floor=0.25, text=question)
-    assert floor and all(f["score"] >= 0.25 for f in floor)  # words alone are not relevance: the floor still decides
+    floor = documents.search_vector(vector, model, 5, floor=0.25, text=question, words_floor=2)
+    assert floor and all(f["score"] >= 0.25 for f in floor)  # the words floor out of reach: the cosine decides
     assert "Office printers" not in [f["title"] for f in floor]  # its cosine is under it
+    # by default a document holding most of the question's word weight is relevant: E4471 is in no other
+    relevant = documents.search_vector(vector, model, 5, floor=0.25, text=question)
+    printers = next(f for f in relevant if f["title"] == "Office printers")
+    assert printers["score"] < 0.25  # relevant by its words alone
+    assert documents.search_vector(vector, model, 5, floor=0.25, text="error E9999") == floor  # no such code
 
 
 PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
@@ -277,6 +298,8 @@ def test_html_and_pdf_are_read_and_an_unreadable_file_is_skipped_saying_why(tmp_
 def test_ingest_a_folder_then_search_finds_the_right_chunk_with_filters(folder):
     report = documents.ingest([str(folder)])
     assert report["files"] == 2 and report["chunks"] == 4 and report["model"] == LOCAL
+    with db.session() as s:  # the statistics a search weighs its words by are fresh
+        assert s.execute(text("SELECT reltuples FROM pg_class WHERE oid = 'documents'::regclass")).scalar() == 4
     assert report["seconds"] >= 0 and report["reembedded"] == 0
     handbook = str((folder / "handbook.md").resolve())
     stored = chunks()
@@ -345,6 +368,9 @@ def test_relevance_floor(demo, monkeypatch):
     monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "-1")
     assert len(documents.search("recipe for a chocolate cake", top_k=3)) == 3
     monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_SCORE", "0.99")
+    assert [f["id"] for f in documents.search("Q3 sales Northwest region")] == [
+        "q3-sales-northwest#0", "q3-sales-southwest#0"]  # every word of it is in their text: relevant by words
+    monkeypatch.setenv("VOICE_TOOLS_SEARCH_MIN_WORDS", "1.01")
     assert documents.search("Q3 sales Northwest region") == []
 
 
@@ -388,6 +414,31 @@ def test_a_new_model_refuses_until_reembedded(folder, openai_api):
     assert inputs[0] == "sick leave"  # the refused search's question
     assert len(inputs[1:]) == 4 and any("If you are ill" in i for i in inputs[1:])
     assert documents.search("doctor's note sickness", top_k=1)[0]["metadata"]["section"] == "Sick leave"
+
+
+def test_reingest_embeds_only_what_changed_and_the_command_says_how_far_it_is(folder, openai_api, capsys):
+    openai_api.answer("POST", r"/v1/embeddings$", embeddings_answer, times=None)
+
+    def sent() -> list[str]:
+        return [i for r in openai_api.requests_to("POST", r"/v1/embeddings$") for i in r.json["input"]]
+
+    assert documents.ingest([str(folder)])["chunks"] == 4 and len(sent()) == 4
+    handbook = folder / "handbook.md"
+    handbook.write_text(handbook.read_text().replace("If you are ill", "If you are sick"))
+    assert documents.ingest([str(folder)])["chunks"] == 4
+    assert len(sent()) == 5 and "If you are sick" in sent()[-1]  # the one changed chunk, not the other three
+    sick = next(c for c in chunks() if c.doc_metadata.get("section") == "Sick leave")
+    assert "If you are sick" in sick.content and sick.embedding == pytest.approx(fake_vector(documents.embedding_text(
+        {"title": sick.title, "content": sick.content, "doc_metadata": sick.doc_metadata})), abs=1e-6)
+
+    from voice_tools import launcher
+
+    capsys.readouterr()
+    assert launcher.ingest([str(folder)], reembed=True) == 0  # not a terminal: plain lines
+    err = capsys.readouterr().err
+    assert "voice-tools ingest: re-embedded 4/4 chunks\n" in err
+    assert re.search(r"^voice-tools ingest: 3/3 files, 4 chunks \(\d+ chunks/s\)$", err, re.MULTILINE), err
+    assert len(sent()) == 5 + 4  # --reembed embeds every chunk again; the ingest after it, none
 
 
 def test_chunks_of_the_package_model_before_int8_dyn_are_refused_until_reembedded(folder):

@@ -42,7 +42,7 @@ def at(day: date, hour: int, minute: int = 0, tz=UTC) -> datetime:
 TUESDAY = next_week(1, NY)
 MEETING = {"title": "Project sync", "start": f"{TUESDAY.isoformat()}T14:00:00", "duration_minutes": 45,
            "attendees": ["ann@example.com"], "timezone": "America/New_York", "description": "Rollout status"}
-WHEN = f"{calendar.full_day(TUESDAY)} at 2:00 PM"
+WHEN = f"{calendar.full_day(TUESDAY)} at 2 p.m."
 
 
 def events_in_table() -> list[CalendarEvent]:
@@ -126,7 +126,7 @@ def test_availability_sees_the_meeting_just_booked_as_busy(client, worker):
     assert AVAILABILITY.result_schema().validate(body["result"]) == {}
     ahead = (wednesday - datetime.now(UTC).date()).days
     day = "Wednesday" if ahead < 7 else calendar.full_day(wednesday)
-    assert body["voice_response"] == f"You're free {day} from 9 to 10 am and {day} from 11 am to 5 pm."
+    assert body["voice_response"] == f"You're free {day} from 9 to 10 a.m. and {day} from 11 a.m. to 5 p.m."
 
 
 def test_availability_with_no_free_slot_completes_saying_so(client, worker):
@@ -138,7 +138,7 @@ def test_availability_with_no_free_slot_completes_saying_so(client, worker):
     assert answer.status_code == 200 and body["status"] == "COMPLETED", body
     assert body["result"]["free"] == [] and body["result"]["busy"] == []
     assert body["voice_response"].startswith("You have no free 60-minute slot in working hours between ")
-    assert body["voice_response"].endswith(" at 8 pm."), body["voice_response"]
+    assert body["voice_response"].endswith(" at 8 p.m."), body["voice_response"]
 
 
 def test_a_conflict_fails_before_the_point_of_no_return(worker, relay):
@@ -290,7 +290,7 @@ def test_google_availability_from_freebusy_after_a_rate_limit(google_api, worker
     limited, freebusy = google_api.requests_to("POST", r"/freeBusy$")
     assert limited.json == freebusy.json
     assert (freebusy.json["timeMin"], freebusy.json["timeMax"]) == (f"{thursday}T00:00:00Z", f"{thursday}T23:00:00Z")
-    assert done.voice_response.startswith("You're free ") and done.voice_response.endswith(" from 1 to 5 pm.")
+    assert done.voice_response.startswith("You're free ") and done.voice_response.endswith(" from 1 to 5 p.m.")
 
 
 # -- a worker dies mid-booking --------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_progress_of_every_module_through_the_api(client, worker, relay, demo):
              "lessons_completed": 4, "lessons_total": 10, "score": None},
         ],
     }
-    said = "John Smith has completed 2 of 3 modules; Security awareness is 40% done."
+    said = "John Smith has completed 2 of 3 modules; Security awareness is 40 percent done."
     assert body["result"] == expected and body["voice_response"] == said
 
     tool_call_id = body["tool_call_id"]
@@ -139,13 +139,13 @@ def test_progress_of_every_module_through_the_api(client, worker, relay, demo):
      "John Smith is 4 of 10 lessons into Security awareness.", None, "John Smith",
      [("security-awareness", "in_progress", 4, 10, None)]),
     ({"learner": "lrn-1002", "module": "product-basics"},
-     "Ann Lee has completed Product basics, with a score of 100%.", None, "Ann Lee",
+     "Ann Lee has completed Product basics, with a score of 100 percent.", None, "Ann Lee",
      [("product-basics", "completed", 6, 6, 100)]),
     # a module not assigned to the learner: not started
     ({"learner": "david.chen@example.com", "module": " data-privacy "},
      "David Chen has not started Data privacy yet.", None, "David Chen", [("data-privacy", "not_started", 0, 5, None)]),
     ({"learner": "ann.lee@example.com"},
-     "Ann Lee has completed 2 of 4 modules; Data privacy is 40% done.", None, "Ann Lee",
+     "Ann Lee has completed 2 of 4 modules; Data privacy is 40 percent done.", None, "Ann Lee",
      [("data-privacy", "in_progress", 2, 5, None), ("product-basics", "completed", 6, 6, 100),
       ("sales-onboarding", "not_started", 0, 8, None), ("security-awareness", "completed", 10, 10, 80)]),
     ({"learner": "zed@example.com"}, "I couldn't find a learner called zed@example.com.", "learner", None, []),
@@ -195,12 +195,12 @@ def test_knowledge_check_without_answers_reads_the_questions(client, worker, rel
 
 
 @pytest.mark.parametrize("answers, said, correct", [
-    (["C", "C", "A", "C", "B"], "You got 5 of 5 right (100%). Well done on Security awareness.",
+    (["C", "C", "A", "C", "B"], "You got 5 of 5 right, 100 percent. Well done on Security awareness.",
      [True, True, True, True, True]),
-    (["c", " b", "A", "C", "B"], "You got 4 of 5 right (80%). Question 2's answer is C: 12 characters.",
+    (["c", " b", "A", "C", "B"], "You got 4 of 5 right, 80 percent. Question 2's answer is C: 12 characters.",
      [True, False, True, True, True]),
     (["A", "A", "B", "A", "A"],
-     "You got 0 of 5 right (0%). Question 1's answer is C: Report it to the security team. Question 2's answer "
+     "You got 0 of 5 right, 0 percent. Question 1's answer is C: Report it to the security team. Question 2's answer "
      "is C: 12 characters. Question 3's answer is A: Lock your screen. 2 more were wrong.",
      [False, False, False, False, False]),
 ], ids=["all-right", "one-wrong-lower-case", "all-wrong"])
@@ -331,7 +331,7 @@ def test_a_database_outage_mid_step_is_retried_and_the_call_completes(worker, re
         completed = relay.wait_for(call.tool_call_id, "completed", timeout=60)
 
     done = row(call.tool_call_id)
-    said = "John Smith has completed 2 of 3 modules; Security awareness is 40% done."
+    said = "John Smith has completed 2 of 3 modules; Security awareness is 40 percent done."
     assert done.status == "COMPLETED" and done.voice_response == completed["voice_response"] == said
     assert done.result["learner"] == JOHN and len(done.result["modules"]) == 3
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "COMPLETED"]

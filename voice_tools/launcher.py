@@ -22,6 +22,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -287,22 +288,58 @@ def _describe(added: dict[str, int]) -> str:
     return ", ".join(f"{name} +{count}" for name, count in added.items()) or "nothing to load"
 
 
+class IngestProgress:
+    """How far an ingest is: a tqdm bar on a terminal (files, with the chunks stored and their rate),
+    else a plain line per stored batch; the same for a --reembed's chunks."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.bars: dict[str, Any] = {}
+        self.started = time.monotonic()
+
+    def _bar(self, name: str, total: int, unit: str) -> Any:
+        from tqdm import tqdm
+
+        if name not in self.bars:
+            self.bars[name] = tqdm(total=total, unit=unit, file=self.stream, dynamic_ncols=True,
+                                   desc=f"voice-tools ingest{' --reembed' if name == 'reembed' else ''}")
+        return self.bars[name]
+
+    def files(self, done: int, files: int, chunks: int) -> None:
+        if self.tty:
+            bar = self._bar("files", files, "file")
+            bar.set_postfix_str(f"{chunks} chunks", refresh=False)
+            bar.update(done - bar.n)
+        else:
+            rate = chunks / max(time.monotonic() - self.started, 1e-9)
+            print(f"voice-tools ingest: {done}/{files} files, {chunks} chunks ({rate:.0f} chunks/s)",
+                  file=self.stream, flush=True)
+
+    def reembedded(self, done: int, total: int) -> None:
+        if self.tty:
+            bar = self._bar("reembed", total, "chunk")
+            bar.update(done - bar.n)
+        else:
+            print(f"voice-tools ingest: re-embedded {done}/{total} chunks", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
 def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
     from backends import documents
 
-    def progress(done: int, files: int, chunks: int) -> None:  # on a terminal: how far it is, on one line
-        print(f"\rvoice-tools ingest: {done}/{files} files, {chunks} chunks", end="", file=sys.stderr, flush=True)
-
+    progress = IngestProgress()
     try:
-        report = documents.ingest(paths, reembed=reembed, owner=owner,
-                                  progress=progress if sys.stderr.isatty() else None)
+        report = documents.ingest(paths, reembed=reembed, owner=owner, progress=progress.files,
+                                  reembed_progress=progress.reembedded)
     except documents.PERMANENT_ERRORS as exc:
-        if sys.stderr.isatty():
-            print(file=sys.stderr)
+        progress.close()
         print(f"voice-tools ingest: {exc}", file=sys.stderr, flush=True)
         return 2
-    if sys.stderr.isatty():
-        print(file=sys.stderr, flush=True)  # the end of the progress line
+    progress.close()
     for skipped in report["skipped"]:
         print(f"voice-tools ingest: skipped {skipped['file']}: {skipped['reason']}", file=sys.stderr, flush=True)
     print(json.dumps(report, indent=2), flush=True)

@@ -176,23 +176,23 @@ def _named(moment: datetime) -> str | None:
 
 
 def _meridiem(moment: datetime) -> str:
-    return "am" if moment.hour < 12 else "pm"
+    return "a.m." if moment.hour < 12 else "p.m."
 
 
 def spoken_time(moment: datetime) -> str:
-    """``10 am``, ``2:30 pm``, ``noon``."""
+    """``10 a.m.``, ``2:30 p.m.``, ``noon``."""
     return _named(moment) or f"{_hour(moment)} {_meridiem(moment)}"
 
 
 def spoken_range(start: datetime, end: datetime) -> str:
-    """``from 2 to 4 pm``, ``from 9:30 am to noon``, ``from 11 am to 1 pm``."""
+    """``from 2 to 4 p.m.``, ``from 9:30 a.m. to noon``, ``from 11 a.m. to 1 p.m.``."""
     if not _named(start) and not _named(end) and _meridiem(start) == _meridiem(end):
         return f"from {_hour(start)} to {_hour(end)} {_meridiem(end)}"
     return f"from {spoken_time(start)} to {spoken_time(end)}"
 
 
 def spoken_day(moment: datetime, today: date) -> str:
-    """``today``, ``tomorrow``, ``Thursday`` (within the week ahead), else ``Monday November 30``."""
+    """``today``, ``tomorrow``, ``Thursday`` (within the week ahead), else ``Monday, November 30``."""
     ahead = (moment.date() - today).days
     if ahead == 0:
         return "today"
@@ -218,7 +218,7 @@ def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | No
         said = [f"{spoken_day(s, today)} {spoken_range(s, e)}" for s, e in free[:SAID_SLOTS]]
         more = len(free) - SAID_SLOTS
         tail = f", plus {more} more free time{'s' if more != 1 else ''}" if more > 0 else ""
-        return f"You're free {_join(said)}{tail}."
+        return _sentence(f"You're free {_join(said)}{tail}")
     minutes = planned.get("duration_minutes") or parameters.get("duration_minutes") or 30
     if planned.get("start") and planned.get("end"):
         s = calendar.parse_datetime(planned["start"]).astimezone(tz)
@@ -226,7 +226,12 @@ def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | No
         between = f" between {spoken_day(s, today)} at {spoken_time(s)} and {spoken_day(e, today)} at {spoken_time(e)}"
     else:
         between = ""
-    return f"You have no free {minutes}-minute slot in working hours{between}."
+    return _sentence(f"You have no free {minutes}-minute slot in working hours{between}")
+
+
+def _sentence(text: str) -> str:
+    """``text`` with its full stop (one: a sentence ending in "p.m." has it already)."""
+    return text if text.endswith(".") else text + "."
 
 
 def confirmation_message(parameters: Mapping[str, Any], **_: Any) -> str:
@@ -250,7 +255,7 @@ TOOL = Tool(
     result_schema=GetCalendarAvailabilityResult,
     confirmation_message=confirmation_message,
     start_message="Checking your calendar.",
-    modified_message="Updated. I'll look for free {duration_minutes}-minute slots. Confirm?",
+    modified_message="Updated: I'll look for free {duration_minutes}-minute slots. Confirm?",
     voice_response=voice_response,
     failure_response="I couldn't check your calendar: {error}.",
     cancelled_response="Cancelled. Your calendar was not checked.",

@@ -81,7 +81,7 @@ def percent(done: int, total: int) -> int:
 def _one_module(name: str, entry: Mapping[str, Any]) -> str:
     title = entry["title"]
     if entry["status"] == "completed":
-        score = f", with a score of {entry['score']}%" if entry.get("score") is not None else ""
+        score = f", with a score of {entry['score']} percent" if entry.get("score") is not None else ""
         return f"{name} has completed {title}{score}."
     if entry["status"] == "in_progress":
         return f"{name} is {entry['lessons_completed']} of {entry['lessons_total']} lessons into {title}."
@@ -97,7 +97,7 @@ def _every_module(name: str, modules: list[Mapping[str, Any]]) -> str:
             f"{name} has completed {modules[0]['title']}."
     said = f"{name} has completed {done} of {len(modules)} modules"
     going = [m for m in modules if m["status"] == "in_progress"]
-    parts = [f"{m['title']} is {percent(m['lessons_completed'], m['lessons_total'])}% done" for m in going[:3]]
+    parts = [f"{m['title']} is {percent(m['lessons_completed'], m['lessons_total'])} percent done" for m in going[:3]]
     if len(going) > 3:
         parts.append(f"{len(going) - 3} more are under way")
     return said + ("; " + " and ".join(parts) if parts else "") + "."

@@ -133,7 +133,7 @@ def voice_response(parameters: Mapping[str, Any], result: Mapping[str, Any] | No
         return f"I couldn't find a training module called {parameters.get('module')}."
     title = result["title"]
     if "results" in result:
-        said = f"You got {result['correct']} of {result['total']} right ({result['score']}%)."
+        said = f"You got {result['correct']} of {result['total']} right, {result['score']} percent."
         wrong = [r for r in result["results"] if not r["correct"]]
         if not wrong:
             return said + f" Well done on {title}."

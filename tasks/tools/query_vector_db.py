@@ -10,7 +10,7 @@ from marshmallow import Schema, fields, validate
 from models import db, session_context, settings
 from backends import documents, embeddings
 from tasks.tools import PermanentError, Step, StepInput, Tool
-from tasks.tools._speech import topic
+from tasks.tools._speech import saying_back, topic
 
 CONTEXT_KEY = "last_query_results"
 
@@ -125,7 +125,7 @@ TOOL = Tool(
     schema=QueryVectorDbParameters,
     action_level="read",
     steps=(
-        Step("QUERYING", run=plan, message="Looking up {user_query}."),
+        Step("QUERYING", run=plan, message=saying_back("Looking up {user_query}.", "user_query")),
         Step("SEARCHING", run=search, message="Searching the documents."),
         # storing the results is the call's effect: once it is done the call can no longer be
         # cancelled, so it is the point of no return (an upsert: idempotent; docs/promises.md,
@@ -134,14 +134,16 @@ TOOL = Tool(
         Step("COMPLETED", message="Search finished."),
     ),
     result=result,
-    confirmation_message="Ready to search for {user_query}. Confirm to proceed.",
-    start_message="Searching for {user_query}.",
-    modified_message="Updated the search to {user_query}. Confirm?",
+    confirmation_message=saying_back("Ready to search for {user_query}. Confirm to proceed.", "user_query"),
+    start_message=saying_back("Searching for {user_query}.", "user_query"),
+    modified_message=saying_back("Updated the search to {user_query}. Confirm?", "user_query"),
     voice_response=voice_response,
-    failure_response="The search for {user_query} did not run: {error}.",
+    failure_response=saying_back("The search for {user_query} did not run: {error}.", "user_query"),
     cancelled_response="Cancelled. The search was not run.",
-    unconfirmed_response="I could not confirm that the results for {user_query} were kept for this conversation.",
-    after_effect_failure_response="The results for {user_query} were kept, but a later step failed: {error}.",
+    unconfirmed_response=saying_back(
+        "I could not confirm that the results for {user_query} were kept for this conversation.", "user_query"),
+    after_effect_failure_response=saying_back(
+        "The results for {user_query} were kept, but a later step failed: {error}.", "user_query"),
     time_limit=30,
     example={"user_query": "What were our Q3 sales in the Northwest region?",
              "structured_query": {"semantic_query": "Q3 sales Northwest region", "filters": {"quarter": "Q3"}},

@@ -68,7 +68,7 @@ def check_availability(step: StepInput) -> dict[str, Any]:
         if first["title"]:
             raise PermanentError(f"you already have {first['title']} then")
         s, e = first["start"].astimezone(tz), first["end"].astimezone(tz)
-        raise PermanentError(f"your calendar is already busy from {calendar.clock(s)} to {calendar.clock(e)}")
+        raise PermanentError(f"from {calendar.clock(s)} to {calendar.clock(e)} your calendar is already busy")
     return {
         "event_id": calendar.event_id_for(step.tool_call_id),
         "title": p["title"],
@@ -117,7 +117,7 @@ def _with(attendees: list[str]) -> str:
 
 
 def meeting_phrase(parameters: Mapping[str, Any], start: datetime | None = None) -> str:
-    """``Project sync on Tuesday November 24 at 2:00 PM for 30 minutes with ann@example.com``."""
+    """``Project sync on Tuesday, November 24 at 2 p.m. for 30 minutes with ann@example.com``."""
     title = parameters.get("title") or "the meeting"
     minutes = int(parameters.get("duration_minutes") or 30)
     try:

@@ -9,7 +9,7 @@ from marshmallow import Schema, fields, validate
 
 from backends import documents
 from tasks.tools import Step, StepInput, Tool
-from tasks.tools._speech import passage, topic
+from tasks.tools._speech import passage, saying_back, topic
 from tasks.tools.query_vector_db import FoundDocument, embed_query, find
 
 
@@ -57,16 +57,16 @@ TOOL = Tool(
     schema=SearchDocumentationParameters,
     action_level="read",
     steps=(
-        Step("QUERYING", run=understand, message="Looking up {query}."),
+        Step("QUERYING", run=understand, message=saying_back("Looking up {query}.", "query")),
         Step("SEARCHING", run=search, message="Searching the documentation."),
         Step("COMPLETED", message="Search finished."),
     ),
     result=result,
-    confirmation_message="Ready to look up {query} in the documentation. Confirm to proceed.",
-    start_message="Looking up {query} in the documentation.",
-    modified_message="Updated the lookup to {query}. Confirm?",
+    confirmation_message=saying_back("Ready to look up {query} in the documentation. Confirm to proceed.", "query"),
+    start_message=saying_back("Looking up {query} in the documentation.", "query"),
+    modified_message=saying_back("Updated the lookup to {query}. Confirm?", "query"),
     voice_response=voice_response,
-    failure_response="The documentation search for {query} did not run: {error}.",
+    failure_response=saying_back("The documentation search for {query} did not run: {error}.", "query"),
     cancelled_response="Cancelled. The documentation search was not run.",
     time_limit=30,
     example={"query": "How do I reset my password?", "top_k": 3},
