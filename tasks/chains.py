@@ -4,21 +4,22 @@ Every step of every tool is a task named ``tools.<name>.<step>`` on queue
 ``tools.<name>``, built here from the tool's declaration. What each link does is
 written once, in :class:`Link`:
 
-1. gate and claim: one conditional UPDATE that only applies while the call is
-   EXECUTING and the link's chain (its second argument, the ``workflow_id`` recorded before
-   the chain was sent) is the call's; if it does not apply (cancelled, expired, failed, a
-   stale chain) the chain stops quietly (the transition that ended the call already
-   recorded its event); for a side-effect step the same statement passes the point of no
-   return (``committed_at``) and claims the effect for this attempt with a lease as long as
-   the link's hard time limit: a copy that finds a live claim runs again when it ends,
-   without acting (docs/promises.md, "Exactly once");
+1. gate: a step without side effect claims nothing (running it twice is harmless): its gate is
+   one read of the call, checking it is EXECUTING and the link's chain (its second argument, the
+   ``workflow_id`` recorded before the chain was sent) is the call's; a side-effect step's gate is
+   one conditional UPDATE that checks the same, passes the point of no return (``committed_at``)
+   and claims the effect for this attempt with a lease as long as the link's hard time limit: a
+   copy that finds a live claim runs again when it ends, without acting (docs/promises.md,
+   "Exactly once"). If the gate does not pass (cancelled, expired, failed, a stale chain) the
+   chain stops quietly (the transition that ended the call already recorded its event);
 2. skip a step whose output is already recorded (a redelivered link);
 3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
 4. run the step, then record its output and progress together with its callback row
-   (one statement), post the callback inline; the last step completes the call.
+   (one statement: once per step, by the call's chain), post the callback inline; the last step
+   completes the call.
 
-A link makes one database round trip before its step and one after (each a single
-statement in its own transaction, Core rows); the posted callback's outcome is
+A link of a step without side effect makes one read before its step and one write after it
+(a side effect's, two writes), each a single statement in its own transaction, Core rows. The posted callbacks' outcomes are
 recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
 Transient errors retry with backoff (Celery's retry), counted in the database
@@ -66,11 +67,12 @@ RETRIES_UNBOUNDED_HERE = 10_000
 
 class Attempt:
     """What a run of a link is: its chain, its claim on the side effect (None for other steps),
-    and how many runs of this step (or claims of its effect) the call has counted, this one included."""
+    and, for a side effect, how many claims of it the call has counted, this one included (a step
+    without side effect counts its runs when one fails: :meth:`Link._retry_or_fail`)."""
 
     __slots__ = ("chain", "token", "runs")
 
-    def __init__(self, chain: str | None, token: str | None, runs: int):
+    def __init__(self, chain: str | None, token: str | None, runs: int | None):
         self.chain, self.token, self.runs = chain, token, runs
 
 
@@ -101,13 +103,14 @@ class Link(base.Task):
         progress = self.index / len(tool.steps)
         commit = step.side_effect and not step.checkpoint
         token = claim_token() if commit else None  # this attempt's claim on the side effect
-        # only a side effect's gate must be on disk before the step runs (a lost claim of another
-        # step is redone by the redelivered link): the others skip the WAL flush (models/db.py)
-        with db.statement(durable=commit) as s:
-            # a side effect's point of no return is passed, and its claim taken, by the statement
-            # that checks EXECUTING and the chain
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=commit, chain=chain_id,
-                                        token=token, lease_s=tool.time_limit + 10)
+        with db.statement() as s:
+            if commit:
+                # a side effect's point of no return is passed, and its claim taken, by the statement
+                # that checks EXECUTING and the chain (on disk before the step runs)
+                call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=True, chain=chain_id,
+                                            token=token, lease_s=tool.time_limit + 10)
+            else:  # a step without side effect claims nothing: its gate is a read (running it twice is harmless)
+                call = lifecycle.gate(s, tool_call_id, chain_id)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:
@@ -125,7 +128,7 @@ class Link(base.Task):
         earlier = bool(commit and call.effect_attempts > 1)
         given = StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs,
                           call.caller or "", earlier_attempt=earlier)
-        attempt = Attempt(chain_id, token, call.effect_attempts if commit else call.step_attempts)
+        attempt = Attempt(chain_id, token, call.effect_attempts if commit else None)
 
         if step.checkpoint:
             return self._checkpoint(given, progress)
@@ -226,9 +229,11 @@ class Link(base.Task):
                 call = queries.get(s, tool_call_id)  # what it had done, for the sentence
             sentence = self.tool.failure_sentence(self.step, call.step_outputs, refused=False)
             outcome = self.tool.failure_outcome(self.step, call.step_outputs, refused=False)
+            claims = self.step.side_effect and not self.step.checkpoint  # its gate recorded the step
+            chain_id = args[1] if len(args) > 1 else None
             fail_call(self.tool, tool_call_id, error, call.parameters, step=self.step.name, gate=self.index + 1,
-                      sentence=sentence, outcome=outcome,
-                      only_at_step=True)  # the statement checks EXECUTING at this step
+                      sentence=sentence, outcome=outcome,  # the statement checks EXECUTING at this step:
+                      only_at_step=claims, unrecorded=None if claims else (self.step.name, chain_id))
         except Exception:  # the database may be what failed: the stuck-call sweep is the backstop
             log.exception("could not record the failure of %s at %s", tool_call_id, self.step.name)
 
@@ -321,7 +326,13 @@ class Link(base.Task):
     def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception, attempt: Attempt) -> None:
         """Retry the step with backoff, or fail the call once its runs (counted in the database:
         ``attempt.runs``) exceed the tool's ``max_retries``."""
-        retries = attempt.runs - 1
+        runs = attempt.runs
+        if runs is None:  # a step without side effect: its gate counted nothing, this failed run is counted now
+            with db.statement() as s:
+                runs = lifecycle.count_failed_run(s, tool_call_id, self.step.name, attempt.chain)
+            if runs is None:  # no longer this chain's to run (cancelled, failed, run again)
+                return self._stop()
+        retries = runs - 1
         if retries >= self.tool.max_retries:  # the call's one traceback of these runs
             log.warning("%s of %s gave up after %d retries", self.step.name, tool_call_id, retries, exc_info=exc)
             return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)")
@@ -448,13 +459,19 @@ def enqueue(tool: Tool, call: Any, start: int, workflow_id: str) -> str:
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
               uncommitted_only: bool = False, sentence: Message | None = None,
-              only_at_step: bool = False, outcome: str = NOT_DONE, quiet_s: int | None = None) -> ToolCall | None:
+              only_at_step: bool = False, outcome: str = NOT_DONE, quiet_s: int | None = None,
+              unrecorded: tuple[str, str | None] | None = None) -> ToolCall | None:
+    """Fail the call (only if still in ``from_statuses``) and announce it; ``only_at_step``: only while
+    it is at ``step``; ``unrecorded``: only while ``(step, chain)``'s step is not recorded and, given
+    the chain, that chain is the call's (a step without side effect, whose gate recorded nothing)."""
     voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
                      error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
         call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None,
-                              outcome=outcome, quiet_s=quiet_s)
+                              outcome=outcome, quiet_s=quiet_s,
+                              unrecorded_step=unrecorded[0] if unrecorded else None,
+                              chain=unrecorded[1] if unrecorded else None)
         if call is None:
             return None
         delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)

@@ -315,7 +315,8 @@ def test_cancel_while_a_step_runs_stops_the_chain_cleanly(register, gates, relay
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Caller hung up"
     assert done.voice_response == "Cancelled. The transfer did not happen."
-    assert done.attempts == 1 and done.current_step == "DRAFT" and done.step_outputs == {}
+    # DRAFT (no side effect: its gate is a read, it claims nothing) ran once and recorded nothing
+    assert slow.runs == 1 and done.step_outputs == {} and done.attempts == 0 and done.current_step is None
     assert effect.runs == 0
     assert task_log.published_for(call.tool_call_id, "tools.gated_a.APPLY") == []
     assert [d.event for d in deliveries(call.tool_call_id)] == ["cancelled"]
@@ -371,10 +372,11 @@ def test_a_resume_whose_publish_answer_was_lost_never_undoes_the_committed_call(
 
 def test_a_confirm_whose_publish_answer_was_lost_answers_what_is_true(
         register, gates, relay, client, lost_publish_answer, task_log):
-    """The first link already runs when the publish "fails": there is nothing to undo, so the answer
-    is not 503 "PENDING again" but the 202 of a started call, and the call finishes."""
+    """The first link has recorded its step when the publish "fails": there is nothing to undo, so the
+    answer is not 503 "PENDING again" but the 202 of a started call, and the call finishes."""
     draft = gates({"draft": True})
-    tool = register(make_tool("lost_confirm", (Step("DRAFT", run=draft),
+    tool = register(make_tool("lost_confirm", (Step("LOOKUP", run=lambda step: {"found": True}),
+                                               Step("DRAFT", run=draft),
                                                Step("APPLY", run=lambda step: {"done": True}, side_effect=True),
                                                Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
@@ -388,6 +390,36 @@ def test_a_confirm_whose_publish_answer_was_lost_answers_what_is_true(
     relay.wait_for(call.tool_call_id, "completed")
     assert row(call.tool_call_id).status == "COMPLETED" and draft.runs == 1
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "COMPLETED"]
+    assert_no_link_failed(task_log, call.tool_call_id)
+
+
+def test_a_lost_publish_answer_while_a_first_read_step_runs_is_undone_and_its_run_records_nothing(
+        register, gates, relay, client, lost_publish_answer, task_log):
+    """A first link without side effect claims nothing (its gate is a read): while it runs and has
+    recorded nothing, a lost publish answer puts the call back to PENDING (503); the run then records
+    nothing (its chain is no longer the call's), and a confirm again runs the step again, harmlessly:
+    one progress event of it, the same result."""
+    draft = gates({"draft": True})
+    tool = register(make_tool("lost_read", (Step("DRAFT", run=draft), Step("COMPLETED"))))
+    call = make_call(tool.name, {"what": "lookup"}, callback_url=relay.url)
+    lost_publish_answer(draft.entered.is_set)
+
+    answer = client.post(f"/voice-tools/confirm/{call.tool_call_id}", headers=AUTH)
+    assert answer.status_code == 503, answer.get_json()
+    assert row(call.tool_call_id).status == "PENDING"
+    draft.release.set()
+    task_log.wait_ran(call.tool_call_id, "tools.lost_read.DRAFT")
+    undone = row(call.tool_call_id)
+    assert (undone.status, undone.step_outputs, undone.workflow_id) == ("PENDING", {}, None)
+    assert deliveries(call.tool_call_id) == []
+
+    again = client.post(f"/voice-tools/confirm/{call.tool_call_id}", headers=AUTH)
+    assert again.status_code == 202, again.get_json()
+    relay.wait_for(call.tool_call_id, "completed")
+    done = row(call.tool_call_id)
+    assert done.status == "COMPLETED" and draft.runs == 2
+    assert done.result == {"outputs": {"DRAFT": {"draft": True}}}
+    assert [(d.event, d.seq) for d in deliveries(call.tool_call_id)] == [("progress", 1), ("completed", 2)]
     assert_no_link_failed(task_log, call.tool_call_id)
 
 
