@@ -16,10 +16,13 @@ written once, in :class:`Link`:
 3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
 4. run the step, then record its output and progress together with its callback row
    (one statement: once per step, by the call's chain), post the callback inline; the last step
-   completes the call.
+   completes the call. A step with no work of its own after it (a checkpoint, or a last step
+   without ``run``) is done by the same link (:func:`done_by_the_link_before`): no link is sent
+   for it.
 
 A link of a step without side effect makes one read before its step and one write after it
-(a side effect's, two writes), each a single statement in its own transaction, Core rows. The posted callbacks' outcomes are
+(a side effect's, two writes), each a single statement in its own transaction, Core rows; a
+link that also does the next step adds that step's one write. The posted callbacks' outcomes are
 recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
 Transient errors retry with backoff (Celery's retry), counted in the database
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -90,6 +94,7 @@ class Link(base.Task):
     tool: Tool
     step: Step
     index: int
+    absorbs: Step | None  # the next step, when it has no work of its own: this link does it
 
     def begun(self) -> None:
         if self.index == 0 and not self.request.retries:  # the chain's first link, first run
@@ -116,7 +121,13 @@ class Link(base.Task):
         if step.name in call.step_outputs:
             # Redelivered after this step was recorded: do not redo it. A checkpoint
             # that was already passed must not start the rest of the chain twice.
-            return self._stop() if step.checkpoint else None
+            if self.absorbs is None:
+                return self._stop() if step.checkpoint else None
+            if self.absorbs.checkpoint and self.absorbs.name in call.step_outputs:
+                return self._stop()
+            # the run that recorded it may have stopped before the step this link does after it
+            return self._marker(StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs,
+                                          call.caller or ""))
         if commit and call.effect_claimed_by != token:  # another attempt holds a live claim
             if holder_gone(call.effect_claimed_by):  # ... but its process was killed: this copy goes on
                 with db.statement(durable=True) as s:
@@ -163,6 +174,8 @@ class Link(base.Task):
         if call is None:
             return self._stop()
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
+        if self.absorbs is not None:  # the next step has no work of its own: this link does it (it ends the chain)
+            return self._marker(replace(given, outputs={**given.outputs, step.name: output}))
         if token is not None and chain_id is not None and call.workflow_id != chain_id:
             # the effect was this attempt's, the chain no longer is the call's (run again meanwhile):
             # what follows goes on under the call's current chain, whose own copy waits for the claim
@@ -245,10 +258,20 @@ class Link(base.Task):
         self.request.callbacks = None
         return None
 
-    def _checkpoint(self, given: StepInput, progress: float) -> None:
-        tool, step = self.tool, self.step
+    def _marker(self, given: StepInput) -> None:
+        """Do the step after this one, which has no work of its own (:func:`done_by_the_link_before`):
+        the checkpoint, or the completion. ``given``: the call with this link's step recorded."""
+        index, step = self.index + 1, self.absorbs
+        if step.checkpoint:
+            return self._checkpoint(given, index / len(self.tool.steps), step, index)
+        return self._complete(given.tool_call_id, given, step.name, None, index)
+
+    def _checkpoint(self, given: StepInput, progress: float, step: Step | None = None,
+                    index: int | None = None) -> None:
+        tool, step = self.tool, step or self.step
+        index = self.index if index is None else index
         preview = step.preview(given) if step.preview else None
-        event = events.event("checkpoint", step=step.name, gate=self.index + 1, progress=progress,
+        event = events.event("checkpoint", step=step.name, gate=index + 1, progress=progress,
                                 message=tool.say(step.message, given.parameters), cancellable=True,
                                 requires_confirmation=True, preview=preview, inline=True)
         with db.statement() as s:
@@ -258,15 +281,17 @@ class Link(base.Task):
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
         return self._stop()
 
-    def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
+    def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any,
+                  index: int | None = None) -> None:
         tool = self.tool
+        index = self.index if index is None else index
         outputs = dict(given.outputs)
         if output is not None:
             outputs[step_name] = output
         result = tool.result(outputs)
         voice = tool.say(tool.voice_response, given.parameters, result=result)
         context_key = result.get("context_key") if isinstance(result, dict) else None
-        event = events.event("completed", step=step_name, gate=self.index + 1, progress=1.0, message=voice,
+        event = events.event("completed", step=step_name, gate=index + 1, progress=1.0, message=voice,
                                 context_key=context_key, inline=True)
         with db.statement() as s:
             call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event)
@@ -368,6 +393,18 @@ def _run_link(self: Link, tool_call_id: str, chain_id: str | None = None) -> Non
         raise
 
 
+def done_by_the_link_before(tool: Tool, index: int) -> bool:
+    """Is step ``index`` one with no work of its own (a checkpoint, or a last step with no ``run`` and
+    no side effect) after a step with work? Then the link of that step does it, after recording its
+    own step: no link of its own is sent for it (no broker hop, no gate of its own), unless a chain
+    starts at it. Its task stays registered (a chain sent by an older deploy carries it)."""
+    if index == 0 or tool.steps[index - 1].checkpoint:
+        return False
+    step = tool.steps[index]
+    last = index == len(tool.steps) - 1
+    return step.checkpoint or (last and step.run is None and not step.side_effect)
+
+
 def _links_for(tool: Tool) -> list[Link]:
     """One ``Link`` task per step of ``tool``, named ``tools.<name>.<step>``."""
     return [
@@ -381,6 +418,8 @@ def _links_for(tool: Tool) -> list[Link]:
             tool=tool,
             step=step,
             index=index,
+            absorbs=tool.steps[index + 1] if index + 1 < len(tool.steps) and done_by_the_link_before(tool, index + 1)
+            else None,
         )(_run_link)
         for index, step in enumerate(tool.steps)
     ]
@@ -428,9 +467,12 @@ NEXT_LINK_RETRY = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5,
 
 def signature(tool: Tool, tool_call_id: str, start: int = 0, chain_id: str | None = None):
     """The chain of the tool's links from step ``start``, as immutable signatures, each carrying
-    ``chain_id`` (the call's ``workflow_id`` for this chain) after the call's id."""
+    ``chain_id`` (the call's ``workflow_id`` for this chain) after the call's id; a step done by the
+    link before it (:func:`done_by_the_link_before`) has no link of its own in it."""
     args = (tool_call_id,) if chain_id is None else (tool_call_id, chain_id)
-    return chain(*(link.si(*args).set(retry_policy=NEXT_LINK_RETRY) for link in LINKS[tool.name][start:]))
+    links = [link for index, link in enumerate(LINKS[tool.name])
+             if index == start or (index > start and not done_by_the_link_before(tool, index))]
+    return chain(*(link.si(*args).set(retry_policy=NEXT_LINK_RETRY) for link in links))
 
 
 # The faces enqueue while a caller waits on the line: one quick reconnect, then the

@@ -72,8 +72,10 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
     prepared = wait_status(id_, "PREPARED")
     assert prepared.prepared_at is not None and prepared.current_step == "READY_TO_SEND"
     assert prepared.committed_at is None and outbox(id_) == []
-    # The checkpoint ended the chain: its later links were never sent.
-    task_log.wait_ran(id_, SEND + "READY_TO_SEND")
+    # PREPARING's link did the checkpoint (it has no work of its own: no link of its own is sent)
+    # and ended the chain: its later links were never sent.
+    task_log.wait_ran(id_, SEND + "PREPARING")
+    assert task_log.published_for(id_, SEND + "READY_TO_SEND") == []
     assert task_log.published_for(id_, SEND + "SENDING") == []
 
     actions.resume(id_)
@@ -99,7 +101,9 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
         ("completed", "COMPLETED")]
     assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
     # The relay saw the last event before the link recorded its answer: wait for the link to end.
-    task_log.wait_ran(id_, SEND + "COMPLETED")
+    # SENDING's link completed the call (COMPLETED has no work of its own: no link of its own).
+    task_log.wait_ran(id_, SEND + "SENDING")
+    assert task_log.published_for(id_, SEND + "COMPLETED") == []
     assert all(d.state == "delivered" and d.attempts == 1 for d in deliveries(id_))
     assert relay.bad_signatures == 0
     assert_no_link_failed(task_log, id_)
@@ -154,12 +158,10 @@ def test_redelivered_links_never_send_twice(worker, relay, task_log):
     # The rest of the chain delivered a second time, racing the first.
     chains.signature(tools.TOOLS["send_email"], id_, start=2).apply_async()
     task_log.wait_ran(id_, SEND + "SENDING", count=2)
-    # Each SENDING sent its COMPLETED link before it finished, unless it found the call
-    # already completed (then it stopped its chain): wait for every one that was sent.
-    sent_on = len(task_log.published_for(id_, SEND + "COMPLETED"))
-    assert sent_on in (1, 2)
-    task_log.wait_ran(id_, SEND + "COMPLETED", count=sent_on)
-    done = row(id_)
+    # The SENDING that sent completed the call itself (COMPLETED has no work of its own: no link of
+    # its own is sent); the other found the send claimed, or recorded and the call completed.
+    assert task_log.published_for(id_, SEND + "COMPLETED") == []
+    done = wait_status(id_)
     assert done.status == "COMPLETED"
     assert len(outbox(id_)) == 1
     assert len(deliveries(id_, "completed")) == 1
@@ -444,6 +446,8 @@ def test_transient_errors_retry_with_backoff_then_succeed(register, relay, task_
     assert [p.retries for p in fetches] == [0, 1, 2]
     assert fetches[0].eta is None and all(p.eta for p in fetches[1:])  # each retry waits
     assert all(p.queue == "tools.flaky_a" for p in fetches)
+    # FETCH's link completes the call itself, and ends after the relay saw it: wait for its third run
+    task_log.wait_ran(call.tool_call_id, "tools.flaky_a.FETCH", count=3)
     assert [r.state for r in task_log.ran_for(call.tool_call_id, "tools.flaky_a.FETCH")] == [
         "RETRY", "RETRY", "SUCCESS"]
     assert [e["event"] for e in relay.events_for(call.tool_call_id)] == ["progress", "completed"]
