@@ -442,9 +442,10 @@ def _claim_free() -> ColumnElement[bool]:
 
 def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commit: bool = False,
                chain: str | None = None, token: str | None = None, lease_s: float = 0.0) -> Row[Any] | None:
-    """Gate a step: the call must still be EXECUTING, and, given its ``chain``, that chain must be the
-    call's (``workflow_id``): a stale chain stops here. None means stop. Counts the runs of the step
-    (``step_attempts``).
+    """Gate a step that records its passage (the engine's side-effect steps; a step without side
+    effect has a read for its gate, :func:`gate`): the call must still be EXECUTING, and, given its
+    ``chain``, that chain must be the call's (``workflow_id``): a stale chain stops here. None means
+    stop. Counts the runs of the step (``step_attempts``).
 
     ``commit``: the step has a side effect, and this same statement (the one that checks
     the call is EXECUTING) passes the point of no return, as :func:`commit_point` does, and
@@ -654,14 +655,15 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
          from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False,
          at_step: str | None = None, outcome: str = NOT_DONE,
          quiet_s: int | None = None, unrecorded_step: str | None = None,
-         chain: str | None = None) -> ToolCall | None:
+         chain: str | None = None, step: str | None = None) -> ToolCall | None:
     """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed;
     ``at_step``: only if the call is still at that step (a side effect's, whose gate recorded it);
     ``unrecorded_step``: only if that step is not recorded yet (a step without side effect, whose
     gate recorded nothing), and, given ``chain``, only while that chain is the call's; ``quiet_s``: only if it is still quiet
     for that long (no link passed its gate since: the stuck-call sweep's judgement, checked
     again by the statement); ``outcome``: whether its action happened (``not_done``,
-    ``unconfirmed``, or ``done`` when a step after it failed)."""
+    ``unconfirmed``, or ``done`` when a step after it failed); ``step``: the step it failed at, recorded
+    as its ``current_step`` (a step without side effect records nothing at its gate)."""
     where = [ToolCall.committed_at.is_(None)] if uncommitted_only else []
     if at_step is not None:
         where.append(ToolCall.current_step == at_step)
@@ -671,9 +673,10 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
         where.append(ToolCall.workflow_id == chain)
     if quiet_s is not None:
         where.append(quiet_for(quiet_s))
+    values = {"current_step": step} if step is not None else {}
     return _transition(
         s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
-        extra_where=where, outcome=outcome,
+        extra_where=where, outcome=outcome, **values,
         error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )

@@ -513,7 +513,7 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None,
                               outcome=outcome, quiet_s=quiet_s,
                               unrecorded_step=unrecorded[0] if unrecorded else None,
-                              chain=unrecorded[1] if unrecorded else None)
+                              chain=unrecorded[1] if unrecorded else None, step=step)
         if call is None:
             return None
         delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)
