@@ -115,7 +115,7 @@ class ToolCall(Base):
     executed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     prepared_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     resumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # when the current link passed its gate (every begin_step): the stuck-call sweep's sign of life
+    # when a link last passed a side effect's gate (begin_step) or recorded its step: the stuck-call sweep's sign of life
     step_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     execution_time_ms: Mapped[int | None] = mapped_column(Integer)

@@ -442,9 +442,10 @@ def _claim_free() -> ColumnElement[bool]:
 
 def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commit: bool = False,
                chain: str | None = None, token: str | None = None, lease_s: float = 0.0) -> Row[Any] | None:
-    """Gate a step: the call must still be EXECUTING, and, given its ``chain``, that chain must be the
-    call's (``workflow_id``): a stale chain stops here. None means stop. Counts the runs of the step
-    (``step_attempts``).
+    """Gate a step that records its passage (the engine's side-effect steps; a step without side
+    effect has a read for its gate, :func:`gate`): the call must still be EXECUTING, and, given its
+    ``chain``, that chain must be the call's (``workflow_id``): a stale chain stops here. None means
+    stop. Counts the runs of the step (``step_attempts``).
 
     ``commit``: the step has a side effect, and this same statement (the one that checks
     the call is EXECUTING) passes the point of no return, as :func:`commit_point` does, and
@@ -476,6 +477,37 @@ def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commi
     params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_chain": chain, "p_token": token,
               "p_lease": timedelta(seconds=lease_s)}
     return _transition_row(s, ("begin_step", commit, chain is not None), params, make)
+
+
+_GATE: dict[bool, Any] = {}
+
+
+def gate(s: Executor, tool_call_id: str, chain: str | None = None) -> Row[Any] | None:
+    """The gate of a step without side effect: a read, no write. The call as it is, if it is EXECUTING
+    and, given its ``chain``, that chain is the call's (``workflow_id``); None means stop. Nothing is
+    claimed or counted: running such a step twice is harmless, and what it records is fenced by
+    :func:`record_step` (once per step, by the call's chain, while EXECUTING)."""
+    stmt = _GATE.get(chain is not None)
+    if stmt is None:
+        fence = [CALLS.c.workflow_id == P_CHAIN] if chain is not None else []
+        stmt = _GATE[chain is not None] = select(*CALLS.c).where(
+            CALLS.c.tool_call_id == P_ID, CALLS.c.status == EXECUTING, *fence)
+    return s.execute(stmt, {"p_id": tool_call_id, "p_chain": chain}).one_or_none()
+
+
+def count_failed_run(s: Executor, tool_call_id: str, step: str, chain: str | None = None) -> int | None:
+    """Count a failed run of ``step``, a step without side effect (its gate counted nothing), before
+    it is retried: the call's runs of the step so far (``step_attempts``, the bound of its retries even
+    when the broker refuses the retry's publish), or None if the call is no longer EXECUTING under
+    ``chain`` (stop)."""
+    fence = [CALLS.c.workflow_id == chain] if chain is not None else []
+    return s.execute(
+        update(CALLS).where(CALLS.c.tool_call_id == tool_call_id, CALLS.c.status == EXECUTING, *fence)
+        .values(current_step=step, step_started_at=func.now(), attempts=CALLS.c.attempts + 1,
+                executed_at=func.coalesce(CALLS.c.executed_at, func.now()),
+                step_attempts=case((CALLS.c.current_step == step, CALLS.c.step_attempts + 1), else_=1))
+        .returning(CALLS.c.step_attempts)
+    ).scalar_one_or_none()
 
 
 def take_over_claim(s: Executor, tool_call_id: str, step: str, held_by: str, token: str,
@@ -530,15 +562,20 @@ def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress
     with ``event``, its callback event in the same statement (see :func:`_transition_row`).
 
     ``token``: a side effect's, recorded only by the attempt that holds its claim, which the
-    same statement releases; else ``chain``: only while that chain is the call's."""
+    same statement releases; else (a step without side effect, whose gate was a read) only once,
+    counted as a run of the call (``attempts``), and, given ``chain``, only while that chain is
+    the call's. Either is the call's latest sign of life (``step_started_at``)."""
     def make() -> Any:
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {"step_started_at": func.now()}
         fence: list[ColumnElement[bool]] = []
         if token is not None:
             fence = [ToolCall.effect_claimed_by == P_TOKEN]
-            values = {"effect_claimed_until": None}
-        elif chain is not None:
-            fence = [ToolCall.workflow_id == P_CHAIN]
+            values["effect_claimed_until"] = None
+        else:  # two copies of the link may both have run the step: the first records it
+            fence = [~ToolCall.step_outputs.has_key(P_STEP)]
+            values.update(attempts=ToolCall.attempts + 1, executed_at=func.coalesce(ToolCall.executed_at, func.now()))
+            if chain is not None:
+                fence.append(ToolCall.workflow_id == P_CHAIN)
         return _cas(P_ID, from_statuses=(EXECUTING,), to_status=None, history=[], extra_where=fence,
                     current_step=P_STEP, progress=P_PROGRESS, step_outputs=_WITH_OUTPUT, **values)
 
@@ -552,12 +589,13 @@ def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, outpu
                event: Event | None = None) -> Row[Any] | None:
     """EXECUTING → PREPARED: the chain ends here until resumed. ``output`` (the step's
     preview), when given, is stored as the step's output by the same statement; with
-    ``event``, the ``checkpoint`` event is recorded by it too."""
+    ``event``, the ``checkpoint`` event is recorded by it too. Counted as a run of the call (``attempts``)."""
     def make() -> Any:
         values = {} if output is None else {"step_outputs": _WITH_OUTPUT}
         return _cas(
             P_ID, from_statuses=(EXECUTING,), to_status=PREPARED, history=[P_HISTORY],
             current_step=P_STEP, progress=P_PROGRESS, prepared_at=func.now(), **values,
+            attempts=ToolCall.attempts + 1, executed_at=func.coalesce(ToolCall.executed_at, func.now()),
             execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
         )
 
@@ -597,13 +635,15 @@ def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", cal
 
 def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_response: str,
              context_key: str | None = None, event: Event | None = None) -> Row[Any] | None:
-    """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement."""
+    """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement.
+    Counted as a run of the call (``attempts``)."""
     def make() -> Any:
         extra = {"context_key": P_CONTEXT_KEY} if context_key else {}
         return _cas(
             P_ID, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
             result=P_RESULT, voice_response=P_VOICE, completed_at=func.now(), progress=1.0, outcome=DONE, **extra,
-            current_step=COMPLETED,
+            current_step=COMPLETED, attempts=ToolCall.attempts + 1,
+            executed_at=func.coalesce(ToolCall.executed_at, func.now()),
             execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
         )
 
@@ -614,20 +654,29 @@ def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_respo
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
          from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False,
          at_step: str | None = None, outcome: str = NOT_DONE,
-         quiet_s: int | None = None) -> ToolCall | None:
+         quiet_s: int | None = None, unrecorded_step: str | None = None,
+         chain: str | None = None, step: str | None = None) -> ToolCall | None:
     """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed;
-    ``at_step``: only if the call is still at that step; ``quiet_s``: only if it is still quiet
+    ``at_step``: only if the call is still at that step (a side effect's, whose gate recorded it);
+    ``unrecorded_step``: only if that step is not recorded yet (a step without side effect, whose
+    gate recorded nothing), and, given ``chain``, only while that chain is the call's; ``quiet_s``: only if it is still quiet
     for that long (no link passed its gate since: the stuck-call sweep's judgement, checked
     again by the statement); ``outcome``: whether its action happened (``not_done``,
-    ``unconfirmed``, or ``done`` when a step after it failed)."""
+    ``unconfirmed``, or ``done`` when a step after it failed); ``step``: the step it failed at, recorded
+    as its ``current_step`` (a step without side effect records nothing at its gate)."""
     where = [ToolCall.committed_at.is_(None)] if uncommitted_only else []
     if at_step is not None:
         where.append(ToolCall.current_step == at_step)
+    if unrecorded_step is not None:
+        where.append(~ToolCall.step_outputs.has_key(unrecorded_step))
+    if chain is not None:
+        where.append(ToolCall.workflow_id == chain)
     if quiet_s is not None:
         where.append(quiet_for(quiet_s))
+    values = {"current_step": step} if step is not None else {}
     return _transition(
         s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
-        extra_where=where, outcome=outcome,
+        extra_where=where, outcome=outcome, **values,
         error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
     )

@@ -88,8 +88,8 @@ def stale(s: Session, *, pending_ttl_s: int, prepared_ttl_s: int) -> list[str]:
 
 
 def quiet_for(older_than_s: int) -> ColumnElement[bool]:
-    """The call's latest sign of life is older than ``older_than_s``: the moment its current link
-    passed its gate (``step_started_at``, every ``begin_step``), or a confirm, resume or redrive
+    """The call's latest sign of life is older than ``older_than_s``: the moment a link passed a side
+    effect's gate or recorded its step (``step_started_at``), or a confirm, resume or redrive
     after it (GREATEST skips NULLs); never its first link (``executed_at``), so a call whose first
     step ran long ago is not taken for stuck while a later link runs."""
     return (func.greatest(ToolCall.step_started_at, ToolCall.resumed_at, ToolCall.confirmed_at)

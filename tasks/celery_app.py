@@ -19,7 +19,8 @@ from tasks.worker import log_context
 from tasks.worker import metrics_thread
 from tasks.worker import groups
 
-app = Celery("tasks", task_cls=base.Task)  # every task's base class (tasks/base.py)
+app = Celery("tasks", task_cls=base.Task,  # every task's base class (tasks/base.py)
+             events="tasks.worker.task_events:Events")  # task events published off the loop (tasks/worker/task_events.py)
 app.config_from_object("celeryconfig")
 app.conf.task_queues = tuple(
     [queue(tool.queue) for tool in tools.TOOLS.values()] + [queue("callbacks"), queue("maintenance")]

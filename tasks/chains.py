@@ -4,21 +4,25 @@ Every step of every tool is a task named ``tools.<name>.<step>`` on queue
 ``tools.<name>``, built here from the tool's declaration. What each link does is
 written once, in :class:`Link`:
 
-1. gate and claim: one conditional UPDATE that only applies while the call is
-   EXECUTING and the link's chain (its second argument, the ``workflow_id`` recorded before
-   the chain was sent) is the call's; if it does not apply (cancelled, expired, failed, a
-   stale chain) the chain stops quietly (the transition that ended the call already
-   recorded its event); for a side-effect step the same statement passes the point of no
-   return (``committed_at``) and claims the effect for this attempt with a lease as long as
-   the link's hard time limit: a copy that finds a live claim runs again when it ends,
-   without acting (docs/promises.md, "Exactly once");
+1. gate: a step without side effect claims nothing (running it twice is harmless): its gate is
+   one read of the call, checking it is EXECUTING and the link's chain (its second argument, the
+   ``workflow_id`` recorded before the chain was sent) is the call's; a side-effect step's gate is
+   one conditional UPDATE that checks the same, passes the point of no return (``committed_at``)
+   and claims the effect for this attempt with a lease as long as the link's hard time limit: a
+   copy that finds a live claim runs again when it ends, without acting (docs/promises.md,
+   "Exactly once"). If the gate does not pass (cancelled, expired, failed, a stale chain) the
+   chain stops quietly (the transition that ended the call already recorded its event);
 2. skip a step whose output is already recorded (a redelivered link);
 3. a checkpoint step sets PREPARED, posts the ``checkpoint`` event and ends the chain;
 4. run the step, then record its output and progress together with its callback row
-   (one statement), post the callback inline; the last step completes the call.
+   (one statement: once per step, by the call's chain), post the callback inline; the last step
+   completes the call. A step with no work of its own after it (a checkpoint, or a last step
+   without ``run``) is done by the same link (:func:`done_by_the_link_before`): no link is sent
+   for it.
 
-A link makes one database round trip before its step and one after (each a single
-statement in its own transaction, Core rows); the posted callback's outcome is
+A link of a step without side effect makes one read before its step and one write after it
+(a side effect's, two writes), each a single statement in its own transaction, Core rows; a
+link that also does the next step adds that step's one write. The posted callbacks' outcomes are
 recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
 Transient errors retry with backoff (Celery's retry), counted in the database
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -66,11 +71,12 @@ RETRIES_UNBOUNDED_HERE = 10_000
 
 class Attempt:
     """What a run of a link is: its chain, its claim on the side effect (None for other steps),
-    and how many runs of this step (or claims of its effect) the call has counted, this one included."""
+    and, for a side effect, how many claims of it the call has counted, this one included (a step
+    without side effect counts its runs when one fails: :meth:`Link._retry_or_fail`)."""
 
     __slots__ = ("chain", "token", "runs")
 
-    def __init__(self, chain: str | None, token: str | None, runs: int):
+    def __init__(self, chain: str | None, token: str | None, runs: int | None):
         self.chain, self.token, self.runs = chain, token, runs
 
 
@@ -88,6 +94,7 @@ class Link(base.Task):
     tool: Tool
     step: Step
     index: int
+    absorbs: Step | None  # the next step, when it has no work of its own: this link does it
 
     def begun(self) -> None:
         if self.index == 0 and not self.request.retries:  # the chain's first link, first run
@@ -101,19 +108,26 @@ class Link(base.Task):
         progress = self.index / len(tool.steps)
         commit = step.side_effect and not step.checkpoint
         token = claim_token() if commit else None  # this attempt's claim on the side effect
-        # only a side effect's gate must be on disk before the step runs (a lost claim of another
-        # step is redone by the redelivered link): the others skip the WAL flush (models/db.py)
-        with db.statement(durable=commit) as s:
-            # a side effect's point of no return is passed, and its claim taken, by the statement
-            # that checks EXECUTING and the chain
-            call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=commit, chain=chain_id,
-                                        token=token, lease_s=tool.time_limit + 10)
+        with db.statement() as s:
+            if commit:
+                # a side effect's point of no return is passed, and its claim taken, by the statement
+                # that checks EXECUTING and the chain (on disk before the step runs)
+                call = lifecycle.begin_step(s, tool_call_id, step.name, progress, commit=True, chain=chain_id,
+                                            token=token, lease_s=tool.time_limit + 10)
+            else:  # a step without side effect claims nothing: its gate is a read (running it twice is harmless)
+                call = lifecycle.gate(s, tool_call_id, chain_id)
         if call is None:
             return self._stop()
         if step.name in call.step_outputs:
             # Redelivered after this step was recorded: do not redo it. A checkpoint
             # that was already passed must not start the rest of the chain twice.
-            return self._stop() if step.checkpoint else None
+            if self.absorbs is None:
+                return self._stop() if step.checkpoint else None
+            if self.absorbs.checkpoint and self.absorbs.name in call.step_outputs:
+                return self._stop()
+            # the run that recorded it may have stopped before the step this link does after it
+            return self._marker(StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs,
+                                          call.caller or ""))
         if commit and call.effect_claimed_by != token:  # another attempt holds a live claim
             if holder_gone(call.effect_claimed_by):  # ... but its process was killed: this copy goes on
                 with db.statement(durable=True) as s:
@@ -125,7 +139,7 @@ class Link(base.Task):
         earlier = bool(commit and call.effect_attempts > 1)
         given = StepInput(call.tool_call_id, call.session_id, call.parameters, call.step_outputs,
                           call.caller or "", earlier_attempt=earlier)
-        attempt = Attempt(chain_id, token, call.effect_attempts if commit else call.step_attempts)
+        attempt = Attempt(chain_id, token, call.effect_attempts if commit else None)
 
         if step.checkpoint:
             return self._checkpoint(given, progress)
@@ -160,6 +174,8 @@ class Link(base.Task):
         if call is None:
             return self._stop()
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
+        if self.absorbs is not None:  # the next step has no work of its own: this link does it (it ends the chain)
+            return self._marker(replace(given, outputs={**given.outputs, step.name: output}))
         if token is not None and chain_id is not None and call.workflow_id != chain_id:
             # the effect was this attempt's, the chain no longer is the call's (run again meanwhile):
             # what follows goes on under the call's current chain, whose own copy waits for the claim
@@ -226,9 +242,11 @@ class Link(base.Task):
                 call = queries.get(s, tool_call_id)  # what it had done, for the sentence
             sentence = self.tool.failure_sentence(self.step, call.step_outputs, refused=False)
             outcome = self.tool.failure_outcome(self.step, call.step_outputs, refused=False)
+            claims = self.step.side_effect and not self.step.checkpoint  # its gate recorded the step
+            chain_id = args[1] if len(args) > 1 else None
             fail_call(self.tool, tool_call_id, error, call.parameters, step=self.step.name, gate=self.index + 1,
-                      sentence=sentence, outcome=outcome,
-                      only_at_step=True)  # the statement checks EXECUTING at this step
+                      sentence=sentence, outcome=outcome,  # the statement checks EXECUTING at this step:
+                      only_at_step=claims, unrecorded=None if claims else (self.step.name, chain_id))
         except Exception:  # the database may be what failed: the stuck-call sweep is the backstop
             log.exception("could not record the failure of %s at %s", tool_call_id, self.step.name)
 
@@ -240,10 +258,20 @@ class Link(base.Task):
         self.request.callbacks = None
         return None
 
-    def _checkpoint(self, given: StepInput, progress: float) -> None:
-        tool, step = self.tool, self.step
+    def _marker(self, given: StepInput) -> None:
+        """Do the step after this one, which has no work of its own (:func:`done_by_the_link_before`):
+        the checkpoint, or the completion. ``given``: the call with this link's step recorded."""
+        index, step = self.index + 1, self.absorbs
+        if step.checkpoint:
+            return self._checkpoint(given, index / len(self.tool.steps), step, index)
+        return self._complete(given.tool_call_id, given, step.name, None, index)
+
+    def _checkpoint(self, given: StepInput, progress: float, step: Step | None = None,
+                    index: int | None = None) -> None:
+        tool, step = self.tool, step or self.step
+        index = self.index if index is None else index
         preview = step.preview(given) if step.preview else None
-        event = events.event("checkpoint", step=step.name, gate=self.index + 1, progress=progress,
+        event = events.event("checkpoint", step=step.name, gate=index + 1, progress=progress,
                                 message=tool.say(step.message, given.parameters), cancellable=True,
                                 requires_confirmation=True, preview=preview, inline=True)
         with db.statement() as s:
@@ -253,15 +281,17 @@ class Link(base.Task):
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
         return self._stop()
 
-    def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any) -> None:
+    def _complete(self, tool_call_id: str, given: StepInput, step_name: str, output: Any,
+                  index: int | None = None) -> None:
         tool = self.tool
+        index = self.index if index is None else index
         outputs = dict(given.outputs)
         if output is not None:
             outputs[step_name] = output
         result = tool.result(outputs)
         voice = tool.say(tool.voice_response, given.parameters, result=result)
         context_key = result.get("context_key") if isinstance(result, dict) else None
-        event = events.event("completed", step=step_name, gate=self.index + 1, progress=1.0, message=voice,
+        event = events.event("completed", step=step_name, gate=index + 1, progress=1.0, message=voice,
                                 context_key=context_key, inline=True)
         with db.statement() as s:
             call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event)
@@ -321,7 +351,13 @@ class Link(base.Task):
     def _retry_or_fail(self, tool_call_id: str, given: StepInput, exc: Exception, attempt: Attempt) -> None:
         """Retry the step with backoff, or fail the call once its runs (counted in the database:
         ``attempt.runs``) exceed the tool's ``max_retries``."""
-        retries = attempt.runs - 1
+        runs = attempt.runs
+        if runs is None:  # a step without side effect: its gate counted nothing, this failed run is counted now
+            with db.statement() as s:
+                runs = lifecycle.count_failed_run(s, tool_call_id, self.step.name, attempt.chain)
+            if runs is None:  # no longer this chain's to run (cancelled, failed, run again)
+                return self._stop()
+        retries = runs - 1
         if retries >= self.tool.max_retries:  # the call's one traceback of these runs
             log.warning("%s of %s gave up after %d retries", self.step.name, tool_call_id, retries, exc_info=exc)
             return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)")
@@ -357,6 +393,18 @@ def _run_link(self: Link, tool_call_id: str, chain_id: str | None = None) -> Non
         raise
 
 
+def done_by_the_link_before(tool: Tool, index: int) -> bool:
+    """Is step ``index`` one with no work of its own (a checkpoint, or a last step with no ``run`` and
+    no side effect) after a step with work? Then the link of that step does it, after recording its
+    own step: no link of its own is sent for it (no broker hop, no gate of its own), unless a chain
+    starts at it. Its task stays registered (a chain sent by an older deploy carries it)."""
+    if index == 0 or tool.steps[index - 1].checkpoint:
+        return False
+    step = tool.steps[index]
+    last = index == len(tool.steps) - 1
+    return step.checkpoint or (last and step.run is None and not step.side_effect)
+
+
 def _links_for(tool: Tool) -> list[Link]:
     """One ``Link`` task per step of ``tool``, named ``tools.<name>.<step>``."""
     return [
@@ -370,6 +418,8 @@ def _links_for(tool: Tool) -> list[Link]:
             tool=tool,
             step=step,
             index=index,
+            absorbs=tool.steps[index + 1] if index + 1 < len(tool.steps) and done_by_the_link_before(tool, index + 1)
+            else None,
         )(_run_link)
         for index, step in enumerate(tool.steps)
     ]
@@ -417,9 +467,12 @@ NEXT_LINK_RETRY = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5,
 
 def signature(tool: Tool, tool_call_id: str, start: int = 0, chain_id: str | None = None):
     """The chain of the tool's links from step ``start``, as immutable signatures, each carrying
-    ``chain_id`` (the call's ``workflow_id`` for this chain) after the call's id."""
+    ``chain_id`` (the call's ``workflow_id`` for this chain) after the call's id; a step done by the
+    link before it (:func:`done_by_the_link_before`) has no link of its own in it."""
     args = (tool_call_id,) if chain_id is None else (tool_call_id, chain_id)
-    return chain(*(link.si(*args).set(retry_policy=NEXT_LINK_RETRY) for link in LINKS[tool.name][start:]))
+    links = [link for index, link in enumerate(LINKS[tool.name])
+             if index == start or (index > start and not done_by_the_link_before(tool, index))]
+    return chain(*(link.si(*args).set(retry_policy=NEXT_LINK_RETRY) for link in links))
 
 
 # The faces enqueue while a caller waits on the line: one quick reconnect, then the
@@ -448,13 +501,19 @@ def enqueue(tool: Tool, call: Any, start: int, workflow_id: str) -> str:
 def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, step: str | None = None,
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
               uncommitted_only: bool = False, sentence: Message | None = None,
-              only_at_step: bool = False, outcome: str = NOT_DONE, quiet_s: int | None = None) -> ToolCall | None:
+              only_at_step: bool = False, outcome: str = NOT_DONE, quiet_s: int | None = None,
+              unrecorded: tuple[str, str | None] | None = None) -> ToolCall | None:
+    """Fail the call (only if still in ``from_statuses``) and announce it; ``only_at_step``: only while
+    it is at ``step``; ``unrecorded``: only while ``(step, chain)``'s step is not recorded and, given
+    the chain, that chain is the call's (a step without side effect, whose gate recorded nothing)."""
     voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
                      error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
         call = lifecycle.fail(s, tool_call_id, error, voice, from_statuses=from_statuses,
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None,
-                              outcome=outcome, quiet_s=quiet_s)
+                              outcome=outcome, quiet_s=quiet_s,
+                              unrecorded_step=unrecorded[0] if unrecorded else None,
+                              chain=unrecorded[1] if unrecorded else None, step=step)
         if call is None:
             return None
         delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)

@@ -7,8 +7,8 @@ prefetched, or held until the ETA of a retry), or unacknowledged by a worker tha
 retry) was published, so a running chain never has a moment with no message; the
 moment between a confirm (or a resume, or a redrive) and its publish is far shorter
 than a time limit. A call EXECUTING with no link message anywhere, quiet past its links'
-hard time limit (quiet since its current link passed its gate, ``step_started_at``, or a
-later confirm, resume or redrive: ``queries.quiet_for``), has lost its chain: that, and
+hard time limit (quiet since a link passed a side effect's gate or recorded its step,
+``step_started_at``, or a later confirm, resume or redrive: ``queries.quiet_for``), has lost its chain: that, and
 not a quiet period, is "stuck". A link seen running is left to its own time limits
 (Celery's soft and hard limits and ``Link.on_failure``), never failed from here.
 

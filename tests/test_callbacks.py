@@ -435,9 +435,10 @@ def test_cancel_answer_to_a_cancellable_progress_event_cancels(worker, relay, ta
     call = make_call(callback_url=relay.url)
     actions.confirm(call.tool_call_id)
     relay.wait_for(call.tool_call_id, "cancelled")
-    task_log.wait_ran(call.tool_call_id, SEND + "READY_TO_SEND")
+    task_log.wait_ran(call.tool_call_id, SEND + "PREPARING")  # which would have done the checkpoint
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Caller said stop"
+    assert task_log.published_for(call.tool_call_id, SEND + "READY_TO_SEND") == []
     assert [e["status"] for e in done.status_history] == ["PENDING", "EXECUTING", "CANCELLED"]
     assert task_log.published_for(call.tool_call_id, SEND + "SENDING") == []
     assert [d.event for d in deliveries(call.tool_call_id)] == ["progress", "cancelled"]

@@ -72,8 +72,10 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
     prepared = wait_status(id_, "PREPARED")
     assert prepared.prepared_at is not None and prepared.current_step == "READY_TO_SEND"
     assert prepared.committed_at is None and outbox(id_) == []
-    # The checkpoint ended the chain: its later links were never sent.
-    task_log.wait_ran(id_, SEND + "READY_TO_SEND")
+    # PREPARING's link did the checkpoint (it has no work of its own: no link of its own is sent)
+    # and ended the chain: its later links were never sent.
+    task_log.wait_ran(id_, SEND + "PREPARING")
+    assert task_log.published_for(id_, SEND + "READY_TO_SEND") == []
     assert task_log.published_for(id_, SEND + "SENDING") == []
 
     actions.resume(id_)
@@ -99,7 +101,9 @@ def test_send_email_checkpoint_resume_complete(worker, relay, task_log):
         ("completed", "COMPLETED")]
     assert [e["seq"] for e in events] == sorted({e["seq"] for e in events})
     # The relay saw the last event before the link recorded its answer: wait for the link to end.
-    task_log.wait_ran(id_, SEND + "COMPLETED")
+    # SENDING's link completed the call (COMPLETED has no work of its own: no link of its own).
+    task_log.wait_ran(id_, SEND + "SENDING")
+    assert task_log.published_for(id_, SEND + "COMPLETED") == []
     assert all(d.state == "delivered" and d.attempts == 1 for d in deliveries(id_))
     assert relay.bad_signatures == 0
     assert_no_link_failed(task_log, id_)
@@ -154,12 +158,10 @@ def test_redelivered_links_never_send_twice(worker, relay, task_log):
     # The rest of the chain delivered a second time, racing the first.
     chains.signature(tools.TOOLS["send_email"], id_, start=2).apply_async()
     task_log.wait_ran(id_, SEND + "SENDING", count=2)
-    # Each SENDING sent its COMPLETED link before it finished, unless it found the call
-    # already completed (then it stopped its chain): wait for every one that was sent.
-    sent_on = len(task_log.published_for(id_, SEND + "COMPLETED"))
-    assert sent_on in (1, 2)
-    task_log.wait_ran(id_, SEND + "COMPLETED", count=sent_on)
-    done = row(id_)
+    # The SENDING that sent completed the call itself (COMPLETED has no work of its own: no link of
+    # its own is sent); the other found the send claimed, or recorded and the call completed.
+    assert task_log.published_for(id_, SEND + "COMPLETED") == []
+    done = wait_status(id_)
     assert done.status == "COMPLETED"
     assert len(outbox(id_)) == 1
     assert len(deliveries(id_, "completed")) == 1
@@ -315,7 +317,8 @@ def test_cancel_while_a_step_runs_stops_the_chain_cleanly(register, gates, relay
     done = row(call.tool_call_id)
     assert done.status == "CANCELLED" and done.error_message == "Caller hung up"
     assert done.voice_response == "Cancelled. The transfer did not happen."
-    assert done.attempts == 1 and done.current_step == "DRAFT" and done.step_outputs == {}
+    # DRAFT (no side effect: its gate is a read, it claims nothing) ran once and recorded nothing
+    assert slow.runs == 1 and done.step_outputs == {} and done.attempts == 0 and done.current_step is None
     assert effect.runs == 0
     assert task_log.published_for(call.tool_call_id, "tools.gated_a.APPLY") == []
     assert [d.event for d in deliveries(call.tool_call_id)] == ["cancelled"]
@@ -371,10 +374,11 @@ def test_a_resume_whose_publish_answer_was_lost_never_undoes_the_committed_call(
 
 def test_a_confirm_whose_publish_answer_was_lost_answers_what_is_true(
         register, gates, relay, client, lost_publish_answer, task_log):
-    """The first link already runs when the publish "fails": there is nothing to undo, so the answer
-    is not 503 "PENDING again" but the 202 of a started call, and the call finishes."""
+    """The first link has recorded its step when the publish "fails": there is nothing to undo, so the
+    answer is not 503 "PENDING again" but the 202 of a started call, and the call finishes."""
     draft = gates({"draft": True})
-    tool = register(make_tool("lost_confirm", (Step("DRAFT", run=draft),
+    tool = register(make_tool("lost_confirm", (Step("LOOKUP", run=lambda step: {"found": True}),
+                                               Step("DRAFT", run=draft),
                                                Step("APPLY", run=lambda step: {"done": True}, side_effect=True),
                                                Step("COMPLETED"))))
     call = make_call(tool.name, {"what": "transfer"}, callback_url=relay.url)
@@ -388,6 +392,36 @@ def test_a_confirm_whose_publish_answer_was_lost_answers_what_is_true(
     relay.wait_for(call.tool_call_id, "completed")
     assert row(call.tool_call_id).status == "COMPLETED" and draft.runs == 1
     assert history(call.tool_call_id) == ["PENDING", "EXECUTING", "COMPLETED"]
+    assert_no_link_failed(task_log, call.tool_call_id)
+
+
+def test_a_lost_publish_answer_while_a_first_read_step_runs_is_undone_and_its_run_records_nothing(
+        register, gates, relay, client, lost_publish_answer, task_log):
+    """A first link without side effect claims nothing (its gate is a read): while it runs and has
+    recorded nothing, a lost publish answer puts the call back to PENDING (503); the run then records
+    nothing (its chain is no longer the call's), and a confirm again runs the step again, harmlessly:
+    one progress event of it, the same result."""
+    draft = gates({"draft": True})
+    tool = register(make_tool("lost_read", (Step("DRAFT", run=draft), Step("COMPLETED"))))
+    call = make_call(tool.name, {"what": "lookup"}, callback_url=relay.url)
+    lost_publish_answer(draft.entered.is_set)
+
+    answer = client.post(f"/voice-tools/confirm/{call.tool_call_id}", headers=AUTH)
+    assert answer.status_code == 503, answer.get_json()
+    assert row(call.tool_call_id).status == "PENDING"
+    draft.release.set()
+    task_log.wait_ran(call.tool_call_id, "tools.lost_read.DRAFT")
+    undone = row(call.tool_call_id)
+    assert (undone.status, undone.step_outputs, undone.workflow_id) == ("PENDING", {}, None)
+    assert deliveries(call.tool_call_id) == []
+
+    again = client.post(f"/voice-tools/confirm/{call.tool_call_id}", headers=AUTH)
+    assert again.status_code == 202, again.get_json()
+    relay.wait_for(call.tool_call_id, "completed")
+    done = row(call.tool_call_id)
+    assert done.status == "COMPLETED" and draft.runs == 2
+    assert done.result == {"outputs": {"DRAFT": {"draft": True}}}
+    assert [(d.event, d.seq) for d in deliveries(call.tool_call_id)] == [("progress", 1), ("completed", 2)]
     assert_no_link_failed(task_log, call.tool_call_id)
 
 
@@ -412,6 +446,8 @@ def test_transient_errors_retry_with_backoff_then_succeed(register, relay, task_
     assert [p.retries for p in fetches] == [0, 1, 2]
     assert fetches[0].eta is None and all(p.eta for p in fetches[1:])  # each retry waits
     assert all(p.queue == "tools.flaky_a" for p in fetches)
+    # FETCH's link completes the call itself, and ends after the relay saw it: wait for its third run
+    task_log.wait_ran(call.tool_call_id, "tools.flaky_a.FETCH", count=3)
     assert [r.state for r in task_log.ran_for(call.tool_call_id, "tools.flaky_a.FETCH")] == [
         "RETRY", "RETRY", "SUCCESS"]
     assert [e["event"] for e in relay.events_for(call.tool_call_id)] == ["progress", "completed"]

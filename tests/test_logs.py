@@ -171,15 +171,14 @@ def test_one_send_email_call_is_followed_by_its_ids_through_the_api_and_worker_l
     assert all(access[rid]["tool_call_id"] == tc and access[rid]["session_id"] == SESSION for rid in requests_sent)
 
     in_tasks = [line for line in worker_lines if line.get("tool_call_id") == tc]
-    steps = ("PREPARING", "READY_TO_SEND", "SENDING", "COMPLETED")
+    steps = ("PREPARING", "SENDING")  # READY_TO_SEND and COMPLETED have no work of their own: no links of their own
     assert {line["task"] for line in in_tasks} == {f"tools.send_email.{step}" for step in steps}, in_tasks
     for line in in_tasks:
         assert line["task_id"] and line["task"].startswith("tools.send_email.") and line["step"], line
         assert line["task"].endswith("." + line["step"]), line
-    # the links up to the checkpoint ran for the confirm, those after it for the resume
+    # the link up to the checkpoint ran for the confirm, the one after it for the resume
     by_request = {line["step"]: (line["request_id"], line.get("trace_id")) for line in in_tasks}
-    assert by_request == {"PREPARING": ("req-logs-confirm", None), "READY_TO_SEND": ("req-logs-confirm", None),
-                          "SENDING": (trace, trace), "COMPLETED": (trace, trace)}, by_request
+    assert by_request == {"PREPARING": ("req-logs-confirm", None), "SENDING": (trace, trace)}, by_request
     assert access[trace]["trace_id"] == trace and "trace_id" not in access["req-logs-confirm"]
     assert any(line["message"].startswith("worker writes@") for line in worker_lines)
 
@@ -267,6 +266,6 @@ async def test_an_mcp_call_runs_its_links_under_the_mcp_requests_id(anyio_backen
     finally:
         signals.task_prerun.disconnect(_in_task)
     links = [context for context in seen if context.get("tool_call_id") == tc]
-    assert [context["step"] for context in links] == ["PREPARING", "READY_TO_SEND"], seen
+    assert [context["step"] for context in links] == ["PREPARING"], seen  # which also did READY_TO_SEND
     for context in links:
         assert context["request_id"] == "req-over-mcp" and context["session_id"] == "sess_mcp_logs", context

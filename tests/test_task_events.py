@@ -1,0 +1,52 @@
+"""Celery's task events (what Flower shows) are still published, from a thread of each process
+(tasks/worker/task_events.py): every link of a chain is seen sent, received, started and succeeded."""
+from __future__ import annotations
+
+import threading
+import time
+
+from tasks import app, tools
+from tasks.calls import actions
+from tests.helpers import make_call, wait_status
+
+
+def test_every_link_is_seen_sent_received_started_and_succeeded(worker):
+    seen: list[dict] = []
+    listening = threading.Event()
+    stop = threading.Event()
+
+    def listen() -> None:
+        with app.connection_for_read() as conn:
+            receiver = app.events.Receiver(conn, handlers={"*": seen.append})
+            receiver.on_consume_ready = lambda *_, **__: listening.set()
+            receiver.should_stop = False
+            stopper = threading.Thread(target=lambda: (stop.wait(), setattr(receiver, "should_stop", True)),
+                                       daemon=True)
+            stopper.start()
+            receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    assert listening.wait(10)
+    call = make_call()
+    actions.confirm(call.tool_call_id)
+    assert wait_status(call.tool_call_id, "PREPARED").status == "PREPARED"
+    ran = [step.name for step in tools.TOOLS["send_email"].steps[:1]]  # the links up to the checkpoint
+    names = {f"tools.send_email.{step}" for step in ran}
+
+    def kinds() -> dict[str, set[str]]:
+        found: dict[str, set[str]] = {}
+        by_id = {e["uuid"]: e.get("name") for e in seen if e.get("type") in ("task-sent", "task-received")}
+        for event in seen:
+            name = by_id.get(event.get("uuid"))
+            if name in names:
+                found.setdefault(name, set()).add(event["type"])
+        return found
+
+    wanted = {"task-sent", "task-received", "task-started", "task-succeeded"}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(wanted <= kinds().get(name, set()) for name in names):
+        time.sleep(0.1)
+    stop.set()
+    thread.join(5)
+    assert all(wanted <= kinds().get(name, set()) for name in names), kinds()
