@@ -141,7 +141,10 @@ def send_email_queue_refusing():
         wait_until(refused, "RabbitMQ to refuse messages to tools.send_email")
         yield
     finally:
+        # the policy's end too comes a moment later: until then a later test's links to
+        # tools.send_email would be refused (a nacked next link fails its call)
         rabbitmqctl.run("clear_policy", "-p", vhost(), "refuse-send-email")
+        wait_until(lambda: not refused(), "RabbitMQ to take messages to tools.send_email again")
         with app.connection_for_write() as conn:
             send_email.bind(conn.default_channel).purge()
 
