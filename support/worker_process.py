@@ -180,4 +180,7 @@ def _consumers(app: Any, queue: str) -> int:
     with app.connection_for_write() as conn:
         if conn.transport.driver_type != "amqp":
             return 0
-        return conn.default_channel.queue_declare(queue=queue, passive=True).consumer_count
+        try:
+            return conn.default_channel.queue_declare(queue=queue, passive=True).consumer_count
+        except conn.channel_errors:  # no such queue (yet): no consumer on it
+            return 0

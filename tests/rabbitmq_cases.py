@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import contextmanager
 from collections import Counter
 
 import pytest
@@ -118,6 +119,12 @@ def own_queue():
 
 @pytest.fixture
 def send_email_queue_refusing():
+    with send_email_refused():
+        yield
+
+
+@contextmanager
+def send_email_refused():
     """A RabbitMQ policy that makes tools.send_email refuse every message (max length 0,
     reject-publish), in force once a plain publish there is refused: RabbitMQ applies a
     policy to a quorum queue a moment after it lists it, and a quorum queue takes a message
@@ -159,6 +166,21 @@ def test_a_chain_rabbitmq_refuses_is_503_and_the_call_pending_again_never_202(cl
     stored = row(tool_call_id)
     assert (stored.status, stored.workflow_id) == ("PENDING", None)
     assert [h["status"] for h in stored.status_history] == ["PENDING", "EXECUTING", "PENDING"]
+
+
+def test_once_rabbitmq_takes_messages_again_a_confirm_refused_before_is_sent(client, own_queue):
+    """RabbitMQ leaves a channel that had a publish to a quorum queue refused (basic.nack) refusing
+    that queue for good, even once the queue takes messages again on any other channel (seen with
+    RabbitMQ 3.x here): the API's publishes must not stay on such a channel, or a process would
+    answer 503 to every confirm of that tool until it restarted."""
+    tool_call_id = created_id(client)
+    with send_email_refused():
+        refused = client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
+        assert assert_error(refused, 503, "unavailable")["details"]["service"] == "broker"
+    answer = client.post(f"/voice-tools/confirm/{tool_call_id}", headers=AUTH)
+    assert answer.status_code == 202, answer.get_data(as_text=True)
+    assert row(tool_call_id).status == "EXECUTING"
+    assert ready_messages(QUEUE) == 1, "its first link is in its queue"
 
 
 # -- a whole worker lost ---------------------------------------------------------------

@@ -56,6 +56,7 @@ PARITY = (
     "tests/rabbitmq_cases.py::test_every_queue_is_a_durable_quorum_queue_behind_a_topic_exchange",
     "tests/rabbitmq_cases.py::test_rabbitmq_down_answers_503_on_confirm_resume_and_readyz_and_changes_no_call",
     "tests/rabbitmq_cases.py::test_a_chain_rabbitmq_refuses_is_503_and_the_call_pending_again_never_202",
+    "tests/rabbitmq_cases.py::test_once_rabbitmq_takes_messages_again_a_confirm_refused_before_is_sent",
     "tests/rabbitmq_cases.py::test_whole_worker_killed_mid_link_its_message_is_back_in_the_queue_at_once",
     "tests/rabbitmq_cases.py::test_a_failed_callback_is_retried_through_the_brokers_delay_queues",
     "tests/rabbitmq_cases.py::test_a_callback_retry_due_in_less_than_a_second_is_published_and_attempted",
