@@ -3,8 +3,9 @@
 Loaded into a real worker by ``--include tests.rabbitmq_tools`` so that its queue is
 one of the worker's own when it starts (declared as a quorum queue and bound to the
 delay exchanges of native delayed delivery), and imported by the test that enqueues its
-call. The step counts its tries by the call's ``attempts`` (one per claim of a step, on
-the database): tries 1 and 2 fail, try 3 answers. Each message of the tool published
+call. The step counts its tries by the call's ``attempts`` (on the database: a step without
+side effect is counted when a run of it fails, not at its gate, so this try is one more than
+the attempts so far): tries 1 and 2 fail, try 3 answers. Each message of the tool published
 in the worker is logged (Celery's ``before_task_publish``) with the exchange and routing
 key it went to, so the test can read where the retries went.
 """
@@ -27,8 +28,8 @@ class Thing(Schema):
 
 
 def fails_twice(step: StepInput) -> dict:
-    with db.session() as s:
-        tries = s.scalar(select(ToolCall.attempts).where(ToolCall.tool_call_id == step.tool_call_id))
+    with db.session() as s:  # a read step's gate counts nothing: the call's attempts are its failed runs so far
+        tries = 1 + s.scalar(select(ToolCall.attempts).where(ToolCall.tool_call_id == step.tool_call_id))
     if tries <= 2:
         raise TransientError(f"HTTP 503 on try {tries}")
     return {"tries": tries}

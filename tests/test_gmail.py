@@ -288,7 +288,11 @@ def test_sending_link_redelivered_after_sigkill_finds_the_message_and_does_not_r
             # The redelivered link finds the message at once (too quick to catch with
             # ``inspect active``): the worker's log shows the same message received twice.
             done = wait_status(id_, timeout=60)
-            log = worker.log()
+            # SENDING completes the call itself: its "succeeded" line comes once the task returns
+            deadline = time.monotonic() + 30
+            while f"{SENDING_TASK}[{first['id']}] succeeded" not in (log := worker.log()) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
         assert done.status == "COMPLETED", (done.status, done.error_message)
         [sent] = mail.sent  # one email, although the link ran twice
         assert done.result == {"message_id": sent["id"], "thread_id": sent["threadId"], "to": "loss@example.com"}
