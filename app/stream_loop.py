@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from app import shares, sse
@@ -15,24 +12,12 @@ from models import listen
 
 log = logging.getLogger(__name__)
 
-READERS = 2  # threads (and so pooled connections at most) that read new rows for all of a process's streams
-
-_lock = threading.Lock()
-_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
 _open = 0  # streams this process serves now
 
 
 def loop() -> asyncio.AbstractEventLoop:
-    """This process's stream loop, started on first use (after a fork too: a gunicorn worker starts its own)."""
-    global _loop
-    with _lock:
-        if _loop is not None and _loop[0] == os.getpid():
-            return _loop[1]
-        made = asyncio.new_event_loop()
-        made.set_default_executor(ThreadPoolExecutor(READERS, thread_name_prefix="voice-tools-stream-read"))
-        threading.Thread(target=made.run_forever, name="voice-tools-streams", daemon=True).start()
-        _loop = (os.getpid(), made)
-        return made
+    """This process's stream loop: the listener's own (``models/listen.py``), started on first use."""
+    return listen.LISTENER.loop()
 
 
 def open_streams() -> int:

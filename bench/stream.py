@@ -7,12 +7,12 @@ The Procfile's ``web`` line (gunicorn, one worker: the one process that serves e
 
 1. REST ``POST /voice-tools/pending`` p50 with no stream open (one client, keep-alive), before the
    streams and again after they closed (the two together are the reference);
-2. ``--streams`` streams opened at once (asyncio sockets in this process), spread over ``--callers``
+2. ``--streams`` streams opened at once (asyncio sockets in a process of their own), spread over ``--callers``
    callers whose open share is raised for the bench (``VOICE_TOOLS_CALLER_LIMITS``), five streams per
    session; the worker process's PSS and RSS before and after, idle: the memory of an idle stream;
 3. the same REST p50 with every stream open (goal: at most 1.2x the first);
 4. one ``search_contacts`` call per session (``/voice-tools/execute`` with a callback URL): each event's
-   delay from its commit (its NOTIFY's arrival at a LISTEN connection of this process) to its arrival
+   delay from its commit (its NOTIFY's arrival at a LISTEN connection, in a third process) to its arrival
    on each of its session's streams and at the callback receiver (goals: stream p50 at most the
    callback's, stream p99 at most 2x the stream's p50); every stream must get exactly its session's
    events, in their order, none missed, none twice.
@@ -34,6 +34,7 @@ import threading
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
+from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,15 @@ class Streams:
                     if line.startswith("id: "):
                         self.got[i].append((line[4:], time.time()))
 
+    def arrivals(self) -> list[list[tuple[str, float]]]:
+        return self.got
+
+    def answers(self) -> list[int | None]:
+        return self.statuses
+
+    def counts(self) -> list[int]:
+        return [len(got) for got in self.got]
+
     def close(self) -> None:
         async def cancel() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -183,16 +193,14 @@ def run_calls(api: str, plan: list[tuple[str, str]], relay: Any) -> None:
 
 class Commits:
     """When each event committed, as a LISTEN connection of this process sees it: PostgreSQL delivers a
-    NOTIFY at its transaction's commit, the trigger sends one per event with its session id, in commit
+    NOTIFY at its transaction's commit, the trigger sends one per event (with its session), in commit
     order; the k-th of a session is the session's k-th event."""
 
-    def __init__(self) -> None:
+    def __init__(self, listen_url: str) -> None:
         import psycopg2
 
-        from models import db
-
         self.seen: dict[str, list[float]] = defaultdict(list)
-        self.conn = psycopg2.connect(db.listen_url())
+        self.conn = psycopg2.connect(listen_url)
         self.conn.autocommit = True
         with self.conn.cursor() as cur:
             cur.execute("LISTEN voice_tools_events")
@@ -203,6 +211,8 @@ class Commits:
     def _run(self) -> None:
         import selectors
 
+        from models import listen
+
         ready = selectors.DefaultSelector()
         ready.register(self.conn, selectors.EVENT_READ)
         while self.running:
@@ -210,13 +220,35 @@ class Commits:
                 self.conn.poll()
                 now = time.time()
                 for note in self.conn.notifies:
-                    self.seen[note.payload].append(now)
+                    self.seen[listen.notice_of(note.payload).session_id].append(now)
                 self.conn.notifies.clear()
+
+    def notified(self) -> dict[str, list[float]]:
+        return dict(self.seen)
 
     def close(self) -> None:
         self.running = False
         self.thread.join()
         self.conn.close()
+
+
+def apart(kind: type, *args: Any) -> tuple[Any, Any]:
+    """``kind(*args)`` in a process of its own (a spawned multiprocessing manager), and the manager: the
+    clients' timestamps are taken by processes that share no interpreter lock with the bench's relay,
+    its requests or each other, as a relay's stream reader would be a program of its own."""
+    import multiprocessing
+
+    manager = Apart(ctx=multiprocessing.get_context("spawn"))
+    manager.start()
+    return getattr(manager, kind.__name__)(*args), manager
+
+
+class Apart(BaseManager):
+    """The manager process of :func:`apart`."""
+
+
+Apart.register("Streams", Streams)
+Apart.register("Commits", Commits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,38 +295,46 @@ def main(argv: list[str] | None = None) -> int:
                 worker = the_worker(web.pid)
                 token = callers[0][1]
                 pending_ms(api, token, 50)  # warm-up
-                warm = Streams(port, plan[:10])
+                warm, warm_process = apart(Streams, port, plan[:10])
                 warm.open()
                 warm.close()
+                warm_process.shutdown()
                 time.sleep(1.0)
                 print(f"REST pending, no stream open ({args.requests}) ...", flush=True)
                 alone = pending_ms(api, token, args.requests)
                 before = memory_kb(worker)
                 print(f"opening {args.streams} streams ...", flush=True)
-                streams = Streams(port, plan)
+                streams, streams_process = apart(Streams, port, plan)
                 took = streams.open()
                 time.sleep(2.0)  # idle
                 after = memory_kb(worker)
-                statuses = set(streams.statuses)
+                statuses = set(streams.answers())
                 print(f"REST pending, {args.streams} streams open ...", flush=True)
                 loaded = pending_ms(api, token, args.requests)
                 print(f"events: one call per session ({len(set(plan))}) ...", flush=True)
-                commits = Commits()
+                from models import db
+
+                commits, commits_process = apart(Commits, db.listen_url())
                 run_calls(api, plan, relay)
                 expected = expected_events(plan)
+                want = [len(expected[session]) for _, session in plan]
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and any(
-                        len(streams.got[i]) < len(expected[session]) for i, (_, session) in enumerate(plan)):
-                    time.sleep(0.1)
+                        have < need for have, need in zip(streams.counts(), want)):
+                    time.sleep(0.5)
+                got = streams.arrivals()
                 streams.close()
+                notified = commits.notified()
                 commits.close()
+                streams_process.shutdown()
+                commits_process.shutdown()
                 time.sleep(1.0)
                 print(f"REST pending, the streams closed ({args.requests}) ...", flush=True)
                 alone += pending_ms(api, token, args.requests)
         finally:
             stop_process(web)
-        text = report(args, alone, loaded, before, after, took, statuses, streams, plan, expected, arrived_cb,
-                      commits.seen)
+        text = report(args, alone, loaded, before, after, took, statuses, got, plan, expected, arrived_cb,
+                      notified)
     Path(args.output).write_text(text)
     results = ROOT / "bench" / "RESULTS.md"
     summary = summary_section(text)
@@ -321,16 +361,17 @@ def expected_events(plan: list[tuple[str, str]]) -> dict[str, list[tuple[str, fl
 
 
 def report(args: argparse.Namespace, alone: list[float], loaded: list[float], before: tuple[int, int],
-           after: tuple[int, int], took: float, statuses: set, streams: Streams, plan: list[tuple[str, str]],
+           after: tuple[int, int], took: float, statuses: set, arrivals: list[list[tuple[str, float]]],
+           plan: list[tuple[str, str]],
            expected: dict[str, list[tuple[str, float]]], arrived_cb: dict[str, float],
            notified: dict[str, list[float]]) -> str:
     recorded = {event_id: at for events in expected.values() for event_id, at in events}
-    assert all(len(notified[session]) == len(events) for session, events in expected.items()), "a NOTIFY missing"
+    assert all(len(notified.get(session, [])) == len(events) for session, events in expected.items()), "a NOTIFY missing"
     committed = {event_id: notified[session][k] for session, events in expected.items()
                  for k, (event_id, _) in enumerate(events)}
     missed = duplicated = out_of_order = 0
     for i, (_, session) in enumerate(plan):
-        got = [event_id for event_id, _ in streams.got[i]]
+        got = [event_id for event_id, _ in arrivals[i]]
         want = [event_id for event_id, _ in expected[session]]
         missed += len(set(want) - set(got))
         duplicated += len(got) - len(set(got))
@@ -338,10 +379,17 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
 
     def delays(origin: dict[str, float]) -> tuple[list[float], list[float]]:
         """(each stream arrival's delay, each callback's), in ms from ``origin``'s instant of the event."""
-        stream_ms = [(at - origin[e]) * 1000 for got in streams.got for e, at in got if e in origin]
+        stream_ms = [(at - origin[e]) * 1000 for got in arrivals for e, at in got if e in origin]
         return stream_ms, [(arrived_cb[e] - at) * 1000 for e, at in origin.items() if e in arrived_cb]
 
     stream_ms, callback_ms = delays(committed)
+    if os.environ.get("VOICE_TOOLS_BENCH_RAW"):  # every arrival, for a closer look
+        import json
+
+        Path(os.environ["VOICE_TOOLS_BENCH_RAW"]).write_text(json.dumps({
+            "arrivals": [[i, e, at, committed[e]] for i, got in enumerate(arrivals) for e, at in got if e in committed],
+            "callbacks": {e: [arrived_cb[e], at] for e, at in committed.items() if e in arrived_cb},
+            "recorded": recorded}))
     row_stream, row_callback = delays(recorded)
     n = args.streams
     pss, rss = (after[0] - before[0]) / n, (after[1] - before[1]) / n
@@ -386,8 +434,9 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         f"{ok(pss <= 50 and rss <= 50)} |",
         "",
         "An event's commit is when a LISTEN connection of the bench received its NOTIFY (PostgreSQL delivers "
-        "it at the commit); the callback is posted by the link right after its commit; a stream is woken by "
-        "the API's own listener at the commit and reads the row. From the row's `created_at` (the start of "
+        "it at the commit); the callback is posted by the link right after its commit; a stream gets the "
+        "event from the NOTIFY the API's own listener hears at the commit (it reads the table only for an event "
+        "too large for a notification). From the row's `created_at` (the start of "
         "the recording transaction), both delays also carry that transaction's own time.",
         "",
     ])

@@ -8,37 +8,49 @@ one made after wakes it), and reads again only when woken. It borrows a pooled c
 each read and holds none while it waits; a database lost meanwhile wakes it, and its next read
 fails as any other (an ``OperationalError``, answered 503 like every database outage).
 
-The event stream: a trigger NOTIFYs channel ``voice_tools_events`` with the session id
-when an event is recorded (migration 0007); the same listener thread (one database connection
-of its own per process, to ``DATABASE_LISTEN_URL``: PostgreSQL itself when ``DATABASE_URL`` names a
-pooler in transaction mode) wakes the streams of that session. The events are the callback
-rows themselves, read in ``commit_seq`` order: a number each row takes when its
-transaction commits (migration 0012: a deferred constraint trigger takes a transaction-scoped
-advisory lock of this database, then ``nextval``; the lock is released only after the
-commit is visible). Why that order has no gap a reader can miss: two transactions that
-number events hold the lock one after the other, so the one that took the smaller number
-was visible before the other took its number; a reader whose snapshot sees event ``n``
-therefore sees every committed event numbered below ``n``, and a number it never sees
-belongs to a transaction that rolled back. Nothing else is waited for: a transaction
+The event stream: the events are the callback rows themselves, in ``commit_seq`` order: a
+number each row takes when its transaction commits (migration 0012: a deferred constraint
+trigger takes a transaction-scoped advisory lock of this database, then ``nextval``; the lock
+is released only after the commit is visible). Why that order has no gap a reader can miss:
+two transactions that number events hold the lock one after the other, so the one that took
+the smaller number was visible before the other took its number; a reader whose snapshot sees
+event ``n`` therefore sees every committed event numbered below ``n``, and a number it never
+sees belongs to a transaction that rolled back. Nothing else is waited for: a transaction
 left open in this database or in any other of the server delays no stream. A reader that
 resumes after an event gets exactly what it missed (no loss, no duplicate), and a call's
 events are in ``seq`` order (the transition that records event ``k + 1`` waits on the
-call's row until the one that recorded ``k`` committed). A stream borrows a pooled
-connection only to read new rows and holds none while it waits. The same reads serve an
-asyncio task (:func:`session_events_async`, the API's streams: ``app/stream_loop.py``), which
-waits on its loop, reads in the loop's executor only when woken (by NOTIFY, or by the listener's
-reconnection, which wakes everyone) and shares one read with the streams of its session woken
-with it; and a thread (:func:`session_events`, a stream a server gave no socket for), which
-reads again when woken or when its keep-alive interval has passed.
+call's row until the one that recorded ``k`` committed).
+
+The same trigger NOTIFYs channel ``voice_tools_events`` with the event itself (migration
+0015: a :class:`Notice`, its session, number, caller and payload; only the session and number
+when the event is too large for a notification), while it holds that lock: the notifications
+reach a listener in number order. One listener per process (:class:`Listener`: a thread whose
+asyncio loop holds one database connection of its own, to ``DATABASE_LISTEN_URL``: PostgreSQL
+itself when ``DATABASE_URL`` names a pooler in transaction mode) hands each notice to the streams
+of its session; the same loop serves the API's streams, so a notice reaches a stream's socket with
+no hop between threads.
+
+An asyncio stream (:func:`session_events_async`, the API's streams: ``app/stream_loop.py``)
+reads the table once when it starts, then writes each notice as it arrives, with no read: it
+subscribed before that read, so every event the read did not see reaches it as a notice, in
+order, and a notice it has already read is skipped by its number. It reads again only when a
+notice has no payload, when its inbox overflows (a client slower than its events), and when the
+listener (re)connects (notices may have been lost meanwhile), each time from its own last
+number; the streams of one session that read together share one read, in the loop's executor.
+It holds no connection while it waits. A thread (:func:`session_events`, a stream a server gave
+no socket for) reads the table each time it is woken, or when its keep-alive interval has passed.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
-import selectors
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator, Protocol
 
 from sqlalchemy import Row, text
@@ -53,6 +65,8 @@ SETTLED = (PREPARED, *TERMINAL)
 STATUS_CHANNEL = "tool_call_status"
 EVENTS_CHANNEL = "voice_tools_events"
 BATCH = 200  # rows read at a time
+READERS = 2  # threads (and so pooled connections at most) that read new rows for all of a process's streams
+IDLE_CHECK_S = 60.0  # the listening connection, silent this long, is asked a SELECT 1
 
 
 # -- ?wait: until a call is PREPARED or terminal ---------------------------------------
@@ -105,22 +119,73 @@ _POSITION = text("""
 """)
 
 
+@dataclass(frozen=True)
+class Notice:
+    """An event as its NOTIFY carries it (migration 0015); ``payload`` None when it was too large to carry,
+    ``commit_seq`` None when the notification said only the session (one sent before that migration)."""
+
+    session_id: str
+    commit_seq: int | None
+    event_id: str | None = None
+    caller: str | None = None
+    payload: dict[str, Any] | None = None
+
+
+def notice_of(text_: str) -> Notice:
+    """The :class:`Notice` of a ``voice_tools_events`` notification's text."""
+    if not text_.startswith("{"):
+        return Notice(text_, None)
+    body = json.loads(text_)
+    return Notice(body["session_id"], body["commit_seq"], body.get("event_id"), body.get("caller"),
+                  body.get("payload"))
+
+
 class Waker(Protocol):
     def set(self) -> None: ...
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+READ = object()  # in a stream's inbox: read the table after the stream's last number
+INBOX = BATCH  # notices a stream keeps before it drops them and reads the table instead
+
+
 class LoopEvent:
-    """An :class:`asyncio.Event` of ``loop`` that the listener's thread can set."""
+    """A stream's inbox on ``loop``, filled by the listener's thread: notices of its session in their order,
+    and :data:`READ` when it must read the table (first, and after the listener reconnected); ``event`` is
+    set on the loop when something came in."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.event = asyncio.Event()
+        self.inbox: deque[Any] = deque([READ])
 
     def set(self) -> None:
+        self._send(READ)
+
+    def take(self, notice: Notice) -> None:
+        self._send(notice)
+
+    def _send(self, item: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.event.set)
+            if _running_loop() is self.loop:  # the listener's own loop: no hop
+                self._put(item)
+            else:
+                self.loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
+
+    def _put(self, item: Any) -> None:
+        if len(self.inbox) >= INBOX:  # a slow reader: what it has not taken is read from the table
+            self.inbox.clear()
+            item = READ
+        self.inbox.append(item)
+        self.event.set()
 
 
 class Listener:
@@ -130,7 +195,7 @@ class Listener:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[tuple[str, str], set[Waker]] = {}
-        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pid = 0
         self._reconnecting = False
 
@@ -143,7 +208,8 @@ class Listener:
 
     def subscribe_loop(self, key: str, loop: asyncio.AbstractEventLoop,
                        channel: str = EVENTS_CHANNEL) -> LoopEvent:
-        """As :meth:`subscribe`, for a task of ``loop``: its ``event`` is set on the loop."""
+        """As :meth:`subscribe`, for a stream served by ``loop``: its inbox (:class:`LoopEvent`) takes the
+        session's notices, and its ``event`` is set on the loop."""
         woken = LoopEvent(loop)
         self.add(key, woken, channel)
         return woken
@@ -161,59 +227,104 @@ class Listener:
                 if not waiters:
                     del self._waiters[(channel, key)]
 
-    def _wake(self, target: tuple[str, str] | None) -> None:
+    def _wake(self, target: tuple[str, str] | None, notice: Notice | None = None) -> None:
+        """Wake the waiters of ``target`` (everyone's when None); a stream's inbox takes ``notice``."""
         with self._lock:
             if target is None:
                 woken = [w for ws in self._waiters.values() for w in ws]
             else:
                 woken = list(self._waiters.get(target, ()))
-        for event in woken:
-            event.set()
+        for waiter in woken:
+            if notice is not None and isinstance(waiter, LoopEvent):
+                waiter.take(notice)
+            else:
+                waiter.set()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """This process's listening loop, started on first use (after a fork too: a gunicorn worker starts its
+        own): one thread whose asyncio loop holds the LISTEN connection and serves the event streams
+        (``app/stream_loop.py``), so a notice reaches a stream with no hop between threads."""
+        with self._lock:
+            if self._loop is not None and self._pid == os.getpid():
+                return self._loop
+            self._pid = os.getpid()
+            made = asyncio.new_event_loop()
+            made.set_default_executor(ThreadPoolExecutor(READERS, thread_name_prefix="voice-tools-stream-read"))
+            threading.Thread(target=made.run_forever, name="voice-tools-events", daemon=True).start()
+            asyncio.run_coroutine_threadsafe(self._run(), made)
+            self._loop = made
+            return made
 
     def _ensure_running(self) -> None:
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
-                return
-            self._pid = os.getpid()  # a forked gunicorn worker starts its own
-            self._thread = threading.Thread(target=self._run, name="voice-tools-events", daemon=True)
-            self._thread.start()
+        self.loop()
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         while True:
             try:
-                self._listen()
+                await self._listen()
             except Exception as exc:  # the database went away: wake everyone (they re-read), then listen again
                 if not self._reconnecting:  # said once per outage, not once a second
                     self._reconnecting = True
                     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                     log.warning("event listener lost its database connection (%s); reconnecting", first_line)
                 self._wake(None)
-                time.sleep(1.0)
+                await asyncio.sleep(1.0)
 
-    def _listen(self) -> None:
-        import psycopg2
+    async def _listen(self) -> None:
+        running = asyncio.get_running_loop()
+        conn = await running.run_in_executor(None, _listening_connection)
+        lost: asyncio.Future = running.create_future()
 
-        conn = psycopg2.connect(db.listen_url())  # direct: LISTEN cannot pass a transaction-mode pooler
+        def readable() -> None:
+            try:
+                conn.poll()
+                if conn.closed:  # libpq read the server's goodbye and closed the socket: no read will come again
+                    raise OperationalError("LISTEN", None, ConnectionError("the server closed the connection"))
+            except Exception as exc:
+                if not lost.done():
+                    lost.set_exception(exc)
+                return
+            notes = list(conn.notifies)
+            conn.notifies.clear()
+            for target in dict.fromkeys((n.channel, n.payload) for n in notes if n.channel == STATUS_CHANNEL):
+                self._wake(target)
+            for note in notes:  # in their order: the events' order
+                if note.channel == EVENTS_CHANNEL:
+                    notice = notice_of(note.payload)
+                    self._wake((EVENTS_CHANNEL, notice.session_id), notice)
+
         try:
-            conn.autocommit = True
-            with conn.cursor() as cur:
-                cur.execute(f"LISTEN {EVENTS_CHANNEL}; LISTEN {STATUS_CHANNEL}")
             self._reconnecting = False
             self._wake(None)  # anything before the LISTEN is read by the woken streams and waits
-            with selectors.DefaultSelector() as ready:  # epoll: select() takes no descriptor past 1024
-                ready.register(conn, selectors.EVENT_READ)
+            running.add_reader(conn.fileno(), readable)  # epoll: no limit at descriptor 1024
+            try:
                 while True:
-                    if ready.select(60.0):
-                        conn.poll()
-                        news = {(note.channel, note.payload) for note in conn.notifies}
-                        conn.notifies.clear()
-                        for target in news:
-                            self._wake(target)
-                    else:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(lost), IDLE_CHECK_S)
+                    except TimeoutError:
                         with conn.cursor() as cur:  # an idle check that the connection is alive
                             cur.execute("SELECT 1")
+            finally:
+                running.remove_reader(conn.fileno())
         finally:
             conn.close()
+
+
+def _listening_connection() -> Any:
+    """A connection LISTENing on both channels: direct (LISTEN cannot pass a transaction-mode pooler), with TCP
+    keep-alives, so a peer gone silent is noticed by the kernel, not by a read that never returns."""
+    import psycopg2
+
+    conn = psycopg2.connect(db.listen_url(), keepalives=1, keepalives_idle=30, keepalives_interval=10,
+                            keepalives_count=3)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(f"LISTEN {EVENTS_CHANNEL}; LISTEN {STATUS_CHANNEL}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 LISTENER = Listener()
@@ -263,17 +374,34 @@ def session_events(session_id: str, after: int, keepalive_s: float,
 
 
 async def session_events_async(session_id: str, after: int, keepalive_s: float,
-                               caller: str | None = None) -> AsyncIterator[Row | None]:
-    """:func:`session_events` for an asyncio task: the same rows in the same order, the same keep-alive
-    Nones; it waits on its loop (no thread) and reads in the loop's default executor only when woken: by
-    NOTIFY, or by the listener's (re)connection, which wakes every stream. A keep-alive reads nothing, so
-    a thousand idle streams do not read a thousand times every interval; the streams of one session woken
-    together read once (:func:`_read_soon`)."""
+                               caller: str | None = None) -> AsyncIterator[Row | Notice | None]:
+    """:func:`session_events` for an asyncio task: the same events in the same order (rows read from the
+    table, then :class:`Notice` s as they arrive, each with ``event_id``, ``payload`` and ``commit_seq``),
+    the same keep-alive Nones. It reads the table when it starts and then only when its inbox says so
+    (module docstring); it waits on its loop (no thread), and a keep-alive reads nothing, so a thousand
+    idle streams do not read a thousand times every interval."""
     loop = asyncio.get_running_loop()
-    woken = LISTENER.subscribe_loop(session_id, loop)
+    inbox = LISTENER.subscribe_loop(session_id, loop)
     try:
         while True:
-            woken.event.clear()  # on the loop, as the listener's set: a wake during the read is kept
+            if not inbox.inbox:
+                inbox.event.clear()
+                try:
+                    await asyncio.wait_for(inbox.event.wait(), keepalive_s)
+                except TimeoutError:
+                    yield None
+                continue
+            item = inbox.inbox.popleft()
+            if item is not READ and item.payload is not None:
+                if item.commit_seq <= after or (caller is not None and item.caller != caller):
+                    continue  # read already, or not this caller's
+                after = item.commit_seq
+                yield item
+                continue
+            if item is not READ and item.commit_seq is not None and item.commit_seq <= after:
+                continue
+            while inbox.inbox and inbox.inbox[0] is READ:  # one read does for them all
+                inbox.inbox.popleft()
             try:
                 rows = await asyncio.shield(_read_soon(loop, session_id, after, caller))
             except (OperationalError, InterfaceError):
@@ -283,15 +411,9 @@ async def session_events_async(session_id: str, after: int, keepalive_s: float,
                 after = row.commit_seq
                 yield row
             if len(rows) == BATCH:
-                continue
-            while True:
-                try:
-                    await asyncio.wait_for(woken.event.wait(), keepalive_s)
-                    break
-                except TimeoutError:
-                    yield None
+                inbox.inbox.appendleft(READ)
     finally:
-        LISTENER.unsubscribe(session_id, woken)
+        LISTENER.unsubscribe(session_id, inbox)
 
 
 _joinable: dict[tuple[Any, ...], asyncio.Future] = {}

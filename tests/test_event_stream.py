@@ -309,3 +309,143 @@ def test_a_stream_cut_by_a_database_restart_ends_and_resumes_with_no_loss_and_no
         assert again.next_event()[0] == third  # live again: the listener is back
     finally:
         again.close()
+
+
+class Reads:
+    """Counts the stream's reads of the events table in this process (the test API's stream loop)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> "Reads":
+        from sqlalchemy import event
+
+        from models import db
+
+        event.listen(db.engine(), "before_cursor_execute", self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from sqlalchemy import event
+
+        from models import db
+
+        event.remove(db.engine(), "before_cursor_execute", self._seen)
+
+    def _seen(self, conn, cursor, statement, *args) -> None:
+        if "FROM callback_deliveries" in statement and "commit_seq >" in statement:
+            self.count += 1
+
+
+def next_event_within(stream: Stream, seconds: float = 5) -> tuple[str, dict]:
+    from concurrent.futures import TimeoutError as NoAnswer
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(stream.next_event).result(timeout=seconds)
+    except NoAnswer:
+        stream.close()  # the reading thread's next read fails, so it ends
+        raise AssertionError(f"no event within {seconds} s") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_a_live_event_is_written_from_its_notification_with_no_read_of_the_table(api_url):
+    """A stream that is caught up writes a new event from its NOTIFY (which carries it), exactly as a
+    read of its row would give it, and reads nothing."""
+    first = record_progress("sess_notice")
+    stream = Stream(f"{api_url}/voice-tools/events/sess_notice", AUTH)
+    try:
+        assert next_event_within(stream)[0] == first  # what was there: read from the table
+        with Reads() as reads:
+            second = record_progress("sess_notice")
+            event_id, payload = next_event_within(stream)
+        assert event_id == second
+        assert payload == deliveries_by_event(second).payload
+        assert reads.count == 0, f"{reads.count} reads of the events table for an event its NOTIFY carried"
+    finally:
+        stream.close()
+
+
+def test_an_event_too_large_for_a_notification_is_read_from_the_table_in_its_place(api_url):
+    """PostgreSQL takes a notification of less than 8000 bytes: a larger event's NOTIFY says only its
+    number, and the stream reads it, in its order between the events around it."""
+    from models import events, lifecycle
+    from models.db import session
+
+    stream = Stream(f"{api_url}/voice-tools/events/sess_large", AUTH)
+    try:
+        call = make_call(session_id="sess_large")
+        with Reads() as reads:
+            with session() as s:
+                lifecycle.record_event(s, call.tool_call_id, events.event(
+                    "progress", step="PREPARING", gate=1, progress=0.1, message="Almost there. " * 700))
+            small = record_progress("sess_large")
+            got = [next_event_within(stream), next_event_within(stream)]
+        large = deliveries(call.tool_call_id)[0]
+        assert [event_id for event_id, _ in got] == [large.event_id, small]
+        assert got[0][1] == large.payload and len(got[0][1]["message"]) == len("Almost there. " * 700)
+        assert reads.count >= 1
+    finally:
+        stream.close()
+
+
+def test_a_live_event_of_another_callers_call_in_the_same_session_is_not_sent(api_url):
+    """The notification carries the call's caller: a stream of one caller skips another's events."""
+    stream = Stream(f"{api_url}/voice-tools/events/sess_notice_shared", AUTH)
+    try:
+        record_progress_of(make_call(session_id="sess_notice_shared", caller="someone-else").tool_call_id)
+        ours = record_progress("sess_notice_shared")
+        assert next_event_within(stream)[0] == ours
+    finally:
+        stream.close()
+
+
+def deliveries_by_event(event_id: str):
+    from sqlalchemy import select
+
+    from models.calls import CallbackDelivery
+    from models.db import session
+
+    with session() as s:
+        return s.execute(select(CallbackDelivery).where(CallbackDelivery.event_id == event_id)).scalar_one()
+
+
+def test_a_stream_whose_inbox_overflows_reads_the_table_and_misses_nothing():
+    """A stream more than 200 notices behind (a slow client) drops them and reads the table from its last
+    event: every event once, in order."""
+    import asyncio
+
+    from models import events, lifecycle, listen
+    from models.db import session
+
+    first = record_progress("sess_overflow")
+    calls = [make_call(session_id="sess_overflow") for _ in range(3)]
+    listen.LISTENER.loop()
+    time.sleep(1.0)  # the listener connected: its first wake of everyone is behind us
+
+    async def follow() -> tuple[list[str], int]:
+        stream = listen.session_events_async("sess_overflow", 0, 30.0)
+        got = [(await stream.__anext__()).event_id]
+        with session() as s:  # 3 x 90 events in one transaction: 270 notices at once
+            for call in calls:
+                for k in range(90):
+                    lifecycle.record_event(s, call.tool_call_id, events.event(
+                        "progress", step="PREPARING", gate=1, progress=k / 100))
+        await asyncio.sleep(1.0)  # the notices pile up unread
+        with Reads() as reads:
+            while len(got) < 271:
+                got.append((await asyncio.wait_for(stream.__anext__(), 5)).event_id)
+        await stream.aclose()
+        return got, reads.count
+
+    got, reads = asyncio.run(follow())
+    from sqlalchemy import text
+
+    from models import db
+
+    with db.engine().connect() as conn:
+        want = conn.execute(text("SELECT event_id FROM callback_deliveries WHERE session_id = 'sess_overflow' "
+                                 "ORDER BY commit_seq")).scalars().all()
+    assert got == want and got[0] == first
+    assert reads >= 1  # what the inbox dropped came from the table
