@@ -4,7 +4,9 @@ Documents are read as plain text in sections (``backends/reading.py``: Markdown 
 HTML's main text, PDF pages; no markup, URLs or code), then cut into chunks (a new one
 at every section, paragraphs packed up to about 800 characters), each carrying its
 section path ("Installation › Linux") as metadata and, with the title, as the context
-embedded with it by the active embedder (``backends/embeddings.py``). They are stored in
+embedded with it by the active embedder (``backends/embeddings.py``). A Markdown code
+block goes with its chunk as ``code``: embedded after the text and searched for its
+words, never part of a snippet, so it is found but not read out. They are stored in
 ``documents`` (``models/documents.py``) with the model's name and the vector's size. A
 search embeds the question with the same embedder, ranks documents by meaning (pgvector,
 HNSW index), by the question's words (PostgreSQL full text, GIN index) and by what each is
@@ -19,7 +21,7 @@ about (its opening chunk), fuses the three, and keeps the relevant ones (:func:`
   of the caller's own and the shared documents, best first, one per document (its best
   chunk); ``filters`` must match metadata keys exactly (JSON containment). A document is
   returned only when its closest chunk's cosine (``score``) reaches
-  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.375) or its best chunk holds
+  ``VOICE_TOOLS_SEARCH_MIN_SCORE`` (default 0.37) or its best chunk holds
   ``VOICE_TOOLS_SEARCH_MIN_WORDS`` (default 0.6) of the question's word weight: both
   derived by ``python -m bench.search`` on its calibration split.
 - ``load_demo()``: ten short shared demo documents, embedded; safe to run twice.
@@ -37,7 +39,7 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 from sqlalchemy import column as sql_column, delete, func, or_, select, tuple_, update
 from sqlalchemy import text as sql_text
@@ -59,7 +61,7 @@ SNIPPET_CHARS = 240
 # the relevance decision's two floors, derived by `python -m bench.search` on its calibration split
 # (bench/SEARCH.md): a document is relevant when its closest chunk's cosine reaches DEFAULT_MIN_SCORE or
 # its best chunk holds DEFAULT_MIN_WORDS of the question's word weight
-DEFAULT_MIN_SCORE = 0.375
+DEFAULT_MIN_SCORE = 0.37
 DEFAULT_MIN_WORDS = 0.6
 EXTENSIONS = reading.EXTENSIONS  # .md, .markdown, .html, .htm, .pdf, .txt
 MAX_QUERY_WORDS = 32  # distinct words of a question the full-text half looks for
@@ -399,27 +401,47 @@ def _split_long(paragraph: str, limit: int) -> list[str]:
     return [p for p in pieces if p]
 
 
-def chunk_sections(sections: Iterable[reading.Section], limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
-    """(section path, content) chunks of at most about ``limit`` characters: a new chunk at every
-    section, its paragraphs packed together while they fit. The path is the section's headings
-    joined by " › " ("Installation › Linux"), '' before the first heading."""
-    chunks: list[tuple[str, str]] = []
+class Chunk(NamedTuple):
+    section: str   # the section's headings joined by " › " ("Installation › Linux"), '' before the first
+    content: str   # its paragraphs: what is read out
+    code: str      # the code blocks among them, one a line: searched, never read out
+
+
+def chunk_sections(sections: Iterable[reading.Section], limit: int = CHUNK_CHARS) -> list[Chunk]:
+    """Chunks of at most about ``limit`` characters of text: a new chunk at every section, its
+    paragraphs packed together while they fit. A code block goes with the chunk that holds the
+    paragraph before it (the section's first chunk when none is), and does not count in ``limit``;
+    a section of code alone ("File size humanization" and its example) is one chunk whose text is
+    its heading."""
+    chunks: list[Chunk] = []
     for section in sections:
         where = SECTION_SEPARATOR.join(section.path)
+        if not section.paragraphs:
+            if section.code and section.path:
+                chunks.append(Chunk(where, section.path[-1], "\n".join(block for _, block in section.code)))
+            continue
+        texts: list[str] = []
+        ends: list[int] = []  # per paragraph: the index in texts of the chunk that holds its end
         current = ""
         for paragraph in section.paragraphs:
             for piece in _split_long(paragraph, limit):
                 if current and len(current) + 2 + len(piece) > limit:
-                    chunks.append((where, current))
+                    texts.append(current)
                     current = piece
                 else:
                     current = f"{current}\n\n{piece}" if current else piece
+            ends.append(len(texts))
         if current:
-            chunks.append((where, current))
+            texts.append(current)
+        code: list[list[str]] = [[] for _ in texts]
+        for before, block in section.code:
+            if texts:
+                code[ends[before - 1] if before else 0].append(block)
+        chunks.extend(Chunk(where, text, "\n".join(blocks)) for text, blocks in zip(texts, code))
     return chunks
 
 
-def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[tuple[str, str]]:
+def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[Chunk]:
     """``body`` (Markdown, or plain text) parsed and cut as :func:`chunk_sections` does."""
     name = Path("text.md" if markdown else "text.txt")
     parsed = reading.parse_markdown(body, name) if markdown else reading.parse_text(body, name)
@@ -431,22 +453,24 @@ def read_document(path: Path) -> list[dict[str, Any]]:
     parsed = reading.read(path)
     source = str(path)
     rows = []
-    for index, (where, content) in enumerate(chunk_sections(parsed.sections)):
+    for index, (where, content, code) in enumerate(chunk_sections(parsed.sections)):
         metadata = {**parsed.meta, "source": source, "file": path.name}
         if where:
             metadata["section"] = where
         rows.append({"id": f"{source}#{index}", "document_id": source, "source": source, "title": parsed.title,
-                     "chunk_index": index, "content": content, "doc_metadata": metadata})
+                     "chunk_index": index, "content": content, "code": code, "doc_metadata": metadata})
     return rows
 
 
 def embedding_text(row: dict[str, Any]) -> str:
-    """What is embedded for a chunk: its document's title and section path give it context."""
+    """What is embedded for a chunk: its document's title and section path give it context, then
+    its text, then its code (the model reads the first 256 tokens: the text comes first)."""
     head = [row["title"]]
     section = (row.get("doc_metadata") or {}).get("section")
     if section and section != row["title"]:
         head.append(section)
-    return "\n".join(head) + "\n" + row["content"]
+    code = row.get("code") or ""
+    return "\n".join(head) + "\n" + row["content"] + (f"\n{code}" if code else "")
 
 
 # -- ingest -------------------------------------------------------------------------------
@@ -573,11 +597,11 @@ def _stored_vectors(document_ids: list[str], owner: str, model: str) -> dict[str
     if not document_ids:
         return {}
     with db.session() as s:
-        stored = s.execute(select(DocumentChunk.title, DocumentChunk.content, DocumentChunk.doc_metadata,
-                                  DocumentChunk.embedding)
+        stored = s.execute(select(DocumentChunk.title, DocumentChunk.content, DocumentChunk.code,
+                                  DocumentChunk.doc_metadata, DocumentChunk.embedding)
                            .where(DocumentChunk.owner == owner, DocumentChunk.document_id.in_(document_ids),
                                   DocumentChunk.embedding_model == model)).all()
-    return {embedding_text({"title": r.title, "content": r.content, "doc_metadata": r.doc_metadata}):
+    return {embedding_text({"title": r.title, "content": r.content, "code": r.code, "doc_metadata": r.doc_metadata}):
             np.asarray(r.embedding, dtype=np.float32) for r in stored}
 
 
@@ -617,12 +641,12 @@ def reembed_all(model: str, dim: int, progress: Callable[[int, int], None] | Non
             with db.session() as s:
                 page = s.execute(
                     select(DocumentChunk.owner, DocumentChunk.id, DocumentChunk.title, DocumentChunk.content,
-                           DocumentChunk.doc_metadata)
+                           DocumentChunk.code, DocumentChunk.doc_metadata)
                     .where(key > tuple_(*after)).order_by(DocumentChunk.owner, DocumentChunk.id)
                     .limit(WRITE_BATCH)).all()
             if not page:
                 break
-            rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content,
+            rows = [{"owner": r.owner, "id": r.id, "title": r.title, "content": r.content, "code": r.code,
                      "doc_metadata": r.doc_metadata} for r in page]
             vectors = embeddings.embed([embedding_text(row) for row in rows], bulk=True)
             wait_for_write()
@@ -687,7 +711,7 @@ DEMO_DOCUMENTS = [
 
 def demo_rows() -> list[dict[str, Any]]:
     return [{"id": f"{doc_id}#0", "document_id": doc_id, "source": "demo", "title": title, "chunk_index": 0,
-             "content": content, "doc_metadata": {"source": "demo", **meta}}
+             "content": content, "code": "", "doc_metadata": {"source": "demo", **meta}}
             for doc_id, title, content, meta in DEMO_DOCUMENTS]
 
 

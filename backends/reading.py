@@ -3,7 +3,8 @@
 What the document store chunks, embeds and reads out (``backends/documents.py``). Every
 format ends as a :class:`Parsed`: the title, the front matter's keys, and the
 sections in order, each with its heading path (``("Installation", "Linux")``) and its
-paragraphs as plain text: no markup, no URLs, no code.
+paragraphs as plain text: no markup, no URLs, no code (a Markdown section's code blocks are
+kept apart, for the search only).
 
 - Markdown (``.md``, ``.markdown``): parsed by markdown-it-py (CommonMark, with tables).
   The title is the front matter's ``title``, else the first level-1 heading (``# Title``,
@@ -11,8 +12,9 @@ paragraphs as plain text: no markup, no URLs, no code.
   the file name (a document whose first heading is ``## Licence`` is not titled so).
   An HTML block that is one heading (``<h2 align="center">Usage</h2>``) starts a section. Images (and so
   badges), HTML comments and tags, link targets (the link's words stay), reference
-  definitions and bare URLs are dropped; code blocks are kept out; inline code keeps
-  its words.
+  definitions and bare URLs are dropped; code blocks are kept out of the paragraphs, in
+  their section's ``code`` (searched, never read out);
+  inline code keeps its words.
 - HTML (``.html``, ``.htm``): the text of ``<main>`` (or ``<article>``, else
   ``<body>``) without scripts, styles, navigation, headers, footers, forms and code;
   ``<h1>``..``<h6>`` make the sections; the title is ``<title>``, else the first heading.
@@ -48,6 +50,9 @@ class Unreadable(Exception):
 class Section:
     path: tuple[str, ...]
     paragraphs: list[str] = field(default_factory=list)
+    # the section's code blocks, each as (how many of its paragraphs come before it, its text with the
+    # whitespace collapsed): searched for their words and meaning, never read out
+    code: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -194,14 +199,18 @@ def parse_markdown(raw: str, path: Path) -> Parsed:
             text = _html_fragment_text(token.content)
             if text:
                 sections[-1].paragraphs.append(text)
-        # fence, code_block (code), hr, list and quote markers: nothing to say
+        elif kind in ("fence", "code_block"):
+            text = " ".join(token.content.split())
+            if text:
+                sections[-1].code.append((len(sections[-1].paragraphs), text))
+        # hr, list and quote markers: nothing to say
     given = str(meta.pop("title", "") or "")
     title = (_inline_markdown(given) if given else "") or first_heading or title_from_name(path)
     kept = []
     for section in sections:
         trimmed = section.path[1:] if section.path[:1] == (title,) else section.path
-        if section.paragraphs:
-            kept.append(Section(trimmed, section.paragraphs))
+        if section.paragraphs or (section.code and trimmed):  # code before any heading, alone: left out
+            kept.append(Section(trimmed, section.paragraphs, section.code))
     return Parsed(title, meta, kept)
 
 

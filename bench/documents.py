@@ -211,7 +211,7 @@ def bench_ingest(folder: Path, files: int) -> dict[str, float]:
     embeddings.embed(["warm up"], bulk=True)  # the ingest session is made once per process
     report = documents.ingest([str(folder)])
     chunk_chars = statistics.mean(len(c) for f in folder.glob("*.md")
-                                  for _, c in documents.chunk_text(f.read_text()))
+                                  for _, c, _ in documents.chunk_text(f.read_text()))
     return {"files": report["files"], "chunks": report["chunks"], "seconds": report["seconds"],
             "rate": report["chunks"] / report["seconds"], "chunk_chars": chunk_chars}
 

@@ -5,8 +5,8 @@ Every chunk records the model that embedded it and the vector's size, so a searc
 never compares vectors of two models. ``embedding`` is a pgvector ``vector(384)``
 with an HNSW index (cosine); on a PostgreSQL without pgvector the migration leaves
 the column out and the backend says how to fix it. ``search_text`` is a generated
-``tsvector`` of the title, section path and text (GIN index), for the full-text half of
-a search.
+``tsvector`` of the title, section path, text and code (GIN index), for the full-text half
+of a search. ``code`` holds the chunk's code blocks: searched, never read out.
 """
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from models.calls import Base
 
 EMBEDDING_DIM = 384
 SEARCH_CONFIG = "english"  # the text search configuration of search_text and of a search's query
-# title (A), section path (B) and text (D) of a chunk, for PostgreSQL's full-text search (migration 0013)
+# title (A), section path (B), text and code (D) of a chunk, for PostgreSQL's full-text search (migration 0015)
 SEARCH_TEXT = ("setweight(to_tsvector('english'::regconfig, title), 'A') || "
                "setweight(to_tsvector('english'::regconfig, coalesce(metadata ->> 'section', '')), 'B') || "
-               "setweight(to_tsvector('english'::regconfig, content), 'D')")
+               "setweight(to_tsvector('english'::regconfig, content), 'D') || "
+               "setweight(to_tsvector('english'::regconfig, code), 'D')")
 
 
 class DocumentChunk(Base):
@@ -41,6 +42,7 @@ class DocumentChunk(Base):
     title: Mapped[str] = mapped_column(Text, nullable=False)
     chunk_index: Mapped[int] = mapped_column(Integer, nullable=False)
     content: Mapped[str] = mapped_column(Text, nullable=False)
+    code: Mapped[str] = mapped_column(Text, nullable=False, server_default="")  # searched, never read out
     doc_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, nullable=False, server_default="{}")
     embedding: Mapped[Any] = mapped_column(Vector(EMBEDDING_DIM), nullable=False)
     embedding_model: Mapped[str] = mapped_column(Text, nullable=False)

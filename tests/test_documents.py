@@ -81,14 +81,29 @@ def test_chunks_follow_headings_and_stay_near_800_characters():
            f"```\n# not a heading, code\n```\n\n{'word ' * 400}"
     cut = documents.chunk_text(body)
     # the title's own heading is not part of a section's path; "#" in code is no heading
-    assert [heading for heading, _ in cut] == [""] + ["Part one"] * 2 + ["Part two"] * 3
-    assert cut[0][1] == "Intro."
-    assert cut[1][1].count("expense policy") == 12 and cut[2][1].count("expense policy") == 6  # two paragraphs fit
-    assert not any("not a heading" in c or "```" in c for _, c in cut)  # code is not read out
-    assert all(len(content) <= 800 for _, content in cut)
-    assert "".join(c for _, c in cut[3:]).count("word") == 400  # nothing lost when a paragraph is cut
+    assert [chunk.section for chunk in cut] == [""] + ["Part one"] * 2 + ["Part two"] * 3
+    assert cut[0].content == "Intro."
+    assert cut[1].content.count("expense policy") == 12 and cut[2].content.count("expense policy") == 6  # two fit
+    assert not any("not a heading" in c.content or "```" in c.content for c in cut)  # code is not read out
+    # but kept with the chunk it comes in (before any paragraph of its section: the section's first), for the search
+    assert [c.code for c in cut] == ["", "", "", "# not a heading, code", "", ""]
+    assert all(len(c.content) <= 800 for c in cut)
+    assert "".join(c.content for c in cut[3:]).count("word") == 400  # nothing lost when a paragraph is cut
     assert documents.chunk_text("# Not a heading in a .txt\n\nText.", markdown=False) == [
-        ("", "# Not a heading in a .txt\n\nText.")]
+        ("", "# Not a heading in a .txt\n\nText.", "")]
+
+
+def test_code_goes_with_the_paragraph_before_it_and_a_section_of_code_alone_says_its_heading():
+    long = "A paragraph about the installation that takes some room. " * 10  # ~580 characters
+    body = (f"# Tool\n\n## Install\n\n{long}\n\n```sh\npip install tool\n```\n\n{long}\n\n"
+            f"```sh\ntool --version\n```\n\n## File size humanization\n\n```pycon\n>>> naturalsize(3000000)\n"
+            f"'3.0 MB'\n```\n\n```\nsecond   block\n```\n")
+    cut = documents.chunk_text(body)
+    assert [(c.section, c.code) for c in cut] == [
+        ("Install", "pip install tool"), ("Install", "tool --version"),
+        ("File size humanization", ">>> naturalsize(3000000) '3.0 MB'\nsecond block")]
+    assert cut[2].content == "File size humanization"  # what is read out: the heading, never the code
+    assert documents.chunk_text("```\ncode before any heading\n```\n\n# Title\n\nText.") == [("", "Text.", "")]
 
 
 README = """<!-- YAML added: v9.0.0 -->
@@ -135,11 +150,14 @@ def test_markdown_is_parsed_title_sections_and_plain_text_only(tmp_path):
                      "and mosquitto.conf for the settings.")
     assert linux == ("Install the package from your distribution, then start the service:\n\n"
                      "Distribution, Package.\n\nDebian, mosquitto.\n\nSee the timeouts for the limits.")
+    # the code block is kept apart: searched (embedded after the text), never read out
+    assert [r["code"] for r in rows] == ["", "sudo apt install mosquitto # not read out"]
     for row in rows:
-        text = row["content"] + documents.embedding_text(row)
+        text = row["content"] + documents.embedding_text({**row, "code": ""})
         for markup in ("http", "<!--", "![", "](", "`", "|", "#", "apt install", "YAML", "shields"):
             assert markup not in text, (markup, text)
-    assert documents.embedding_text(rows[1]).startswith("Mosquitto broker\nInstallation › Linux\nInstall the")
+    assert documents.embedding_text(rows[1]) == (f"Mosquitto broker\nInstallation › Linux\n{linux}\n"
+                                                 "sudo apt install mosquitto # not read out")
 
     (tmp_path / "front.md").write_text("---\ntitle: The *real* title\nteam: ops\n---\n# Heading\n\nText.\n")
     (front,) = documents.read_document(tmp_path / "front.md")
@@ -225,6 +243,20 @@ def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_
     printers = next(f for f in relevant if f["title"] == "Office printers")
     assert printers["score"] < 0.25  # relevant by its words alone
     assert documents.search_vector(vector, model, 5, floor=0.25, text="error E9999") == floor  # no such code
+
+
+def test_a_word_only_in_code_finds_its_document_and_the_snippet_says_no_code(tmp_path):
+    (tmp_path / "sizes.md").write_text("# Sizes\n\n## File sizes\n\nCall it with a number of bytes.\n\n"
+                                       "```pycon\n>>> naturalsize(3000000)\n'3.0 MB'\n```\n")
+    (tmp_path / "other.md").write_text("# Dates\n\n## Days\n\nCall it with a date to say the day.\n")
+    documents.ingest([str(tmp_path)])
+    with db.session() as s:
+        stored = {r.title: (r.content, r.code) for r in s.scalars(select(DocumentChunk))}
+    assert stored == {"Sizes": ("Call it with a number of bytes.", ">>> naturalsize(3000000) '3.0 MB'"),
+                      "Dates": ("Call it with a date to say the day.", "")}
+    found = documents.search("naturalsize", top_k=5)
+    assert [f["title"] for f in found][:1] == ["Sizes"]  # by its code's word: relevant by its words alone
+    assert found[0]["snippet"] == "Call it with a number of bytes."  # what is read out holds no code
 
 
 PAGE = """<!doctype html><html><head><title>Backup guide</title><style>p {color: red}</style>
