@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNK_CHARS = 800
+CODE_CHARS = 2000  # of a chunk's code kept (the model reads 256 tokens of text and code, about 1,000 characters)
 SNIPPET_CHARS = 240
 # the relevance decision's two floors, derived by `python -m bench.search` on its calibration split
 # (bench/SEARCH.md): a document is relevant when its closest chunk's cosine reaches DEFAULT_MIN_SCORE or
@@ -411,14 +412,14 @@ def chunk_sections(sections: Iterable[reading.Section], limit: int = CHUNK_CHARS
     """Chunks of at most about ``limit`` characters of text: a new chunk at every section, its
     paragraphs packed together while they fit. A code block goes with the chunk that holds the
     paragraph before it (the section's first chunk when none is), and does not count in ``limit``;
-    a section of code alone ("File size humanization" and its example) is one chunk whose text is
-    its heading."""
+    a chunk keeps the first ``CODE_CHARS`` characters of its code. A section of code alone ("File
+    size humanization" and its example) is one chunk whose text is its heading."""
     chunks: list[Chunk] = []
     for section in sections:
         where = SECTION_SEPARATOR.join(section.path)
         if not section.paragraphs:
             if section.code and section.path:
-                chunks.append(Chunk(where, section.path[-1], "\n".join(block for _, block in section.code)))
+                chunks.append(Chunk(where, section.path[-1], _code("\n".join(block for _, block in section.code))))
             continue
         texts: list[str] = []
         ends: list[int] = []  # per paragraph: the index in texts of the chunk that holds its end
@@ -437,8 +438,16 @@ def chunk_sections(sections: Iterable[reading.Section], limit: int = CHUNK_CHARS
         for before, block in section.code:
             if texts:
                 code[ends[before - 1] if before else 0].append(block)
-        chunks.extend(Chunk(where, text, "\n".join(blocks)) for text, blocks in zip(texts, code))
+        chunks.extend(Chunk(where, text, _code("\n".join(blocks))) for text, blocks in zip(texts, code))
     return chunks
+
+
+def _code(code: str) -> str:
+    """A chunk's code, cut at a word within ``CODE_CHARS`` characters."""
+    if len(code) <= CODE_CHARS:
+        return code
+    cut = code.rfind(" ", 0, CODE_CHARS + 1)
+    return code[:cut if cut > CODE_CHARS // 2 else CODE_CHARS]
 
 
 def chunk_text(body: str, markdown: bool = True, limit: int = CHUNK_CHARS) -> list[Chunk]:

@@ -104,6 +104,9 @@ def test_code_goes_with_the_paragraph_before_it_and_a_section_of_code_alone_says
         ("File size humanization", ">>> naturalsize(3000000) '3.0 MB'\nsecond block")]
     assert cut[2].content == "File size humanization"  # what is read out: the heading, never the code
     assert documents.chunk_text("```\ncode before any heading\n```\n\n# Title\n\nText.") == [("", "Text.", "")]
+    listing = " ".join(f"line_{n} = {n}" for n in range(2000))  # a long listing: what is kept is cut at a word
+    (kept,) = documents.chunk_text(f"# T\n\n## Listing\n\nThe listing.\n\n```\n{listing}\n```\n")
+    assert len(kept.code) <= documents.CODE_CHARS and listing.startswith(kept.code + " ")
 
 
 README = """<!-- YAML added: v9.0.0 -->
