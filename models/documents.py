@@ -22,7 +22,7 @@ from models.calls import Base
 
 EMBEDDING_DIM = 384
 SEARCH_CONFIG = "english"  # the text search configuration of search_text and of a search's query
-# title (A), section path (B), text and code (D) of a chunk, for PostgreSQL's full-text search (migration 0015)
+# title (A), section path (B), text and code (D) of a chunk, for PostgreSQL's full-text search (migration 0016)
 SEARCH_TEXT = ("setweight(to_tsvector('english'::regconfig, title), 'A') || "
                "setweight(to_tsvector('english'::regconfig, coalesce(metadata ->> 'section', '')), 'B') || "
                "setweight(to_tsvector('english'::regconfig, content), 'D') || "

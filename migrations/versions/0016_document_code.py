@@ -6,15 +6,15 @@ text a search reads out stays ``content``; the code is embedded after it and its
 ``search_text`` (weight D, as the text), which is made again with the new expression: the
 table is rewritten once, under a lock, by this migration.
 
-Revision ID: 0015
-Revises: 0014
+Revision ID: 0016
+Revises: 0015
 """
 from alembic import op
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-revision = '0015'
-down_revision = '0014'
+revision = '0016'
+down_revision = '0015'
 branch_labels = None
 depends_on = None
 
