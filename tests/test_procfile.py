@@ -121,9 +121,9 @@ def test_voice_tools_flower_refuses_to_start_without_a_password():
 def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_and_metrics_inside():
     """``voice-tools run``'s process list: what a laptop needs, the same commands as production's, light:
     beat and the workers' /metrics are threads of the one worker, which has one pool child by default,
-    and the MCP face loads at its first connection."""
+    and the API's worker serves the MCP face (no MCP process), loaded at its first connection."""
     local, production = procfile("Procfile.local"), procfile()
-    assert set(local) == {"web", "mcp", "worker", "flower"}
+    assert set(local) == {"web", "worker", "flower"}
     worker = command(local["worker"])
     assert env_of(local["worker"])[0] == env_of(production["writes"])[0]  # the workers' own metrics folder
     assert worker[:4] == ["celery", "-A", "tasks", "worker"] and "--beat-thread" in worker
@@ -137,12 +137,15 @@ def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_and_metric
     assert option(worker, "--worker-metrics-port") == option(exporter, "--port")
     assert option(worker, "--worker-metrics-host") == option(exporter, "--host").replace("0.0.0.0", "127.0.0.1")
     assert option(local["web"], "--workers") == "${WEB_CONCURRENCY:-1}"
-    assert local["mcp"] == production["mcp"][:2] + ["--lazy"] + [w.replace("0.0.0.0", "127.0.0.1")
-                                                                  for w in production["mcp"][2:]]
+    # the MCP face where production's mcp line serves it (its host on the loopback, its port), from the web line
+    mcp = production["mcp"]
+    assert env_of(local["web"]) == ({"VOICE_TOOLS_MCP_BIND": option(mcp, "--host").replace("0.0.0.0", "127.0.0.1")
+                                     + ":" + option(mcp, "--port")}, [])
     for name in ("web", "flower"):  # the same command, one gunicorn worker and the loopback by default
         same = [w.replace("${WEB_CONCURRENCY:-1}", "${WEB_CONCURRENCY:-2}").replace("127.0.0.1", "0.0.0.0")
-                for w in local[name]]
-        assert same == production[name], name
+                for w in command(local[name])]
+        assert same == command(production[name]), name
+    assert env_of(local["flower"]) == env_of(production["flower"])
 
 
 # The README's commands: install from the lock files (exact versions, with hashes), then this tree.
