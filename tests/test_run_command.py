@@ -351,9 +351,10 @@ def test_flowers_metrics_need_its_password_and_no_command_line_shows_it(system):
     answer = requests.get(metrics, auth=FLOWER_AUTH, timeout=10)
     assert answer.status_code == 200 and "flower_" in answer.text, answer.text[:300]
 
-    flowers = [proc for proc in running(system.data_dir) if _alive(proc) and "voice-tools flower" in " ".join(proc.cmdline())]
-    assert flowers, describe(running(system.data_dir))
-    for proc in running(system.data_dir):  # Flower's, honcho's `sh -c` around it, and every other
+    # no Flower process: the run's own process serves it
+    flowers = {proc.pid for proc in running(system.data_dir) if _alive(proc) and _listens(proc, system.flower_port)}
+    assert flowers == {system.proc.pid}, describe(running(system.data_dir))
+    for proc in running(system.data_dir):  # the run's, honcho's `sh -c` around each line, and every other
         try:
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
@@ -548,23 +549,25 @@ def test_footprint_lists_every_process_of_the_run(system):
     tree = [system.proc.pid] + [child.pid for child in psutil.Process(system.proc.pid).children(recursive=True)]
     listed = {int(line.split()[0]) for line in lines if line.split() and line.split()[0].isdigit()}
     assert set(tree) <= listed, (tree, measured.stdout)
-    for part in ("voice-tools run", "gunicorn", "VOICE_TOOLS_MCP_BIND=", "celery -A tasks worker", "voice-tools flower",
+    for part in ("voice-tools run", "gunicorn", "VOICE_TOOLS_MCP_BIND=", "celery -A tasks worker",
                  "postgres", "redis-server"):
         assert part in measured.stdout, (part, measured.stdout)
     total = next(line for line in lines if line.startswith("voice-tools run: "))
     assert total.startswith(f"voice-tools run: {len(tree)} processes, ") and total.endswith(" MB PSS"), total
     assert any(line.startswith("embedded servers (PostgreSQL, Redis): ") for line in lines), measured.stdout
-    # no honcho process, nor a forked Python process per line: the run's own children are the Procfile's
-    # lines (each one's shell), and the light Flower app maps none of the product's libraries
+    # no honcho process, nor a forked Python process per line, nor a Flower process: the run's own children are
+    # the Procfile's lines (each one's shell), and the run's process, which serves Flower on its light app, maps
+    # none of the product's libraries (psycopg2 it maps to create the database)
     from honcho.environ import parse_procfile
 
     lines_run = parse_procfile((ROOT / "Procfile.local").read_text()).processes
     children = psutil.Process(system.proc.pid).children()
     assert sorted(child.cmdline()[:2] for child in children) == [["/bin/sh", "-c"]] * len(lines_run), describe(children)
-    flower = next(proc for proc in psutil.Process(system.proc.pid).children(recursive=True)
-                  if "voice-tools flower" in " ".join(proc.cmdline()))
-    mapped = [m.path for m in flower.memory_maps()]
-    assert not [path for path in mapped if "/sqlalchemy/" in path or "/psycopg2" in path], mapped
+    assert not any("voice-tools flower" in " ".join(proc.cmdline())
+                   for proc in psutil.Process(system.proc.pid).children(recursive=True))
+    mapped = [m.path for m in psutil.Process(system.proc.pid).memory_maps()]
+    assert any("/tornado/" in path for path in mapped), mapped  # Flower's (tornado's speedups)
+    assert not [path for path in mapped if "/sqlalchemy/" in path or "pydantic_core" in path], mapped
 
 
 def test_a_second_run_on_the_same_data_dir_is_refused(system):
@@ -581,9 +584,10 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "--beat", "--worker-metrics-port", "voice-tools flower", "VOICE_TOOLS_MCP_BIND="):
+                 "--beat", "--worker-metrics-port", "VOICE_TOOLS_MCP_BIND="):
         assert part in commands, f"{part} not running: {describe(before)}"
     assert "voice-tools mcp" not in commands, describe(before)  # the API's worker serves the MCP face
+    assert "voice-tools flower" not in commands, describe(before)  # the run's process serves Flower
     assert "honcho" not in commands, describe(before)  # its manager runs inside `voice-tools run`
 
     assert system.stop() == 128 + signal.SIGTERM
@@ -593,8 +597,9 @@ def test_sigterm_stops_every_process_it_started(system):
     out = system.output()
     assert "stopped" in out.splitlines()[-1]
     assert "forcefully killing" not in out
-    assert "SIGKILL" not in out  # honcho had to kill none of them: Flower too stopped on SIGTERM
-    assert "flower.1 stopped" in out
+    assert "SIGKILL" not in out  # honcho had to kill none of them
+    assert "voice-tools: Flower stopped" in out  # after the Procfile's lines, before the servers
+    assert out.index("worker.1 stopped") < out.index("voice-tools: Flower stopped") < out.index("voice-tools: stopped")
     assert out.count("Traceback") == 0, out[-4000:]
     assert "logs: one JSON line per event (VOICE_TOOLS_LOG_FORMAT=text for plain lines)" in out
     for secret in (TOKEN, SECRET):
