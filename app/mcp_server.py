@@ -223,7 +223,9 @@ def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolRes
         path, query, body = face.split(arguments)
         slot = None
         if face.query is schemas.WaitQuery and shares.asks_to_wait(query) and caller is not None:
-            slot = shares.wait_slot(caller.name, query["wait"])  # a wait holds a slot of the caller's share (or 429)
+            # a wait holds a slot of the caller's share (or 429), and one of the face's own threads (MCP_THREADS),
+            # never a web thread of the process: served by the API's worker (app/mcp_lazy.py), it leaves them be
+            slot = shares.wait_slot(caller.name, query["wait"], holds_thread=False)
         try:
             answer, status = face.run(path, query, body, caller)
         finally:

@@ -481,6 +481,30 @@ def _answers(url: str) -> bool:
         return False
 
 
+async def test_an_mcp_wait_takes_none_of_the_web_threads_of_the_process_serving_it(mcp_url, monkeypatch):
+    """Served by the API's gunicorn worker (``Procfile.local``), the MCP face waits on its own threads
+    (``MCP_THREADS``): a ``wait`` over MCP counts against its caller's share, not against the worker's
+    web threads kept from long-held requests. Here that process guard is full (one slot, taken by a
+    REST wait): the MCP confirm still gets the operation's own answer (409, the call is cancelled), not
+    the server's 429."""
+    from app import shares
+
+    async with connected(mcp_url) as mcp:
+        created = await answer(mcp, "request_tool", {"session_id": "mcp_threads", "function": "send_email",
+                                                     "parameters": GUIDE_EMAIL})
+        await answer(mcp, "cancel_tool", {"tool_call_id": created["tool_call_id"]})
+        shares.serve_with_threads(3)  # 3 web threads, 2 kept: one long-held request at once
+        held = shares.take_slot("a-rest-caller", "wait")
+        try:
+            assert held.in_process
+            refused = await error(mcp, "confirm_tool", {"tool_call_id": created["tool_call_id"], "wait": 1})
+        finally:
+            held.release()
+            shares.serve_with_threads(None)
+    assert refused["error"] != "too_many_open", refused
+    assert refused["details"].get("status") == "CANCELLED" or "cancel" in refused["message"].lower(), refused
+
+
 async def test_mcp_shares_the_callers_limits_a_wait_past_its_open_share_and_a_rate_past_its_own(mcp_url, api_url,
                                                                                             monkeypatch):
     """The fair shares of the REST API hold on the MCP face too (docs/relay-guide.md, "Limits and small
