@@ -378,7 +378,7 @@ async def test_an_mcp_client_searches_then_emails_the_results(mcp_url, worker):
 
 @pytest.mark.slow
 def test_the_lazy_command_listens_at_once_and_loads_the_face_at_its_first_connection():
-    """``voice-tools mcp --lazy`` (``Procfile.local``): the port listens before any of the face's
+    """``voice-tools mcp --lazy``: the port listens before any of the face's
     libraries is loaded (pydantic's compiled core is not mapped into the process), and the first
     connection, kept in the listen backlog while they load, is answered by the face."""
     import psutil

@@ -211,15 +211,19 @@ def serve_in_thread(address: str, port: int, log_handler: logging.Handler | None
     return served["app"]
 
 
-def stop_thread(flower_app: Any, wait_s: float = STOP_WAIT_S) -> None:
+def stop_thread(flower_app: Any, wait_s: float = STOP_WAIT_S) -> bool:
     """Stop a Flower of :func:`serve_in_thread`: its events thread, its loop, then wait (up to ``wait_s``) for
-    the inspections its executor still runs, while the broker is still there."""
+    the inspections its executor still runs, while the broker is still there. False when one still runs
+    (stuck in kombu's reconnect loop to a broker that is gone): Python would wait for it at exit, so the
+    caller should end with ``os._exit``, as :func:`main` does."""
     import time
 
     flower_app.io_loop.add_callback(flower_app.stop)
     deadline = time.monotonic() + wait_s
-    for thread in list(getattr(flower_app.executor, "_threads", ())):
+    threads = list(getattr(flower_app.executor, "_threads", ()))
+    for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
 
 
 def main(argv: list[str] | None = None) -> int:

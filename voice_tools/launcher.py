@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -200,11 +201,17 @@ def run(procfile: str | None = None) -> int:
         if flower_app is not None:
             from voice_tools import flower
 
-            flower.stop_thread(flower_app)  # before the broker stops: its last inspections end
-            _say("Flower stopped")
+            if flower.stop_thread(flower_app):  # before the broker stops: its last inspections end
+                _say("Flower stopped")
+            else:
+                _run_end["flower_stuck"] = True
+                _say("Flower stopped; an inspection of its still retries the broker: the run ends without it")
         forget_run(data_dir)
         stop_servers()
         _say("stopped")
+
+
+_run_end: dict[str, bool] = {}  # what the run learnt as it ended: Flower left a thread that would hold the exit
 
 
 def serve_flower(env: dict[str, str], honcho: Any) -> Any:
@@ -431,7 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if command == "run":
-        return run()
+        code = run()
+        if _run_end.get("flower_stuck"):  # Python would wait at exit for Flower's thread that retries a broker gone
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     if command != "env":  # migrate, load-demo and ingest need the database only
         ensure_servers(need=("postgres",))
     if command == "migrate":
