@@ -1,5 +1,8 @@
 """``voice-tools flower``: Celery's Flower on the tasks app's queues (``celery -A tasks.flower_app flower``), ending on SIGTERM.
 
+The same Flower is served from a thread of ``voice-tools run``'s own process when its Procfile has no
+``flower`` line (``Procfile.local``): :func:`serve_in_thread`.
+
 Its app (``tasks/flower_app.py``) has the tasks app's name, settings and queues but no task: Flower
 never runs one, and importing every task module cost it about 30 MB.
 
