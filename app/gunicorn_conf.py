@@ -19,7 +19,10 @@ Only what the command line does not say:
 - each worker knows the threads and workers it runs with (``GUNICORN_THREADS``,
   ``WEB_CONCURRENCY``, as the command line set them): a caller's default open share is
   derived from them, and the worker keeps 2 threads from long-held requests
-  (docs/operations.md, "Fair shares").
+  (docs/operations.md, "Fair shares");
+- with ``VOICE_TOOLS_MCP_BIND`` (``HOST:PORT``, ``Procfile.local``) the workers also serve the MCP
+  face there, loaded at its first connection (``app/mcp_lazy.py``): the master binds the port
+  before it forks, each worker serves it from a thread and stops it when it exits.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 from gunicorn import util
 
 from models import logs
+from app import mcp_lazy
 from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 # Without the query string (%(U)s, not %(r)s): a query may carry ids but is not ours to log.
@@ -121,3 +125,25 @@ def post_fork(server, worker):
     from app import shares  # the worker's own, after the fork (the master never loads the app)
 
     shares.serve_with_threads(server.cfg.threads)
+
+
+_mcp: dict[str, object] = {}  # the MCP face's listening socket and address, bound by the master
+
+
+def when_ready(server):
+    bind = os.environ.get(mcp_lazy.BIND_VARIABLE)
+    if bind and "socket" not in _mcp:  # once: a reload (SIGHUP) keeps the socket
+        host, port = mcp_lazy.address(bind)
+        _mcp.update(socket=mcp_lazy.listening_socket(host, port), host=host, port=port)
+        server.log.info("MCP face on http://%s:%s/mcp, served by the workers, loaded at its first connection",
+                        host, port)
+
+
+def post_worker_init(worker):
+    if "socket" in _mcp:
+        mcp_lazy.serve_in_thread(_mcp["socket"], _mcp["host"], _mcp["port"])
+
+
+def worker_exit(server, worker):
+    if "socket" in _mcp:
+        mcp_lazy.stop_thread()

@@ -8,7 +8,7 @@ from app import metrics, openapi
 from tasks.calls import schemas
 from app.openapi import doc
 from models import db
-from tasks import app as celery_app
+from tasks.celery_app import app as celery_app  # the broker: no task module, nor the workers' callbacks' HTTP
 
 bp = Blueprint("ops", __name__)
 

@@ -223,7 +223,9 @@ def call(face: Face, arguments: Arguments, caller: Caller | None) -> CallToolRes
         path, query, body = face.split(arguments)
         slot = None
         if face.query is schemas.WaitQuery and shares.asks_to_wait(query) and caller is not None:
-            slot = shares.wait_slot(caller.name, query["wait"])  # a wait holds a slot of the caller's share (or 429)
+            # a wait holds a slot of the caller's share (or 429), and one of the face's own threads (MCP_THREADS),
+            # never a web thread of the process: served by the API's worker (app/mcp_lazy.py), it leaves them be
+            slot = shares.wait_slot(caller.name, query["wait"], holds_thread=False)
         try:
             answer, status = face.run(path, query, body, caller)
         finally:
@@ -376,10 +378,18 @@ def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")  # to the root's handler, in our format
 
 
-def serve(host: str, port: int, sockets: list[socket.socket] | None = None) -> None:
-    """Serve the MCP face with uvicorn until interrupted (on ``sockets`` if given: already listening)."""
+def uvicorn_server(host: str, port: int, configure_logging: bool = True) -> Any:
+    """A uvicorn server of the MCP face. ``configure_logging``: set up this process's logging in our format
+    (a process of its own); else leave it as it is (uvicorn's loggers reach the root's handler, as in the
+    API's gunicorn worker, whose logging gunicorn configured)."""
     import uvicorn
 
-    config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info",
-                            log_config=logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}))
-    uvicorn.Server(config).run(sockets=sockets)
+    log_config = logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}) \
+        if configure_logging else None
+    config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info", log_config=log_config)
+    return uvicorn.Server(config)
+
+
+def serve(host: str, port: int, sockets: list[socket.socket] | None = None) -> None:
+    """Serve the MCP face with uvicorn until interrupted (on ``sockets`` if given: already listening)."""
+    uvicorn_server(host, port).run(sockets=sockets)

@@ -287,15 +287,15 @@ def asks_to_wait(query: Any) -> bool:
     return isinstance(query, dict) and query.get("wait") not in (None, "", 0)
 
 
-def wait_slot(name: str, wait: Any) -> Slot:
+def wait_slot(name: str, wait: Any, holds_thread: bool = True) -> Slot:
     """A slot for a request that asks to wait ``wait`` seconds (checked first: 422 if it is not a valid
-    wait); :class:`ApiError` 429 ``too_many_open`` when caller ``name``'s open share (or this process's)
-    is full: the request is refused before it does anything, and the relay sends it again after
-    ``Retry-After``."""
+    wait); :class:`ApiError` 429 ``too_many_open`` when caller ``name``'s open share (or, if it
+    ``holds_thread`` of this process's web threads, this process's) is full: the request is refused before
+    it does anything, and the relay sends it again after ``Retry-After``."""
     from tasks.calls import schemas
 
     schemas.load(schemas.WaitQuery, {"wait": wait})
-    return take_slot(name, "wait")
+    return take_slot(name, "wait", holds_thread=holds_thread)
 
 
 def register(app: Any) -> None:

@@ -19,6 +19,7 @@ def __getattr__(name: str) -> Any:
     from tasks.celery_app import app
     from tasks import chains  # noqa: F401  (each import registers its tasks)
     from tasks.delivery import attempts  # noqa: F401
+    from tasks.delivery import transport  # noqa: F401  (the workers' callbacks: loaded before the pool forks)
     from tasks import sweeps  # noqa: F401
 
     globals()["app"] = app

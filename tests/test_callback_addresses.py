@@ -263,9 +263,12 @@ def _run_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, procfile: st
 @pytest.mark.parametrize("procfile", ["Procfile.local", "Procfile"])
 def test_every_face_port_is_refused_in_every_process_of_the_run(tmp_path, monkeypatch, procfile):
     """honcho gives each process its own PORT (8000, 8100, ...): the API's port is still known to all."""
+    from honcho.environ import parse_procfile
+
     run_env, processes = _run_processes(tmp_path, monkeypatch, procfile)
     ports = {name: run_env[name] for name in FACES}
-    assert len(processes) >= 4
+    lines = set(parse_procfile((ROOT / procfile).read_text()).processes)
+    assert {process.name.rsplit(".", 1)[0] for process in processes} == lines and len(lines) >= 2  # each line's own PORT
     for process in processes:
         with monkeypatch.context() as m:
             for name, value in process.env.items():

@@ -87,3 +87,19 @@ def test_flowers_process_imports_no_repl():
     loaded, amqp_commands = done.stdout.splitlines()
     assert loaded.split() == [], loaded
     assert "repl" not in amqp_commands and "queue.declare" in amqp_commands, amqp_commands
+
+
+def test_the_api_imports_no_http_client_until_it_sends_a_callback_and_a_worker_has_it_before_its_fork():
+    """The callbacks' HTTP client (requests, urllib3: about 5 MB) is the workers': ``tasks.app``, which a
+    worker loads before its pool forks, imports it (shared by every pool child); the API's process, which
+    sends a callback itself only for a cancel, does not hold it until then."""
+    probe = ("import sys; from app import create_app; create_app(); "
+             "print(' '.join(m for m in ('requests', 'urllib3', 'tasks.delivery.transport') if m in sys.modules)); "
+             "from tasks import app; print(' '.join(m for m in ('requests', 'tasks.delivery.transport') "
+             "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    api, worker = done.stdout.splitlines()
+    assert api.split() == [], api
+    assert worker.split() == ["requests", "tasks.delivery.transport"], worker

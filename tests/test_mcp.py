@@ -378,7 +378,7 @@ async def test_an_mcp_client_searches_then_emails_the_results(mcp_url, worker):
 
 @pytest.mark.slow
 def test_the_lazy_command_listens_at_once_and_loads_the_face_at_its_first_connection():
-    """``voice-tools mcp --lazy`` (``Procfile.local``): the port listens before any of the face's
+    """``voice-tools mcp --lazy``: the port listens before any of the face's
     libraries is loaded (pydantic's compiled core is not mapped into the process), and the first
     connection, kept in the listen backlog while they load, is answered by the face."""
     import psutil
@@ -412,6 +412,97 @@ def test_the_lazy_command_listens_at_once_and_loads_the_face_at_its_first_connec
         proc.wait(timeout=30)
         rest = proc.stdout.read()
         assert "Application shutdown complete." in rest and "Traceback" not in rest, rest
+
+
+async def test_the_local_web_line_serves_the_mcp_face_from_its_workers_loaded_at_the_first_connection(tmp_path):
+    """``Procfile.local``'s web line (``VOICE_TOOLS_MCP_BIND``): gunicorn's master listens on ``MCP_PORT``
+    before it forks, and its workers (two here, on that one socket) serve the face from a thread of
+    their own, loaded at the first connection (pydantic's compiled core is not mapped before). Over MCP a
+    call the REST API recorded reads as over REST; SIGTERM stops the face with the worker, cleanly."""
+    import psutil
+    import requests
+
+    from support.procs import ROOT, free_port, stop_process
+
+    web = next(line.split(":", 1)[1].strip() for line in (ROOT / "Procfile.local").read_text().splitlines()
+               if line.startswith("web:"))
+    port, mcp_port = free_port(), free_port()
+    metrics = tmp_path / "prometheus"
+    metrics.mkdir()
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "MCP_PORT": str(mcp_port), "WEB_CONCURRENCY": "2",
+           "PROMETHEUS_MULTIPROC_DIR": str(metrics), "PYTHONPATH": str(ROOT),
+           "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    log_path = tmp_path / "web.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(["sh", "-c", f"exec {web}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+    def loaded(pid: int) -> bool:
+        return any("pydantic_core" in mapped.path for mapped in psutil.Process(pid).memory_maps())
+
+    def listening(pid: int) -> set[int]:
+        return {conn.laddr.port for conn in psutil.Process(pid).net_connections(kind="inet")
+                if conn.status == psutil.CONN_LISTEN}
+
+    try:
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(proc.pid).children()) < 2 or not _answers(f"http://127.0.0.1:{port}/healthz"):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text(errors="replace")
+            time.sleep(0.2)
+        master, workers = proc.pid, [child.pid for child in psutil.Process(proc.pid).children()]
+        assert listening(master) == {port, mcp_port}  # bound once, before the fork
+        assert not any(loaded(pid) for pid in [master, *workers]), "loaded before it was used"
+
+        created = requests.post(f"http://127.0.0.1:{port}/voice-tools/pending", headers=AUTH, timeout=30, json={
+            "session_id": "sess_mcp_in_web", "function": "send_email",
+            "parameters": {"to": "john@example.com", "subject": "Hi"}})
+        assert created.status_code == 201, created.text
+        tool_call_id = created.json()["tool_call_id"]
+        async with connected(f"http://127.0.0.1:{mcp_port}/mcp", token=API_TOKEN) as mcp:
+            assert {tool.name for tool in (await mcp.list_tools()).tools} == FACES
+            status = await answer(mcp, "get_status", {"tool_call_id": tool_call_id})
+        rest = requests.get(f"http://127.0.0.1:{port}/voice-tools/status/{tool_call_id}", headers=AUTH, timeout=30)
+        assert status == rest.json() and status["status"] == "PENDING"
+        assert any(loaded(pid) for pid in workers) and not loaded(master)  # a worker loaded it, the master never
+        assert {pid for pid in workers if mcp_port in listening(pid)} == set(workers)  # the socket, inherited
+    finally:
+        stop_process(proc)
+    said = log_path.read_text(errors="replace")
+    assert "first connection: loading the MCP face" in said and "Application shutdown complete." in said, said
+    assert "Traceback" not in said, said
+
+
+def _answers(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+async def test_an_mcp_wait_takes_none_of_the_web_threads_of_the_process_serving_it(mcp_url, monkeypatch):
+    """Served by the API's gunicorn worker (``Procfile.local``), the MCP face waits on its own threads
+    (``MCP_THREADS``): a ``wait`` over MCP counts against its caller's share, not against the worker's
+    web threads kept from long-held requests. Here that process guard is full (one slot, taken by a
+    REST wait): the MCP confirm still gets the operation's own answer (409, the call is cancelled), not
+    the server's 429."""
+    from app import shares
+
+    async with connected(mcp_url) as mcp:
+        created = await answer(mcp, "request_tool", {"session_id": "mcp_threads", "function": "send_email",
+                                                     "parameters": GUIDE_EMAIL})
+        await answer(mcp, "cancel_tool", {"tool_call_id": created["tool_call_id"]})
+        shares.serve_with_threads(3)  # 3 web threads, 2 kept: one long-held request at once
+        held = shares.take_slot("a-rest-caller", "wait")
+        try:
+            assert held.in_process
+            refused = await error(mcp, "confirm_tool", {"tool_call_id": created["tool_call_id"], "wait": 1})
+        finally:
+            held.release()
+            shares.serve_with_threads(None)
+    assert refused["error"] != "too_many_open", refused
+    assert refused["details"].get("status") == "CANCELLED" or "cancel" in refused["message"].lower(), refused
 
 
 async def test_mcp_shares_the_callers_limits_a_wait_past_its_open_share_and_a_rate_past_its_own(mcp_url, api_url,

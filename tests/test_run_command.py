@@ -153,20 +153,30 @@ def test_the_api_runs_under_gunicorn_on_port(system):
     assert ready.status_code == 200, ready.text
 
 
-def test_the_mcp_face_runs_as_its_own_process_behind_the_token(system):
-    """Listening from the start, it loads the face (the MCP SDK, pydantic ...) at its first connection."""
+def test_the_mcp_face_is_served_by_the_apis_worker_behind_the_token(system):
+    """No MCP process: gunicorn's master listens on MCP_PORT from the start, and its worker loads the face
+    (the MCP SDK, pydantic ...) at its first connection and serves it."""
     deadline = time.monotonic() + START_TIMEOUT
     while not (face := [proc for proc in running(system.data_dir) if _alive(proc) and _listens(proc, system.mcp_port)]):
         assert time.monotonic() < deadline, f"nothing listens on port {system.mcp_port}:\n{system.tail()}"
         time.sleep(0.5)
-    assert [" ".join(proc.cmdline()[-6:]) for proc in face] == [f"mcp --lazy --host 127.0.0.1 --port {system.mcp_port}"]
-    assert not any("pydantic_core" in mapped.path for mapped in face[0].memory_maps()), "loaded before it was used"
+    web = [proc for proc in face if "gunicorn" in " ".join(proc.cmdline())]
+    assert web == face and len(face) == 2, describe(face)  # the master, which bound it, and its one worker
+    master = next(proc for proc in face if proc.ppid() not in {p.pid for p in face})
+    worker = next(proc for proc in face if proc.ppid() == master.pid)
+    assert _listens(master, system.port) and not any("voice-tools mcp" in " ".join(p.cmdline())
+                                                     for p in running(system.data_dir))
+    assert not any("pydantic_core" in mapped.path for mapped in worker.memory_maps()), "loaded before it was used"
     mcp = f"http://127.0.0.1:{system.mcp_port}"
-    assert requests.get(f"{mcp}/healthz", timeout=10).status_code == 200
+    assert requests.get(f"{mcp}/healthz", timeout=60).status_code == 200  # the first: it loads the face
+    assert any("pydantic_core" in mapped.path for mapped in worker.memory_maps())
     hello = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
-    refused = requests.post(f"{mcp}/mcp", json=hello, timeout=60,  # the first: it loads the face
-                            headers={"Accept": "application/json, text/event-stream"})
+    refused = requests.post(f"{mcp}/mcp", json=hello, timeout=60, headers={"Accept": "application/json, text/event-stream"})
     assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+    listed = requests.post(f"{mcp}/mcp", json=hello, timeout=60, headers={
+        "Accept": "application/json, text/event-stream", "Authorization": f"Bearer {TOKEN}"})
+    assert listed.status_code == 200, listed.text
+    assert "list_tools" in {tool["name"] for tool in listed.json()["result"]["tools"]}
 
 
 def test_the_api_mcp_and_flower_listen_on_the_loopback_only(system):
@@ -341,9 +351,10 @@ def test_flowers_metrics_need_its_password_and_no_command_line_shows_it(system):
     answer = requests.get(metrics, auth=FLOWER_AUTH, timeout=10)
     assert answer.status_code == 200 and "flower_" in answer.text, answer.text[:300]
 
-    flowers = [proc for proc in running(system.data_dir) if _alive(proc) and "voice-tools flower" in " ".join(proc.cmdline())]
-    assert flowers, describe(running(system.data_dir))
-    for proc in running(system.data_dir):  # Flower's, honcho's `sh -c` around it, and every other
+    # no Flower process: the run's own process serves it
+    flowers = {proc.pid for proc in running(system.data_dir) if _alive(proc) and _listens(proc, system.flower_port)}
+    assert flowers == {system.proc.pid}, describe(running(system.data_dir))
+    for proc in running(system.data_dir):  # the run's, honcho's `sh -c` around each line, and every other
         try:
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
@@ -538,23 +549,25 @@ def test_footprint_lists_every_process_of_the_run(system):
     tree = [system.proc.pid] + [child.pid for child in psutil.Process(system.proc.pid).children(recursive=True)]
     listed = {int(line.split()[0]) for line in lines if line.split() and line.split()[0].isdigit()}
     assert set(tree) <= listed, (tree, measured.stdout)
-    for part in ("voice-tools run", "gunicorn", "celery -A tasks worker", "voice-tools mcp", "voice-tools flower",
+    for part in ("voice-tools run", "gunicorn", "VOICE_TOOLS_MCP_BIND=", "celery -A tasks worker",
                  "postgres", "redis-server"):
         assert part in measured.stdout, (part, measured.stdout)
     total = next(line for line in lines if line.startswith("voice-tools run: "))
     assert total.startswith(f"voice-tools run: {len(tree)} processes, ") and total.endswith(" MB PSS"), total
     assert any(line.startswith("embedded servers (PostgreSQL, Redis): ") for line in lines), measured.stdout
-    # no honcho process, nor a forked Python process per line: the run's own children are the Procfile's
-    # lines (each one's shell), and the light Flower app maps none of the product's libraries
+    # no honcho process, nor a forked Python process per line, nor a Flower process: the run's own children are
+    # the Procfile's lines (each one's shell), and the run's process, which serves Flower on its light app, maps
+    # none of the product's libraries (psycopg2 it maps to create the database)
     from honcho.environ import parse_procfile
 
     lines_run = parse_procfile((ROOT / "Procfile.local").read_text()).processes
     children = psutil.Process(system.proc.pid).children()
     assert sorted(child.cmdline()[:2] for child in children) == [["/bin/sh", "-c"]] * len(lines_run), describe(children)
-    flower = next(proc for proc in psutil.Process(system.proc.pid).children(recursive=True)
-                  if "voice-tools flower" in " ".join(proc.cmdline()))
-    mapped = [m.path for m in flower.memory_maps()]
-    assert not [path for path in mapped if "/sqlalchemy/" in path or "/psycopg2" in path], mapped
+    assert not any("voice-tools flower" in " ".join(proc.cmdline())
+                   for proc in psutil.Process(system.proc.pid).children(recursive=True))
+    mapped = [m.path for m in psutil.Process(system.proc.pid).memory_maps()]
+    assert any("/tornado/" in path for path in mapped), mapped  # Flower's (tornado's speedups)
+    assert not [path for path in mapped if "/sqlalchemy/" in path or "pydantic_core" in path], mapped
 
 
 def test_a_second_run_on_the_same_data_dir_is_refused(system):
@@ -571,8 +584,10 @@ def test_sigterm_stops_every_process_it_started(system):
     before = running(system.data_dir)
     commands = " ".join(" ".join(p.cmdline()) for p in before)
     for part in ("pginstall/bin/postgres", "redis-server", "gunicorn", "celery -A tasks worker",
-                 "--beat", "--worker-metrics-port", "voice-tools flower", "voice-tools mcp"):
+                 "--beat", "--worker-metrics-port", "VOICE_TOOLS_MCP_BIND="):
         assert part in commands, f"{part} not running: {describe(before)}"
+    assert "voice-tools mcp" not in commands, describe(before)  # the API's worker serves the MCP face
+    assert "voice-tools flower" not in commands, describe(before)  # the run's process serves Flower
     assert "honcho" not in commands, describe(before)  # its manager runs inside `voice-tools run`
 
     assert system.stop() == 128 + signal.SIGTERM
@@ -582,20 +597,26 @@ def test_sigterm_stops_every_process_it_started(system):
     out = system.output()
     assert "stopped" in out.splitlines()[-1]
     assert "forcefully killing" not in out
-    assert "SIGKILL" not in out  # honcho had to kill none of them: Flower too stopped on SIGTERM
-    assert "flower.1 stopped" in out
+    assert "SIGKILL" not in out  # honcho had to kill none of them
+    assert "voice-tools: Flower stopped" in out  # after the Procfile's lines, before the servers
+    assert out.index("worker.1 stopped") < out.index("voice-tools: Flower stopped") < out.index("voice-tools: stopped")
     assert out.count("Traceback") == 0, out[-4000:]
     assert "logs: one JSON line per event (VOICE_TOOLS_LOG_FORMAT=text for plain lines)" in out
     for secret in (TOKEN, SECRET):
         assert secret not in out  # after the demo's calls too
-    json_lines = set()
+    json_lines, web_loggers = set(), set()
     for line in out.splitlines():  # honcho's "08:15:00 web.1 | <the process's line>"
         prefix, sep, payload = line.partition("| ")
         name = prefix.split()[1].split(".")[0] if sep and len(prefix.split()) == 2 else None
-        if name in ("web", "mcp", "worker") and payload.strip():
+        if name in ("web", "worker") and payload.strip():
             try:
-                assert isinstance(json.loads(payload), dict)
+                parsed = json.loads(payload)
+                assert isinstance(parsed, dict)
             except ValueError:
                 pytest.fail(f"not a JSON line: {line!r}")
             json_lines.add(name)
-    assert json_lines == {"web", "mcp", "worker"}, json_lines  # Procfile.local's processes but Flower (beat and metrics are inside the worker)
+            if name == "web":
+                web_loggers.add(parsed.get("logger"))
+    assert json_lines == {"web", "worker"}, json_lines  # Procfile.local's processes but Flower (beat and metrics are inside the worker)
+    # the MCP face's lines are the API worker's, in the same format: loaded, served, stopped with it
+    assert {"app.mcp_lazy", "uvicorn.access", "uvicorn.error"} <= web_loggers, web_loggers

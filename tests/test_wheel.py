@@ -175,8 +175,12 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(outside):
 
         before = running(data_dir)
         commands = " ".join(" ".join(p.cmdline()) for p in before if p.is_running())
-        for part in ("postgres", "redis-server", "gunicorn", "celery -A tasks worker", "voice-tools flower"):
+        for part in ("postgres", "redis-server", "gunicorn", "VOICE_TOOLS_MCP_BIND=", "celery -A tasks worker"):
             assert part in commands, f"{part} not running: {describe(before)}"
+        # Flower, served by the run's own process from the installed package, behind its password
+        flower = f"http://127.0.0.1:{env['FLOWER_PORT']}/api/workers"
+        assert requests.get(flower, timeout=30).status_code == 401
+        assert requests.get(flower, auth=("admin", secrets["flower_password"]), timeout=30).status_code == 200
         assert "honcho" not in commands, describe(before)  # its manager runs inside `voice-tools run`
         assert str(ROOT) not in commands, describe(before)
 

@@ -1,5 +1,8 @@
 """``voice-tools flower``: Celery's Flower on the tasks app's queues (``celery -A tasks.flower_app flower``), ending on SIGTERM.
 
+The same Flower is served from a thread of ``voice-tools run``'s own process when its Procfile has no
+``flower`` line (``Procfile.local``): :func:`serve_in_thread`.
+
 Its app (``tasks/flower_app.py``) has the tasks app's name, settings and queues but no task: Flower
 never runs one, and importing every task module cost it about 30 MB.
 
@@ -146,6 +149,84 @@ def without_the_amqp_repl() -> None:
     stand_in = types.ModuleType("click_repl", "not imported by voice-tools flower: no `celery amqp repl` here")
     stand_in.register_repl = lambda group, name="repl": None  # type: ignore[attr-defined]
     sys.modules["click_repl"] = stand_in
+
+
+STOP_WAIT_S = 5.0
+
+
+def serve_in_thread(address: str, port: int, log_handler: logging.Handler | None = None) -> Any:
+    """Flower at ``address:port`` from a daemon thread of this process (tornado's loop of its own); the Flower app
+    once it listens. ``voice-tools run`` serves Flower so when its Procfile has no ``flower`` line
+    (``Procfile.local``): no Flower process, and the libraries it shares with the run's process (redis,
+    psutil, logging) loaded once.
+
+    The same Flower as this command's: the light app (``tasks/flower_app.py``), its users from
+    ``FLOWER_BASIC_AUTH`` (SystemExit without a password), ``/metrics`` behind it, each worker
+    learnt from its first event, every ``FLOWER_*`` variable of this process Flower reads but
+    ``FLOWER_UNAUTHENTICATED_API``. Its series stay its own: ``PROMETHEUS_MULTIPROC_DIR`` is taken out of
+    this process's environment (call it before anything imports ``prometheus_client``). Flower's and
+    tornado's log lines go to ``log_handler`` when given."""
+    if not _has_auth([]):
+        raise SystemExit("voice-tools: set FLOWER_BASIC_AUTH=user:password (Flower is not served without a password)")
+    os.environ.pop("FLOWER_UNAUTHENTICATED_API", None)
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    import asyncio
+    import threading
+
+    metrics_behind_auth()
+    workers_from_their_events()
+    from flower import command
+    from flower.urls import settings
+    from tornado.options import options
+
+    if log_handler is not None:
+        for name in ("flower", "tornado"):
+            logger = logging.getLogger(name)
+            logger.addHandler(log_handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+    command.apply_env_options()
+    options.address, options.port = address, port
+    command.extract_settings()
+    command.setup_logging()
+    from tasks.flower_app import app
+
+    ready, served = threading.Event(), {}
+
+    def serve() -> None:
+        asyncio.set_event_loop(asyncio.new_event_loop())
+        try:
+            flower_app = command.Flower(capp=app, options=options, **settings)
+            flower_app.start_http_server()
+        except BaseException as exc:  # noqa: BLE001 - said to the caller
+            served["error"] = exc
+            ready.set()
+            return
+        served["app"] = flower_app
+        ready.set()
+        logging.getLogger("flower.command").info("Visit me at http://%s:%s", address, port)
+        flower_app.start()
+
+    threading.Thread(target=serve, name="voice-tools-flower", daemon=True).start()
+    ready.wait()
+    if "error" in served:
+        raise served["error"]
+    return served["app"]
+
+
+def stop_thread(flower_app: Any, wait_s: float = STOP_WAIT_S) -> bool:
+    """Stop a Flower of :func:`serve_in_thread`: its events thread, its loop, then wait (up to ``wait_s``) for
+    the inspections its executor still runs, while the broker is still there. False when one still runs
+    (stuck in kombu's reconnect loop to a broker that is gone): Python would wait for it at exit, so the
+    caller should end with ``os._exit``, as :func:`main` does."""
+    import time
+
+    flower_app.io_loop.add_callback(flower_app.stop)
+    deadline = time.monotonic() + wait_s
+    threads = list(getattr(flower_app.executor, "_threads", ()))
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,10 @@
 
 ``voice-tools run`` starts what is missing (``servers.ensure_servers``), migrates,
 then runs ``Procfile.local`` with honcho's manager in this process (``voice_tools/procfile_run.py``:
-API, MCP loaded at its first connection, one worker for every queue with beat and the
-workers' metrics inside it, Flower) until
-interrupted; on SIGINT or SIGTERM it stops the Procfile's processes first and the embedded
-servers last. ``Procfile`` keeps production's process groups
+the API, whose worker also serves the MCP face, loaded at its first connection; one worker for every
+queue with beat and the workers' metrics inside it) and serves Flower from a thread of this process
+(a Procfile without a ``flower`` line), until interrupted; on SIGINT or SIGTERM it stops the Procfile's
+processes first, then Flower, and the embedded servers last. ``Procfile`` keeps production's process groups
 (``VOICE_TOOLS_PROCFILE=Procfile voice-tools run`` runs them locally).
 
 Both Procfiles ship inside this package (in a checkout, links to the top-level files), so
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -33,6 +34,7 @@ from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensu
 
 PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
+FLOWER_LINE = "flower"  # a Procfile without this line has Flower served by the run's own process
 
 
 def procfile_path(name: str) -> Path:
@@ -169,7 +171,7 @@ def run(procfile: str | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    honcho = None
+    honcho = flower_app = None
     try:
         urls = ensure_servers(data_dir)
         _prepare_in_child(data_dir)
@@ -184,6 +186,8 @@ def run(procfile: str | None = None) -> int:
             token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
             _say(f"API token: {token}   (try: voice-tools demo)")
         honcho = procfile_run.manager_for(procfile_file, env, Path.cwd() / ".env")
+        if FLOWER_LINE not in procfile_run.line_names(procfile_file):
+            flower_app = serve_flower(env, honcho)
         honcho.loop()  # its own SIGINT and SIGTERM handlers stop every process, then it returns
         return int(honcho.returncode or 0)
     except _Stop as stop:
@@ -194,9 +198,36 @@ def run(procfile: str | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if honcho is not None:
             procfile_run.stop(honcho)
+        if flower_app is not None:
+            from voice_tools import flower
+
+            if flower.stop_thread(flower_app):  # before the broker stops: its last inspections end
+                _say("Flower stopped")
+            else:
+                _run_end["flower_stuck"] = True
+                _say("Flower stopped; an inspection of its still retries the broker: the run ends without it")
         forget_run(data_dir)
         stop_servers()
         _say("stopped")
+
+
+_run_end: dict[str, bool] = {}  # what the run learnt as it ended: Flower left a thread that would hold the exit
+
+
+def serve_flower(env: dict[str, str], honcho: Any) -> Any:
+    """Flower on ``HOST:FLOWER_PORT`` from a thread of this process (``voice_tools/flower.py``), for a Procfile
+    without a ``flower`` line (``Procfile.local``): its ``FLOWER_*`` variables are the run's, its lines
+    printed as ``flower``'s among the Procfile's."""
+    from tornado.log import LogFormatter
+
+    from voice_tools import flower, procfile_run
+
+    for name, value in env.items():
+        if name.startswith("FLOWER_"):
+            os.environ[name] = value
+    lines = procfile_run.LinesOf(honcho, FLOWER_LINE)
+    lines.setFormatter(LogFormatter(color=False))
+    return flower.serve_in_thread(env["HOST"], int(env["FLOWER_PORT"]), lines)
 
 
 def prepare() -> int:
@@ -407,7 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if command == "run":
-        return run()
+        code = run()
+        if _run_end.get("flower_stuck"):  # Python would wait at exit for Flower's thread that retries a broker gone
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     if command != "env":  # migrate, load-demo and ingest need the database only
         ensure_servers(need=("postgres",))
     if command == "migrate":

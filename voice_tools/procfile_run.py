@@ -11,6 +11,8 @@ caller's environment, then the env file's, ``HONCHO_PROCESS_NAME``, and ``PORT``
 """
 from __future__ import annotations
 
+import datetime
+import logging
 import os
 import queue
 import signal
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from honcho.environ import expand_processes, parse, parse_procfile
 from honcho.manager import Manager
+from honcho.printer import Message
 
 DEFAULT_PORT = 5000  # honcho's
 
@@ -38,6 +41,29 @@ class ThreadedManager(Manager):
             entry["process"] = threading.Thread(name=f"procfile-{name}", target=entry["obj"].run,
                                                 args=(self.events, False), daemon=True)
             entry["process"].start()
+
+
+def line_names(procfile: Path) -> set[str]:
+    """The names of a Procfile's lines (``web``, ``worker`` ...)."""
+    return set(parse_procfile(procfile.read_text()).processes)
+
+
+class LinesOf(logging.Handler):
+    """Log records printed among a manager's lines as a process of ``name`` would print them (``flower | …``),
+    for what runs in the calling process beside the Procfile's lines. Lines that come once the manager's loop
+    has ended are not printed."""
+
+    def __init__(self, manager: Manager, name: str) -> None:
+        super().__init__()
+        self.manager, self.process_name = manager, name
+        manager._printer.width = max(manager._printer.width, len(name))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.manager.events.put(Message(type="line", data=self.format(record) + "\n",
+                                            time=datetime.datetime.now(), name=self.process_name, colour=None))
+        except Exception:  # noqa: BLE001 - logging's own way
+            self.handleError(record)
 
 
 def manager_for(procfile: Path, env: dict[str, str], env_file: Path | None = None) -> ThreadedManager:

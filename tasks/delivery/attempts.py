@@ -34,7 +34,6 @@ from models.calls import CallbackDelivery
 from tasks.worker import metrics
 from tasks.delivery import answers
 from tasks.delivery.signing import sign, sign_standard
-from tasks.delivery.transport import exchange
 from tasks.delivery.url_policy import delivery_route
 from tasks.celery_app import app
 
@@ -132,6 +131,10 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
             "webhook-signature": sign_standard(cfg.callback_secrets, delivery.event_id, timestamp, body),
         })
     host = (urlsplit(delivery.url).hostname or "").lower()
+    # requests and urllib3 (about 5 MB): a worker has them from its start (``tasks.app``), shared by its pool;
+    # the API, which sends few callbacks itself (a cancel's ``cancelled``), at its first one
+    from tasks.delivery.transport import exchange
+
     code, error, raw, note = exchange(delivery.url, body, headers, timeout,
                                       (host, route.address) if route.address else None, route.proxy)
     seconds = time.perf_counter() - started
