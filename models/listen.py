@@ -43,6 +43,7 @@ no socket for) reads the table each time it is woken, or when its keep-alive int
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -251,7 +252,8 @@ class Listener:
             made = asyncio.new_event_loop()
             made.set_default_executor(ThreadPoolExecutor(READERS, thread_name_prefix="voice-tools-stream-read"))
             threading.Thread(target=made.run_forever, name="voice-tools-events", daemon=True).start()
-            asyncio.run_coroutine_threadsafe(self._run(), made)
+            # in a context of its own: not the log context (request id, call) of the request that started it
+            made.call_soon_threadsafe(lambda: made.create_task(self._run(), context=contextvars.Context()))
             self._loop = made
             return made
 
@@ -293,10 +295,11 @@ class Listener:
                     notice = notice_of(note.payload)
                     self._wake((EVENTS_CHANNEL, notice.session_id), notice)
 
+        fd = conn.fileno()  # kept: once libpq has closed the socket, conn.fileno() raises
         try:
             self._reconnecting = False
             self._wake(None)  # anything before the LISTEN is read by the woken streams and waits
-            running.add_reader(conn.fileno(), readable)  # epoll: no limit at descriptor 1024
+            running.add_reader(fd, readable)  # epoll: no limit at descriptor 1024
             try:
                 while True:
                     try:
@@ -305,7 +308,7 @@ class Listener:
                         with conn.cursor() as cur:  # an idle check that the connection is alive
                             cur.execute("SELECT 1")
             finally:
-                running.remove_reader(conn.fileno())
+                running.remove_reader(fd)  # before the number can be another connection's
         finally:
             conn.close()
 

@@ -449,3 +449,36 @@ def test_a_stream_whose_inbox_overflows_reads_the_table_and_misses_nothing():
                                  "ORDER BY commit_seq")).scalars().all()
     assert got == want and got[0] == first
     assert reads >= 1  # what the inbox dropped came from the table
+
+
+@pytest.mark.slow
+def test_the_listener_hears_notify_after_two_database_restarts_in_a_row():
+    """Each outage closes the listening connection, often after libpq has closed its socket itself; the
+    connection made after it (likely on the same descriptor number) must be listened to again, and so
+    must the one made after a second outage."""
+    from support.system import restart_postgres
+
+    from models import listen
+
+    listener = listen.Listener()
+    woken = listener.subscribe("sess_two_restarts")
+    time.sleep(1.0)  # connected
+    for _ in range(2):
+        restart_postgres(down_s=0.5)
+        deadline = time.monotonic() + 20
+        while True:  # until the database answers again and the listener is back (it wakes everyone then)
+            woken.clear()
+            if woken.wait(1.0):
+                time.sleep(1.5)  # a wake of the reconnect loop, or of the new connection: let it settle
+                break
+            assert time.monotonic() < deadline, "the listener never came back"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            woken.clear()
+            record_progress("sess_two_restarts")
+            break
+        except Exception:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+    assert woken.wait(5), "NOTIFY did not wake the stream after two restarts"
