@@ -32,6 +32,11 @@ import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from support.procs import free_port  # noqa: E402
+from voice_tools.footprint import pss_kib  # noqa: E402
+
 TOKEN = "bench-footprint-token"
 QUESTIONS = ("how do I reset my password", "what is the refund policy", "how to configure the API token",
              "where are the backups kept", "what are the Q3 sales figures", "how do I book a meeting room",
@@ -39,25 +44,6 @@ QUESTIONS = ("how do I reset my password", "what is the refund policy", "how to 
              "what does the training cover")
 ROLES = ("voice-tools run", "sh -c (the lines' shells)", "gunicorn master", "gunicorn worker (API)", "MCP",
          "worker main", "worker pool child", "Flower", "other")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def pss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as rollup:
-            for line in rollup:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def role(proc: psutil.Process, root: int) -> str:
