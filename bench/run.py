@@ -32,7 +32,8 @@ It measures:
 each (the test suite runs it: the bench keeps working); neither asserts a time. ``DATABASE_URL`` / ``REDIS_URL`` are used when set (the bench writes calls into
 that database); otherwise embedded servers are started under a temporary folder and
 removed afterwards. The table is printed and written with the machine and versions to
-``bench/results/<date>.json`` (and, without ``--quick``, to ``bench/RESULTS.md``).
+``bench/results/<date>.json`` (and, without ``--quick``, to ``bench/RESULTS.md``, whose sections written
+otherwise, by ``bench.stream`` or by hand, are kept).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
-# the section ``python -m bench.stream`` writes into RESULTS.md, which a full run keeps
+# the section ``python -m bench.stream`` writes into RESULTS.md (a full run keeps it, as every section it did not write)
 STREAM_SECTION = re.compile(r"\n## Event streams: .*?(?=\n## |\Z)", re.S)
 sys.path.insert(0, str(ROOT))
 
@@ -339,6 +340,15 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     return results
 
 
+def results_markdown(text: str, current: str) -> str:
+    """RESULTS.md after a full run: the run's ``text``, then every section of ``current`` the run did not write
+    (``bench.stream``'s, and measurements made by hand), in their order."""
+    made = {line for line in text.splitlines() if line.startswith("## ")}
+    sections = re.split(r"(?m)^(?=## )", current)[1:]  # what comes before the first section is the run's header
+    kept = [section for section in sections if section.splitlines()[0] not in made]
+    return text.rstrip("\n") + "\n\n" + "".join(kept) if kept else text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -389,8 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                                   indent=1, ensure_ascii=False) + "\n")
         if not args.quick:
             results_md = ROOT / "bench" / "RESULTS.md"
-            kept = STREAM_SECTION.search(results_md.read_text()) if results_md.exists() else None
-            results_md.write_text(text.rstrip("\n") + "\n" + kept.group(0) if kept else text)  # bench.stream's
+            results_md.write_text(results_markdown(text, results_md.read_text() if results_md.exists() else ""))
         print(text)
         print(f"written to {out}")
         return 0

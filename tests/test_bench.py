@@ -67,3 +67,19 @@ def test_the_capacity_figures_are_measured_end_to_end(tmp_path):
         assert set(row["cpu_ms"]) == set(GROUPS) and min(row["cpu_ms"].values()) >= 0, (kind, row)
         assert row["table_bytes_total"] >= 0
     assert "## Per call (idle rate subtracted)" in run["table"]
+
+
+@pytest.mark.parametrize("by_hand", ["## Document search and ingest (by hand)\n\nSome figures.\n"])
+def test_a_full_run_keeps_every_section_it_did_not_write(by_hand):
+    """RESULTS.md holds the run's tables and sections written otherwise (``bench.stream``'s, and measurements
+    made by hand): a full run replaces its own tables and keeps the others, in their order."""
+    from bench.run import results_markdown
+
+    current = ("# voice-tools benchmark\n\n- measured before\n\n## Goals (ratios of this run)\n\nold goals\n\n"
+               "## Event streams: 1,000 open on one API process\n\nstream figures\n\n" + by_hand)
+    text = "# voice-tools benchmark\n\n- measured now\n\n## Goals (ratios of this run)\n\nnew goals\n"
+    merged = results_markdown(text, current)
+    assert merged.startswith(text.rstrip("\n"))
+    assert "old goals" not in merged and "- measured before" not in merged
+    assert merged.index("## Event streams") < merged.index("## Document search and ingest (by hand)")
+    assert merged.endswith("stream figures\n\n" + by_hand)
