@@ -216,7 +216,7 @@ class Listener:
         return woken
 
     def add(self, key: str, woken: Waker, channel: str = EVENTS_CHANNEL) -> None:
-        self._ensure_running()
+        self.loop()
         with self._lock:
             self._waiters.setdefault((channel, key), set()).add(woken)
 
@@ -256,9 +256,6 @@ class Listener:
             made.call_soon_threadsafe(lambda: made.create_task(self._run(), context=contextvars.Context()))
             self._loop = made
             return made
-
-    def _ensure_running(self) -> None:
-        self.loop()
 
     async def _run(self) -> None:
         while True:

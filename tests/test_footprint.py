@@ -45,6 +45,14 @@ def test_footprint_shows_each_command_line_whole(tmp_path):
     assert "voice-tools run: 3 processes, " in measured.stdout
 
 
+def probed(probe: str) -> subprocess.CompletedProcess:
+    """``probe`` run by a fresh Python of this checkout (what a process of the run imports), which must succeed."""
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_tool_module():
     """Flower's app (``tasks/flower_app.py``) has the tasks app's queues, exchanges and keys, read without
     importing the registry, the task modules or what they pull in (SQLAlchemy, marshmallow, the backends)."""
@@ -59,18 +67,14 @@ def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_
     probe = ("import sys, tasks.flower_app; print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('sqlalchemy', 'marshmallow', 'backends', 'psycopg2', 'requests') or m.startswith(('tasks.tools', "
              "'tasks.celery_app', 'tasks.chains', 'tasks.worker')))))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = probed(probe)
     assert done.stdout.split() == [], done.stdout
 
 
 def test_the_mcp_face_imports_no_flask():
     """The MCP face is served by uvicorn and starlette: Flask, Werkzeug and Jinja2 (about 5 MB) stay out of its process."""
     probe = "import sys, app.mcp_server; print(' '.join(m for m in ('flask', 'werkzeug', 'jinja2') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = probed(probe)
     assert done.stdout.split() == [], done.stdout
 
 
@@ -81,9 +85,7 @@ def test_flowers_process_imports_no_repl():
              "from celery.bin.celery import celery; from flower.command import flower as command; "
              "print(' '.join(m for m in ('prompt_toolkit', 'wcwidth', 'click_repl._repl') if m in sys.modules)); "
              "print(sorted(celery.commands['amqp'].commands))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = probed(probe)
     loaded, amqp_commands = done.stdout.splitlines()
     assert loaded.split() == [], loaded
     assert "repl" not in amqp_commands and "queue.declare" in amqp_commands, amqp_commands
@@ -97,9 +99,7 @@ def test_the_api_imports_no_http_client_until_it_sends_a_callback_and_a_worker_h
              "print(' '.join(m for m in ('requests', 'urllib3', 'tasks.delivery.transport') if m in sys.modules)); "
              "from tasks import app; print(' '.join(m for m in ('requests', 'tasks.delivery.transport') "
              "if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare_env(), capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = probed(probe)
     api, worker = done.stdout.splitlines()
     assert api.split() == [], api
     assert worker.split() == ["requests", "tasks.delivery.transport"], worker
