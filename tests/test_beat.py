@@ -135,6 +135,9 @@ def test_two_beat_processes_sweep_once_per_period_and_one_left_keeps_sweeping(wo
         # it took over within a period: no gap between worked runs, across the kill too, above two periods
         gaps = [b - a for a, b in zip(every_worked, every_worked[1:])]
         assert max(gaps) < 2 * EVERY + 0.5, gaps
+        kill_group(beats[1], [])  # no more sends: a sweep that claimed its period has also ended its run
+        time.sleep(EVERY / 2)
+        every_worked = [at for at, retval in runs if retval is not None]
         assert len(_periods()) == len(every_worked)
     finally:
         signals.task_postrun.disconnect(ran)
