@@ -132,6 +132,10 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
 
 
 CALLS = ToolCall.__table__
+# What the hot paths' rows carry (a link's gate and records, an event's transition): every column
+# but the histories, which no link reads and which grow with every transition (each one costs its
+# conversion to text in PostgreSQL and its parsing here, on every statement of every link).
+ROW_COLUMNS = tuple(c for c in CALLS.c if c.name not in ("status_history", "parameters_history"))
 
 
 def _cas(
@@ -184,7 +188,8 @@ _BUILT: dict[tuple[Any, ...], Any] = {}
 
 def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], make: Callable[[], Any],
                     event: Event | None = None) -> Row[Any] | None:
-    """The hot paths' transition: one statement, a Core row (no ORM entity), or None if it did not apply.
+    """The hot paths' transition: one statement, a Core row of :data:`ROW_COLUMNS` (no ORM entity), or
+    None if it did not apply.
 
     ``make()`` builds the transition's compare-and-set (with the ``P_*`` parameters), once
     per ``key`` and event shape; ``params`` are this run's values. With ``event``, the
@@ -198,11 +203,11 @@ def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], m
     if stmt is None:
         cas = make()
         if event is None:
-            stmt = cas.returning(*CALLS.c)
+            stmt = cas.returning(*ROW_COLUMNS)
         else:
             moved = cas.values(event_seq=CALLS.c.event_seq + 1).returning(*CALLS.c).cte("moved")
             added = event.build(moved).cte("added")
-            stmt = select(moved, added).select_from(moved.join(added, true()))
+            stmt = select(*(moved.c[c.name] for c in ROW_COLUMNS), added).select_from(moved.join(added, true()))
         _BUILT[shape] = stmt
     return s.execute(stmt, {**params, **event.params} if event is not None else params).one_or_none()
 
@@ -490,7 +495,7 @@ def gate(s: Executor, tool_call_id: str, chain: str | None = None) -> Row[Any] |
     stmt = _GATE.get(chain is not None)
     if stmt is None:
         fence = [CALLS.c.workflow_id == P_CHAIN] if chain is not None else []
-        stmt = _GATE[chain is not None] = select(*CALLS.c).where(
+        stmt = _GATE[chain is not None] = select(*ROW_COLUMNS).where(
             CALLS.c.tool_call_id == P_ID, CALLS.c.status == EXECUTING, *fence)
     return s.execute(stmt, {"p_id": tool_call_id, "p_chain": chain}).one_or_none()
 
