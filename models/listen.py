@@ -386,8 +386,9 @@ async def session_events_async(session_id: str, after: int, keepalive_s: float,
         while True:
             if not inbox.inbox:
                 inbox.event.clear()
-                try:
-                    await asyncio.wait_for(inbox.event.wait(), keepalive_s)
+                try:  # asyncio.timeout: no task made for each wait (wait_for's), half the cost of a wake
+                    async with asyncio.timeout(keepalive_s):
+                        await inbox.event.wait()
                 except TimeoutError:
                     yield None
                 continue
