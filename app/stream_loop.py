@@ -7,7 +7,7 @@ import logging
 import socket
 from typing import Any
 
-from app import shares, sse
+from app import metrics, shares, sse
 from models import listen
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ async def _serve(sock: socket.socket, session_id: str, after: int, caller: str |
                  chunked: bool, keepalive_s: float) -> None:
     global _open
     _open += 1
+    metrics.STREAMS_OPEN.inc()
     running = asyncio.get_running_loop()
     writer: asyncio.StreamWriter | None = None
     try:
@@ -61,6 +62,7 @@ async def _serve(sock: socket.socket, session_id: str, after: int, caller: str |
         log.exception("event stream of %s failed", session_id)
     finally:
         _open -= 1
+        metrics.STREAMS_OPEN.dec()
         if writer is not None:
             writer.close()
         else:

@@ -482,3 +482,26 @@ def test_the_listener_hears_notify_after_two_database_restarts_in_a_row():
             assert time.monotonic() < deadline
             time.sleep(0.3)
     assert woken.wait(5), "NOTIFY did not wake the stream after two restarts"
+
+
+def _streams_open_on_the_metrics_page(api_url: str) -> float:
+    page = requests.get(f"{api_url}/metrics", headers=AUTH, timeout=10).text
+    [value] = [line.split()[-1] for line in page.splitlines() if line.startswith("voice_tools_event_streams_open ")]
+    return float(value)
+
+
+def test_the_metrics_page_counts_the_event_streams_open(api_url):
+    before = _streams_open_on_the_metrics_page(api_url)
+    streams = [Stream(f"{api_url}/voice-tools/events/sess_gauge_{n}", AUTH) for n in range(2)]
+    try:
+        deadline = time.monotonic() + 5
+        while _streams_open_on_the_metrics_page(api_url) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _streams_open_on_the_metrics_page(api_url) == before + 2
+    finally:
+        for stream in streams:
+            stream.close()
+    deadline = time.monotonic() + 5
+    while _streams_open_on_the_metrics_page(api_url) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _streams_open_on_the_metrics_page(api_url) == before
