@@ -51,8 +51,9 @@ def table(results: dict[str, Any], header: list[str]) -> str:
     for endpoint in ("context", "status"):
         lines.append(_pair_row(f"{endpoint}, {seeded['calls']:,} calls over {seeded['sessions']:,} sessions",
                                results["scale"][endpoint]))
-    lines += ["", "## Chains: confirm → callback at a local relay, against a bare Celery chain of as many "
-              "links, each reading the status and posting its event (ms)", "", head]
+    lines += ["", "## Chains: confirm → callback at a local relay, against a plain Celery app's chain of as many "
+              "links, each reading the status and writing the step in one statement, then posting its event (ms)",
+              "", head]
     for name, pair in results["chains"].items():
         lines.append(_pair_row(name, pair))
     lines += ["", "The same chains against a second floor, bare links doing by hand the work every link must do "

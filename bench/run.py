@@ -5,8 +5,10 @@
 It starts the API under gunicorn from the Procfile's ``web`` line and the ``writes``,
 ``reads`` and ``callbacks`` workers from theirs (``bench/stack.py``), beside their floors:
 the same ``web`` line serving a bare Flask app doing the one statement each endpoint
-needs (``bench/bare.py``), and the ``reads`` line consuming bare Celery chains whose links
-each read the call's status and post a signed event to the same relay (``bench/noop.py``). Requests go over real HTTP (``requests``, one keep-alive session
+needs (``bench/bare.py``), and the ``reads`` line running a plain ``Celery()`` app in place of the
+product's (acks late, prefetch 1, no result backend, no task events: ``bench/noop.py``), whose
+links each read the call's status and write its step in one statement and post a signed event to
+the same relay. Requests go over real HTTP (``requests``, one keep-alive session
 per client; ``bench/load.py``), the API and its floor asked alternately by each client.
 It measures:
 

@@ -7,8 +7,8 @@ process group, its output in a file of the data folder:
 - ``web``: the API under gunicorn, as in production (its workers and threads);
 - ``bare_web``: the same line serving ``bench.bare:create_app()`` (the floor);
 - ``writes``, ``reads``, ``callbacks``: the worker lines, as written;
-- ``bare``: the ``reads`` line consuming ``bench.noop`` instead of the reads' queues
-  (same pool, same concurrency), for the bare chains.
+- ``bare``: the ``reads`` line running the plain Celery app of ``bench.noop`` in place of the
+  product's app (same pool, same concurrency), for the bare chains.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def commands() -> dict[str, str]:
     lines = procfile_lines()
     web, reads = lines["web"], lines["reads"]
     bare_web = web.replace("'app:create_app()'", "'bench.bare:create_app()'")
-    bare = reads.replace("--hostname reads@%h", "--hostname bare@%h").replace(
-        "--group reads", "--queues bench.noop --include bench.noop")
+    bare = reads.replace("celery -A tasks worker --hostname reads@%h --group reads",
+                         "celery -A bench.noop worker --hostname bare@%h --queues bench.noop")
     assert bare_web != web and bare.count("bench.noop") == 2, "the Procfile's web or reads line changed"
     return {"web": web, "bare_web": bare_web, "writes": lines["writes"], "reads": reads,
             "callbacks": lines["callbacks"], "bare": bare}
