@@ -12,7 +12,14 @@ It measures:
 
 (1) ``pending``, ``confirm`` (of a send_email call: its chain runs to the checkpoint; the
     floor's confirm sends a bare chain of as many links, recording), ``status`` and
-    ``context``: p50 and p99, one client after another and 16 clients at once, against the floor;
+    ``context``: p50 and p99, one client after another and 16 clients at once, against the floor.
+    Before each block every client opens its keep-alive connection to each side, and only
+    connections leaving each side's gunicorn workers as many clients each are kept (8 and 8 at
+    16 clients), on the API and on its floor alike (``bench/load.py``: the kernel spreads
+    connections unevenly, and a keep-alive connection stays with its worker); the 16 clients
+    run in several blocks (5 without ``--quick``), the kinds in turn, and each block's p50
+    ratio, spread, and CPU per request of each side's gunicorn workers are reported with the
+    median and range of the ratios;
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
@@ -272,10 +279,12 @@ def machine() -> dict[str, str]:
 # -- main ---------------------------------------------------------------------------------
 
 SIZES = {  # samples of each kind: smoke (the test suite's: it runs end to end), quick (under two minutes) and full
-    "smoke": {"api_runs": 4, "client_runs": 1, "chain_runs": 3, "warmup": 1, "calls": 16, "scale_runs": 4,
-              "scale_calls": 2_000},
-    "quick": {"api_runs": 60, "client_runs": 6, "chain_runs": 15, "warmup": 3, "calls": 48, "scale_runs": 60},
-    "full": {"api_runs": 400, "client_runs": 40, "chain_runs": 50, "warmup": 10, "calls": 300, "scale_runs": 400},
+    "smoke": {"api_runs": 4, "client_runs": 1, "client_blocks": 1, "chain_runs": 3, "warmup": 1, "calls": 16,
+              "scale_runs": 4, "scale_calls": 2_000},
+    "quick": {"api_runs": 60, "client_runs": 3, "client_blocks": 2, "chain_runs": 15, "warmup": 3, "calls": 48,
+              "scale_runs": 60},
+    "full": {"api_runs": 400, "client_runs": 8, "client_blocks": 5, "chain_runs": 50, "warmup": 10, "calls": 300,
+             "scale_runs": 400},
 }
 CLIENTS = 16
 SCALE_CALLS, SCALE_SESSIONS = 100_000, 10_000  # the calls seeded for (4), over as many sessions
@@ -285,16 +294,36 @@ def four_step_read_tool() -> Any:
     return min((tool for tool in read_tools() if len(tool.steps) == 4), key=lambda tool: tool.name)
 
 
+def measure_api(stack: Any, size: dict[str, int], results: dict[str, Any]) -> None:
+    """(1): each endpoint against its floor, one client, then 16 in blocks (``results["api"]``, ``results["blocks"]``)."""
+    from bench import api, report
+
+    web, bare = stack.urls["web"], stack.urls["bare_web"]
+    pairs = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
+    servers = {web: lambda: stack.holders("web"), bare: lambda: stack.holders("bare_web")}
+    results["blocks"] = {}
+    for clients, runs, blocks in (("1", size["api_runs"], 1), ("16", size["client_runs"], size["client_blocks"])):
+        print(f"API: {blocks} block(s) of {runs} requests of each kind per client, {clients} client(s) ...", flush=True)
+        samples: dict[str, dict[str, list[float]]] = {name: {} for name in pairs}
+        taken: dict[str, list[dict[str, Any]]] = {name: [] for name in pairs}
+        for block in range(blocks):  # the kinds in turn, block by block, so each kind's blocks span the run
+            for name, pair in pairs.items():
+                spread: dict[str, Any] = {}
+                block_samples = load.run_pairs(pair, runs, int(clients), warmup=3, servers=servers, spread=spread,
+                                               first=block * 100_000_000)
+                for side, values in block_samples.items():
+                    samples[name].setdefault(side, []).extend(values)
+                taken[name].append(report.block(block_samples, spread[web], spread[bare]))
+        results["api"][clients] = {name: report.summarize(by_side) for name, by_side in samples.items()}
+        results["blocks"][clients] = {name: report.blocks(each) for name, each in taken.items()}
+
+
 def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> dict[str, Any]:
     from bench import api, cpu, report, scale
 
     web, bare = stack.urls["web"], stack.urls["bare_web"]
     results: dict[str, Any] = {"api": {}, "chains": {}}
-    pairs = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
-    for clients, runs in (("1", size["api_runs"]), ("16", size["client_runs"])):
-        print(f"API: {runs} requests of each kind per client, {clients} client(s) ...", flush=True)
-        results["api"][clients] = {name: report.summarize(load.run_pairs(pair, runs, int(clients), warmup=3))
-                                   for name, pair in pairs.items()}
+    measure_api(stack, size, results)
 
     read4 = ChainBench(web, bare, relay, four_step_read_tool())
     tools_to_run = read_tools() if full_chains else [read4.tool]
