@@ -1,8 +1,10 @@
 """Requests over real HTTP, timed: one client after another, or 16 at once.
 
 Every request is timed from before ``requests`` sends it to its whole answer read, on a
-keep-alive ``requests.Session`` per client (a thread) and server. The API and its floor are asked
-alternately by the same client, so both see the same machine at the same moment.
+keep-alive ``requests.Session`` per client (a thread) and server. One client asks the API and its
+floor alternately (:func:`pair_of`), so both see the same machine at the same moment; 16 clients
+ask one side at a time, in blocks of each side in turn (:func:`run_blocks`), so each side meets
+16 clients at once.
 
 Under gunicorn a keep-alive connection stays with the worker that accepted it, and the kernel
 spreads connections over the workers unevenly (16 clients over 2 workers land anywhere from 8/8
@@ -59,8 +61,15 @@ def summary(samples_s: list[float]) -> dict[str, float]:
     return {"n": len(ms), "p50": statistics.median(ms), "p95": q[94], "p99": q[98], "min": ms[0], "max": ms[-1]}
 
 
-# A request maker: given the request's index, its sides' (seconds, answer) in a dict by side name.
+# One timed request of one side: given the request's index, its seconds.
+Side = Callable[[int], float]
+# A request maker: given the request's index, its sides' seconds in a dict by side name.
 Pair = Callable[[int], dict[str, float]]
+
+
+def pair_of(sides: dict[str, Side]) -> Pair:
+    """Each side asked in turn by the same client: both see the same machine at the same moment."""
+    return lambda i: {name: side(i) for name, side in sides.items()}
 
 
 # A server's workers: worker pid -> the client ports of the connections it holds open (``Stack.holders``).
@@ -196,6 +205,31 @@ def run_pairs(pair: Pair, requests_each: int, clients: int = 1, warmup: int = 0,
                                   "cpu_ms": round(cpu_ms[base], 3)} for base in servers})
         opened.close()
     return merged
+
+
+def run_blocks(sides: dict[str, Side], servers: dict[str, tuple[str, Holders]], requests_each: int,
+               clients: int, blocks: int, warmup: int = 0) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
+    """``blocks`` blocks of each side, in turn, the order swapped at every block (api, bare, bare, api ...):
+    in a side's block ``clients`` threads ask that side only, so each side meets the same number of
+    clients at once, whatever the other costs (asked in turn by the same clients, the slower side would
+    hold more of them). Each block is :func:`run_pairs` of one side, its connections opened evenly over the
+    side's workers (``servers``: by side, its base URL and :data:`Holders`). Returns every side's samples,
+    and by block, each side's ``p50`` (seconds) with its :func:`run_pairs` ``spread``."""
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    taken: list[dict[str, Any]] = []
+    names = list(sides)
+    for block in range(blocks):
+        one: dict[str, Any] = {}
+        for name in names if block % 2 == 0 else names[::-1]:
+            base, holders = servers[name]
+            spread: dict[str, Any] = {}
+            side = sides[name]
+            got = run_pairs(lambda i, side=side, name=name: {name: side(i)}, requests_each, clients, warmup,
+                            servers={base: holders}, spread=spread, first=block * 100_000_000)[name]
+            samples[name].extend(got)
+            one[name] = {"p50": statistics.median(got), **spread[base]}
+        taken.append(one)
+    return samples, taken
 
 
 def _cpu(workers: dict[int, set[int]]) -> float:

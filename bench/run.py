@@ -12,14 +12,14 @@ It measures:
 
 (1) ``pending``, ``confirm`` (of a send_email call: its chain runs to the checkpoint; the
     floor's confirm sends a bare chain of as many links, recording), ``status`` and
-    ``context``: p50 and p99, one client after another and 16 clients at once, against the floor.
-    Before each block every client opens its keep-alive connection to each side, and only
-    connections leaving each side's gunicorn workers as many clients each are kept (8 and 8 at
-    16 clients), on the API and on its floor alike (``bench/load.py``: the kernel spreads
-    connections unevenly, and a keep-alive connection stays with its worker); the 16 clients
-    run in several blocks (5 without ``--quick``), the kinds in turn, and each block's p50
-    ratio, spread, and CPU per request of each side's gunicorn workers are reported with the
-    median and range of the ratios;
+    ``context``: p50 and p99 against the floor, one client asking both in turn, then 16
+    clients in blocks of one side at a time (each side meets 16 clients at once), the sides
+    in turn and their order swapped at every block, 6 blocks of each (2 with ``--quick``).
+    Before each block every client opens its keep-alive connection, and only connections
+    leaving the side's gunicorn workers as many clients each are kept (8 and 8), on the API
+    and on its floor alike (``bench/load.py``: the kernel spreads connections unevenly, and a
+    keep-alive connection stays with its worker). Each pair of blocks gives a p50 ratio,
+    reported with their median and range, and the CPU per request of each side's workers;
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
@@ -283,7 +283,7 @@ SIZES = {  # samples of each kind: smoke (the test suite's: it runs end to end),
               "scale_runs": 4, "scale_calls": 2_000},
     "quick": {"api_runs": 60, "client_runs": 3, "client_blocks": 2, "chain_runs": 15, "warmup": 3, "calls": 48,
               "scale_runs": 60},
-    "full": {"api_runs": 400, "client_runs": 8, "client_blocks": 5, "chain_runs": 50, "warmup": 10, "calls": 300,
+    "full": {"api_runs": 400, "client_runs": 7, "client_blocks": 6, "chain_runs": 50, "warmup": 10, "calls": 300,
              "scale_runs": 400},
 }
 CLIENTS = 16
@@ -295,27 +295,24 @@ def four_step_read_tool() -> Any:
 
 
 def measure_api(stack: Any, size: dict[str, int], results: dict[str, Any]) -> None:
-    """(1): each endpoint against its floor, one client, then 16 in blocks (``results["api"]``, ``results["blocks"]``)."""
+    """(1): each endpoint against its floor, one client asking both in turn, then 16 clients in blocks of one
+    side at a time (``results["api"]``; the 16 clients' blocks in ``results["blocks"]``)."""
     from bench import api, report
 
     web, bare = stack.urls["web"], stack.urls["bare_web"]
-    pairs = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
-    servers = {web: lambda: stack.holders("web"), bare: lambda: stack.holders("bare_web")}
-    results["blocks"] = {}
-    for clients, runs, blocks in (("1", size["api_runs"], 1), ("16", size["client_runs"], size["client_blocks"])):
-        print(f"API: {blocks} block(s) of {runs} requests of each kind per client, {clients} client(s) ...", flush=True)
-        samples: dict[str, dict[str, list[float]]] = {name: {} for name in pairs}
-        taken: dict[str, list[dict[str, Any]]] = {name: [] for name in pairs}
-        for block in range(blocks):  # the kinds in turn, block by block, so each kind's blocks span the run
-            for name, pair in pairs.items():
-                spread: dict[str, Any] = {}
-                block_samples = load.run_pairs(pair, runs, int(clients), warmup=3, servers=servers, spread=spread,
-                                               first=block * 100_000_000)
-                for side, values in block_samples.items():
-                    samples[name].setdefault(side, []).extend(values)
-                taken[name].append(report.block(block_samples, spread[web], spread[bare]))
-        results["api"][clients] = {name: report.summarize(by_side) for name, by_side in samples.items()}
-        results["blocks"][clients] = {name: report.blocks(each) for name, each in taken.items()}
+    kinds = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
+    servers = {"api": (web, lambda: stack.holders("web")), "bare": (bare, lambda: stack.holders("bare_web"))}
+    print(f"API: {size['api_runs']} requests of each kind, one client ...", flush=True)
+    results["api"]["1"] = {name: report.summarize(load.run_pairs(load.pair_of(sides), size["api_runs"], warmup=3))
+                           for name, sides in kinds.items()}
+    blocks, runs = size["client_blocks"], size["client_runs"]
+    print(f"API: {blocks} blocks of each kind and side, {CLIENTS} clients asking that side, {runs} requests each ...",
+          flush=True)
+    results["api"]["16"], results["blocks"] = {}, {}
+    for name, sides in kinds.items():
+        samples, taken = load.run_blocks(sides, servers, runs, CLIENTS, blocks, warmup=3)
+        results["api"]["16"][name] = report.summarize(samples)
+        results["blocks"][name] = report.blocks(taken)
 
 
 def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> dict[str, Any]:
@@ -361,10 +358,10 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     seconds = scale.seed(calls, sessions)
     results["scale"] = {"seeded": {"calls": calls, "sessions": sessions, "seconds": round(seconds, 2)}}
     spread = 7919  # a prime: request i reads call/session i * spread, all over the table
-    results["scale"]["context"] = report.summarize(load.run_pairs(api.context(
-        web, bare, lambda i: scale.session_id(i * spread, sessions)), size["scale_runs"], warmup=3))
-    results["scale"]["status"] = report.summarize(load.run_pairs(api.status(
-        web, bare, lambda i: scale.call_id(1 + (i * spread) % calls)), size["scale_runs"], warmup=3))
+    results["scale"]["context"] = report.summarize(load.run_pairs(load.pair_of(api.context(
+        web, bare, lambda i: scale.session_id(i * spread, sessions))), size["scale_runs"], warmup=3))
+    results["scale"]["status"] = report.summarize(load.run_pairs(load.pair_of(api.status(
+        web, bare, lambda i: scale.call_id(1 + (i * spread) % calls))), size["scale_runs"], warmup=3))
     results["goals"] = report.goals(results)
     return results
 
