@@ -118,8 +118,8 @@ def _block_rows(by_kind: dict[str, dict[str, Any]]) -> list[str]:
              "clients at once), the sides in turn and their order swapped at every block. Before each block every "
              "client opens its keep-alive connection, and only connections that leave the side's gunicorn workers "
              "as many clients each are kept, on the API and on its floor alike (a keep-alive connection stays "
-             "with the worker that accepted it, and the kernel spreads them unevenly: 14 and 2 as often as 8 and "
-             "8); after the block every connection must still be there. The p50 ratio of each pair of blocks, the "
+             "with the worker that accepted it, and the kernel spreads them unevenly, anywhere from 8 and 8 to "
+             "14 and 2); after the block every connection must still be there. The p50 ratio of each pair of blocks, the "
              "clients per worker, and the CPU time (user + system) of each side's gunicorn workers per request "
              "(ms; the warm-up requests included):", "",
              "| what | p50 ratio per pair of blocks | median (range) | clients per worker, voice-tools / floor "

@@ -7,8 +7,8 @@ It starts the API under gunicorn from the Procfile's ``web`` line and the ``writ
 the same ``web`` line serving a bare Flask app doing the one statement each endpoint
 needs (``bench/bare.py``), and the ``reads`` line consuming bare Celery chains whose links
 each read the call's status and post a signed event to the same relay (``bench/noop.py``). Requests go over real HTTP (``requests``, one keep-alive session
-per client; ``bench/load.py``), the API and its floor asked alternately by each client.
-It measures:
+per client and server; ``bench/load.py``), the API and its floor asked alternately by each client
+but in (1) at 16 clients, where the clients ask one side at a time. It measures:
 
 (1) ``pending``, ``confirm`` (of a send_email call: its chain runs to the checkpoint; the
     floor's confirm sends a bare chain of as many links, recording), ``status`` and
