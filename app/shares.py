@@ -17,6 +17,7 @@ stop it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -73,15 +74,24 @@ class Share:
 
 def share_of(name: str) -> Share:
     """Caller ``name``'s share: its own (``VOICE_TOOLS_CALLER_LIMITS``), else the defaults; settings
-    that cannot be read are logged and the built-in defaults used (never a 500 on every request)."""
+    that cannot be read are logged and the built-in defaults used (never a 500 on every request).
+    Read again only when the settings it comes from changed (every request asks)."""
+    return _share_of(name, settings.share_settings())
+
+
+@functools.lru_cache(maxsize=1024)
+def _share_of(name: str, _settings: tuple[str | None, ...]) -> Share:
     try:
         rate, opened = settings.caller_limits().get(name, (None, None))
         share = Share(rate or settings.rate_limit(), opened or settings.open_per_caller())
-        parse(share.rate)
+        _rate_item(share.rate)
         return share
     except ValueError as exc:
         log.error("fair share settings not readable (%s): the built-in defaults apply", exc)
         return Share(settings.RATE_LIMIT, 4)
+
+
+_rate_item = functools.lru_cache(maxsize=64)(parse)  # a rate in the `limits` notation, parsed once
 
 
 # -- where the counts live: one per process, made after the fork --------------------------------------
@@ -122,7 +132,7 @@ def counts() -> _Counts:
 
 def check_rate(name: str) -> None:
     """Count one request of caller ``name``; :class:`ApiError` 429 ``rate_limited`` past its rate."""
-    item = parse(share_of(name).rate)
+    item = _rate_item(share_of(name).rate)
     where = counts()
     try:
         if where.limiter.hit(item, "caller", name):

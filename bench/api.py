@@ -1,8 +1,8 @@
 """The API's endpoints against the bare Flask app doing the same statement (``bench/bare.py``).
 
-Each maker returns a :data:`bench.load.Pair`: one request to the API and the same one to
-the floor, timed, for the request index it is given. What a request needs beforehand (a
-PENDING call to confirm) is made untimed, on each side by its own app.
+Each maker returns :data:`Sides`: for ``"api"`` and for ``"bare"`` (the floor), one timed request of
+that side for the request index it is given (``bench.load.pair_of`` asks both in turn). What a
+request needs beforehand (a PENDING call to confirm) is made untimed, on each side by its own app.
 """
 from __future__ import annotations
 
@@ -14,20 +14,21 @@ from bench.calls import AUTH, links_to_checkpoint
 SESSION = "bench_api"
 ENDPOINTS = ("pending", "confirm", "status", "context")
 
+Sides = dict[str, load.Side]
+
 
 def _pending_body(i: int) -> dict[str, Any]:
     return {"session_id": SESSION, "function": "send_email",
             "parameters": {"to": f"bench{i}@example.com", "subject": "Bench"}}
 
 
-def pending(api: str, bare: str) -> load.Pair:
-    def pair(i: int) -> dict[str, float]:
-        return {"api": load.call("POST", f"{api}/voice-tools/pending", 201, headers=AUTH, json=_pending_body(i))[0],
-                "bare": load.call("POST", f"{bare}/voice-tools/pending", 201, json=_pending_body(i))[0]}
-    return pair
+def pending(api: str, bare: str) -> Sides:
+    return {"api": lambda i: load.call("POST", f"{api}/voice-tools/pending", 201, headers=AUTH,
+                                       json=_pending_body(i))[0],
+            "bare": lambda i: load.call("POST", f"{bare}/voice-tools/pending", 201, json=_pending_body(i))[0]}
 
 
-def confirm(api: str, bare: str) -> load.Pair:
+def confirm(api: str, bare: str) -> Sides:
     """A send_email call confirmed: its chain runs to the checkpoint on the writes worker (no
     callback URL: its events are recorded, not posted); the floor's confirm sends a bare chain
     of as many links recording theirs (``bench/noop.py``), so that under 16 clients both sides
@@ -36,18 +37,18 @@ def confirm(api: str, bare: str) -> load.Pair:
 
     links = links_to_checkpoint(tools.TOOLS["send_email"])
 
-    def pair(i: int) -> dict[str, float]:
-        timed = {}
-        for side, base, headers, body in (("api", api, AUTH, None),
-                                          ("bare", bare, {}, {"links": links, "record": True, "until": "checkpoint"})):
+    def side(base: str, headers: dict[str, str], body: Any) -> load.Side:
+        def timed(i: int) -> float:
             _s, created = load.call("POST", f"{base}/voice-tools/pending", 201, headers=headers, json=_pending_body(i))
-            timed[side] = load.call("POST", f"{base}/voice-tools/confirm/{created['tool_call_id']}", 202,
-                                    headers=headers, json=body)[0]
+            return load.call("POST", f"{base}/voice-tools/confirm/{created['tool_call_id']}", 202,
+                             headers=headers, json=body)[0]
         return timed
-    return pair
+
+    return {"api": side(api, AUTH, None),
+            "bare": side(bare, {}, {"links": links, "record": True, "until": "checkpoint"})}
 
 
-def status(api: str, bare: str, id_for: Any = None) -> load.Pair:
+def status(api: str, bare: str, id_for: Any = None) -> Sides:
     """GET status of the call ``id_for(i)``, by default of one call recorded now."""
     if id_for is None:
         recorded = load.call("POST", f"{api}/voice-tools/pending", 201, headers=AUTH,
@@ -56,14 +57,11 @@ def status(api: str, bare: str, id_for: Any = None) -> load.Pair:
     return _reads(api, bare, lambda i: f"/voice-tools/status/{id_for(i)}")
 
 
-def context(api: str, bare: str, session_for: Any = None) -> load.Pair:
+def context(api: str, bare: str, session_for: Any = None) -> Sides:
     """GET context of the session ``session_for(i)`` (by default the one the pending requests fill)."""
     return _reads(api, bare, lambda i: f"/voice-tools/context/{session_for(i) if session_for else SESSION}")
 
 
-def _reads(api: str, bare: str, path_for: Any) -> load.Pair:
-    def pair(i: int) -> dict[str, float]:
-        path = path_for(i)
-        return {"api": load.call("GET", f"{api}{path}", 200, headers=AUTH)[0],
-                "bare": load.call("GET", f"{bare}{path}", 200)[0]}
-    return pair
+def _reads(api: str, bare: str, path_for: Any) -> Sides:
+    return {"api": lambda i: load.call("GET", f"{api}{path_for(i)}", 200, headers=AUTH)[0],
+            "bare": lambda i: load.call("GET", f"{bare}{path_for(i)}", 200)[0]}

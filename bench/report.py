@@ -1,6 +1,7 @@
 """The benchmark's table and goals, from one run's samples (seconds) and rates (per second)."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.load import summary
@@ -14,6 +15,8 @@ GOALS = (
     ("context p50 at 100k calls vs floor", lambda r: _ratio(r["scale"]["context"]), 2.0, "max"),
     ("worst p99 / p50 at 16 clients (API)", lambda r: max(
         s["api"]["p99"] / s["api"]["p50"] for s in r["api"]["16"].values()), 5.0, "max"),
+    ("context p50 at 16 clients vs floor (median of the blocks' ratios)",
+     lambda r: r["blocks"]["context"]["median"], 1.2, "max"),
 )
 
 
@@ -23,6 +26,17 @@ def _ratio(pair: dict[str, dict[str, float]]) -> float:
 
 def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {side: summary(values) for side, values in samples.items()}
+
+
+def blocks(taken: list[dict[str, Any]]) -> dict[str, Any]:
+    """The blocks of one kind (``bench.load.run_blocks``): each pair of blocks' p50 ratio, their median and
+    range, and the median CPU per request of each side's workers."""
+    for one in taken:
+        one["ratio"] = round(one["api"]["p50"] / one["bare"]["p50"], 3)
+    ratios = [one["ratio"] for one in taken]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "cpu_ms": {side: statistics.median(one[side]["cpu_ms"] for one in taken) for side in ("api", "bare")},
+            "each": taken}
 
 
 def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,6 +65,8 @@ def table(results: dict[str, Any], header: list[str]) -> str:
     for endpoint in ("context", "status"):
         lines.append(_pair_row(f"{endpoint}, {seeded['calls']:,} calls over {seeded['sessions']:,} sessions",
                                results["scale"][endpoint]))
+    if "blocks" in results:
+        lines += _block_rows(results["blocks"])
     lines += ["", "## Chains: confirm → callback at a local relay, against a plain Celery app's chain of as many "
               "links, each reading the status and writing the step in one statement, then posting its event (ms)",
               "", head]
@@ -93,4 +109,31 @@ def _cpu_rows(cpu: dict[str, Any]) -> list[str]:
     extra = f"**{sum(recording.values()):.1f}** (**{sum(recording.values()) / total_bare:.2f}x**)" if recording else ""
     lines.append(f"| **all** | **{total_api:.1f}** | **{total_bare:.1f}** | **{total_api - total_bare:+.1f}** "
                  f"(**{total_api / total_bare:.2f}x**) | {extra} |")
+    return lines
+
+
+def _block_rows(by_kind: dict[str, dict[str, Any]]) -> list[str]:
+    """The 16-client rows block by block: how their connections were spread, and how their ratios scatter."""
+    some = next(iter(by_kind.values()))["each"]
+    lines = ["", f"The 16-client rows: {len(some)} blocks of each side, one side at a time (so that each meets 16 "
+             "clients at once), the sides in turn and their order swapped at every block. Before each block every "
+             "client opens its keep-alive connection, and only connections that leave the side's gunicorn workers "
+             "as many clients each are kept, on the API and on its floor alike (a keep-alive connection stays "
+             "with the worker that accepted it, and the kernel spreads them unevenly, anywhere from 8 and 8 to "
+             "14 and 2); after the block every connection must still be there. The p50 ratio of each pair of blocks, the "
+             "clients per worker, and the CPU time (user + system) of each side's gunicorn workers per request "
+             "(ms; the warm-up requests included):", "",
+             "| what | p50 ratio per pair of blocks | median (range) | clients per worker, voice-tools / floor "
+             "| connections kept | CPU per request, voice-tools / floor (ms) |", "|---|---|---|---|---|---|"]
+    for kind, taken in by_kind.items():
+        each = taken["each"]
+        spreads = sorted({"/".join(map(str, one["api"]["per_worker"])) + " / "
+                          + "/".join(map(str, one["bare"]["per_worker"])) for one in each})
+        kept = min(min(one["api"]["kept"], one["bare"]["kept"]) for one in each)
+        clients = sum(each[0]["api"]["per_worker"])
+        ratios = ", ".join(f"{one['ratio']:.2f}x" for one in each)
+        cpu = taken["cpu_ms"]
+        lines.append(f"| {kind}, 16 clients | {ratios} | **{taken['median']:.2f}x** ({taken['min']:.2f}–{taken['max']:.2f}) "
+                     f"| {', '.join(spreads)} | {kept} of {clients}, each side "
+                     f"| {cpu['api']:.2f} / {cpu['bare']:.2f} (**{cpu['api'] / cpu['bare']:.2f}x**) |")
     return lines

@@ -9,12 +9,19 @@ needs (``bench/bare.py``), and the ``reads`` line running a plain ``Celery()`` a
 product's (acks late, prefetch 1, no result backend, no task events: ``bench/noop.py``), whose
 links each read the call's status and write its step in one statement and post a signed event to
 the same relay. Requests go over real HTTP (``requests``, one keep-alive session
-per client; ``bench/load.py``), the API and its floor asked alternately by each client.
-It measures:
+per client and server; ``bench/load.py``), the API and its floor asked alternately by each client
+but in (1) at 16 clients, where the clients ask one side at a time. It measures:
 
 (1) ``pending``, ``confirm`` (of a send_email call: its chain runs to the checkpoint; the
     floor's confirm sends a bare chain of as many links, recording), ``status`` and
-    ``context``: p50 and p99, one client after another and 16 clients at once, against the floor;
+    ``context``: p50 and p99 against the floor, one client asking both in turn, then 16
+    clients in blocks of one side at a time (each side meets 16 clients at once), the sides
+    in turn and their order swapped at every block, 6 blocks of each (2 with ``--quick``).
+    Before each block every client opens its keep-alive connection, and only connections
+    leaving the side's gunicorn workers as many clients each are kept (8 and 8), on the API
+    and on its floor alike (``bench/load.py``: the kernel spreads connections unevenly, and a
+    keep-alive connection stays with its worker). Each pair of blocks gives a p50 ratio,
+    reported with their median and range, and the CPU per request of each side's workers;
 (2) the confirm → ``checkpoint`` callback of send_email against a bare chain of 2 links,
     and confirm → ``completed`` of a 4-step read tool (without ``--quick``, of every read
     tool) against a bare chain of as many links, each timed from the POST confirm (the bare
@@ -274,10 +281,12 @@ def machine() -> dict[str, str]:
 # -- main ---------------------------------------------------------------------------------
 
 SIZES = {  # samples of each kind: smoke (the test suite's: it runs end to end), quick (under two minutes) and full
-    "smoke": {"api_runs": 4, "client_runs": 1, "chain_runs": 3, "warmup": 1, "calls": 16, "scale_runs": 4,
-              "scale_calls": 2_000},
-    "quick": {"api_runs": 60, "client_runs": 6, "chain_runs": 15, "warmup": 3, "calls": 48, "scale_runs": 60},
-    "full": {"api_runs": 400, "client_runs": 40, "chain_runs": 50, "warmup": 10, "calls": 300, "scale_runs": 400},
+    "smoke": {"api_runs": 4, "client_runs": 1, "client_blocks": 1, "chain_runs": 3, "warmup": 1, "calls": 16,
+              "scale_runs": 4, "scale_calls": 2_000},
+    "quick": {"api_runs": 60, "client_runs": 3, "client_blocks": 2, "chain_runs": 15, "warmup": 3, "calls": 48,
+              "scale_runs": 60},
+    "full": {"api_runs": 400, "client_runs": 7, "client_blocks": 6, "chain_runs": 50, "warmup": 10, "calls": 300,
+             "scale_runs": 400},
 }
 CLIENTS = 16
 SCALE_CALLS, SCALE_SESSIONS = 100_000, 10_000  # the calls seeded for (4), over as many sessions
@@ -287,16 +296,33 @@ def four_step_read_tool() -> Any:
     return min((tool for tool in read_tools() if len(tool.steps) == 4), key=lambda tool: tool.name)
 
 
+def measure_api(stack: Any, size: dict[str, int], results: dict[str, Any]) -> None:
+    """(1): each endpoint against its floor, one client asking both in turn, then 16 clients in blocks of one
+    side at a time (``results["api"]``; the 16 clients' blocks in ``results["blocks"]``)."""
+    from bench import api, report
+
+    web, bare = stack.urls["web"], stack.urls["bare_web"]
+    kinds = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
+    servers = {"api": (web, lambda: stack.holders("web")), "bare": (bare, lambda: stack.holders("bare_web"))}
+    print(f"API: {size['api_runs']} requests of each kind, one client ...", flush=True)
+    results["api"]["1"] = {name: report.summarize(load.run_pairs(load.pair_of(sides), size["api_runs"], warmup=3))
+                           for name, sides in kinds.items()}
+    blocks, runs = size["client_blocks"], size["client_runs"]
+    print(f"API: {blocks} blocks of each kind and side, {CLIENTS} clients asking that side, {runs} requests each ...",
+          flush=True)
+    results["api"]["16"], results["blocks"] = {}, {}
+    for name, sides in kinds.items():
+        samples, taken = load.run_blocks(sides, servers, runs, CLIENTS, blocks, warmup=3)
+        results["api"]["16"][name] = report.summarize(samples)
+        results["blocks"][name] = report.blocks(taken)
+
+
 def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> dict[str, Any]:
     from bench import api, cpu, report, scale
 
     web, bare = stack.urls["web"], stack.urls["bare_web"]
     results: dict[str, Any] = {"api": {}, "chains": {}}
-    pairs = {name: getattr(api, name)(web, bare) for name in api.ENDPOINTS}
-    for clients, runs in (("1", size["api_runs"]), ("16", size["client_runs"])):
-        print(f"API: {runs} requests of each kind per client, {clients} client(s) ...", flush=True)
-        results["api"][clients] = {name: report.summarize(load.run_pairs(pair, runs, int(clients), warmup=3))
-                                   for name, pair in pairs.items()}
+    measure_api(stack, size, results)
 
     read4 = ChainBench(web, bare, relay, four_step_read_tool())
     tools_to_run = read_tools() if full_chains else [read4.tool]
@@ -334,10 +360,10 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
     seconds = scale.seed(calls, sessions)
     results["scale"] = {"seeded": {"calls": calls, "sessions": sessions, "seconds": round(seconds, 2)}}
     spread = 7919  # a prime: request i reads call/session i * spread, all over the table
-    results["scale"]["context"] = report.summarize(load.run_pairs(api.context(
-        web, bare, lambda i: scale.session_id(i * spread, sessions)), size["scale_runs"], warmup=3))
-    results["scale"]["status"] = report.summarize(load.run_pairs(api.status(
-        web, bare, lambda i: scale.call_id(1 + (i * spread) % calls)), size["scale_runs"], warmup=3))
+    results["scale"]["context"] = report.summarize(load.run_pairs(load.pair_of(api.context(
+        web, bare, lambda i: scale.session_id(i * spread, sessions))), size["scale_runs"], warmup=3))
+    results["scale"]["status"] = report.summarize(load.run_pairs(load.pair_of(api.status(
+        web, bare, lambda i: scale.call_id(1 + (i * spread) % calls))), size["scale_runs"], warmup=3))
     results["goals"] = report.goals(results)
     return results
 

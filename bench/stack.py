@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 
 from support.procs import ROOT, free_port, kill_group, process_family
@@ -92,6 +93,14 @@ class Stack:
             return requests.get(f"{url}/healthz", timeout=2).status_code == 200
         except requests.RequestException:
             return False
+
+    def holders(self, name: str) -> dict[int, set[int]]:
+        """The gunicorn ``name``'s workers (``web`` or ``bare_web``): pid -> the client ports of the
+        connections it holds open (a keep-alive connection stays with the worker that accepted it)."""
+        port = self.ports[name]
+        return {worker.pid: {c.raddr.port for c in worker.net_connections("tcp")
+                             if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port and c.raddr}
+                for worker in psutil.Process(self.procs[name].pid).children()}
 
     def log(self, name: str) -> str:
         return (self.dir / f"{name}.log").read_text(errors="replace")

@@ -155,6 +155,16 @@ def open_per_caller() -> int:
     return max(1, min(threads - RESERVED_THREADS, threads * workers // 2))
 
 
+# what a caller's fair share is read from (``app.shares`` reads it again only when one of them changed)
+SHARE_VARIABLES = ("VOICE_TOOLS_CALLER_LIMITS", "VOICE_TOOLS_RATE_LIMIT", "VOICE_TOOLS_OPEN_PER_CALLER",
+                   "GUNICORN_THREADS", "WEB_CONCURRENCY")
+
+
+def share_settings() -> tuple[str | None, ...]:
+    """The raw values of :data:`SHARE_VARIABLES`, now."""
+    return tuple(os.environ.get(name) for name in SHARE_VARIABLES)
+
+
 def caller_limits() -> dict[str, tuple[str | None, int | None]]:
     """``VOICE_TOOLS_CALLER_LIMITS``: ``name:rate:open`` per caller, comma-separated; a blank part
     keeps the default (``relay:20000/minute:``, ``batch::2``)."""

@@ -34,6 +34,10 @@ def test_the_benchmark_runs_end_to_end(tmp_path):
         assert set(results["api"][clients]) == {"pending", "confirm", "status", "context"}
         for pair in results["api"][clients].values():
             assert pair["api"]["n"] == pair["bare"]["n"] > 0 and pair["api"]["p50"] > 0 < pair["bare"]["p50"]
+    for name, blocks in results["blocks"].items():  # 16 clients on one side at a time, 8 on each of its 2 workers
+        assert blocks["each"] and all(block[side]["per_worker"] == [8, 8] and block[side]["kept"] == 16
+                                      for block in blocks["each"] for side in ("api", "bare")), (name, blocks)
+    assert set(results["blocks"]) == {"pending", "confirm", "status", "context"}
     assert len(results["chains"]) == 2  # send_email to its checkpoint, the 4-step read tool
     for chain in results["chains"].values():
         assert set(chain) == {"api", "bare", "bare_recording"}

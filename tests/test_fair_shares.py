@@ -89,6 +89,19 @@ def test_the_default_rate_is_set_for_every_caller(client, monkeypatch):
     assert [client.get("/voice-tools/tools", headers=auth).status_code for _ in range(3)] == [200, 200, 429]
 
 
+def test_a_share_changed_in_the_settings_applies_at_the_next_request(client, monkeypatch):
+    """A process reads a caller's share again as soon as a setting it comes from changes (it keeps the
+    share it read while they do not)."""
+    name, auth = a_caller(monkeypatch)
+    limit(monkeypatch, f"{name}:1/minute:")
+    assert [client.get("/voice-tools/tools", headers=auth).status_code for _ in range(2)] == [200, 429]
+    limit(monkeypatch, f"{name}:3/minute:")
+    assert [client.get("/voice-tools/tools", headers=auth).status_code for _ in range(4)] == [200, 200, 200, 429]
+    limit(monkeypatch)
+    monkeypatch.setenv("VOICE_TOOLS_RATE_LIMIT", "2/minute")
+    assert [client.get("/voice-tools/tools", headers=auth).status_code for _ in range(3)] == [200, 200, 429]
+
+
 # -- the open share: ?wait and event streams -----------------------------------------------------
 
 def test_past_the_callers_open_share_a_stream_and_a_wait_are_429_and_change_nothing(api_url, monkeypatch):
