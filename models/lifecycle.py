@@ -132,9 +132,10 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
 
 
 CALLS = ToolCall.__table__
-# What the hot paths' rows carry (a link's gate and records, an event's transition): every column
-# but the histories, which no link reads and which grow with every transition (each one costs its
-# conversion to text in PostgreSQL and its parsing here, on every statement of every link).
+# What the rows of a link's gate and step records carry (several a call): every column but the
+# histories, which no link reads and which grow with every transition (each one costs its conversion
+# to text in PostgreSQL and its parsing here, on every such statement). A transition of the status
+# (a checkpoint, the completion) returns every column.
 ROW_COLUMNS = tuple(c for c in CALLS.c if c.name not in ("status_history", "parameters_history"))
 
 
@@ -187,9 +188,9 @@ _BUILT: dict[tuple[Any, ...], Any] = {}
 
 
 def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], make: Callable[[], Any],
-                    event: Event | None = None) -> Row[Any] | None:
-    """The hot paths' transition: one statement, a Core row of :data:`ROW_COLUMNS` (no ORM entity), or
-    None if it did not apply.
+                    event: Event | None = None, columns: tuple[Any, ...] = tuple(CALLS.c)) -> Row[Any] | None:
+    """The hot paths' transition: one statement, a Core row of ``columns`` (no ORM entity), or None if
+    it did not apply.
 
     ``make()`` builds the transition's compare-and-set (with the ``P_*`` parameters), once
     per ``key`` and event shape; ``params`` are this run's values. With ``event``, the
@@ -203,11 +204,11 @@ def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], m
     if stmt is None:
         cas = make()
         if event is None:
-            stmt = cas.returning(*ROW_COLUMNS)
+            stmt = cas.returning(*columns)
         else:
             moved = cas.values(event_seq=CALLS.c.event_seq + 1).returning(*CALLS.c).cte("moved")
             added = event.build(moved).cte("added")
-            stmt = select(*(moved.c[c.name] for c in ROW_COLUMNS), added).select_from(moved.join(added, true()))
+            stmt = select(*(moved.c[c.name] for c in columns), added).select_from(moved.join(added, true()))
         _BUILT[shape] = stmt
     return s.execute(stmt, {**params, **event.params} if event is not None else params).one_or_none()
 
@@ -481,7 +482,7 @@ def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commi
 
     params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_chain": chain, "p_token": token,
               "p_lease": timedelta(seconds=lease_s)}
-    return _transition_row(s, ("begin_step", commit, chain is not None), params, make)
+    return _transition_row(s, ("begin_step", commit, chain is not None), params, make, columns=ROW_COLUMNS)
 
 
 _GATE: dict[bool, Any] = {}
@@ -587,7 +588,7 @@ def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress
     return _transition_row(s, ("record_step", token is not None, chain is not None),
                            {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
                             "p_chain": chain, "p_token": token},
-                           make, event)
+                           make, event, columns=ROW_COLUMNS)
 
 
 def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
