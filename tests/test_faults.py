@@ -86,11 +86,19 @@ def assert_invariants(traffic: Traffic, relay, title: str, *, windows=(), once_a
 #
 # Each fault returns the window in which the API may answer 503 (its server was down).
 
+KILLED = "signal 9 (SIGKILL)"  # what the worker logs when it reaps a pool child that was SIGKILLed
+
+
 def kill_children(system, rng: random.Random):
-    """SIGKILL pool children of the writes worker (busy ones when it can tell)."""
+    """SIGKILL pool children of the writes worker (busy ones when it can tell); the next fault waits
+    until the worker has reaped them all (its log says so), as it may be killed whole next."""
+    reaped = system.log("writes").count(KILLED)
     for _ in range(CHILD_KILLS):
         system.kill_child("writes", rng)
         wait_for_chains(2)
+    deadline = time.monotonic() + 30
+    while system.log("writes").count(KILLED) < reaped + CHILD_KILLS and time.monotonic() < deadline:
+        time.sleep(0.2)
     return None
 
 
@@ -137,7 +145,7 @@ def test_faults_during_load(system, traffic, relay, faults):
     assert_invariants(traffic, relay, f"faults {', '.join(faults)}", windows=windows)
     system.wait_ready()  # every worker is (back) on the broker
     if "children" in faults:
-        assert system.log("writes").count("signal 9 (SIGKILL)") >= CHILD_KILLS, system.log("writes")[-3000:]
+        assert system.log("writes").count(KILLED) >= CHILD_KILLS, system.log("writes")[-3000:]
     if "postgres" in faults:  # the API said the database was down, and nothing else went wrong
         refused = [a.error for a in traffic.answers if a.status == 503]
         assert any('"service":"database"' in error for error in refused), refused[:5]
