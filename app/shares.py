@@ -75,12 +75,12 @@ class Share:
 def share_of(name: str) -> Share:
     """Caller ``name``'s share: its own (``VOICE_TOOLS_CALLER_LIMITS``), else the defaults; settings
     that cannot be read are logged and the built-in defaults used (never a 500 on every request).
-    Read again only when the settings it comes from changed (every request asks)."""
-    return _share_of(name, settings.share_settings())
+    Read again only when the environment has changed (every request asks)."""
+    return _share_of(name, settings.generation())
 
 
 @functools.lru_cache(maxsize=1024)
-def _share_of(name: str, _settings: tuple[str | None, ...]) -> Share:
+def _share_of(name: str, _environment: int) -> Share:
     try:
         rate, opened = settings.caller_limits().get(name, (None, None))
         share = Share(rate or settings.rate_limit(), opened or settings.open_per_caller())

@@ -155,16 +155,6 @@ def open_per_caller() -> int:
     return max(1, min(threads - RESERVED_THREADS, threads * workers // 2))
 
 
-# what a caller's fair share is read from (``app.shares`` reads it again only when one of them changed)
-SHARE_VARIABLES = ("VOICE_TOOLS_CALLER_LIMITS", "VOICE_TOOLS_RATE_LIMIT", "VOICE_TOOLS_OPEN_PER_CALLER",
-                   "GUNICORN_THREADS", "WEB_CONCURRENCY")
-
-
-def share_settings() -> tuple[str | None, ...]:
-    """The raw values of :data:`SHARE_VARIABLES`, now."""
-    return tuple(os.environ.get(name) for name in SHARE_VARIABLES)
-
-
 def caller_limits() -> dict[str, tuple[str | None, int | None]]:
     """``VOICE_TOOLS_CALLER_LIMITS``: ``name:rate:open`` per caller, comma-separated; a blank part
     keeps the default (``relay:20000/minute:``, ``batch::2``)."""
@@ -195,22 +185,36 @@ def api_tokens() -> list[str]:
     return _list("VOICE_TOOLS_API_TOKENS")
 
 
-_read: tuple[dict[bytes, bytes], Settings] | None = None  # the environment last read, and what it said
+_environment: tuple[dict[bytes, bytes] | None, int] = (None, 0)  # the environment last seen, and its number
+
+
+def generation() -> int:
+    """A number that changes whenever the process's environment has changed since the last ask (tests
+    change it between runs): what is read from the environment is read again only when it changes
+    (:func:`load`, a caller's fair share in ``app.shares``). Comparing costs about 1 µs (CPython's
+    ``os.environ`` keeps its entries in ``_data``); elsewhere every ask is a new number."""
+    global _environment
+    now = getattr(os.environ, "_data", None)
+    seen, number = _environment
+    if isinstance(now, dict) and seen == now:
+        return number
+    _environment = (dict(now) if isinstance(now, dict) else None, number + 1)
+    return number + 1
+
+
+_loaded: tuple[int, Settings] | None = None  # the settings read at that number
 
 
 def load() -> Settings:
-    """The settings as the environment says now: read again whenever it has changed since the last
-    read (tests change it between runs), else the same (frozen) settings as last time. A link asks
-    for them a few times; reading them costs about 0.1 ms, checking the environment about 1 µs
-    (CPython's ``os.environ`` keeps its entries in ``_data``; elsewhere they are read every time)."""
-    global _read
-    now = getattr(os.environ, "_data", None)
-    last = _read
-    if last is not None and now is not None and last[0] == now:
+    """The settings as the environment says now: the same (frozen) settings until it changes. A link
+    asks for them a few times; reading them costs about 0.1 ms."""
+    global _loaded
+    number = generation()
+    last = _loaded
+    if last is not None and last[0] == number:
         return last[1]
     settings = _from_environment()
-    if isinstance(now, dict):
-        _read = (dict(now), settings)
+    _loaded = (number, settings)
     return settings
 
 

@@ -53,6 +53,11 @@ def probed(probe: str) -> subprocess.CompletedProcess:
     return done
 
 
+def print_loaded(*modules: str) -> str:
+    """A probe's statement printing which of ``modules`` are imported by then, on one line."""
+    return f"print(' '.join(m for m in {modules!r} if m in sys.modules))"
+
+
 def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_tool_module():
     """Flower's app (``tasks/flower_app.py``) has the tasks app's queues, exchanges and keys, read without
     importing the registry, the task modules or what they pull in (SQLAlchemy, marshmallow, the backends)."""
@@ -73,7 +78,7 @@ def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_
 
 def test_the_mcp_face_imports_no_flask():
     """The MCP face is served by uvicorn and starlette: Flask, Werkzeug and Jinja2 (about 5 MB) stay out of its process."""
-    probe = "import sys, app.mcp_server; print(' '.join(m for m in ('flask', 'werkzeug', 'jinja2') if m in sys.modules))"
+    probe = "import sys, app.mcp_server; " + print_loaded("flask", "werkzeug", "jinja2")
     done = probed(probe)
     assert done.stdout.split() == [], done.stdout
 
@@ -83,7 +88,7 @@ def test_flowers_process_imports_no_repl():
     which only ``celery amqp repl`` uses; the other ``amqp`` commands are still there."""
     probe = ("import sys; from voice_tools import flower; flower.without_the_amqp_repl(); "
              "from celery.bin.celery import celery; from flower.command import flower as command; "
-             "print(' '.join(m for m in ('prompt_toolkit', 'wcwidth', 'click_repl._repl') if m in sys.modules)); "
+             + print_loaded("prompt_toolkit", "wcwidth", "click_repl._repl") + "; "
              "print(sorted(celery.commands['amqp'].commands))")
     done = probed(probe)
     loaded, amqp_commands = done.stdout.splitlines()
@@ -96,9 +101,8 @@ def test_the_api_imports_no_http_client_until_it_sends_a_callback_and_a_worker_h
     worker loads before its pool forks, imports it (shared by every pool child); the API's process, which
     sends a callback itself only for a cancel, does not hold it until then."""
     probe = ("import sys; from app import create_app; create_app(); "
-             "print(' '.join(m for m in ('requests', 'urllib3', 'tasks.delivery.transport') if m in sys.modules)); "
-             "from tasks import app; print(' '.join(m for m in ('requests', 'tasks.delivery.transport') "
-             "if m in sys.modules))")
+             + print_loaded("requests", "urllib3", "tasks.delivery.transport")
+             + "; from tasks import app; " + print_loaded("requests", "tasks.delivery.transport"))
     done = probed(probe)
     api, worker = done.stdout.splitlines()
     assert api.split() == [], api
