@@ -2,6 +2,7 @@
 (tasks/worker/task_events.py): every link of a chain is seen sent, received, started and succeeded."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -50,3 +51,42 @@ def test_every_link_is_seen_sent_received_started_and_succeeded(worker):
     stop.set()
     thread.join(5)
     assert all(wanted <= kinds().get(name, set()) for name in names), kinds()
+
+
+def test_the_events_of_a_moment_are_published_in_one_pipeline():
+    """Ten events put 5 ms apart (a link's four, and the next link's) are published together: one
+    batch (one pipeline on Redis), not one per event, and they arrive in their order."""
+    from celery.events import Event
+
+    from tasks.worker import task_events
+
+    dispatcher = app.events.Dispatcher(enabled=True)
+    publisher = task_events._Publisher(app)
+    received: list[str] = []
+    listening, stop = threading.Event(), threading.Event()
+
+    def listen() -> None:
+        with app.connection_for_read() as conn:
+            receiver = app.events.Receiver(conn, handlers={
+                "task-succeeded": lambda e: received.append(e["uuid"]) if e["hostname"] == "moment" else None})
+            receiver.on_consume_ready = lambda *_, **__: listening.set()
+            threading.Thread(target=lambda: (stop.wait(), setattr(receiver, "should_stop", True)), daemon=True).start()
+            receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    assert listening.wait(10)
+    for i in range(10):
+        publisher.put((Event("task-succeeded", uuid=f"moment-{i}", hostname="moment", clock=i, pid=1),
+                       "task.succeeded", dispatcher.exchange, dispatcher.serializer, dispatcher.headers,
+                       dispatcher.delivery_mode))
+        time.sleep(0.005)
+    assert publisher.drain(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(received) < 10:
+        time.sleep(0.05)
+    stop.set()
+    thread.join(5)
+    dispatcher.close()
+    assert received == [f"moment-{i}" for i in range(10)]
+    assert publisher.batches == 1, f"{publisher.batches} batches for ten events"
