@@ -157,9 +157,12 @@ def _cas(
         values["status"] = to_status
     if history:
         values["status_history"] = _append(ToolCall.status_history, history)
+    statuses = tuple(from_statuses)
+    # one status: a plain comparison (an IN list is rendered into the SQL again at every execution)
+    status_is = ToolCall.status == statuses[0] if len(statuses) == 1 else ToolCall.status.in_(statuses)
     return (
         update(target)
-        .where(ToolCall.tool_call_id == tool_call_id, ToolCall.status.in_(tuple(from_statuses)), *extra_where)
+        .where(ToolCall.tool_call_id == tool_call_id, status_is, *extra_where)
         .values(**values)
     )
 
