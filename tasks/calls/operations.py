@@ -76,7 +76,7 @@ def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: st
     tool: tools.Tool = loaded["tool"]
     with db.statement() as s:  # the INSERT is the whole work: its own transaction, one round trip
         _check_reference_context(s, loaded["session_id"], loaded["parameters"], name_of(caller))
-        return lifecycle.create(
+        call, created = lifecycle.create(
             s,
             session_id=loaded["session_id"],
             function_name=tool.name,
@@ -92,6 +92,7 @@ def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: st
             reason=reason,
             request_kind=kind,
         )
+    return _logged(call), created  # the new call's id on the request's log lines (not read back from the answer)
 
 
 def _wait_seconds(query: dict[str, Any]) -> float | None:
