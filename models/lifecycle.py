@@ -9,7 +9,8 @@ answer 404 or 409 without a second guess. Callers own the transaction
 (``with db.session() as s:``, or ``db.statement()`` where one statement is the whole
 transaction) so the API can enqueue only after the commit. The hot paths (a link's
 gate, its step with its event, the API's confirm and create) are one statement
-each, built once with named parameters, returning Core rows; a link's event is inserted
+each, built once with named parameters and run on the driver's cursor (``models/compiled.py``:
+no per-execution work of SQLAlchemy's), returning rows; a link's event is inserted
 by the transition's own statement (``event=``, described by ``models/events.py``: a
 data-modifying CTE that also takes the event's number).
 
@@ -27,6 +28,7 @@ from sqlalchemy import (
     Integer,
     Row,
     and_,
+    any_,
     bindparam,
     case,
     cast,
@@ -36,7 +38,7 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.orm import Session, object_session
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.types import Float, Interval, String, Text
@@ -56,6 +58,7 @@ from models.calls import (
     UNCONFIRMED,
     ToolCall,
 )
+from models.compiled import Compiled
 from models.db import Executor
 from models.events import Event
 from models.queries import get, quiet_for, stale_where
@@ -187,13 +190,13 @@ P_CONTEXT_KEY = bindparam("p_context_key", type_=String)
 P_CHAIN = bindparam("p_chain", type_=String)
 P_TOKEN = bindparam("p_token", type_=String)
 P_LEASE = bindparam("p_lease", type_=Interval)
-_BUILT: dict[tuple[Any, ...], Any] = {}
+_BUILT: dict[tuple[Any, ...], Compiled] = {}
 
 
 def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], make: Callable[[], Any],
                     event: Event | None = None, columns: tuple[Any, ...] = tuple(CALLS.c)) -> Row[Any] | None:
-    """The hot paths' transition: one statement, a Core row of ``columns`` (no ORM entity), or None if
-    it did not apply.
+    """The hot paths' transition: one statement, a row of ``columns`` (no ORM entity), or None if
+    it did not apply. Run on the driver's cursor (:class:`models.compiled.Compiled`).
 
     ``make()`` builds the transition's compare-and-set (with the ``P_*`` parameters), once
     per ``key`` and event shape; ``params`` are this run's values. With ``event``, the
@@ -203,8 +206,8 @@ def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], m
     returns. A transition that does not apply inserts nothing.
     """
     shape = (key, event.shape if event is not None else None)
-    stmt = _BUILT.get(shape)
-    if stmt is None:
+    built = _BUILT.get(shape)
+    if built is None:
         cas = make()
         if event is None:
             stmt = cas.returning(*columns)
@@ -212,8 +215,8 @@ def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], m
             moved = cas.values(event_seq=CALLS.c.event_seq + 1).returning(*CALLS.c).cte("moved")
             added = event.build(moved).cte("added")
             stmt = select(*(moved.c[c.name] for c in columns), added).select_from(moved.join(added, true()))
-        _BUILT[shape] = stmt
-    return s.execute(stmt, {**params, **event.params} if event is not None else params).one_or_none()
+        built = _BUILT[shape] = Compiled(stmt)
+    return built.one_or_none(s, {**params, **event.params} if event is not None else params)
 
 
 def next_event_seq(s: Session, tool_call_id: str) -> int:
@@ -262,7 +265,7 @@ _CREATED_FROM = ("tool_call_id", "session_id", "connection_id", "intent_id", "id
                  "action_level", "parameters", "callback_url", "callback_urls", "context_key", "caller",
                  "request_kind")
 # built once: each column's value a parameter of the column's own type (as ``values(col=value)`` binds it)
-_CREATE = (
+_CREATE = Compiled(
     insert(CALLS)
     .values(status=PENDING, status_history=_stamped([P_HISTORY]),
             **{name: bindparam(f"c_{name}", type_=CALLS.c[name].type) for name in _CREATED_FROM})
@@ -305,8 +308,8 @@ def create(
         "callback_urls": callback_urls or None, "context_key": context_key, "caller": caller,
         "request_kind": request_kind,
     }
-    call = s.execute(_CREATE, {"p_history": _entry(PENDING, reason),
-                               **{f"c_{name}": value for name, value in values.items()}}).one_or_none()
+    call = _CREATE.one_or_none(s, {"p_history": _entry(PENDING, reason),
+                                   **{f"c_{name}": value for name, value in values.items()}})
     if call is not None:
         return call, True
     clauses = [ToolCall.tool_call_id == tool_call_id]
@@ -376,6 +379,9 @@ def modify(
     raise _refuse(s, tool_call_id, "modify", caller)
 
 
+_CONFIRM: dict[tuple[bool, ...], Compiled] = {}
+
+
 def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
             callback_urls: dict[str, str] | None = None, caller: str | None = None,
             workflow_id: str | None = None, functions: Iterable[str] | None = None) -> Row[Any]:
@@ -386,18 +392,23 @@ def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller",
     statement); ``workflow_id``: the id the chain will be enqueued with, recorded now;
     ``functions``: only a call of one of these tools (another stays PENDING: :class:`Refused`).
     """
-    values: dict[str, Any] = {"confirmed_at": func.now()}
-    if callback_url:
-        values["callback_url"] = callback_url
-    if callback_urls:
-        values["callback_urls"] = callback_urls
-    if workflow_id:
-        values["workflow_id"] = workflow_id
-    where = _owned_by(caller)
-    if functions is not None:
-        where.append(ToolCall.function_name.in_(tuple(functions)))
-    row = s.execute(_cas(tool_call_id, from_statuses=(PENDING,), to_status=EXECUTING, reason=reason,
-                         extra_where=where, **values).returning(*CALLS.c)).one_or_none()
+    shape = (bool(callback_url), bool(callback_urls), bool(workflow_id), caller is not None, functions is not None)
+    built = _CONFIRM.get(shape)
+    if built is None:  # once per shape: which of the optional values and checks this confirm has
+        values: dict[str, Any] = {"confirmed_at": func.now()}
+        for given, name in zip(shape[:3], ("callback_url", "callback_urls", "workflow_id")):
+            if given:
+                values[name] = bindparam(f"p_{name}", type_=CALLS.c[name].type)
+        where = [ToolCall.caller == bindparam("p_caller", type_=String)] if caller is not None else []
+        if functions is not None:  # an array parameter: an IN list would be rendered again at every execution
+            where.append(ToolCall.function_name == any_(bindparam("p_functions", type_=ARRAY(String))))
+        built = _CONFIRM[shape] = Compiled(_cas(P_ID, from_statuses=(PENDING,), to_status=EXECUTING,
+                                                history=[P_HISTORY], extra_where=where, **values)
+                                           .returning(*CALLS.c))
+    row = built.one_or_none(s, {
+        "p_id": tool_call_id, "p_history": _entry(EXECUTING, reason), "p_callback_url": callback_url,
+        "p_callback_urls": callback_urls, "p_workflow_id": workflow_id, "p_caller": caller,
+        "p_functions": list(functions) if functions is not None else None})
     if row is None:
         raise _refuse(s, tool_call_id, "confirm", caller)
     return row
@@ -488,7 +499,7 @@ def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commi
     return _transition_row(s, ("begin_step", commit, chain is not None), params, make, columns=ROW_COLUMNS)
 
 
-_GATE: dict[bool, Any] = {}
+_GATE: dict[bool, Compiled] = {}
 
 
 def gate(s: Executor, tool_call_id: str, chain: str | None = None) -> Row[Any] | None:
@@ -499,9 +510,9 @@ def gate(s: Executor, tool_call_id: str, chain: str | None = None) -> Row[Any] |
     stmt = _GATE.get(chain is not None)
     if stmt is None:
         fence = [CALLS.c.workflow_id == P_CHAIN] if chain is not None else []
-        stmt = _GATE[chain is not None] = select(*ROW_COLUMNS).where(
-            CALLS.c.tool_call_id == P_ID, CALLS.c.status == EXECUTING, *fence)
-    return s.execute(stmt, {"p_id": tool_call_id, "p_chain": chain}).one_or_none()
+        stmt = _GATE[chain is not None] = Compiled(select(*ROW_COLUMNS).where(
+            CALLS.c.tool_call_id == P_ID, CALLS.c.status == EXECUTING, *fence))
+    return stmt.one_or_none(s, {"p_id": tool_call_id, "p_chain": chain})
 
 
 def count_failed_run(s: Executor, tool_call_id: str, step: str, chain: str | None = None) -> int | None:

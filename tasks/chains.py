@@ -21,7 +21,8 @@ written once, in :class:`Link`:
    for it.
 
 A link of a step without side effect makes one read before its step and one write after it
-(a side effect's, two writes), each a single statement in its own transaction, Core rows; a
+(a side effect's, two writes), each a single statement in its own transaction, built once and
+run on the driver's cursor (``models/compiled.py``), rows; a
 link that also does the next step adds that step's one write. The posted callbacks' outcomes are
 recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from marshmallow import INCLUDE, RAISE, Schema, ValidationError, fields, post_load, pre_dump, validate
-from sqlalchemy.engine import Row
 
 from tasks import tools
 from tasks.delivery import url_policy
@@ -294,9 +293,11 @@ class CallRecord(Schema):
 
     @pre_dump
     def _by_name(self, call: Any, **_kwargs: Any) -> Any:
-        """A Core row as its mapping: marshmallow reads a row (a tuple) by ``row[name]`` first, a TypeError
-        caught for every field of every row, before its attribute (half the dump of a context's 20 rows)."""
-        return call._mapping if isinstance(call, Row) else call
+        """A row (SQLAlchemy's, or ``models.compiled``'s) as its mapping: marshmallow reads a row (a tuple) by
+        ``row[name]`` first, a TypeError caught for every field of every row, before its attribute (half the
+        dump of a context's 20 rows)."""
+        mapping = getattr(call, "_mapping", None)
+        return call if mapping is None else mapping
 
     tool_call_id = fields.String()
     session_id = fields.String()

@@ -31,6 +31,7 @@ from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
 from models import db, events, settings
 from models.calls import CallbackDelivery
+from models.compiled import Compiled
 from tasks.worker import metrics
 from tasks.delivery import answers
 from tasks.delivery.signing import sign, sign_standard
@@ -167,14 +168,14 @@ def _record_attempt(event_id: str, attempts_before: int, code: int | None, error
     if note:
         log_entry["note"] = note
     with db.statement() as s:  # one statement, its own transaction
-        s.execute(_RECORD_ATTEMPT, {
+        _RECORD_ATTEMPT.execute(s, {
             "a_id": event_id, "a_state": state, "a_code": code, "a_error": error, "a_next": next_at,
             "a_delivered": delivered, "a_log": [log_entry]})
     return state
 
 
 # built once: the attempt's outcome on its row (only while still pending)
-_RECORD_ATTEMPT = (
+_RECORD_ATTEMPT = Compiled(
     update(CallbackDelivery.__table__)
     .where(CallbackDelivery.event_id == bindparam("a_id", type_=String), CallbackDelivery.state == "pending")
     .values(

@@ -1,0 +1,133 @@
+"""A hot statement compiled once and run on the driver's cursor.
+
+SQLAlchemy compiles a statement once and caches the result, but every execution still walks the
+statement to make its cache key, hashes it, builds the parameters through the compiled form and
+wraps the cursor in a result. For a link's data-modifying CTE that is about 0.3 ms of CPU, more than
+PostgreSQL spends running it (py-spy of a pool child: the cache lookup 13 % of a link's statement,
+building the parameters 20 %). A statement the hot paths build once (:mod:`models.lifecycle`,
+``tasks/delivery/attempts.py``) needs none of it again: :class:`Compiled` compiles it for the
+connection's dialect at its first run, keeps its SQL, the names and processors of its parameters and
+the processed values of its constant ones, and runs it on the DBAPI cursor of the connection
+SQLAlchemy checked out, with its pool, transaction and autocommit as ever. A row comes back as a
+named tuple with ``_mapping``, as SQLAlchemy's ``Row`` has (the driver has already made each value
+what SQLAlchemy would: ``tests/test_compiled.py`` holds them to it).
+
+An error goes through SQLAlchemy's own handling (a lost connection invalidates the pool and raises
+``sqlalchemy.exc.OperationalError``, as an execution through SQLAlchemy does). A statement whose
+compiled form needs work at every execution (an expanding ``IN`` list, a value rendered into the SQL)
+runs through SQLAlchemy, as does any statement on a connection with cursor-execution hooks (the
+engine of ``db.statement(durable=False)``).
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+from sqlalchemy import Connection, exc
+from sqlalchemy.orm import Session
+
+_MISSING = object()
+
+
+def _row_class(names: tuple[str, ...]) -> type:
+    base = namedtuple("CompiledRow", names, rename=True)  # type: ignore[misc]
+
+    class CompiledRow(base):  # type: ignore[valid-type, misc]
+        __slots__ = ()
+
+        @property
+        def _mapping(self) -> dict[str, Any]:
+            return dict(zip(names, self))
+
+    return CompiledRow
+
+
+class _Plan:
+    """The statement compiled for one dialect: its SQL and how to make its parameters."""
+
+    __slots__ = ("sql", "binds", "rows")
+
+    def __init__(self, sql: str, binds: list[tuple[str, str, Any, Any]]):
+        self.sql = sql
+        self.binds = binds  # (name in the SQL, key given by the caller, processed constant or _MISSING, processor)
+        self.rows: dict[tuple[str, ...], type] = {}
+
+    def parameters(self, params: dict[str, Any]) -> dict[str, Any]:
+        values = {}
+        for name, key, constant, process in self.binds:
+            if key in params:  # a processor takes None too (JSON's makes it the JSON null, as SQLAlchemy does)
+                values[name] = params[key] if process is None else process(params[key])
+            elif constant is _MISSING:
+                raise KeyError(f"a value is required for bind parameter {key!r}")
+            else:
+                values[name] = constant
+        return values
+
+
+def _plan(stmt: Any, dialect: Any) -> _Plan | None:
+    compiled = stmt.compile(dialect=dialect)
+    if (compiled.positional or compiled.literal_execute_params or compiled.post_compile_params
+            or compiled.escaped_bind_names):
+        return None  # its SQL is finished at each execution: SQLAlchemy's own path
+    processors = compiled._bind_processors
+    binds = []
+    for bindparam, name in compiled.bind_names.items():
+        if bindparam.callable is not None:
+            return None
+        process = processors.get(name)
+        if bindparam.required:
+            constant = _MISSING  # the caller gives it
+        else:
+            constant = bindparam.value if process is None else process(bindparam.value)
+        binds.append((name, bindparam.key, constant, process))
+    return _Plan(compiled.string, binds)
+
+
+class Compiled:
+    """``stmt`` run on the driver's cursor; built once, at import or once per statement shape."""
+
+    __slots__ = ("stmt", "_plans")
+
+    def __init__(self, stmt: Any):
+        self.stmt = stmt
+        self._plans: dict[Any, _Plan | None] = {}
+
+    def one_or_none(self, s: Session | Connection, params: dict[str, Any]) -> Any:
+        """The statement's one row (None if it returned none)."""
+        return self._run(s, params, fetch=True)
+
+    def execute(self, s: Session | Connection, params: dict[str, Any]) -> None:
+        """Run a statement that returns no rows."""
+        self._run(s, params, fetch=False)
+
+    def _run(self, s: Session | Connection, params: dict[str, Any], fetch: bool) -> Any:
+        conn = s if isinstance(s, Connection) else s.connection()
+        dialect = conn.dialect
+        plan = self._plans.get(dialect, _MISSING)
+        if plan is _MISSING:
+            plan = self._plans[dialect] = _plan(self.stmt, dialect)
+        if plan is None or conn.dispatch.before_cursor_execute:
+            result = conn.execute(self.stmt, params)
+            return result.one_or_none() if fetch else None
+        values = plan.parameters(params)
+        cursor = None
+        try:
+            cursor = conn.connection.dbapi_connection.cursor()
+            cursor.execute(plan.sql, values)
+            if not fetch:
+                return None
+            found = cursor.fetchone()
+            if found is not None and cursor.fetchone() is not None:
+                raise exc.MultipleResultsFound("the statement returned more than one row")
+            names = tuple(column[0] for column in cursor.description)
+        except conn.dialect.loaded_dbapi.Error as error:
+            conn._handle_dbapi_exception(error, plan.sql, values, cursor, None)
+        finally:
+            if cursor is not None:
+                cursor.close()
+        if found is None:
+            return None
+        row = plan.rows.get(names)
+        if row is None:
+            row = plan.rows[names] = _row_class(names)
+        return row(*found)

@@ -1,0 +1,147 @@
+"""A hot statement run on the driver's cursor (``models/compiled.py``) gives what SQLAlchemy's own
+execution gives: the same columns, values and types; the same errors; SQLAlchemy's path where the
+compiled form cannot be reused, or where a cursor hook must see the statement."""
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import exc, select, text
+
+from models import db, events, lifecycle, queries
+from models.calls import ToolCall
+from models.compiled import Compiled
+from tasks.delivery import attempts
+from tasks.delivery.events import record
+from tests.helpers import make_call
+
+# set by the database at each statement (its clock, a new uuid): not comparable between two runs
+VOLATILE = {"id", "status_history", "execution_time_ms", "delivery_event_id", "delivery_payload"}
+
+
+def both_ways(statement: Compiled, params: dict) -> tuple[dict, dict]:
+    """The statement's row by SQLAlchemy's execution, then by the compiled one, each in a savepoint
+    rolled back (both see the same row before them)."""
+    with db.session() as s:
+        with s.begin_nested() as sp:
+            by_sqlalchemy = s.execute(statement.stmt, params).one_or_none()
+            sp.rollback()
+        with s.begin_nested() as sp:
+            by_cursor = statement.one_or_none(s, params)
+            sp.rollback()
+    assert by_sqlalchemy is not None and by_cursor is not None
+    return dict(by_sqlalchemy._mapping), dict(by_cursor._mapping)
+
+
+def assert_same(by_sqlalchemy: dict, by_cursor: dict) -> None:
+    assert list(by_cursor) == list(by_sqlalchemy)
+    for name, value in by_sqlalchemy.items():
+        assert type(by_cursor[name]) is type(value), (name, by_cursor[name], value)
+        if name not in VOLATILE:
+            assert by_cursor[name] == value, name
+
+
+def executing_call() -> str:
+    call = make_call(callback_url="http://127.0.0.1:9/hook")
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)
+        lifecycle.record_step(s, call.tool_call_id, "PREPARING", {"draft": {"to": ["a@example.com"], "n": 1.5}}, 0.25)
+    return call.tool_call_id
+
+
+def test_a_gate_reads_the_row_sqlalchemy_reads():
+    tool_call_id = executing_call()
+    with db.statement() as s:
+        assert lifecycle.gate(s, tool_call_id) is not None  # built
+    assert_same(*both_ways(lifecycle._GATE[False], {"p_id": tool_call_id, "p_chain": None}))
+
+
+def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns():
+    tool_call_id = executing_call()
+    event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", cancellable=False,
+                         inline=True)
+    with db.session() as s:
+        with s.begin_nested() as sp:
+            assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event) is not None
+            sp.rollback()
+    [built] = [b for shape, b in lifecycle._BUILT.items() if shape[0][0] == "record_step" and shape[1] is not None]
+    params = {"p_id": tool_call_id, "p_step": "SENDING", "p_progress": 0.5, "p_output": {"id": "m1"},
+              "p_chain": None, "p_token": None, **event.params}
+    by_sqlalchemy, by_cursor = both_ways(built, params)
+    assert_same(by_sqlalchemy, by_cursor)
+    assert by_cursor["delivery_payload"]["step"] == "SENDING" and by_cursor["step_outputs"]["SENDING"] == {"id": "m1"}
+    assert {k: v for k, v in by_cursor["delivery_payload"].items() if k != "execution_time_ms"} == \
+        {k: v for k, v in by_sqlalchemy["delivery_payload"].items() if k != "execution_time_ms"}
+
+
+def create_params(tool_call_id: str) -> dict:
+    return {"p_history": lifecycle._entry("PENDING", "Recorded"),
+            **{f"c_{name}": None for name in lifecycle._CREATED_FROM},
+            "c_tool_call_id": tool_call_id, "c_session_id": "s", "c_function_name": "send_email",
+            "c_action_level": "write", "c_parameters": {"to": "a@example.com"}, "c_caller": "tests",
+            "c_request_kind": "pending"}
+
+
+def test_none_and_a_missing_parameter_are_bound_as_sqlalchemy_binds_them():
+    """None for a JSONB parameter is what SQLAlchemy makes it (its processor sees None too), on disk alike."""
+    with db.session() as s:
+        s.execute(lifecycle._CREATE.stmt, create_params("tc_by_sqlalchemy"))
+        lifecycle._CREATE.one_or_none(s, create_params("tc_by_cursor"))
+        stored = dict(s.execute(text("SELECT tool_call_id, coalesce(jsonb_typeof(callback_urls), 'SQL NULL') "
+                                     "FROM tool_calls WHERE tool_call_id LIKE 'tc_by_%'")).all())
+        assert stored["tc_by_cursor"] == stored["tc_by_sqlalchemy"]
+        with pytest.raises(KeyError, match="c_session_id"):
+            lifecycle._CREATE.one_or_none(s, {k: v for k, v in create_params("tc_x").items() if k != "c_session_id"})
+
+
+def test_a_created_call_is_the_row_sqlalchemy_creates():
+    assert_same(*both_ways(lifecycle._CREATE, create_params("tc_compiled")))
+
+
+def test_an_attempt_is_recorded_by_a_statement_without_rows():
+    tool_call_id = executing_call()
+    with db.session() as s:
+        call = queries.get(s, tool_call_id)
+        delivery = record(s, call, "progress", step="PREPARING", gate=1, message="m", cancellable=True, inline=True)
+    assert attempts._record_attempt(delivery.event_id, 0, 200, None, 5) == "delivered"
+    with db.session() as s:
+        state, tried = s.execute(text("SELECT state, attempts FROM callback_deliveries WHERE event_id = :e"),
+                                 {"e": delivery.event_id}).one()
+    assert (state, tried) == ("delivered", 1)
+
+
+def test_a_lost_connection_is_sqlalchemys_error_and_the_pool_connects_again():
+    tool_call_id = executing_call()
+    with db.statement() as s:
+        lifecycle.gate(s, tool_call_id)
+        pid = s.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with db.engine().connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        with pytest.raises(exc.OperationalError) as lost:
+            lifecycle.gate(s, tool_call_id)
+        assert lost.value.connection_invalidated
+    with db.statement() as s:  # a new connection
+        assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
+
+
+def test_an_error_of_the_statement_is_sqlalchemys_error():
+    broken = Compiled(select(ToolCall.tool_call_id).where(text("1 / 0 = 1")))
+    with db.statement() as s, pytest.raises(exc.DataError):
+        broken.one_or_none(s, {})
+
+
+def test_an_expanding_list_goes_through_sqlalchemy():
+    tool_call_id = executing_call()
+    statement = Compiled(select(ToolCall.tool_call_id).where(ToolCall.status.in_(("EXECUTING", "PREPARED")),
+                                                            ToolCall.tool_call_id == tool_call_id))
+    with db.statement() as s:
+        assert statement.one_or_none(s, {}).tool_call_id == tool_call_id
+    assert list(statement._plans.values()) == [None]  # not reused: its SQL is finished at each execution
+
+
+def test_a_cursor_hook_sees_the_statement():
+    """``db.statement(durable=False)`` puts ``SET LOCAL synchronous_commit TO off`` in front of each statement
+    by a cursor hook: a compiled statement run there goes through it."""
+    setting = Compiled(select(text("current_setting('synchronous_commit') AS sync")))
+    with db.statement(durable=False) as s:
+        assert setting.one_or_none(s, {}).sync == "off"
+    with db.statement() as s:
+        assert setting.one_or_none(s, {}).sync == "on"
