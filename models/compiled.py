@@ -12,6 +12,16 @@ SQLAlchemy checked out, with its pool, transaction and autocommit as ever. A row
 named tuple with ``_mapping``, as SQLAlchemy's ``Row`` has (the driver has already made each value
 what SQLAlchemy would: ``tests/test_compiled.py`` holds them to it).
 
+On a connection in autocommit (``db.statement()``, where each statement is its own transaction)
+the statement is also prepared on the server, once per connection (``PREPARE``, its parameters typed
+as SQLAlchemy types them), and run with ``EXECUTE``: PostgreSQL then parses, analyses and, after a
+few runs, plans it no more (a step record with its event: 0.33 ms of the server's CPU as text, 0.10
+prepared; a gate 0.10 and 0.05). A pooler in transaction mode (PgBouncer before 1.21) hands each
+transaction a server connection of its own, where the statement was not prepared: the first
+``EXECUTE`` that finds no such statement (or a ``PREPARE`` that finds one already there) turns
+preparing off for the process, with one warning, and that statement runs again as text (in
+autocommit the failed one did nothing).
+
 An error goes through SQLAlchemy's own handling (a lost connection invalidates the pool and raises
 ``sqlalchemy.exc.OperationalError``, as an execution through SQLAlchemy does). A statement whose
 compiled form needs work at every execution (an expanding ``IN`` list, a value rendered into the SQL)
@@ -20,13 +30,23 @@ engine of ``db.statement(durable=False)``).
 """
 from __future__ import annotations
 
+import itertools
+import logging
+import re
 from collections import namedtuple
 from typing import Any
 
 from sqlalchemy import Connection, exc
 from sqlalchemy.orm import Session
 
+log = logging.getLogger(__name__)
+
 _MISSING = object()
+_NAMES = itertools.count(1)
+_PREPARED = "voice_tools_prepared"  # in a pooled connection's info: the names prepared on it
+# the server's answers that say the connection is not the one the statement was prepared on (a pooler)
+_POOLED = {"26000", "42P05"}  # invalid_sql_statement_name, duplicate_prepared_statement
+_preparing = True  # turned off for the process behind a pooler in transaction mode
 
 
 def _row_class(names: tuple[str, ...]) -> type:
@@ -43,14 +63,31 @@ def _row_class(names: tuple[str, ...]) -> type:
 
 
 class _Plan:
-    """The statement compiled for one dialect: its SQL and how to make its parameters."""
+    """The statement compiled for one dialect: its SQL, how to make its parameters, and its prepared form."""
 
-    __slots__ = ("sql", "binds", "rows")
+    __slots__ = ("sql", "binds", "rows", "name", "prepare", "execute")
 
-    def __init__(self, sql: str, binds: list[tuple[str, str, Any, Any]]):
+    def __init__(self, sql: str, binds: list[tuple[str, str, Any, Any]], types: dict[str, str] | None):
         self.sql = sql
         self.binds = binds  # (name in the SQL, key given by the caller, processed constant or _MISSING, processor)
         self.rows: dict[tuple[str, ...], type] = {}
+        self.name = self.prepare = self.execute = None
+        if types is not None:  # every parameter has a type the server can be told
+            order: list[str] = []
+
+            def numbered(found: re.Match[str]) -> str:
+                if found.group(0) == "%%":
+                    return "%"
+                if found.group(1) not in order:
+                    order.append(found.group(1))
+                return f"${order.index(found.group(1)) + 1}"
+
+            body = re.sub(r"%\((\w+)\)s|%%", numbered, sql)
+            self.name = f"voice_tools_{next(_NAMES)}"
+            typed = f" ({', '.join(types[name] for name in order)})" if order else ""
+            self.prepare = f"PREPARE {self.name}{typed} AS {body}"
+            args = f" ({', '.join(f'%({name})s' for name in order)})" if order else ""
+            self.execute = f"EXECUTE {self.name}{args}"
 
     def parameters(self, params: dict[str, Any]) -> dict[str, Any]:
         values = {}
@@ -71,16 +108,22 @@ def _plan(stmt: Any, dialect: Any) -> _Plan | None:
         return None  # its SQL is finished at each execution: SQLAlchemy's own path
     processors = compiled._bind_processors
     binds = []
+    types: dict[str, str] | None = {}
     for bindparam, name in compiled.bind_names.items():
         if bindparam.callable is not None:
             return None
+        try:
+            if types is not None:
+                types[name] = bindparam.type.compile(dialect=dialect)
+        except exc.CompileError:  # a parameter of no type the server can be told: not prepared
+            types = None
         process = processors.get(name)
         if bindparam.required:
             constant = _MISSING  # the caller gives it
         else:
             constant = bindparam.value if process is None else process(bindparam.value)
         binds.append((name, bindparam.key, constant, process))
-    return _Plan(compiled.string, binds)
+    return _Plan(compiled.string, binds, types)
 
 
 class Compiled:
@@ -112,8 +155,12 @@ class Compiled:
         values = plan.parameters(params)
         cursor = None
         try:
-            cursor = conn.connection.dbapi_connection.cursor()
-            cursor.execute(plan.sql, values)
+            pooled = conn.connection
+            dbapi = pooled.dbapi_connection
+            cursor = dbapi.cursor()
+            if not (_preparing and plan.name and dbapi.autocommit
+                    and _run_prepared(plan, pooled.info, cursor, values, dialect.loaded_dbapi)):
+                cursor.execute(plan.sql, values)
             if not fetch:
                 return None
             found = cursor.fetchone()
@@ -131,3 +178,30 @@ class Compiled:
         if row is None:
             row = plan.rows[names] = _row_class(names)
         return row(*found)
+
+
+def _run_prepared(plan: _Plan, info: dict[str, Any], cursor: Any, values: dict[str, Any], dbapi: Any) -> bool:
+    """Run ``plan`` prepared on this connection (preparing it first if it is not): False if it could
+    not be (it did nothing then; the caller runs it as text)."""
+    global _preparing
+    prepared = info.setdefault(_PREPARED, set())
+    try:
+        if plan.name not in prepared:
+            cursor.execute(plan.prepare)
+            prepared.add(plan.name)
+        cursor.execute(plan.execute, values)
+        return True
+    except dbapi.Error as error:
+        code = getattr(error, "pgcode", None)
+        if code not in _POOLED and isinstance(error, (dbapi.OperationalError, dbapi.InterfaceError)):
+            raise  # the connection, not the statement: SQLAlchemy's handling (it may be invalidated)
+        if code in _POOLED:
+            _preparing = False
+            log.warning("the database connection is not the one a statement was prepared on (a pooler in "
+                        "transaction mode?): statements are no longer prepared in this process (%s)", code)
+            return False
+        if plan.name not in prepared:  # the server refused to prepare it: it runs as text from now on
+            plan.name = None
+            log.warning("a statement could not be prepared (%s); it runs as text", error)
+            return False
+        raise

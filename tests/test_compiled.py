@@ -8,6 +8,7 @@ from sqlalchemy import exc, select, text
 
 from models import db, events, lifecycle, queries
 from models.calls import ToolCall
+from models import compiled
 from models.compiled import Compiled
 from tasks.delivery import attempts
 from tasks.delivery.events import record
@@ -62,7 +63,7 @@ def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns():
         with s.begin_nested() as sp:
             assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event) is not None
             sp.rollback()
-    [built] = [b for shape, b in lifecycle._BUILT.items() if shape[0][0] == "record_step" and shape[1] is not None]
+    built = lifecycle._BUILT[(("record_step", False, False), event.shape)]
     params = {"p_id": tool_call_id, "p_step": "SENDING", "p_progress": 0.5, "p_output": {"id": "m1"},
               "p_chain": None, "p_token": None, **event.params}
     by_sqlalchemy, by_cursor = both_ways(built, params)
@@ -145,3 +146,44 @@ def test_a_cursor_hook_sees_the_statement():
         assert setting.one_or_none(s, {}).sync == "off"
     with db.statement() as s:
         assert setting.one_or_none(s, {}).sync == "on"
+
+
+def prepared_names(s) -> set[str]:
+    return set(s.execute(text("SELECT name FROM pg_prepared_statements")).scalars())
+
+
+def test_in_autocommit_a_statement_is_prepared_once_per_connection_and_returns_the_same_rows():
+    tool_call_id = executing_call()
+    with db.statement() as s:
+        first = lifecycle.gate(s, tool_call_id)
+        second = lifecycle.gate(s, tool_call_id)
+        plan = lifecycle._GATE[False]._plans[s.dialect]
+        assert plan.name in prepared_names(s)
+        assert s.connection.info[compiled._PREPARED] >= {plan.name}
+        created, _ = lifecycle.create(s, session_id="s", function_name="send_email", action_level="write",
+                                      parameters={"to": "a@example.com"}, tool_call_id="tc_prepared", caller="tests")
+        assert lifecycle._CREATE._plans[s.dialect].name in prepared_names(s)
+    assert first == second
+    with db.session() as s:  # not autocommit: as text, through the same compiled form
+        assert dict(lifecycle.gate(s, tool_call_id)._mapping) == dict(first._mapping)
+        by_sqlalchemy = dict(s.execute(lifecycle._CREATE.stmt, create_params("tc_text")).one()._mapping)
+    assert_same({k: v for k, v in by_sqlalchemy.items() if k not in ("tool_call_id", "caller", "parameters", "created_at")},
+                {k: v for k, v in dict(created._mapping).items() if k not in ("tool_call_id", "caller", "parameters", "created_at")})
+
+
+def test_a_statement_not_found_on_the_connection_turns_preparing_off_and_still_runs(caplog):
+    """As behind a pooler in transaction mode: the server connection is not the one the statement was
+    prepared on. The statement runs as text, and nothing is prepared in this process any more."""
+    tool_call_id = executing_call()
+    try:
+        with db.statement() as s:
+            assert lifecycle.gate(s, tool_call_id) is not None
+            s.execute(text("DEALLOCATE ALL"))  # what another server connection would look like
+            assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
+            assert not compiled._preparing
+            assert prepared_names(s) == set()
+            assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
+            assert prepared_names(s) == set()
+        assert "no longer prepared" in caplog.text
+    finally:
+        compiled._preparing = True
