@@ -17,10 +17,11 @@ the statement is also prepared on the server, once per connection (``PREPARE``, 
 as SQLAlchemy types them), and run with ``EXECUTE``: PostgreSQL then parses, analyses and, after a
 few runs, plans it no more (a step record with its event: 0.33 ms of the server's CPU as text, 0.10
 prepared; a gate 0.10 and 0.05). A pooler in transaction mode (PgBouncer before 1.21) hands each
-transaction a server connection of its own, where the statement was not prepared: the first
-``EXECUTE`` that finds no such statement (or a ``PREPARE`` that finds one already there) turns
-preparing off for the process, with one warning, and that statement runs again as text (in
-autocommit the failed one did nothing).
+transaction a server connection of its own, where the statement may not be prepared: the first
+``EXECUTE`` that finds no such statement turns preparing off for the process, with one warning,
+and that statement runs again as text (in autocommit the failed one did nothing). A statement is
+named by a hash of its text and types, so a statement of its name on any server connection is
+this very one.
 
 An error goes through SQLAlchemy's own handling (a lost connection invalidates the pool and raises
 ``sqlalchemy.exc.OperationalError``, as an execution through SQLAlchemy does). A statement whose
@@ -30,7 +31,7 @@ engine of ``db.statement(durable=False)``).
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 import logging
 import re
 from collections import namedtuple
@@ -42,10 +43,10 @@ from sqlalchemy.orm import Session
 log = logging.getLogger(__name__)
 
 _MISSING = object()
-_NAMES = itertools.count(1)
 _PREPARED = "voice_tools_prepared"  # in a pooled connection's info: the names prepared on it
-# the server's answers that say the connection is not the one the statement was prepared on (a pooler)
-_POOLED = {"26000", "42P05"}  # invalid_sql_statement_name, duplicate_prepared_statement
+# the server's answers about a statement's name: not prepared on this connection (a pooler gave another),
+# already prepared on it (by another client of a pooler: the same statement, its name says what it is)
+_NOT_PREPARED, _ALREADY_PREPARED = "26000", "42P05"  # invalid_sql_statement_name, duplicate_prepared_statement
 _preparing = True  # turned off for the process behind a pooler in transaction mode
 
 
@@ -83,8 +84,10 @@ class _Plan:
                 return f"${order.index(found.group(1)) + 1}"
 
             body = re.sub(r"%\((\w+)\)s|%%", numbered, sql)
-            self.name = f"voice_tools_{next(_NAMES)}"
             typed = f" ({', '.join(types[name] for name in order)})" if order else ""
+            # named by what it is: a statement of that name on any server connection (another process's,
+            # behind a pooler) is this very statement
+            self.name = "voice_tools_" + hashlib.sha256(f"{typed} AS {body}".encode()).hexdigest()[:24]
             self.prepare = f"PREPARE {self.name}{typed} AS {body}"
             args = f" ({', '.join(f'%({name})s' for name in order)})" if order else ""
             self.execute = f"EXECUTE {self.name}{args}"
@@ -187,15 +190,19 @@ def _run_prepared(plan: _Plan, info: dict[str, Any], cursor: Any, values: dict[s
     prepared = info.setdefault(_PREPARED, set())
     try:
         if plan.name not in prepared:
-            cursor.execute(plan.prepare)
+            try:
+                cursor.execute(plan.prepare)
+            except dbapi.Error as error:
+                if getattr(error, "pgcode", None) != _ALREADY_PREPARED:
+                    raise
             prepared.add(plan.name)
         cursor.execute(plan.execute, values)
         return True
     except dbapi.Error as error:
         code = getattr(error, "pgcode", None)
-        if code not in _POOLED and isinstance(error, (dbapi.OperationalError, dbapi.InterfaceError)):
+        if code != _NOT_PREPARED and isinstance(error, (dbapi.OperationalError, dbapi.InterfaceError)):
             raise  # the connection, not the statement: SQLAlchemy's handling (it may be invalidated)
-        if code in _POOLED:
+        if code == _NOT_PREPARED:
             _preparing = False
             log.warning("the database connection is not the one a statement was prepared on (a pooler in "
                         "transaction mode?): statements are no longer prepared in this process (%s)", code)

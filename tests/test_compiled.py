@@ -175,8 +175,8 @@ def test_a_statement_not_found_on_the_connection_turns_preparing_off_and_still_r
     """As behind a pooler in transaction mode: the server connection is not the one the statement was
     prepared on. The statement runs as text, and nothing is prepared in this process any more."""
     tool_call_id = executing_call()
-    try:
-        with db.statement() as s:
+    with db.statement() as s:
+        try:
             assert lifecycle.gate(s, tool_call_id) is not None
             s.execute(text("DEALLOCATE ALL"))  # what another server connection would look like
             assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
@@ -184,6 +184,19 @@ def test_a_statement_not_found_on_the_connection_turns_preparing_off_and_still_r
             assert prepared_names(s) == set()
             assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
             assert prepared_names(s) == set()
-        assert "no longer prepared" in caplog.text
-    finally:
-        compiled._preparing = True
+        finally:  # this connection as it is again for the tests after
+            compiled._preparing = True
+            s.connection.info.pop(compiled._PREPARED, None)
+    assert "no longer prepared" in caplog.text
+
+
+def test_a_statement_prepared_already_on_the_connection_is_used():
+    """As behind a pooler, where another client prepared it on this server connection: same name, same
+    statement (its name is a hash of its text and types), so it is executed and preparing stays on."""
+    tool_call_id = executing_call()
+    with db.statement() as s:
+        assert lifecycle.gate(s, tool_call_id) is not None
+        s.connection.info[compiled._PREPARED].clear()  # this client does not know it is there
+        assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
+        assert compiled._preparing
+        assert lifecycle._GATE[False]._plans[s.dialect].name in s.connection.info[compiled._PREPARED]
