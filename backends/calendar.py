@@ -44,6 +44,7 @@ from sqlalchemy import DateTime, String, bindparam, select
 from sqlalchemy.dialects.postgresql import insert
 
 from models import db, settings
+from models.compiled import Compiled
 from models.calendar import CalendarEvent
 from backends import google
 from backends.google import HttpError
@@ -118,18 +119,18 @@ def clip_and_merge(periods: Iterable[dict[str, Any]], start: datetime, end: date
 # -- local: the calendar_events table ------------------------------------------------------
 
 # built once: the events of b_caller (and the shared ones) overlapping [b_start, b_end), in order
-_BUSY = (select(CalendarEvent.starts_at, CalendarEvent.ends_at, CalendarEvent.title)
-         .where(CalendarEvent.owner.in_([bindparam("b_caller", type_=String()), SHARED]),
-                CalendarEvent.starts_at < bindparam("b_end", type_=DateTime(timezone=True)),
-                CalendarEvent.ends_at > bindparam("b_start", type_=DateTime(timezone=True)))
-         .order_by(CalendarEvent.starts_at, CalendarEvent.id))
+_BUSY = Compiled(select(CalendarEvent.starts_at, CalendarEvent.ends_at, CalendarEvent.title)
+                  .where(CalendarEvent.owner.in_([bindparam("b_caller", type_=String()), SHARED]),
+                         CalendarEvent.starts_at < bindparam("b_end", type_=DateTime(timezone=True)),
+                         CalendarEvent.ends_at > bindparam("b_start", type_=DateTime(timezone=True)))
+                  .order_by(CalendarEvent.starts_at, CalendarEvent.id))
 
 
 class LocalCalendar:
     def busy(self, start: datetime, end: datetime, caller: str = "") -> list[dict[str, Any]]:
-        with db.statement() as conn:  # one SELECT, one round trip (no BEGIN/COMMIT), Core rows
+        with db.statement() as conn:  # one SELECT, one round trip (no BEGIN/COMMIT), prepared (models/compiled.py)
             return [{"start": e.starts_at.astimezone(UTC), "end": e.ends_at.astimezone(UTC), "title": e.title}
-                    for e in conn.execute(_BUSY, {"b_caller": caller or "", "b_start": start, "b_end": end})]
+                    for e in _BUSY.all(conn, {"b_caller": caller or "", "b_start": start, "b_end": end})]
 
     def book(self, meeting: dict[str, Any], caller: str = "") -> dict[str, Any]:
         with db.session() as s:

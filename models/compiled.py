@@ -140,13 +140,17 @@ class Compiled:
 
     def one_or_none(self, s: Session | Connection, params: dict[str, Any]) -> Any:
         """The statement's one row (None if it returned none)."""
-        return self._run(s, params, fetch=True)
+        return self._run(s, params, fetch="one")
+
+    def all(self, s: Session | Connection, params: dict[str, Any]) -> list[Any]:
+        """The statement's rows."""
+        return self._run(s, params, fetch="all")
 
     def execute(self, s: Session | Connection, params: dict[str, Any]) -> None:
         """Run a statement that returns no rows."""
-        self._run(s, params, fetch=False)
+        self._run(s, params, fetch=None)
 
-    def _run(self, s: Session | Connection, params: dict[str, Any], fetch: bool) -> Any:
+    def _run(self, s: Session | Connection, params: dict[str, Any], fetch: str | None) -> Any:
         conn = s if isinstance(s, Connection) else s.connection()
         dialect = conn.dialect
         plan = self._plans.get(dialect, _MISSING)
@@ -154,7 +158,7 @@ class Compiled:
             plan = self._plans[dialect] = _plan(self.stmt, dialect)
         if plan is None or conn.dispatch.before_cursor_execute:
             result = conn.execute(self.stmt, params)
-            return result.one_or_none() if fetch else None
+            return None if fetch is None else result.one_or_none() if fetch == "one" else list(result)
         values = plan.parameters(params)
         cursor = None
         try:
@@ -164,10 +168,10 @@ class Compiled:
             if not (_preparing and plan.name and dbapi.autocommit
                     and _run_prepared(plan, pooled.info, cursor, values, dialect.loaded_dbapi)):
                 cursor.execute(plan.sql, values)
-            if not fetch:
+            if fetch is None:
                 return None
-            found = cursor.fetchone()
-            if found is not None and cursor.fetchone() is not None:
+            found = cursor.fetchall()
+            if fetch == "one" and len(found) > 1:
                 raise exc.MultipleResultsFound("the statement returned more than one row")
             names = tuple(column[0] for column in cursor.description)
         except conn.dialect.loaded_dbapi.Error as error:
@@ -175,12 +179,12 @@ class Compiled:
         finally:
             if cursor is not None:
                 cursor.close()
-        if found is None:
-            return None
         row = plan.rows.get(names)
         if row is None:
             row = plan.rows[names] = _row_class(names)
-        return row(*found)
+        if fetch == "all":
+            return [row(*values) for values in found]
+        return row(*found[0]) if found else None
 
 
 def _run_prepared(plan: _Plan, info: dict[str, Any], cursor: Any, values: dict[str, Any], dbapi: Any) -> bool:

@@ -200,3 +200,25 @@ def test_a_statement_prepared_already_on_the_connection_is_used():
         assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
         assert compiled._preparing
         assert lifecycle._GATE[False]._plans[s.dialect].name in s.connection.info[compiled._PREPARED]
+
+
+def test_rows_of_a_statement_are_sqlalchemys_rows():
+    """``all()``: every row, in order, as SQLAlchemy's execution gives them (the calendar's busy periods)."""
+    from datetime import datetime, timedelta, timezone
+
+    from backends import calendar
+
+    start = datetime(2031, 3, 3, 9, tzinfo=timezone.utc)
+    with db.session() as s:
+        for hour, owner in ((1, "tests"), (3, ""), (5, "another")):
+            s.execute(text("INSERT INTO calendar_events (id, owner, title, starts_at, ends_at) "
+                           "VALUES (:i, :o, :t, :s, :e)"),
+                      {"i": f"ev{hour}", "o": owner, "t": f"t{hour}", "s": start + timedelta(hours=hour),
+                       "e": start + timedelta(hours=hour, minutes=30)})
+    params = {"b_caller": "tests", "b_start": start, "b_end": start + timedelta(hours=8)}
+    with db.statement() as s:
+        by_cursor = calendar._BUSY.all(s, params)
+        by_sqlalchemy = s.execute(calendar._BUSY.stmt, params).all()
+    assert [tuple(r) for r in by_cursor] == [tuple(r) for r in by_sqlalchemy] and len(by_cursor) == 2
+    assert [r.title for r in by_cursor] == ["t1", "t3"]
+    assert calendar.LocalCalendar().busy(start, start + timedelta(hours=8), "tests")[0]["title"] == "t1"
