@@ -166,8 +166,8 @@ def statement(durable: bool = True) -> Iterator[Connection]:
     ever, but lost if the database server itself crashes in the next few hundred
     milliseconds, before any later durable commit (which flushes the WAL up to it) or the WAL
     writer. Only for a statement whose loss is repaired by what the system does anyway and
-    that nothing outside the database acts on before a durable commit: a link's gate before
-    a step without side effect (the redelivered link claims it again). Not the record of a
+    that nothing outside the database acts on before a durable commit (no hot path needs it
+    now: a link's gate before a step without side effect is a read). Not the record of a
     callback attempt: the relay has acted on it, and every attempt is recorded (docs/promises.md,
     'Events and their order').
 
