@@ -252,3 +252,24 @@ def throughput(start_one: Callable[[int], str], wait_all: Callable[[list[str]], 
         keys = list(pool.map(start_one, range(n)))
     wait_all(keys)
     return n / (time.perf_counter() - started)
+
+
+def throughput_blocks(sides: dict[str, tuple[Callable[[int], str], Callable[[list[str]], None]]], n: int,
+                      clients: int, blocks: int) -> dict[str, Any]:
+    """:func:`throughput` of each side in ``blocks`` blocks of ``n // blocks`` items, the sides in turn and
+    their order reversed at every block, so that each pair of blocks meets the machine as it is then (a
+    shared machine's pace moves by a fifth from one minute to the next). Returns each side's rate over
+    all its blocks, and by block, each side's rate."""
+    each = max(1, n // blocks)
+    names = list(sides)
+    taken: list[dict[str, float]] = []
+    seconds = {name: 0.0 for name in names}
+    for block in range(blocks):
+        one: dict[str, float] = {}
+        for name in names if block % 2 == 0 else names[::-1]:
+            start_one, wait_all = sides[name]
+            rate = throughput(start_one, wait_all, each, clients)
+            one[name] = rate
+            seconds[name] += each / rate
+        taken.append(one)
+    return {**{name: each * blocks / seconds[name] for name in names}, "blocks": taken}

@@ -282,11 +282,11 @@ def machine() -> dict[str, str]:
 
 SIZES = {  # samples of each kind: smoke (the test suite's: it runs end to end), quick (under two minutes) and full
     "smoke": {"api_runs": 4, "client_runs": 1, "client_blocks": 1, "chain_runs": 3, "warmup": 1, "calls": 16,
-              "scale_runs": 4, "scale_calls": 2_000},
+              "throughput_blocks": 2, "scale_runs": 4, "scale_calls": 2_000},
     "quick": {"api_runs": 60, "client_runs": 3, "client_blocks": 2, "chain_runs": 15, "warmup": 3, "calls": 48,
-              "scale_runs": 60},
+              "throughput_blocks": 2, "scale_runs": 60},
     "full": {"api_runs": 400, "client_runs": 7, "client_blocks": 6, "chain_runs": 50, "warmup": 10, "calls": 300,
-             "scale_runs": 400},
+             "throughput_blocks": 3, "scale_runs": 400},
 }
 CLIENTS = 16
 SCALE_CALLS, SCALE_SESSIONS = 100_000, 10_000  # the calls seeded for (4), over as many sessions
@@ -345,14 +345,14 @@ def measure(stack: Any, relay: Any, size: dict[str, int], full_chains: bool) -> 
                       **cpu.per_call(stack, {"api": read4.engine_once, "bare": read4.bare_once,
                                              "bare_recording": read4.bare_recording_once}, size["chain_runs"])}
 
-    print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients ...",
-          flush=True)
+    print(f"throughput: {size['calls']} {read4.tool.name} calls and as many bare chains, {CLIENTS} clients, "
+          f"in {size['throughput_blocks']} blocks of each side ...", flush=True)
     results["throughput"] = {
         "what": f"{read4.tool.name} calls (pending + confirm → completed, {CLIENTS} clients) vs bare calls "
                 f"({read4.links}-link chains)",
-        "api": load.throughput(read4.start, read4.wait_all, size["calls"], CLIENTS),
-        "bare": load.throughput(read4.start_bare, read4.wait_all, size["calls"], CLIENTS),
-        "bare_recording": load.throughput(read4.start_bare_recording, read4.wait_all, size["calls"], CLIENTS)}
+        **load.throughput_blocks({"api": (read4.start, read4.wait_all), "bare": (read4.start_bare, read4.wait_all),
+                                  "bare_recording": (read4.start_bare_recording, read4.wait_all)},
+                                 size["calls"], CLIENTS, size["throughput_blocks"])}
 
     calls = size.get("scale_calls", SCALE_CALLS)
     sessions = calls * SCALE_SESSIONS // SCALE_CALLS

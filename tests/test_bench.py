@@ -46,6 +46,10 @@ def test_the_benchmark_runs_end_to_end(tmp_path):
         cpu = results["cpu"][side]
         assert set(cpu) == set(GROUPS) and cpu["workers"] > 0 and min(cpu.values()) >= 0, cpu
     assert all(results["throughput"][side] > 0 for side in ("api", "bare", "bare_recording"))
+    assert len(results["throughput"]["blocks"]) == 2 and all(  # each side in each block, in turn
+        set(block) == {"api", "bare", "bare_recording"} and min(block.values()) > 0
+        for block in results["throughput"]["blocks"])
+    assert "the same, block by block" in run["table"]
     assert results["scale"]["seeded"] == {"calls": 2000, "sessions": 200, "seconds": results["scale"]["seeded"]["seconds"]}
     assert [goal["goal"] for goal in results["goals"]][:1] == ["pending p50 vs floor (1 client)"]
     assert "## CPU per call, by process group" in run["table"]
