@@ -26,8 +26,8 @@ this very one.
 An error goes through SQLAlchemy's own handling (a lost connection invalidates the pool and raises
 ``sqlalchemy.exc.OperationalError``, as an execution through SQLAlchemy does). A statement whose
 compiled form needs work at every execution (an expanding ``IN`` list, a value rendered into the SQL)
-runs through SQLAlchemy, as does any statement on a connection with cursor-execution hooks (the
-engine of ``db.statement(durable=False)``).
+runs through SQLAlchemy, as does any statement on a connection with cursor-execution hooks (a
+``before_cursor_execute`` listener must see the statement it is about).
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ class Compiled:
         if row is None:
             row = plan.rows[names] = _row_class(names)
         if fetch == "all":
-            return [row(*values) for values in found]
+            return [row(*each) for each in found]
         return row(*found[0]) if found else None
 
 

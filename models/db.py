@@ -23,7 +23,6 @@ from sqlalchemy.orm import Session, sessionmaker
 Executor = Session | Connection  # what a statement runs on: a session, or db.statement()'s connection
 
 _engine: Engine | None = None
-_undurable: Engine | None = None  # see statement(durable=False)
 _factory: sessionmaker[Session] | None = None
 _current: ContextVar[Session | None] = ContextVar("voice_tools_session", default=None)
 
@@ -65,29 +64,6 @@ def _new_engine(pool_size: int, **connect_args: Any) -> Engine:
     return made
 
 
-_UNDURABLE = "SET LOCAL synchronous_commit TO off; "
-
-
-def _undurable_engine() -> Engine:
-    """The engine of :func:`statement` ``(durable=False)``: its statements commit without waiting
-    for the WAL flush. Each carries ``SET LOCAL synchronous_commit TO off`` in front, in the same
-    query string: one round trip as before, and the statements of one query string are one
-    transaction, which the ``SET LOCAL`` ends with. Nothing is set on the connection itself, so
-    this holds through a pooler in transaction mode too (PgBouncer passes no ``options`` startup
-    parameter, and a server connection there serves other clients next)."""
-    global _undurable
-    if _undurable is None:
-        made = _new_engine(pool_size=2)
-
-        @event.listens_for(made, "before_cursor_execute", retval=True)
-        def _no_flush(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
-                      executemany: bool) -> tuple[str, Any]:
-            return _UNDURABLE + statement, parameters
-
-        _undurable = made
-    return _undurable
-
-
 IDLE_PING_S = 2.0
 _LAST_USED = "voice_tools_last_used"
 
@@ -114,11 +90,10 @@ def _ping_when_idle(engine: Engine) -> None:
 
 def dispose() -> None:
     """Forget this process's engine (after a fork, or when DATABASE_URL changes)."""
-    global _engine, _undurable, _factory
-    for made in (_engine, _undurable):
-        if made is not None:
-            made.dispose(close=False)
-    _engine = _undurable = None
+    global _engine, _factory
+    if _engine is not None:
+        _engine.dispose(close=False)
+    _engine = None
     _factory = None
 
 
@@ -157,25 +132,15 @@ def _forget_after_commit(s: Session) -> None:
 
 
 @contextmanager
-def statement(durable: bool = True) -> Iterator[Connection]:
+def statement() -> Iterator[Connection]:
     """A connection whose every statement is its own transaction (autocommit): for the hot
     paths, where one statement (a compare-and-set, a data-modifying CTE) is the whole work.
-
-    ``durable=False``: the commit returns before its WAL record is flushed to disk (1 to 4 ms
-    here, the most of a link's statement): atomic, isolated and at once visible to every other transaction as
-    ever, but lost if the database server itself crashes in the next few hundred
-    milliseconds, before any later durable commit (which flushes the WAL up to it) or the WAL
-    writer. Only for a statement whose loss is repaired by what the system does anyway and
-    that nothing outside the database acts on before a durable commit (no hot path needs it
-    now: a link's gate before a step without side effect is a read). Not the record of a
-    callback attempt: the relay has acted on it, and every attempt is recorded (docs/promises.md,
-    'Events and their order').
 
     psycopg2's own ``autocommit`` switch, not SQLAlchemy's ``AUTOCOMMIT`` isolation level:
     that one makes psycopg2 send a ``SET default_transaction_isolation`` each time (a round
     trip). SQLAlchemy's begin and rollback around it are then no-ops at the driver.
     """
-    with (engine() if durable else _undurable_engine()).connect() as conn:
+    with engine().connect() as conn:
         raw = conn.connection.dbapi_connection
         raw.autocommit = True
         try:

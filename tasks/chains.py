@@ -131,7 +131,7 @@ class Link(base.Task):
                                           call.caller or ""))
         if commit and call.effect_claimed_by != token:  # another attempt holds a live claim
             if holder_gone(call.effect_claimed_by):  # ... but its process was killed: this copy goes on
-                with db.statement(durable=True) as s:
+                with db.statement() as s:
                     taken = lifecycle.take_over_claim(s, tool_call_id, step.name, call.effect_claimed_by, token,
                                                       tool.time_limit + 10)
                 call = taken or call

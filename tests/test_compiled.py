@@ -139,11 +139,20 @@ def test_an_expanding_list_goes_through_sqlalchemy():
 
 
 def test_a_cursor_hook_sees_the_statement():
-    """``db.statement(durable=False)`` puts ``SET LOCAL synchronous_commit TO off`` in front of each statement
-    by a cursor hook: a compiled statement run there goes through it."""
+    """A ``before_cursor_execute`` listener on the engine (here one that puts ``SET LOCAL
+    synchronous_commit TO off`` in front of each statement) sees a compiled statement run there too."""
+    from sqlalchemy import event
+
+    def no_flush(conn, cursor, statement, parameters, context, executemany):
+        return "SET LOCAL synchronous_commit TO off; " + statement, parameters
+
     setting = Compiled(select(text("current_setting('synchronous_commit') AS sync")))
-    with db.statement(durable=False) as s:
-        assert setting.one_or_none(s, {}).sync == "off"
+    event.listen(db.engine(), "before_cursor_execute", no_flush, retval=True)
+    try:
+        with db.statement() as s:
+            assert setting.one_or_none(s, {}).sync == "off"
+    finally:
+        event.remove(db.engine(), "before_cursor_execute", no_flush)
     with db.statement() as s:
         assert setting.one_or_none(s, {}).sync == "on"
 

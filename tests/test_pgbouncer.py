@@ -222,27 +222,3 @@ def test_the_system_runs_through_pgbouncer_in_transaction_mode_and_only_listen_c
         [stats] = [s for s in admin(bouncer_port, user, "SHOW STATS") if s["database"] == dsn["dbname"]]
         assert stats["total_xact_count"] >= 20, stats
     assert "ERROR" not in worker.log(), worker.log()[-3000:]
-
-
-def test_commits_without_the_wal_flush_keep_their_setting_to_themselves_through_the_bouncer(monkeypatch):
-    """``db.statement(durable=False)`` turns ``synchronous_commit`` off for its own statement only: no
-    startup parameter (PgBouncer refuses ``options``), nothing left on a server connection that serves
-    the durable statements next."""
-    from sqlalchemy import text
-
-    from models import db
-
-    setting = text("SELECT current_setting('synchronous_commit')")
-    with pgbouncer(os.environ["DATABASE_URL"]) as (bounced, _):
-        monkeypatch.setenv("DATABASE_URL", bounced)
-        db.dispose()
-        try:
-            for _ in range(3):
-                with db.statement(durable=False) as conn:
-                    assert conn.execute(setting).scalar_one() == "off"
-                with db.statement() as conn:
-                    assert conn.execute(setting).scalar_one() == "on"
-                with db.session() as s:
-                    assert s.execute(setting).scalar_one() == "on"
-        finally:
-            db.dispose()
