@@ -10,7 +10,7 @@ L2-normalised. No network, and nothing imported changes the process's environmen
 
 That package stores int8 weights that its graph turns back into float32 at load, so
 its matrix products run in float32. The model is rewritten once into
-``$VOICE_TOOLS_DATA_DIR/models/`` (``./.voice-tools/models`` by default: the same folder
+``$VOICE_TOOLS_DATA_DIR/embedding-models/`` (``./.voice-tools/embedding-models`` by default: the same folder
 for the launcher, the CLI and the workers; see :func:`prepared_model`), at
 ``voice-tools run`` / ``load-demo`` / ``ingest``: the weights dequantized, each layer's
 attention fused into onnxruntime's ``MultiHeadAttention``, GELU into ``Gelu``,
@@ -177,8 +177,9 @@ _prepare_lock = threading.Lock()
 
 
 def model_cache_dir() -> Path:
-    """``<data dir>/models``: ``$VOICE_TOOLS_DATA_DIR/models``, else ``./.voice-tools/models`` (never the temp dir)."""
-    return settings.data_dir() / "models"
+    """``<data dir>/embedding-models`` (``settings.model_dir``): ``$VOICE_TOOLS_DATA_DIR/embedding-models``, else
+    ``./.voice-tools/embedding-models`` (never the temp dir)."""
+    return settings.model_dir()
 
 
 def source_model() -> Path:

@@ -180,6 +180,18 @@ def data_dir() -> Path:
     return Path(os.environ.get("VOICE_TOOLS_DATA_DIR") or ".voice-tools").resolve()
 
 
+# the prepared embedding model's folder in the data dir: not a Python name, so that a process working in
+# the data dir (the Procfile's lines, the run's migration: it is first on their path) never imports it in
+# place of a package of ours, as a folder named "models" was imported in place of ``models``
+MODEL_FOLDER = "embedding-models"
+OLD_MODEL_FOLDER = "models"  # where a data dir made before kept it (``voice_tools.launcher`` moves it)
+
+
+def model_dir() -> Path:
+    """``<data dir>/embedding-models``: the prepared embedding model of every process of one system."""
+    return data_dir() / MODEL_FOLDER
+
+
 def api_tokens() -> list[str]:
     """``VOICE_TOOLS_API_TOKENS`` alone (every request reads it: not the whole of :func:`load`)."""
     return _list("VOICE_TOOLS_API_TOKENS")

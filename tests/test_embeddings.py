@@ -96,7 +96,7 @@ def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path,
 
     monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
     path = embeddings.prepared_model()  # made here: this data dir has none yet
-    assert path.parent == tmp_path / "models" and path.name.startswith("all-MiniLM-L6-v2-int8-dyn-")
+    assert path.parent == tmp_path / "embedding-models" and path.name.startswith("all-MiniLM-L6-v2-int8-dyn-")
     # no half-written file left behind: the model, its recorded sha256, the lock the processes share
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f"{path.name}.sha256", ".prepare.lock"])
     assert (path.parent / f"{path.name}.sha256").read_text().strip() == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -134,18 +134,18 @@ def test_a_damaged_prepared_model_is_made_again_and_a_changed_package_model_refu
 
 
 def test_every_process_keeps_the_model_in_the_data_dir_never_the_temp_dir(tmp_path):
-    """The launcher, the CLI and the workers all find the model in <data dir>/models: VOICE_TOOLS_DATA_DIR,
+    """The launcher, the CLI and the workers all find the model in <data dir>/embedding-models: VOICE_TOOLS_DATA_DIR,
     else ./.voice-tools of the folder they run in (as the embedded servers' data)."""
     code = "from backends import embeddings; print(embeddings.model_cache_dir())"
     env = {k: v for k, v in os.environ.items() if k != "VOICE_TOOLS_DATA_DIR"}
     bare = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert bare == str(tmp_path.resolve() / ".voice-tools" / "models")
+    assert bare == str(tmp_path.resolve() / ".voice-tools" / "embedding-models")
     assert not bare.startswith(tempfile.gettempdir() + "/voice-tools")
     given = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
                            env={**env, "PYTHONPATH": str(ROOT), "VOICE_TOOLS_DATA_DIR": str(tmp_path / "data")},
                            capture_output=True, text=True, check=True).stdout.strip()
-    assert given == str(tmp_path / "data" / "models")
+    assert given == str(tmp_path / "data" / "embedding-models")
 
 
 def test_importing_and_using_search_changes_nothing_in_the_environment(tmp_path):
@@ -231,3 +231,26 @@ def test_summary_model_writes_the_spoken_summary(openai_api, monkeypatch):
                                                                 "Northwest region."
     assert documents.summarise("anything", []) == "No matching documents."  # nothing found: no request
     assert len(openai_api.requests_to("POST", r"/v1/chat/completions$")) == 2
+
+
+def test_a_process_working_in_the_data_dir_imports_the_code_not_the_model_folder(tmp_path):
+    """The Procfile's processes and ``voice-tools run``'s migration work in the data dir, which is first
+    on their path: the prepared model's folder there must not shadow a package of ours (a folder named
+    ``models`` was imported as a namespace package in place of ``models``: a second run failed to migrate)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VOICE_TOOLS_DATA_DIR": str(tmp_path)}
+    folder = subprocess.run([sys.executable, "-c", "from backends import embeddings; print(embeddings.model_cache_dir())"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    Path(folder).mkdir(parents=True)
+    imported = subprocess.run([sys.executable, "-c", "import models; models.import_all(); print(models.__file__)"],
+                              cwd=tmp_path, env={**env, "PYTHONPATH": ""}, capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    assert imported.stdout.strip() == str(ROOT / "models" / "__init__.py")
+
+
+def test_a_data_dir_made_before_has_its_model_folder_moved_before_the_run_starts(tmp_path):
+    from voice_tools import launcher
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "model.onnx").write_bytes(b"m")
+    launcher._move_old_model_folder(tmp_path)
+    assert not (tmp_path / "models").exists() and (tmp_path / "embedding-models" / "model.onnx").read_bytes() == b"m"

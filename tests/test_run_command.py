@@ -454,9 +454,9 @@ def test_the_demo_plays_the_calendar_and_docs_scenarios_on_the_demo_data(system,
 
 
 def test_the_embedding_model_was_prepared_once_in_the_data_dir_before_the_first_query(system):
-    """After the docs demo's searches: `voice-tools run` prepared the offline model in <data dir>/models
+    """After the docs demo's searches: `voice-tools run` prepared the offline model in <data dir>/embedding-models
     before the workers started; the worker only loaded it (it never says it prepares one)."""
-    models = system.data_dir / "models"
+    models = system.data_dir / "embedding-models"
     made = sorted(p.name for p in models.iterdir() if not p.name.startswith("."))
     assert len(made) == 2 and made[0].endswith(".onnx") and made[1] == f"{made[0]}.sha256", made
     assert "preparing the offline embedding model" not in system.output()

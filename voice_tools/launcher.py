@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from models import logs
+from models import logs, settings
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
                                  record_run, stop_servers)
 
@@ -248,10 +248,22 @@ def prepare_model() -> None:
     embeddings.prepare()
 
 
+def _move_old_model_folder(data_dir: Path) -> None:
+    """A data dir made before keeps its prepared model in ``models``, which a process working there
+    imports in place of the ``models`` package: renamed to ``settings.MODEL_FOLDER`` before any of them starts."""
+    old, new = data_dir / settings.OLD_MODEL_FOLDER, data_dir / settings.MODEL_FOLDER
+    if old.is_dir() and not (old / "__init__.py").exists():
+        if new.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(new)
+
+
 def _prepare_in_child(data_dir: Path) -> None:
     """``prepare`` in a child process, so this one (which lives as long as the run) never holds
     what migrating and loading the demo import (Alembic, the embedding model for the documents).
     It works in the data dir, as the Procfile's processes do: ``-c`` puts its folder first on the path."""
+    _move_old_model_folder(data_dir)
     done = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; sys.exit(launcher.prepare())"],
                           cwd=data_dir, env={**os.environ, "VOICE_TOOLS_DATA_DIR": str(data_dir)})
     if done.returncode != 0:
