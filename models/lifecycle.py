@@ -135,11 +135,14 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
 
 
 CALLS = ToolCall.__table__
-# What the rows of a link's gate and step records carry (several a call): every column but the
-# histories, which no link reads and which grow with every transition (each one costs its conversion
-# to text in PostgreSQL and its parsing here, on every such statement). A transition of the status
-# (a checkpoint, the completion) returns every column.
-ROW_COLUMNS = tuple(c for c in CALLS.c if c.name not in ("status_history", "parameters_history"))
+# What the rows of a link's statements carry (its gate, its step's record, a checkpoint, the completion:
+# several a call): the columns a link reads, no more. Every other column costs its conversion to text in
+# PostgreSQL and its parsing here (a timestamp, a JSON document) on every such statement: 0.1 ms of a
+# pool child's CPU a statement for the whole row. The histories above all grow with every transition.
+LINK_COLUMNS = tuple(CALLS.c[name] for name in (
+    "tool_call_id", "session_id", "caller", "function_name", "status", "current_step", "progress", "parameters",
+    "step_outputs",
+    "workflow_id", "event_seq", "effect_claimed_by", "effect_claimed_until", "effect_attempts"))
 
 
 def _cas(
@@ -496,7 +499,7 @@ def begin_step(s: Executor, tool_call_id: str, step: str, progress: float, commi
 
     params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_chain": chain, "p_token": token,
               "p_lease": timedelta(seconds=lease_s)}
-    return _transition_row(s, ("begin_step", commit, chain is not None), params, make, columns=ROW_COLUMNS)
+    return _transition_row(s, ("begin_step", commit, chain is not None), params, make, columns=LINK_COLUMNS)
 
 
 _GATE: dict[bool, Compiled] = {}
@@ -510,7 +513,7 @@ def gate(s: Executor, tool_call_id: str, chain: str | None = None) -> Row[Any] |
     stmt = _GATE.get(chain is not None)
     if stmt is None:
         fence = [CALLS.c.workflow_id == P_CHAIN] if chain is not None else []
-        stmt = _GATE[chain is not None] = Compiled(select(*ROW_COLUMNS).where(
+        stmt = _GATE[chain is not None] = Compiled(select(*LINK_COLUMNS).where(
             CALLS.c.tool_call_id == P_ID, CALLS.c.status == EXECUTING, *fence))
     return stmt.one_or_none(s, {"p_id": tool_call_id, "p_chain": chain})
 
@@ -602,7 +605,7 @@ def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress
     return _transition_row(s, ("record_step", token is not None, chain is not None),
                            {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
                             "p_chain": chain, "p_token": token},
-                           make, event, columns=ROW_COLUMNS)
+                           make, event, columns=LINK_COLUMNS)
 
 
 def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
@@ -621,7 +624,7 @@ def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, outpu
 
     params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
               "p_history": _entry(PREPARED, f"Checkpoint {step}")}
-    return _transition_row(s, ("checkpoint", output is None), params, make, event)
+    return _transition_row(s, ("checkpoint", output is None), params, make, event, columns=LINK_COLUMNS)
 
 
 def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "Queue unavailable") -> ToolCall | None:
@@ -668,7 +671,7 @@ def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_respo
         )
 
     params = {"p_id": tool_call_id, "p_result": result, "p_voice": voice_response, "p_context_key": context_key}
-    return _transition_row(s, ("complete", bool(context_key)), params, make, event)
+    return _transition_row(s, ("complete", bool(context_key)), params, make, event, columns=LINK_COLUMNS)
 
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
