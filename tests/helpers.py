@@ -46,13 +46,23 @@ def wait_status(tool_call_id: str, statuses: tuple[str, ...] | str = TERMINAL, t
         time.sleep(0.02)
 
 
-def deliveries(tool_call_id: str, event: str | None = None) -> list[CallbackDelivery]:
-    """The call's callback rows (of one event type if given), in ``seq`` order."""
+def deliveries(tool_call_id: str, event: str | None = None, settle_s: float = 5.0) -> list[CallbackDelivery]:
+    """The call's callback rows (of one event type if given), in ``seq`` order, once none is in flight.
+
+    A row ``pending`` with no attempt recorded is on its way: being posted, or posted and its delivered
+    attempt waiting for its worker's recording thread (``tasks/delivery/delivered.py``, a moment later);
+    a failed attempt is recorded at once. Waited for, up to ``settle_s`` seconds (then the rows as they
+    are: a worker that died leaves its rows so, for the retry sweep)."""
     stmt = select(CallbackDelivery).where(CallbackDelivery.tool_call_id == tool_call_id)
     if event:
         stmt = stmt.where(CallbackDelivery.event == event)
-    with db.session() as s:
-        return list(s.scalars(stmt.order_by(CallbackDelivery.seq)))
+    deadline = time.monotonic() + settle_s
+    while True:
+        with db.session() as s:
+            rows = list(s.scalars(stmt.order_by(CallbackDelivery.seq)))
+        if time.monotonic() >= deadline or not any(r.state == "pending" and r.attempts == 0 for r in rows):
+            return rows
+        time.sleep(0.02)
 
 
 def progress_event(callback_url: str) -> tuple[str, str]:

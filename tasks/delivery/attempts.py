@@ -34,6 +34,7 @@ from models.calls import CallbackDelivery
 from models.compiled import Compiled
 from tasks.worker import metrics
 from tasks.delivery import answers
+from tasks.delivery import delivered as delivered_attempts
 from tasks.delivery.signing import sign, sign_standard
 from tasks.delivery.url_policy import delivery_route
 from tasks.celery_app import app
@@ -100,7 +101,9 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
 
     ``later``: where to leave the recording of the attempt to be run once the caller's
     work is done (a link: after its chain's next link is sent), so the caller does not
-    wait for it. An answer asking to cancel is recorded at once, before the cancel.
+    wait for it; there a delivered attempt is handed to the process's recording thread
+    (``tasks/delivery/delivered.py``: recorded with the others of the moment by one
+    statement). An answer asking to cancel is recorded at once, before the cancel.
     ``timeout`` None: the inline timeout.
     """
     cfg = settings.load()
@@ -147,10 +150,14 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
         state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
         metrics.callback_attempt(delivery.event, state, seconds)
 
+    def hand_over() -> None:  # a delivered attempt: recorded with the others of the moment, off the link's clock
+        delivered_attempts.record(event_id, code, note)
+        metrics.callback_attempt(delivery.event, "delivered", seconds)
+
     if later is None or relay_cancels:
         record_it()
     else:
-        later(record_it)
+        later(hand_over if delivered else record_it)
     if relay_cancels:
         dispatch_quietly(answers.cancel(delivery.tool_call_id, reason))
     return Answer(delivered=delivered, cancel=cancel, reason=reason)

@@ -1,0 +1,155 @@
+"""The delivered attempts of a process's links, recorded in batches by one thread, off the links' clock.
+
+Every attempt to post an event is recorded on its row (``tasks/delivery/attempts.py``). A link
+posts its event inline; recording that attempt with a statement of its own cost the pool child a
+round trip and a durable commit a link, after its chain's next link was sent, while that next link
+ran beside it on the same cores. A delivered attempt of a link is handed here instead: one thread
+of the process (made again in a forked child) waits :data:`LINGER_S` after an attempt arrives, so
+that the attempts of the next moments (a chain's next links, other chains' links) join it, and
+records them all with one statement.
+
+What a delivered attempt records is known when it is handed over: ``delivered``, its response
+code and its time (``delivered_at`` is the attempt's, not the batch's). A failed attempt, and an
+answer asking to cancel, are recorded by the link itself at once: a retry is scheduled from the
+row, and a cancel acts on it.
+
+Until its batch is recorded the row stays ``pending``, due again when the lease the link's post
+took ends (``models/events.py``, ``lease_s``). So if the process dies first (a pool child killed,
+the database away for longer than the thread's tries), the retry sweep posts the event again,
+with the same ``event_id`` (the relay drops the duplicate), and that attempt is recorded. A worker
+that stops cleanly records what it holds first (:func:`drain`, on ``worker_process_shutdown``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from celery.signals import worker_process_shutdown
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import JSONB
+
+from models import db
+from models.compiled import Compiled
+
+log = logging.getLogger(__name__)
+
+LINGER_S = 0.05  # how long the first attempt of a batch waits for others to join it
+BATCH = 500  # attempts recorded by one statement at most
+TRIES = 3  # a batch the database refuses is tried again, RETRY_S apart, then left to the retry sweep
+RETRY_S = 1.0
+DRAIN_S = 5.0  # how long a stopping process waits for its attempts to be recorded
+
+# one statement for a batch: each row still pending takes its delivered attempt
+_RECORD = Compiled(text("""
+UPDATE callback_deliveries AS d
+SET state = 'delivered', attempts = d.attempts + 1, response_code = v.code, last_error = NULL,
+    next_attempt_at = NULL, delivered_at = v.at,
+    attempt_log = d.attempt_log || jsonb_build_array(v.entry)
+FROM jsonb_to_recordset(:batch) AS v(event_id text, code integer, at timestamptz, entry jsonb)
+WHERE d.event_id = v.event_id AND d.state = 'pending'
+""").bindparams(bindparam("batch", type_=JSONB)))
+
+
+class _Recorder:
+    """The process's recording thread: takes attempts from :meth:`put`, records them in batches."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.waiting: list[dict[str, Any]] = []
+        self.ready = threading.Condition()
+        self.busy = False  # a batch is being recorded
+        self.batches = 0  # statements run
+        self.thread = threading.Thread(target=self._run, name="delivered-attempts", daemon=True)
+        self.thread.start()
+
+    def put(self, attempt: dict[str, Any]) -> None:
+        with self.ready:
+            self.waiting.append(attempt)
+            self.ready.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every attempt handed over is recorded (or given up); False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self.ready:
+            while self.waiting or self.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.ready.wait(min(left, 0.05))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                while not self.waiting:
+                    self.ready.wait()
+                self.busy = True
+            time.sleep(LINGER_S)  # the attempts of the next moments join this batch
+            with self.ready:
+                batch, self.waiting = self.waiting[:BATCH], self.waiting[BATCH:]
+            try:
+                self._record(batch)
+            finally:
+                with self.ready:
+                    self.busy = False
+                    self.ready.notify_all()
+
+    def _record(self, batch: list[dict[str, Any]]) -> None:
+        for attempt in range(1, TRIES + 1):
+            try:
+                with db.statement() as s:  # one statement, its own transaction
+                    _RECORD.execute(s, {"batch": batch})
+                self.batches += 1
+                return
+            except Exception as exc:  # the database is away: its rows stay pending, for the retry sweep
+                if attempt == TRIES:
+                    log.warning("%d delivered attempts not recorded (the retry sweep posts them again): %s",
+                                len(batch), exc)
+                    return
+                time.sleep(RETRY_S)
+
+
+_recorders: dict[int, _Recorder] = {}
+_lock = threading.Lock()
+
+
+def recorder() -> _Recorder:
+    """This process's recording thread (started at its first attempt; a forked child starts its own)."""
+    pid = os.getpid()
+    found = _recorders.get(pid)
+    if found is None:
+        with _lock:
+            found = _recorders.get(pid)
+            if found is None:
+                _recorders.clear()  # a parent's, inherited by this forked child: its thread is not here
+                found = _recorders[pid] = _Recorder()
+    return found
+
+
+def attempt(event_id: str, code: int | None, note: str | None) -> dict[str, Any]:
+    """A delivered attempt of ``event_id`` made just now, answered with ``code``, as the batch carries it."""
+    at = datetime.now(timezone.utc).isoformat()
+    entry: dict[str, Any] = {"at": at, "response_code": code, "error": None}
+    if note:
+        entry["note"] = note
+    return {"event_id": event_id, "code": code, "at": at, "entry": entry}
+
+
+def record(event_id: str, code: int | None, note: str | None = None) -> None:
+    """Hand over a delivered attempt of ``event_id`` (answered with ``code``), made just now."""
+    recorder().put(attempt(event_id, code, note))
+
+
+def drain(timeout: float = DRAIN_S) -> bool:
+    """Record what this process has handed over (a process about to stop; a test that reads the rows)."""
+    found = _recorders.get(os.getpid())
+    return True if found is None else found.drain(timeout)
+
+
+@worker_process_shutdown.connect
+def _drain_before_exit(**_: Any) -> None:
+    drain()
