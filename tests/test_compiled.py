@@ -63,7 +63,7 @@ def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns():
         with s.begin_nested() as sp:
             assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event) is not None
             sp.rollback()
-    built = lifecycle._BUILT[(("record_step", False, False), event.shape)]
+    built = lifecycle._BUILT[(("record_step", False, False), event.shape, False)]  # in a session: not numbered
     params = {"p_id": tool_call_id, "p_step": "SENDING", "p_progress": 0.5, "p_output": {"id": "m1"},
               "p_chain": None, "p_token": None, **event.params}
     by_sqlalchemy, by_cursor = both_ways(built, params)

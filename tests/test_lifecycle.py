@@ -203,19 +203,24 @@ def test_happy_path_with_checkpoint():
     call = make_call()
     executing = to_executing(call.tool_call_id)
     assert executing.status == "EXECUTING" and executing.confirmed_at is not None
+    # a link's statements return the columns a link reads (lifecycle.LINK_COLUMNS): the rest is read back
     step = apply(lifecycle.begin_step, call.tool_call_id, "PREPARING", 0.0)
-    assert step.executed_at is not None and step.attempts == 1 and step.current_step == "PREPARING"
+    assert step.current_step == "PREPARING"
+    assert row(call.tool_call_id).executed_at is not None and row(call.tool_call_id).attempts == 1
     recorded = apply(lifecycle.record_step, call.tool_call_id, "PREPARING", {"draft": 1}, 0.25)
     assert recorded.step_outputs == {"PREPARING": {"draft": 1}} and recorded.progress == 0.25
     prepared = apply(lifecycle.checkpoint, call.tool_call_id, "READY_TO_SEND", 0.25)
-    assert prepared.status == "PREPARED" and prepared.prepared_at is not None
-    assert prepared.execution_time_ms is not None
+    assert prepared.status == "PREPARED"
+    prepared = row(call.tool_call_id)
+    assert prepared.prepared_at is not None and prepared.execution_time_ms is not None
     resumed = apply(lifecycle.resume, call.tool_call_id)
     assert resumed.status == "EXECUTING" and resumed.resumed_at is not None
     committed = apply(lifecycle.commit_point, call.tool_call_id, "SENDING")
     assert committed.committed_at is not None
     done = apply(lifecycle.complete, call.tool_call_id, {"message_id": "m"}, "Email sent.")
-    assert done.status == "COMPLETED" and done.completed_at is not None and done.progress == 1.0
+    assert done.status == "COMPLETED" and done.progress == 1.0
+    done = row(call.tool_call_id)
+    assert done.completed_at is not None
     assert done.result == {"message_id": "m"} and done.voice_response == "Email sent."
     assert done.execution_time_ms >= prepared.execution_time_ms
     assert statuses(done) == ["PENDING", "EXECUTING", "PREPARED", "EXECUTING", "COMPLETED"]
