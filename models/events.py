@@ -47,15 +47,18 @@ class Event:
 
     ``build(moved)`` is the INSERT of its row from the transition's returned row (a CTE
     named ``moved`` whose ``event_seq`` is the event's number), the same for every event
-    of one ``shape``, with ``params`` for its bind parameters.
+    of one ``shape``, with ``params`` for its bind parameters. ``numbered``: the statement is
+    its own transaction (autocommit), so it takes the row's place in the stream's order
+    itself (``commit_seq``, under the lock that orders them, held until its commit; migration
+    0017); in a longer transaction the row is numbered at the commit, by the trigger.
     """
 
     def __init__(self, shape: tuple[str, bool, bool], params: dict[str, Any]):
         self.shape = shape  # (event, requires_confirmation, inline): what the INSERT looks like
         self.params = params
 
-    def build(self, moved: Any) -> Insert:
-        return _insert(moved, *self.shape)
+    def build(self, moved: Any, numbered: bool = False) -> Insert:
+        return _insert(moved, *self.shape, numbered=numbered)
 
 
 def event(
@@ -96,8 +99,9 @@ def event(
     })
 
 
-def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -> Insert:
-    """The INSERT of an :class:`Event`'s row (bind parameters ``ev_*``) from the transition's row ``moved``."""
+def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool, numbered: bool = False) -> Insert:
+    """The INSERT of an :class:`Event`'s row (bind parameters ``ev_*``) from the transition's row ``moved``
+    (``numbered``: with its ``commit_seq``, see :class:`Event`)."""
     def text_param(name: str) -> Any:
         return bindparam(name, type_=Text)
 
@@ -124,10 +128,11 @@ def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool) -
         bindparam("ev_id", type_=String), moved.c.tool_call_id, moved.c.session_id, literal(event),
         moved.c.event_seq, payload, url, case((url.is_(None), "none"), else_="pending"), literal(0),
         case((url.is_not(None), lease), else_=None) if inline else null(),
+        *([func.voice_tools_event_number()] if numbered else []),
     )
     return insert(CallbackDelivery).from_select(
         ["event_id", "tool_call_id", "session_id", "event", "seq", "payload", "url", "state", "attempts",
-         "next_attempt_at"], chosen,
+         "next_attempt_at", *(["commit_seq"] if numbered else [])], chosen,
     ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
                 CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 
 from sqlalchemy import (
     ColumnElement,
+    Connection,
     Integer,
     Row,
     and_,
@@ -208,7 +209,9 @@ def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], m
     data-modifying CTE): the returned row then also holds the columns the event's INSERT
     returns. A transition that does not apply inserts nothing.
     """
-    shape = (key, event.shape if event is not None else None)
+    # a statement that is its own transaction numbers its event in the stream's order itself
+    numbered = event is not None and isinstance(s, Connection) and bool(s.connection.dbapi_connection.autocommit)
+    shape = (key, event.shape if event is not None else None, numbered)
     built = _BUILT.get(shape)
     if built is None:
         cas = make()
@@ -216,7 +219,7 @@ def _transition_row(s: Executor, key: tuple[Any, ...], params: dict[str, Any], m
             stmt = cas.returning(*columns)
         else:
             moved = cas.values(event_seq=CALLS.c.event_seq + 1).returning(*CALLS.c).cte("moved")
-            added = event.build(moved).cte("added")
+            added = event.build(moved, numbered).cte("added")
             stmt = select(*(moved.c[c.name] for c in columns), added).select_from(moved.join(added, true()))
         built = _BUILT[shape] = Compiled(stmt)
     return built.one_or_none(s, {**params, **event.params} if event is not None else params)

@@ -11,7 +11,10 @@ fails as any other (an ``OperationalError``, answered 503 like every database ou
 The event stream: the events are the callback rows themselves, in ``commit_seq`` order: a
 number each row takes when its transaction commits (migration 0012: a deferred constraint
 trigger takes a transaction-scoped advisory lock of this database, then ``nextval``; the lock
-is released only after the commit is visible). Why that order has no gap a reader can miss:
+is released only after the commit is visible). A statement that is its own transaction (a
+link's, in autocommit) takes the lock and the number itself, in the INSERT of its event
+(migration 0017): its commit follows at once, so the lock is held as long, and the row is
+written once instead of twice. Why that order has no gap a reader can miss:
 two transactions that number events hold the lock one after the other, so the one that took
 the smaller number was visible before the other took its number; a reader whose snapshot sees
 event ``n`` therefore sees every committed event numbered below ``n``, and a number it never

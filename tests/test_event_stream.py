@@ -505,3 +505,53 @@ def test_the_metrics_page_counts_the_event_streams_open(api_url):
     while _streams_open_on_the_metrics_page(api_url) > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _streams_open_on_the_metrics_page(api_url) == before
+
+
+def test_a_statement_that_is_its_own_transaction_numbers_its_event_and_writes_the_row_once():
+    """A link's statement (autocommit) takes its event's place in the stream's order itself, under the
+    lock that orders them: the row is written once. An event recorded in a longer transaction is
+    numbered at its commit by the trigger, which writes its row a second time; it sorts after."""
+    from sqlalchemy import select, text
+
+    from models import db, events, lifecycle, queries
+    from models.calls import CallbackDelivery
+    from tasks.delivery.events import record
+
+    counting = [
+        "CREATE TABLE test_row_writes (n integer NOT NULL)",
+        "INSERT INTO test_row_writes VALUES (0)",
+        "CREATE FUNCTION test_count_row_write() RETURNS trigger AS $$ BEGIN "
+        "UPDATE test_row_writes SET n = n + 1; RETURN NULL; END; $$ LANGUAGE plpgsql",
+        "CREATE TRIGGER test_count_row_write AFTER UPDATE ON callback_deliveries "
+        "FOR EACH ROW EXECUTE FUNCTION test_count_row_write()",
+    ]
+    with db.engine().begin() as conn:
+        for statement in counting:
+            conn.execute(text(statement))
+
+    def writes_and_number(event_id: str) -> tuple[int, int | None]:
+        with db.engine().connect() as conn:
+            n = conn.execute(text("SELECT n FROM test_row_writes")).scalar_one()
+            number = conn.execute(select(CallbackDelivery.commit_seq)
+                                  .where(CallbackDelivery.event_id == event_id)).scalar_one()
+        return n, number
+
+    try:
+        call = make_call(callback_url="http://127.0.0.1:9/x")
+        with db.session() as s:
+            lifecycle.confirm(s, call.tool_call_id)
+        with db.statement() as s:
+            moved = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25, event=events.event(
+                "progress", step="PREPARING", gate=1, progress=0.25, inline=True))
+        writes, first = writes_and_number(moved.delivery_event_id)
+        assert writes == 0 and first is not None
+
+        with db.session() as s:
+            later = record(s, queries.get(s, call.tool_call_id), "progress", step="PREPARING", gate=1)
+        writes, second = writes_and_number(later.event_id)
+        assert writes == 1 and second is not None and second > first
+    finally:
+        with db.engine().begin() as conn:
+            conn.execute(text("DROP TRIGGER test_count_row_write ON callback_deliveries"))
+            conn.execute(text("DROP FUNCTION test_count_row_write()"))
+            conn.execute(text("DROP TABLE test_row_writes"))
