@@ -100,19 +100,32 @@ class _Counts:
     def __init__(self) -> None:
         url = settings.redis_url()
         self.client: redis.Redis | None = None
-        self.storage: Storage
+        self._memory: Storage | None = None
+        self._threads = threading.local()  # with Redis: this thread's limiter, on a connection of its own
         if url:
             url = url.replace("redis+socket://", "unix://", 1)
             self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-            self.storage = RedisStorage("redis://", connection_pool=self.client.connection_pool,
-                                        key_prefix=f"{KEY_PREFIX}:rate")
             self.take = self.client.register_script(_TAKE)
             self.renew = self.client.register_script(_RENEW)
         else:
-            self.storage = MemoryStorage()
-        self.limiter = SlidingWindowCounterRateLimiter(self.storage)
+            self._memory = MemoryStorage()
+            self._shared = SlidingWindowCounterRateLimiter(self._memory)
         self.local: dict[str, dict[str, float]] = {}  # without Redis: caller -> {slot: lease end}
         self.lock = threading.Lock()
+
+    @property
+    def limiter(self) -> SlidingWindowCounterRateLimiter:
+        """The rate's counter. With Redis, one per thread, holding a connection of the pool for the thread's
+        life: the count is every request's one round trip, and redis-py's taking and giving back a pooled
+        connection cost as much CPU again as the command (py-spy of the API under load)."""
+        if self.client is None:
+            return self._shared
+        limiter = getattr(self._threads, "limiter", None)
+        if limiter is None:
+            storage = RedisStorage("redis://", connection_pool=self.client.connection_pool,
+                                   key_prefix=f"{KEY_PREFIX}:rate", single_connection_client=True)
+            limiter = self._threads.limiter = SlidingWindowCounterRateLimiter(storage)
+        return limiter
 
 
 _counts: tuple[int, str, _Counts] | None = None
