@@ -11,13 +11,15 @@ import functools
 from datetime import datetime, timedelta
 from typing import Any, Iterable
 
-from sqlalchemy import ColumnElement, Integer, Row, and_, bindparam, cast, func, or_, select, union_all
+from sqlalchemy import ColumnElement, Integer, Row, and_, any_, bindparam, cast, func, or_, select, union_all
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 from sqlalchemy.types import String
 
 from models.calls import (
     COMPLETED, EXECUTING, FAILED, OPEN, PENDING, PREPARED, STATUSES, TERMINAL, CallbackDelivery, ToolCall,
 )
+from models.compiled import Compiled
 from models.db import Executor
 
 CALLS = ToolCall.__table__
@@ -31,36 +33,40 @@ class NotFound(LookupError):
 
 # -- one call, a session's calls ------------------------------------------------
 
+# the API's reads (status, context): built once, run on the driver's cursor (models/compiled.py)
 _GET_ANY = select(CALLS).where(ToolCall.tool_call_id == bindparam("p_id", type_=String))
-_GET_OWN = _GET_ANY.where(ToolCall.caller == bindparam("p_caller", type_=String))
+_GET = {False: Compiled(_GET_ANY),
+        True: Compiled(_GET_ANY.where(ToolCall.caller == bindparam("p_caller", type_=String)))}
 
 
 def get(s: Executor, tool_call_id: str, caller: str | None = None) -> Row[Any]:
-    """The call (a Core row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
-    call = s.execute(_GET_ANY if caller is None else _GET_OWN, {"p_id": tool_call_id, "p_caller": caller}).one_or_none()
+    """The call (a row); :class:`NotFound` when there is none or it is another caller's (``caller`` given)."""
+    call = _GET[caller is not None].one_or_none(s, {"p_id": tool_call_id, "p_caller": caller})
     if call is None:
         raise NotFound(tool_call_id)
     return call
 
 
 @functools.cache
-def _session_calls(own: bool) -> Any:
-    def newest(statuses: tuple[str, ...]) -> Any:
+def _session_calls(own: bool) -> Compiled:
+    def newest(statuses: tuple[str, ...], name: str) -> Any:
         where = [ToolCall.caller == bindparam("p_caller", type_=String)] if own else []
+        # = ANY of a constant array, not IN (a list SQLAlchemy expands at each run): one statement, prepared
         return (select(CALLS).where(ToolCall.session_id == bindparam("p_session", type_=String),
-                                    ToolCall.status.in_(statuses), *where)
+                                    ToolCall.status == any_(bindparam(name, list(statuses), type_=ARRAY(String))),
+                                    *where)
                 .order_by(ToolCall.created_at.desc()).limit(bindparam("p_limit", type_=Integer)))
 
-    both = union_all(newest(OPEN).subquery().select(), newest(TERMINAL).subquery().select()).subquery()
-    return select(both).order_by(both.c.created_at.desc())
+    both = union_all(newest(OPEN, "p_open").subquery().select(),
+                     newest(TERMINAL, "p_ended").subquery().select()).subquery()
+    return Compiled(select(both).order_by(both.c.created_at.desc()))
 
 
 def session_calls(s: Executor, session_id: str, limit: int,
                   caller: str | None = None) -> tuple[list[Row[Any]], list[Row[Any]]]:
     """(the ``limit`` most recent open calls, the ``limit`` most recent terminal calls), newest first;
-    only ``caller``'s calls when given. One statement (built once); Core rows."""
-    rows = s.execute(_session_calls(caller is not None),
-                     {"p_session": session_id, "p_limit": limit, "p_caller": caller}).all()
+    only ``caller``'s calls when given. One statement (built once); rows."""
+    rows = _session_calls(caller is not None).all(s, {"p_session": session_id, "p_limit": limit, "p_caller": caller})
     return [r for r in rows if r.status in OPEN], [r for r in rows if r.status in TERMINAL]
 
 

@@ -55,6 +55,33 @@ def test_a_gate_reads_the_row_sqlalchemy_reads():
     assert_same(*both_ways(lifecycle._GATE[False], {"p_id": tool_call_id, "p_chain": None}))
 
 
+def test_the_apis_reads_return_the_rows_sqlalchemy_returns():
+    """status (one call, every column) and context (a session's open and ended calls, newest first)."""
+    call = make_call(session_id="sess_compiled_reads", callback_url="http://127.0.0.1:9/hook")
+    tool_call_id = call.tool_call_id
+    ended = make_call(session_id=call.session_id)
+    with db.session() as s:
+        lifecycle.confirm(s, tool_call_id)
+        lifecycle.record_step(s, tool_call_id, "PREPARING", {"draft": {"to": ["a@example.com"], "n": 1.5}}, 0.25)
+        lifecycle.cancel(s, ended.tool_call_id, "no")
+    for own in (False, True):
+        assert_same(*both_ways(queries._GET[own], {"p_id": tool_call_id, "p_caller": call.caller}))
+        statement = queries._session_calls(own)
+        params = {"p_session": call.session_id, "p_limit": 10, "p_caller": call.caller}
+        with db.session() as s:
+            by_sqlalchemy = [dict(r._mapping) for r in s.execute(statement.stmt, params)]
+        with db.statement() as s:
+            by_cursor = [dict(r._mapping) for r in statement.all(s, params)]
+        assert [r["tool_call_id"] for r in by_cursor] == [ended.tool_call_id, tool_call_id]
+        assert len(by_cursor) == len(by_sqlalchemy)
+        for mine, theirs in zip(by_cursor, by_sqlalchemy):
+            assert_same(theirs, mine)
+    with db.statement() as s:
+        open_calls, recent = queries.session_calls(s, call.session_id, 10, caller=call.caller)
+    assert ([c.tool_call_id for c in open_calls], [c.tool_call_id for c in recent]) == \
+        ([tool_call_id], [ended.tool_call_id])
+
+
 def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns():
     tool_call_id = executing_call()
     event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", cancellable=False,
