@@ -4,9 +4,9 @@ Every attempt to post an event is recorded on its row (``tasks/delivery/attempts
 posts its event inline; recording that attempt with a statement of its own cost the pool child a
 round trip and a durable commit a link, after its chain's next link was sent, while that next link
 ran beside it on the same cores. A delivered attempt of a link is handed here instead: one thread
-of the process (made again in a forked child) waits :data:`LINGER_S` after an attempt arrives, so
-that the attempts of the next moments (a chain's next links, other chains' links) join it, and
-records them all with one statement.
+of the process (made again in a forked child; ``tasks/worker/lingering.py``) waits :data:`LINGER_S`
+after an attempt arrives, so that the attempts of the next moments (a chain's next links, other
+chains' links) join it, and records them all with one statement.
 
 What a delivered attempt records is known when it is handed over: ``delivered``, its response
 code and its time (``delivered_at`` is the attempt's, not the batch's). A failed attempt, and an
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -34,6 +33,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from models import db
 from models.compiled import Compiled
+from tasks.worker.lingering import LingeringThread, per_process
 
 log = logging.getLogger(__name__)
 
@@ -54,56 +54,17 @@ WHERE d.event_id = v.event_id AND d.state = 'pending'
 """).bindparams(bindparam("batch", type_=JSONB)))
 
 
-class _Recorder:
+class _Recorder(LingeringThread):
     """The process's recording thread: takes attempts from :meth:`put`, records them in batches."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.waiting: list[dict[str, Any]] = []
-        self.ready = threading.Condition()
-        self.busy = False  # a batch is being recorded
-        self.batches = 0  # statements run
-        self.thread = threading.Thread(target=self._run, name="delivered-attempts", daemon=True)
-        self.thread.start()
+        super().__init__("delivered-attempts", LINGER_S, BATCH)
 
-    def put(self, attempt: dict[str, Any]) -> None:
-        with self.ready:
-            self.waiting.append(attempt)
-            self.ready.notify()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every attempt handed over is recorded (or given up); False after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        with self.ready:
-            while self.waiting or self.busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.ready.wait(min(left, 0.05))
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self.ready:
-                while not self.waiting:
-                    self.ready.wait()
-                self.busy = True
-            time.sleep(LINGER_S)  # the attempts of the next moments join this batch
-            with self.ready:
-                batch, self.waiting = self.waiting[:BATCH], self.waiting[BATCH:]
-            try:
-                self._record(batch)
-            finally:
-                with self.ready:
-                    self.busy = False
-                    self.ready.notify_all()
-
-    def _record(self, batch: list[dict[str, Any]]) -> None:
+    def handle(self, batch: list[dict[str, Any]]) -> None:
         for attempt in range(1, TRIES + 1):
             try:
                 with db.statement() as s:  # one statement, its own transaction
                     _RECORD.execute(s, {"batch": batch})
-                self.batches += 1
                 return
             except Exception as exc:  # the database is away: its rows stay pending, for the retry sweep
                 if attempt == TRIES:
@@ -113,21 +74,8 @@ class _Recorder:
                 time.sleep(RETRY_S)
 
 
-_recorders: dict[int, _Recorder] = {}
-_lock = threading.Lock()
-
-
-def recorder() -> _Recorder:
-    """This process's recording thread (started at its first attempt; a forked child starts its own)."""
-    pid = os.getpid()
-    found = _recorders.get(pid)
-    if found is None:
-        with _lock:
-            found = _recorders.get(pid)
-            if found is None:
-                _recorders.clear()  # a parent's, inherited by this forked child: its thread is not here
-                found = _recorders[pid] = _Recorder()
-    return found
+# this process's recording thread (started at its first attempt; a forked child starts its own)
+recorder = per_process(_Recorder)
 
 
 def attempt(event_id: str, code: int | None, note: str | None) -> dict[str, Any]:
@@ -146,7 +94,7 @@ def record(event_id: str, code: int | None, note: str | None = None) -> None:
 
 def drain(timeout: float = DRAIN_S) -> bool:
     """Record what this process has handed over (a process about to stop; a test that reads the rows)."""
-    found = _recorders.get(os.getpid())
+    found = recorder.made.get(os.getpid())
     return True if found is None else found.drain(timeout)
 
 

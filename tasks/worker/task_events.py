@@ -10,8 +10,8 @@ Measured with py-spy on a busy worker: 45 % of its main process's samples.
 Here the event dispatcher is Celery's own (:class:`celery.events.EventDispatcher`: the same
 events, clock, hostname and groups, the same buffering of the ``task`` group), except that the
 publish itself hands the event to a thread of the process (one per process, made again in a
-forked child), which publishes what has queued up in one batch (kombu's ``Producer.batch``: one
-pipeline on Redis) through a broker connection of its own. The thread waits :data:`LINGER_S`
+forked child; ``tasks/worker/lingering.py``), which publishes what has queued up in one batch
+(kombu's ``Producer.batch``: one pipeline on Redis) through a broker connection of its own. The thread waits :data:`LINGER_S`
 after an event arrives before it publishes, so that the events of the next moments go with it: a
 link's four events, and a chain's, cost one pipeline instead of one each (measured on Redis:
 0.25 ms of CPU for an event published alone, 0.06 in a batch of ten, 0.04 in a hundred); Flower
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
 from typing import Any
 
 from celery.app.events import Events as CeleryEvents
 from celery.events.dispatcher import EventDispatcher
+
+from tasks.worker.lingering import LingeringThread, per_process
 
 log = logging.getLogger(__name__)
 
@@ -43,57 +43,16 @@ CLOSE_WAIT_S = 2.0  # how long a closing dispatcher waits for its events to be p
 LINGER_S = 0.1  # how long the first event of a batch waits for others to join it
 
 
-class _Publisher:
+class _Publisher(LingeringThread):
     """The process's publishing thread: takes events from :meth:`put`, publishes them in order."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.pid = os.getpid()
-        self.queue: deque[tuple[Any, ...]] = deque(maxlen=BACKLOG)
-        self.ready = threading.Condition()
-        self.busy = False  # a batch is being published
-        self.dropped = 0
-        self.batches = 0  # batches published (each one pipeline on Redis)
         self.connection: Any = None
         self.producer: Any = None
-        self.thread = threading.Thread(target=self._run, name="task-events", daemon=True)
-        self.thread.start()
+        super().__init__("task-events", LINGER_S, BATCH, backlog=BACKLOG)
 
-    def put(self, item: tuple[Any, ...]) -> None:
-        with self.ready:
-            if len(self.queue) == self.queue.maxlen:
-                self.dropped += 1
-            self.queue.append(item)
-            self.ready.notify()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every queued event is published (at most ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-        with self.ready:
-            while self.queue or self.busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.ready.wait(min(left, 0.05))
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self.ready:
-                while not self.queue:
-                    self.ready.wait()
-                self.busy = True
-            time.sleep(LINGER_S)  # the events of the next moments join this one's batch
-            with self.ready:
-                batch = [self.queue.popleft() for _ in range(min(len(self.queue), BATCH))]
-            try:
-                self._publish_all(batch)
-            finally:
-                with self.ready:
-                    self.busy = False
-                    self.ready.notify_all()
-
-    def _publish_all(self, batch: list[tuple[Any, ...]]) -> None:
+    def handle(self, batch: list[tuple[Any, ...]]) -> None:
         for attempt in (1, 2):
             try:
                 producer = self._producer()
@@ -104,7 +63,6 @@ class _Publisher:
                 else:
                     for item in batch:
                         self._publish(producer, *item)
-                self.batches += 1
                 break
             except Exception as exc:  # the broker is away: a new connection, once more, then drop them
                 self._reset()
@@ -140,21 +98,8 @@ class _Publisher:
                 pass
 
 
-_publishers: dict[int, _Publisher] = {}
-_lock = threading.Lock()
-
-
-def publisher(app: Any) -> _Publisher:
-    """This process's publishing thread (started at its first event; a forked child starts its own)."""
-    pid = os.getpid()
-    found = _publishers.get(pid)
-    if found is None:
-        with _lock:
-            found = _publishers.get(pid)
-            if found is None:
-                _publishers.clear()  # a parent's, inherited by this forked child: its thread is not here
-                found = _publishers[pid] = _Publisher(app)
-    return found
+# this process's publishing thread (started at its first event; a forked child starts its own)
+publisher = per_process(_Publisher)
 
 
 class Dispatcher(EventDispatcher):
@@ -168,8 +113,8 @@ class Dispatcher(EventDispatcher):
                                  self.delivery_mode))
 
     def close(self) -> None:
-        if self.producer is not None and os.getpid() in _publishers:
-            _publishers[os.getpid()].drain(CLOSE_WAIT_S)
+        if self.producer is not None and os.getpid() in publisher.made:
+            publisher.made[os.getpid()].drain(CLOSE_WAIT_S)
         super().close()
 
 
