@@ -15,10 +15,13 @@ from tests.helpers import delivery, progress_event
 URL = "http://127.0.0.1:9/tool-progress"  # no request is made here
 
 
-def test_the_delivered_attempts_of_a_moment_are_recorded_by_one_statement():
+def test_the_delivered_attempts_of_a_moment_are_recorded_by_one_statement(monkeypatch):
     """Ten attempts handed over 5 ms apart (a chain's links, other chains') are recorded together,
-    each as it was: delivered, its code, its own time, its entry in the log, one attempt more."""
+    each as it was: delivered, its code, its own time, its entry in the log, one attempt more.
+    (The thread waits 0.5 s here, not 0.05, so that a busy machine's late wake-ups cannot split
+    the batch.)"""
     event_ids = [progress_event(URL)[1] for _ in range(10)]
+    monkeypatch.setattr(delivered, "LINGER_S", 0.5)
     recorder = delivered._Recorder()
     handed: dict[str, datetime] = {}
     for i, event_id in enumerate(event_ids):
