@@ -2,6 +2,7 @@
 (``tasks/delivery/delivered.py``)."""
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -77,3 +78,19 @@ def test_attempts_the_database_refuses_are_left_pending_for_the_retry_sweep(monk
     recorder.put(delivered.attempt(event_id, 200, None))  # the thread is still there
     assert recorder.drain(5)
     assert delivery(event_id).state == "delivered"
+
+
+def test_a_worker_without_pool_children_records_what_it_holds_when_it_stops(monkeypatch):
+    """A worker whose links run in its own process (``--pool solo`` or ``threads``) gets no
+    ``worker_process_shutdown``: its stopping (``worker_shutdown``) records the attempts its thread
+    still holds, rather than leaving them to the retry sweep."""
+    from celery.signals import worker_shutdown
+
+    _, event_id = progress_event(URL)
+    monkeypatch.setattr(delivered, "LINGER_S", 2.0)  # the batch is still waiting when the worker stops
+    monkeypatch.setitem(delivered.recorder.made, os.getpid(), delivered._Recorder())
+    delivered.record(event_id, 200)
+    assert delivery(event_id).state == "pending"
+    worker_shutdown.send(sender=None)
+    row = delivery(event_id)
+    assert (row.state, row.attempts, row.response_code) == ("delivered", 1, 200)

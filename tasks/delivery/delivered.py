@@ -17,7 +17,9 @@ Until its batch is recorded the row stays ``pending``, due again when the lease 
 took ends (``models/events.py``, ``lease_s``). So if the process dies first (a pool child killed,
 the database away for longer than the thread's tries), the retry sweep posts the event again,
 with the same ``event_id`` (the relay drops the duplicate), and that attempt is recorded. A worker
-that stops cleanly records what it holds first (:func:`drain`, on ``worker_process_shutdown``).
+that stops cleanly records what it holds first (:func:`drain`: a pool child on
+``worker_process_shutdown``; a worker running its links in its own process, ``--pool solo`` or
+``threads``, on ``worker_shutdown``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from celery.signals import worker_process_shutdown
+from celery.signals import worker_process_shutdown, worker_shutdown
 from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -98,6 +100,7 @@ def drain(timeout: float = DRAIN_S) -> bool:
     return True if found is None else found.drain(timeout)
 
 
-@worker_process_shutdown.connect
+@worker_process_shutdown.connect  # a pool child
+@worker_shutdown.connect  # the worker's own process: it ran the links of a solo or threads pool
 def _drain_before_exit(**_: Any) -> None:
     drain()
