@@ -9,7 +9,11 @@
 
 An open call (PENDING, MODIFIED, EXECUTING, PREPARED) and a pending event are never removed. A
 batch locks only the rows it removes, and skips rows another transaction holds (``SKIP LOCKED``):
-the next batch or the next sweep takes them. Each batch is picked through a partial index
+the next batch or the next sweep takes them. A batch's rows are picked once, in a ``MATERIALIZED``
+CTE: a ``DELETE … WHERE id IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)`` may be planned as a
+nested loop that runs the pick again for each row (as PostgreSQL does when a table's statistics
+say it is small), and each run skips the rows the statement has just removed and picks the next:
+one batch would then remove them all. Each batch is picked through a partial index
 (``idx_tool_calls_ended``, ``idx_callback_settled``, ``idx_session_context_expires``), so a batch
 costs the same on a table of ten million rows as on one of a thousand.
 
@@ -43,16 +47,14 @@ FROM callback_deliveries d JOIN tool_calls c ON c.tool_call_id = d.tool_call_id
 WHERE d.state <> 'pending' AND d.created_at < now() - make_interval(secs => :age) AND c.status IN {ENDED}
 """
 _DELETE_EVENTS = text(f"""
-DELETE FROM callback_deliveries WHERE id IN (
-    SELECT d.id {_OLD_EVENTS} ORDER BY d.created_at LIMIT :n FOR UPDATE OF d SKIP LOCKED
-) AND state <> 'pending'
+WITH picked AS MATERIALIZED (SELECT d.id {_OLD_EVENTS} ORDER BY d.created_at LIMIT :n FOR UPDATE OF d SKIP LOCKED)
+DELETE FROM callback_deliveries e USING picked WHERE e.id = picked.id AND e.state <> 'pending'
 """)
 
 _EXPIRED_CONTEXT = "FROM session_context WHERE expires_at <= now()"
 _DELETE_CONTEXT = text(f"""
-DELETE FROM session_context WHERE id IN (
-    SELECT id {_EXPIRED_CONTEXT} ORDER BY expires_at LIMIT :n FOR UPDATE SKIP LOCKED
-) AND expires_at <= now()
+WITH picked AS MATERIALIZED (SELECT id {_EXPIRED_CONTEXT} ORDER BY expires_at LIMIT :n FOR UPDATE SKIP LOCKED)
+DELETE FROM session_context x USING picked WHERE x.id = picked.id AND x.expires_at <= now()
 """)
 
 

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import text
 
-from models import db
+from models import db, retention
 from tasks import sweeps
 from tasks.calls import maintenance
 from tests.tasklog import TaskLog
@@ -187,3 +187,40 @@ def test_a_sweep_that_runs_out_of_time_stops_between_batches_and_the_next_goes_o
     rest = maintenance.purge(calls_s=30 * DAY, events_s=30 * DAY, batch=1)
     # one row a batch: 4 calls (and a last empty batch), 2 events (and one), 2 context values (and one)
     assert (rest.calls, rest.events, rest.context, rest.done) == (4, 14, 2, True) and rest.batches == 5 + 3 + 3
+
+
+@pytest.fixture
+def picks_run_again(monkeypatch):
+    """This process's connections plan as PostgreSQL may when a table's statistics say it is small (a
+    table that grew since its last ANALYZE): a nested loop whose inner side, a batch's pick, runs again
+    for each row of the outer side. (``PGOPTIONS`` sets the planner's choices for the new connections.)"""
+    def fresh_connections() -> None:
+        db.engine().dispose()
+        db.dispose()
+
+    fresh_connections()
+    monkeypatch.setenv("PGOPTIONS", " ".join(f"-c {choice}=off" for choice in (
+        "enable_hashagg", "enable_sort", "enable_hashjoin", "enable_mergejoin", "enable_material")))
+    yield
+    monkeypatch.delenv("PGOPTIONS")
+    fresh_connections()
+
+
+
+def test_a_batch_removes_at_most_its_size_whatever_plan_postgresql_picks(world, picks_run_again):
+    """A batch's pick (``LIMIT n … FOR UPDATE SKIP LOCKED``) is made once. Run again by a nested loop
+    for each row, it would skip the rows the same statement had just removed and pick the next ones:
+    one batch would remove every row met in the order of the pick, in one transaction."""
+    with db.session() as s:
+        assert s.execute(text("SHOW enable_material")).scalar_one() == "off"
+    for key, expired_s in (("expired_a", 300), ("expired_b", 200), ("expired_c", 100)):
+        add_context(key, -expired_s)  # stored in the order a batch picks them
+    kept = add_call("COMPLETED", ended_days_ago=1, events=(("delivered", 50), ("delivered", 49), ("delivered", 48)))
+    with db.session() as s:
+        assert retention.purge_context(s, 1) == 1
+    with db.session() as s:
+        assert retention.purge_events(s, 30 * DAY, 1) == 1
+    with db.session() as s:
+        assert retention.purge_context(s, 2) == 2 and retention.purge_events(s, 30 * DAY, 2) == 2
+    assert len(snapshot()["context"]) == 6 - 3  # the world's three and these three; three removed
+    assert events_of(snapshot(), kept) == []  # the three oldest settled events were its own
