@@ -142,8 +142,7 @@ CALLS = ToolCall.__table__
 # pool child's CPU a statement for the whole row. The histories above all grow with every transition.
 LINK_COLUMNS = tuple(CALLS.c[name] for name in (
     "tool_call_id", "session_id", "caller", "function_name", "status", "current_step", "progress", "parameters",
-    "step_outputs",
-    "workflow_id", "event_seq", "effect_claimed_by", "effect_claimed_until", "effect_attempts"))
+    "step_outputs", "workflow_id", "event_seq", "effect_claimed_by", "effect_claimed_until", "effect_attempts"))
 
 
 def _cas(

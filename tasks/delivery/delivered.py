@@ -24,7 +24,6 @@ that stops cleanly records what it holds first (:func:`drain`: a pool child on
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -96,7 +95,7 @@ def record(event_id: str, code: int | None, note: str | None = None) -> None:
 
 def drain(timeout: float = DRAIN_S) -> bool:
     """Record what this process has handed over (a process about to stop; a test that reads the rows)."""
-    found = recorder.made.get(os.getpid())
+    found = recorder.here()
     return True if found is None else found.drain(timeout)
 
 

@@ -9,31 +9,36 @@ One per process: a forked child makes its own (:func:`per_process`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections import deque
 from typing import Any, Callable, TypeVar
 
+log = logging.getLogger(__name__)
+
 
 class LingeringThread:
     """Takes items from :meth:`put`; once one arrives, waits ``linger_s`` and hands what has queued
     (at most ``batch`` items) to :meth:`handle`. Past ``backlog`` queued items the oldest are dropped
-    (counted in ``dropped``; None: never)."""
+    (counted in ``dropped``; None: never). A batch whose handling raises is logged and counted in
+    ``failed``; the thread goes on with the next."""
 
     def __init__(self, name: str, linger_s: float, batch: int, backlog: int | None = None) -> None:
-        self.pid = os.getpid()
         self.linger_s, self.batch = linger_s, batch
         self.queue: deque[Any] = deque(maxlen=backlog)
         self.ready = threading.Condition()
         self.busy = False  # a batch is being handled
         self.dropped = 0
         self.batches = 0  # batches handled
+        self.failed = 0  # batches whose handling raised
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def handle(self, batch: list[Any]) -> None:
-        """Handle one batch (a subclass's); an error it raises is the subclass's to have logged."""
+        """Handle one batch (a subclass's); what it can retry or give up on, it does
+        itself; an error it raises is logged here, and that batch is not handled again."""
         raise NotImplementedError
 
     def put(self, item: Any) -> None:
@@ -66,6 +71,9 @@ class LingeringThread:
             try:
                 self.handle(batch)
                 self.batches += 1
+            except Exception:  # the thread must outlive a batch: it is the process's only one
+                self.failed += 1
+                log.exception("%s: a batch of %d not handled", self.thread.name, len(batch))
             finally:
                 with self.ready:
                     self.busy = False
@@ -92,5 +100,6 @@ def per_process(make: Callable[..., T]) -> Callable[..., T]:
                     found = made[pid] = make(*args)
         return found
 
-    get.made = made  # type: ignore[attr-defined]  # this process's, if made yet
+    get.made = made  # type: ignore[attr-defined]  # {this process's pid: its thread}, once made
+    get.here = lambda: made.get(os.getpid())  # type: ignore[attr-defined]  # this process's thread, or None
     return get

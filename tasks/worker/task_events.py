@@ -25,7 +25,6 @@ The app takes it with ``Celery(events="tasks.worker.task_events:Events")`` (``ta
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -113,8 +112,9 @@ class Dispatcher(EventDispatcher):
                                  self.delivery_mode))
 
     def close(self) -> None:
-        if self.producer is not None and os.getpid() in publisher.made:
-            publisher.made[os.getpid()].drain(CLOSE_WAIT_S)
+        found = publisher.here() if self.producer is not None else None
+        if found is not None:
+            found.drain(CLOSE_WAIT_S)
         super().close()
 
 
