@@ -26,8 +26,8 @@ Every request needs ``Authorization: Bearer <token>`` of ``VOICE_TOOLS_API_TOKEN
 (``tasks.calls.callers``' token lookup; the token's name is the call's ``caller``), refused
 with a JSON 401 at the HTTP level otherwise; a tool call that reaches the server with no caller
 identified all the same (the server on another transport) is a 401 error result, never run
-unscoped. A JSON body that gives a key twice is a 400 ``bad_json`` naming it. The transport is streamable HTTP at
-``/mcp``, stateless with JSON responses (any process can answer any request).
+unscoped. A JSON body that gives a key twice is a 400 ``bad_json`` naming it. The transport is
+streamable HTTP at ``/mcp``, stateless with JSON responses (any process can answer any request).
 
 Run it with ``python -m app.mcp_server`` (``--host``/``--port``, defaults ``HOST`` or
 127.0.0.1 and ``MCP_PORT`` or 8001), or ``uvicorn --factory app.mcp_server:create_mcp_app``.

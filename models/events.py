@@ -9,11 +9,12 @@ it (``event=``, or ``lifecycle.record_event`` after a transition that did not);
 """
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Row, and_, bindparam, case, cast, func, insert, literal, null, select
+from sqlalchemy import Row, and_, bindparam, case, false, func, insert, literal, literal_column, null, select, true
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.types import DateTime, String, Text
@@ -87,9 +88,9 @@ def event(
 
     The ``INSERT ... SELECT`` takes what Python knows now as parameters and the rest from
     the call's row as that statement left it (``moved``): its columns, its new
-    ``event_seq`` (the event's ``seq``), its actions and its URL (the call's
-    ``callback_urls[event]`` if it names one, else its ``callback_url``), and what it offers (its
-    ``actions_available`` and ``cancellable``, :func:`offers` of its status and ``committed_at``). ``progress`` is
+    ``event_seq`` (the event's ``seq``), what it offers (its ``actions_available`` and
+    ``cancellable``: :func:`offers` of its status and ``committed_at``) and its URL (the call's
+    ``callback_urls[event]`` if it names one, else its ``callback_url``). ``progress`` is
     the progress the transition sets. ``inline``: the caller posts it at once, so the row
     is inserted already claimed for that attempt (``next_attempt_at`` a lease ahead).
     """
@@ -146,16 +147,20 @@ def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool, n
 
 
 def _offered(moved: Any) -> tuple[Any, Any]:
-    """:func:`offers` in SQL, over the row ``moved``: its ``actions_available`` (jsonb) and ``cancellable``."""
+    """:func:`offers` in SQL, over the row ``moved``: its ``actions_available`` (jsonb) and ``cancellable``,
+    the table written out as constants of the statement (no parameters to send at each run)."""
+    def actions_sql(actions: list[str]) -> Any:  # our own names (actions, statuses): letters only, safe to write out
+        return literal_column(f"'{json.dumps(actions)}'::jsonb", JSONB)
+
     committed = moved.c.committed_at.is_not(None)
     actions_when, cancellable_when = [], []
     for status in OFFERED:
         for past in (False, True):
             actions, cancellable = offers(status, past)
-            when = and_(moved.c.status == status, committed if past else ~committed)
-            actions_when.append((when, cast(bindparam(None, actions, type_=JSONB), JSONB)))
-            cancellable_when.append((when, literal(cancellable)))
-    return (case(*actions_when, else_=cast(literal("[]"), JSONB)), case(*cancellable_when, else_=literal(False)))
+            when = and_(moved.c.status == literal_column(f"'{status}'"), committed if past else ~committed)
+            actions_when.append((when, actions_sql(actions)))
+            cancellable_when.append((when, true() if cancellable else false()))
+    return case(*actions_when, else_=actions_sql([])), case(*cancellable_when, else_=false())
 
 
 def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:
