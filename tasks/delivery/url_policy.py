@@ -51,8 +51,8 @@ def url_error(url: str, allowed: list[str] | None = None) -> str | None:
 
     It holds no whitespace nor control character (percent-encoded, they are data; raw, a CR LF could
     end a header line of a request that carried the URL as given). Its host (and port, when the entry
-    names one; a bare host admits any port) must
-    be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP literal of a special-purpose
+    names one; a bare host admits any port) must be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP
+    literal of a special-purpose
     range (private, loopback, link-local, shared, documentation, ...) is refused unless it
     is listed itself. The ports this system listens on (``settings.own_ports``) on a
     local address are refused whatever is listed.
