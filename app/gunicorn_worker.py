@@ -22,6 +22,7 @@ what was read ahead (a body over the limit the app does not read) it reads withi
 from __future__ import annotations
 
 import errno
+import logging
 import selectors
 import socket
 import time
@@ -29,7 +30,7 @@ from collections import deque
 from typing import Any
 
 import h11
-from gunicorn.workers.gthread import ThreadWorker, TConn
+from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, ThreadWorker, TConn
 
 from app.limits import BODY_SECONDS, HEAD_SECONDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
@@ -37,6 +38,8 @@ from app.limits import BODY_SECONDS, HEAD_SECONDS, MAX_BODY_BYTES, MAX_HEADER_BY
 MAX_HEAD_BYTES = MAX_REQUEST_LINE + 2 + MAX_HEADER_FIELDS * (MAX_HEADER_BYTES + 2) + 2
 LINGER_SECONDS = 2.0  # gunicorn's close_graceful: how long a closed connection's late bytes are read and dropped
 LINGER_BYTES = 64 * 1024
+
+log = logging.getLogger(__name__)
 
 
 class _Reading:
@@ -160,14 +163,12 @@ class WholeRequestWorker(ThreadWorker):
         reading = _Reading(time.monotonic())
         left = conn.parser.unreader.take_buffered() if conn.parser is not None else b""
         conn.sock.setblocking(False)
-        if left and reading.feed(left, conn.sock):
-            self._hand_over(conn, reading)
-            return
         self.reading[conn] = reading
         self.poller.register(conn.sock, selectors.EVENT_READ, lambda _sock, conn=conn: self._readable(conn))
+        if left:
+            self._take(conn, left)
 
     def _readable(self, conn: _Conn) -> None:
-        reading = self.reading[conn]
         try:
             data = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -177,7 +178,17 @@ class WholeRequestWorker(ThreadWorker):
         if not data:  # the client went away
             self._drop(conn)
             return
-        if reading.feed(data, conn.sock):
+        self._take(conn, data)
+
+    def _take(self, conn: _Conn, data: bytes) -> None:
+        reading = self.reading[conn]
+        try:
+            whole = reading.feed(data, conn.sock)
+        except Exception:  # noqa: BLE001 - one connection's surprise never ends the worker's loop
+            log.exception("reading a request ahead failed; its connection is closed")
+            self._drop(conn)
+            return
+        if whole:
             del self.reading[conn]
             self.poller.unregister(conn.sock)
             self._hand_over(conn, reading)
@@ -216,6 +227,9 @@ class WholeRequestWorker(ThreadWorker):
         and the lingering closes past theirs."""
         super().murder_pending()
         now = time.monotonic()
+        if not self.alive:  # stopping: a request on its way has as long as a kept-alive connection has
+            for reading in self.reading.values():
+                reading.deadline = min(reading.deadline, now + STOP_KEEPALIVE_LINGER)
         for conn in [conn for conn, reading in self.reading.items() if reading.deadline <= now]:
             self._drop(conn)
         while self.lingering and self.lingering[0][0] <= now:
