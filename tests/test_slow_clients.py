@@ -35,9 +35,11 @@ ROUNDS = 100
 class SlowClients:
     """``CONNECTIONS`` connections, as many of each kind, each opened again when the server closes it."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, path: str = "/voice-tools/pending") -> None:
         parts = urlsplit(url)
         self.address = (parts.hostname, parts.port)
+        self.openings = {kind: opening.replace(b" /voice-tools/pending ", f" {path} ".encode())
+                         for kind, opening in OPENINGS.items()}
         self.held: list[tuple[str, socket.socket]] = []
         self.reopened = 0
         self.stopping = threading.Event()
@@ -45,8 +47,8 @@ class SlowClients:
 
     def _open(self, kind: str) -> socket.socket:
         sock = socket.create_connection(self.address, timeout=10)
-        if OPENINGS[kind]:
-            sock.sendall(OPENINGS[kind])
+        if self.openings[kind]:
+            sock.sendall(self.openings[kind])
         sock.setblocking(False)
         return sock
 
@@ -80,22 +82,26 @@ class SlowClients:
             sock.close()
 
 
-def relay_timings(url: str, seconds: float = 0) -> list[float]:
-    """An authenticated relay's requests, ``ROUNDS`` of them and for ``seconds`` at least: half on a kept-alive
-    session, half each on a new connection."""
+def relay_timings(url: str, seconds: float = 0, mcp: bool = False) -> list[float]:
+    """An authenticated relay's requests (``GET /voice-tools/tools``, or MCP's ``tools/list``), ``ROUNDS`` of
+    them and for ``seconds`` at least: half on a kept-alive session, half each on a new connection."""
     timings: list[float] = []
     end = time.monotonic() + seconds
     with requests.Session() as session:
         while len(timings) < ROUNDS or time.monotonic() < end:
-            round_ = len(timings)
+            client = session if len(timings) % 2 else requests
             started = time.monotonic()
-            if round_ % 2:
-                answer = session.get(f"{url}/voice-tools/tools", headers=AUTH, timeout=15)
+            if mcp:
+                answer = client.post(f"{url}/mcp", json=MCP_LIST, timeout=15,
+                                     headers={**AUTH, "Accept": "application/json, text/event-stream"})
             else:
-                answer = requests.get(f"{url}/voice-tools/tools", headers=AUTH, timeout=15)
+                answer = client.get(f"{url}/voice-tools/tools", headers=AUTH, timeout=15)
             timings.append(time.monotonic() - started)
             assert answer.status_code == 200, answer.text
     return timings
+
+
+MCP_LIST = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
 
 
 def p99(timings: list[float]) -> float:
@@ -122,3 +128,18 @@ def test_200_slow_unauthenticated_connections_do_not_silence_the_api(procfile):
         assert p99(crowded) <= 1.0, sorted(crowded)[-5:]
         # and afterwards, as before
         assert p99(relay_timings(url)) <= 1.0
+
+
+def test_200_slow_unauthenticated_connections_do_not_silence_the_mcp_face():
+    """``voice-tools run``'s MCP face (served by the API's worker, uvicorn on its own loop) beside the same crowd."""
+    mcp_port = free_port()
+    with gunicorn_web("Procfile.local", MCP_PORT=str(mcp_port)):
+        url = f"http://127.0.0.1:{mcp_port}"
+        alone = relay_timings(url, mcp=True)  # the first loads the face
+        with SlowClients(url, path="/mcp") as slow:
+            time.sleep(1)
+            crowded = relay_timings(url, mcp=True)
+            assert slow.still_open() == CONNECTIONS
+        print(f"MCP face: p99 {p99(alone[1:]) * 1000:.1f} ms alone, {p99(crowded) * 1000:.1f} ms beside "
+              f"{CONNECTIONS} slow connections")
+        assert p99(crowded) <= 1.0, sorted(crowded)[-5:]
