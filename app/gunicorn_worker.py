@@ -167,6 +167,8 @@ class WholeRequestWorker(ThreadWorker):
         self.poller.register(conn.sock, selectors.EVENT_READ, lambda _sock, conn=conn: self._readable(conn))
         if left:
             self._take(conn, left)
+        else:  # a kept-alive connection comes here readable: its bytes are read now, not one poll later
+            self._readable(conn)
 
     def _readable(self, conn: _Conn) -> None:
         try:
