@@ -18,6 +18,8 @@ The parsing of record stays gunicorn's: a request h11 finds malformed is handed 
 with no more time to read from the socket, and gunicorn answers it from what came
 (``app/gunicorn_conf.py``'s JSON errors) or closes it; what a thread reads from the socket beyond
 what was read ahead (a body over the limit the app does not read) it reads within ``BODY_SECONDS``.
+With TLS or cleartext HTTP/2 configured in gunicorn itself (the Procfiles configure neither), the
+worker reads nothing ahead: it is gthread as it comes.
 """
 from __future__ import annotations
 
@@ -142,6 +144,8 @@ class WholeRequestWorker(ThreadWorker):
         self.reading: dict[_Conn, _Reading] = {}
         self.lingering: deque[tuple[float, socket.socket]] = deque()
         self.drained: dict[socket.socket, int] = {}
+        # plain HTTP/1 only: with TLS or HTTP/2 in gunicorn itself (not the Procfile's) it is gthread as it comes
+        self.reads_ahead = not self.cfg.is_ssl and getattr(self.cfg, "http2_cleartext", "off") in (None, "off", "")
         super().init_process()
 
     def accept(self, listener: socket.socket) -> None:
@@ -157,7 +161,7 @@ class WholeRequestWorker(ThreadWorker):
     def enqueue_req(self, conn: _Conn) -> None:
         """Every road to a thread (a new connection, a kept-alive one that became readable, bytes left
         after a request) reads the request first; the thread gets it when it is whole."""
-        if conn.read_ahead is not None:
+        if conn.read_ahead is not None or not self.reads_ahead:
             super().enqueue_req(conn)
             return
         reading = _Reading(time.monotonic())
