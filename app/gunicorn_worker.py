@@ -53,6 +53,7 @@ class _Reading:
         self.body = 0
         self.deadline = started + HEAD_SECONDS
         self.malformed = False
+        self.waiting = False  # registered with the worker's selector
 
     def feed(self, data: bytes, sock: socket.socket) -> bool:
         """Take the bytes that came; True once the thread can have the request."""
@@ -168,11 +169,13 @@ class WholeRequestWorker(ThreadWorker):
         left = conn.parser.unreader.take_buffered() if conn.parser is not None else b""
         conn.sock.setblocking(False)
         self.reading[conn] = reading
-        self.poller.register(conn.sock, selectors.EVENT_READ, lambda _sock, conn=conn: self._readable(conn))
         if left:
             self._take(conn, left)
         else:  # a kept-alive connection comes here readable: its bytes are read now, not one poll later
             self._readable(conn)
+        if conn in self.reading:  # more to come
+            self.poller.register(conn.sock, selectors.EVENT_READ, lambda _sock, conn=conn: self._readable(conn))
+            reading.waiting = True
 
     def _readable(self, conn: _Conn) -> None:
         try:
@@ -196,7 +199,8 @@ class WholeRequestWorker(ThreadWorker):
             return
         if whole:
             del self.reading[conn]
-            self.poller.unregister(conn.sock)
+            if reading.waiting:
+                self.poller.unregister(conn.sock)
             self._hand_over(conn, reading)
 
     def _hand_over(self, conn: _Conn, reading: _Reading) -> None:
