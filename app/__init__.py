@@ -20,7 +20,7 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, errors, health, metrics, request_log, shares, stream
+    from app import api, auth, errors, health, inputs, metrics, request_log, shares, stream
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
@@ -32,6 +32,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     auth.register(app)
     shares.register(app)  # after the token: each caller's rate and open share (app/shares.py)
     errors.register(app)
+    inputs.register(app)  # an answer that leaves the body unread closes the connection
     app.register_blueprint(api.bp)
     app.register_blueprint(api.bp, name="n8n", url_prefix=N8N_PREFIX)  # the same table, n8n's paths
     app.add_url_rule(f"{N8N_PREFIX}/resume-execution/<tool_call_id>", endpoint="n8n.resume_execution",

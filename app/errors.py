@@ -57,8 +57,7 @@ def register(app: Flask) -> None:
             details["allowed"] = sorted(allowed or [])
             headers["Allow"] = ", ".join(details["allowed"])
         if status == 413:
-            details["max_bytes"] = app.config.get("MAX_CONTENT_LENGTH")
-            headers["Connection"] = "close"
+            details["max_bytes"] = app.config.get("MAX_CONTENT_LENGTH")  # its body unread: app.inputs closes
         message = HTTP_MESSAGES.get(status) or err.description or err.name
         if status == 413:
             message = f"The body is larger than {details['max_bytes']} bytes."

@@ -8,6 +8,11 @@ Only what the command line does not say:
   cannot parse) are JSON ``{error, message, details}`` like the app's, not its HTML page:
   gunicorn has no setting for that (benoitc/gunicorn#993), so its one writer of them,
   ``gunicorn.util.write_error``, is replaced here (tests/test_web_errors.py holds it to it);
+- an answer whose app says ``Connection: close`` (``app.inputs``: the request's body was left
+  unread) closes its connection and says so: gunicorn drops a hop-by-hop header the app gives,
+  announces keep-alive, then closes anyway when the unread body is over its drain limit, so the
+  client's next request on that connection would die; its ``Response.process_headers`` is
+  wrapped here to take the app's word (tests/test_early_answers.py);
 - the log: gunicorn's own lines, its access lines and the app's go to stderr and stdout
   in the format of ``VOICE_TOOLS_LOG_FORMAT`` (``logs``: one JSON line per event by
   default). An access line keeps gunicorn's text as its ``message`` and adds the
@@ -32,6 +37,7 @@ import os
 from typing import Any
 
 from gunicorn import util
+from gunicorn.http import wsgi
 
 from models import logs
 from app import mcp_lazy
@@ -110,6 +116,17 @@ def write_json_error(sock, status_int, reason, mesg):  # gunicorn.util.write_err
 
 
 util.write_error = write_json_error
+
+_process_headers = wsgi.Response.process_headers
+
+
+def _process_headers_taking_close(self, headers):  # gunicorn.http.wsgi.Response.process_headers's signature
+    _process_headers(self, headers)
+    if any(name.lower() == "connection" and "close" in value.lower() for name, value in headers):
+        self.force_close()
+
+
+wsgi.Response.process_headers = _process_headers_taking_close
 
 
 def child_exit(server, worker):

@@ -1,13 +1,18 @@
 """Reading a Flask request: the JSON body (any content type: a relay's curl may send none) and
 the query string, as plain data for the operations of ``tasks.calls``, which load them with
-their schemas (``tasks.calls.schemas.load``, named ``load`` here too for ``app.stream``)."""
+their schemas (``tasks.calls.schemas.load``, named ``load`` here too for ``app.stream``).
+
+An answer given while the request's body is still unread (413 too large, 401 before the body,
+any view that never read it) says ``Connection: close``, and gunicorn closes the connection
+(``app/gunicorn_conf.py`` makes it honour the header): the unread bytes are never taken for the
+client's next request."""
 from __future__ import annotations
 
 import json
 import math
 from typing import Any
 
-from flask import current_app, request
+from flask import Flask, Response, current_app, g, request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
@@ -38,10 +43,13 @@ def raw_body() -> bytes:
     """
     limit = current_app.config.get("MAX_CONTENT_LENGTH")
     if request.content_length is not None or limit is None:
-        return request.get_data(cache=True)  # raises 413 past MAX_CONTENT_LENGTH
+        raw = request.get_data(cache=True)  # raises 413 past MAX_CONTENT_LENGTH
+        g.body_read = True
+        return raw
     raw = get_input_stream(request.environ, max_content_length=limit + 1).read()  # stops at limit + 1
     if len(raw) > limit:
         raise RequestEntityTooLarge()
+    g.body_read = True
     return raw
 
 
@@ -69,3 +77,15 @@ def body() -> dict[str, Any]:
 def query() -> dict[str, Any]:
     """The query string; a repeated key keeps its first value."""
     return {key: request.args.get(key) for key in request.args}
+
+
+def _has_body() -> bool:
+    return bool(request.content_length) or "chunked" in request.headers.get("Transfer-Encoding", "").lower()
+
+
+def register(app: Flask) -> None:
+    @app.after_request
+    def _close_after_an_unread_body(response: Response) -> Response:
+        if _has_body() and not g.get("body_read"):
+            response.headers["Connection"] = "close"
+        return response

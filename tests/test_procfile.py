@@ -94,7 +94,7 @@ def test_web_beat_and_flower_lines():
     lines = procfile()
     web = lines["web"]
     assert web[0] == "gunicorn" and "--no-control-socket" in web and web[-1] == "app:create_app()"
-    assert option(web, "--worker-class") == "gthread"
+    assert option(web, "--worker-class") == "app.gunicorn_worker.WholeRequestWorker"  # gthread, requests read whole first
     assert option(web, "--bind").endswith("${PORT:-8000}")
     assert lines["beat"][:5] == ["celery", "-A", "tasks", "--quiet", "beat"]  # no banner: its log is JSON lines
     flower = lines["flower"]

@@ -15,17 +15,17 @@ import requests
 from support.procs import ROOT, free_port, stop_process
 
 
-def web_command() -> str:
-    for line in (ROOT / "Procfile").read_text().splitlines():
+def web_command(procfile: str = "Procfile") -> str:
+    for line in (ROOT / procfile).read_text().splitlines():
         if line.startswith("web:"):
             return line.split(":", 1)[1].strip()
-    raise AssertionError("the Procfile has no web line")
+    raise AssertionError(f"{procfile} has no web line")
 
 
 @contextmanager
-def gunicorn_web(**extra: str) -> Iterator[str]:
-    """Run the web line as honcho does (``sh -c``), this run's DATABASE_URL and REDIS_URL in its
-    environment; yield its base URL once ``/healthz`` answers."""
+def gunicorn_web(procfile: str = "Procfile", **extra: str) -> Iterator[str]:
+    """Run the web line of ``procfile`` as honcho does (``sh -c``), this run's DATABASE_URL and REDIS_URL
+    in its environment; yield its base URL once ``/healthz`` answers."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="voice-tools-web-") as scratch:
         metrics_dir = Path(scratch) / "prometheus"
@@ -34,7 +34,7 @@ def gunicorn_web(**extra: str) -> Iterator[str]:
                "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PYTHONPATH": str(ROOT),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
         log = open(Path(scratch) / "web.log", "wb")
-        proc = subprocess.Popen(["sh", "-c", f"exec {web_command()}"], cwd=ROOT, env=env,
+        proc = subprocess.Popen(["sh", "-c", f"exec {web_command(procfile)}"], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
