@@ -40,6 +40,7 @@ from limits import parse
 from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import SlidingWindowCounterRateLimiter
 
+from app import handover
 from models import settings
 from tasks.calls.errors import ApiError
 
@@ -481,7 +482,9 @@ def register(app: Any) -> None:
             return
         check_rate(who.name)
         if asks_to_wait(request.args) and waits(request.endpoint):
-            g.share_slot = wait_slot(who.name, request.args.get("wait"))
+            # a wait the server gives the socket of is answered by the stream loop (app/wait_answer.py)
+            held = handover.socket_of(request.environ, ("POST",)) is None
+            g.share_slot = wait_slot(who.name, request.args.get("wait"), holds_thread=held)
 
     @app.teardown_request
     def _release_share(_exc: BaseException | None) -> None:
