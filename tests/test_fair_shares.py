@@ -312,3 +312,64 @@ def test_event_streams_hold_no_gunicorn_thread(own_broker):
             for s in streams:
                 s.close()
         assert requests.get(f"{url}/voice-tools/context/many7", headers=a, timeout=5).status_code == 200
+
+
+# -- the defaults fit a relay: hundreds of streams and waits from one token ---------------------------------
+
+@pytest.mark.slow
+def test_on_the_defaults_one_token_follows_300_sessions_each_stream_seeing_its_event(own_broker):
+    """The Procfile's web line on the defaults (one worker of 8 threads here): one caller opens 300 event
+    streams (five per session), every one is answered 200, and each sees the event of its session."""
+    from tests.helpers import make_call
+    from tests.test_event_stream import record_progress_of
+
+    a = {"Authorization": "Bearer token-a"}
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a", WEB_CONCURRENCY="1", CELERY_BROKER_URL=own_broker,
+                      REDIS_URL=own_broker) as url:
+        sessions = [f"fleet_{uuid.uuid4().hex[:8]}" for _ in range(60)]
+        streams = [Stream(f"{url}/voice-tools/events/{sessions[i % 60]}", a) for i in range(300)]
+        try:
+            assert [s.response.status_code for s in streams] == [200] * 300
+            assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+            events = {session: record_progress_of(make_call(session_id=session, caller="a").tool_call_id)
+                      for session in sessions}
+            for i, stream in enumerate(streams):
+                assert stream.next_event()[0] == events[sessions[i % 60]], i
+        finally:
+            for s in streams:
+                s.close()
+
+
+@pytest.mark.slow
+def test_on_the_defaults_one_token_holds_200_waits_and_no_one_else_waits_for_them(own_broker):
+    """200 ``?wait`` requests from one token at once, on calls no worker moves (a broker nobody consumes),
+    on one gunicorn worker of 8 threads: none is refused, each is held its whole wait and answered 202, and
+    meanwhile ``/healthz`` and another caller's requests are answered at once."""
+    a, b = {"Authorization": "Bearer token-a"}, {"Authorization": "Bearer token-b"}
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b", WEB_CONCURRENCY="1",
+                      CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+        http = requests.Session()
+        calls = [http.post(f"{url}/voice-tools/pending", headers=a, timeout=10,
+                           json={"session_id": "waits200", "function": "send_email", "parameters": GUIDE_EMAIL})
+                 .json()["tool_call_id"] for _ in range(200)]
+
+        def wait(tool_call_id: str) -> tuple[int, float, str]:
+            started = time.monotonic()
+            answer = requests.post(f"{url}/voice-tools/confirm/{tool_call_id}?wait=6", headers=a, timeout=30)
+            return answer.status_code, time.monotonic() - started, answer.json().get("status", answer.text)
+
+        with ThreadPoolExecutor(200) as pool:
+            waits = [pool.submit(wait, c) for c in calls]
+            time.sleep(3.0)  # every wait arrived and is held
+            assert not any(w.done() for w in waits), [w.result() for w in waits if w.done()][:3]
+            started = time.monotonic()
+            assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+            other = requests.post(f"{url}/voice-tools/pending", headers=b, timeout=5,
+                                  json={"session_id": "waits200b", "function": "send_email",
+                                        "parameters": GUIDE_EMAIL})
+            assert other.status_code == 201, other.text
+            assert time.monotonic() - started < 2.0
+            answers = [w.result() for w in waits]
+        assert [status for status, _, _ in answers] == [202] * 200, [a for a in answers if a[0] != 202][:3]
+        assert all(took >= 6 for _, took, _ in answers)  # each held its whole wait
+        assert {status for _, _, status in answers} == {"EXECUTING"}
