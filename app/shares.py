@@ -255,12 +255,6 @@ def fair_part(name: str, most: int | None = None) -> int:
     return max(1, most * 3 // 4 if len(holders) == 1 else most // len(holders))
 
 
-def served_here() -> dict[str, int]:
-    """Caller -> the long-held requests of it this process serves on its stream loop now."""
-    with _process_lock:
-        return {caller: held for caller, held in _capacity_held.items() if held > 0}
-
-
 def _enter_capacity(name: str, kind: str) -> None:
     """Count a long-held request of caller ``name`` served by the stream loop; 429 past the process's
     capacity or the caller's fair part of it."""

@@ -69,7 +69,7 @@ class _Later:
                 log.exception("wait on %s failed", self.waiting.tool_call_id)
                 err = errors.internal_error()
             payload, status = errors.payload(err), err.status
-        return (self.app.json.dumps(payload) + "\n").encode(), status
+        return self.app.json.response(payload).get_data(), status  # as Flask writes a view's JSON
 
     def closed(self) -> None:
         """The server closed the answer: the slot is the stream loop's if it was handed over, else free."""

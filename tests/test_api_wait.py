@@ -201,6 +201,8 @@ def test_a_wait_over_http_is_held_by_the_stream_loop_and_answers_the_record_at_t
     assert answer.headers["Content-Type"] == "application/json"
     assert answer.headers["X-Request-ID"] == "wait-over-http"
     assert answer.headers["Connection"] == "close"
+    record = requests.get(f"{api_url}/voice-tools/status/{tool_call_id}", headers=AUTH, timeout=10)
+    assert answer.content == record.content  # the same JSON, written as the view's would be
     deadline = time.monotonic() + 5
     while stream_loop.held_waits() > before and time.monotonic() < deadline:  # its task ends after the answer
         time.sleep(0.02)
