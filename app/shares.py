@@ -341,11 +341,25 @@ def _hold(slot: Slot) -> None:
             thread = threading.Thread(target=_renew_forever, name="voice-tools-slot-renewer", daemon=True)
             _renewer = (os.getpid(), thread)
             thread.start()
+        elif _period(slot) < RENEW_EVERY_S:  # a short lease: the renewer recounts its period now
+            _renew_soon.set()
+
+
+_renew_soon = threading.Event()
+
+
+def _period(slot: Slot) -> float:
+    return min(RENEW_EVERY_S, slot.lease_s / 4)
 
 
 def _renew_forever() -> None:
+    """Renew every held slot each ``RENEW_EVERY_S`` (a quarter of the shortest lease, if shorter)."""
     while True:
-        time.sleep(RENEW_EVERY_S)
+        with _held_lock:
+            period = min([RENEW_EVERY_S, *(_period(slot) for slot in _held)])
+        if _renew_soon.wait(period):
+            _renew_soon.clear()
+            continue
         try:
             renew_all()
         except Exception:  # never let the renewer die: a lapsed lease would let a caller past its share

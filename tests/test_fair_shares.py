@@ -373,3 +373,21 @@ def test_on_the_defaults_one_token_holds_200_waits_and_no_one_else_waits_for_the
         assert [status for status, _, _ in answers] == [202] * 200, [a for a in answers if a[0] != 202][:3]
         assert all(took >= 6 for _, took, _ in answers)  # each held its whole wait
         assert {status for _, _, status in answers} == {"EXECUTING"}
+
+
+def test_a_held_slot_is_renewed_by_its_process_and_outlasts_its_lease():
+    """A slot is renewed by the process holding it, whatever its request writes or does not write: held
+    for several of its leases, it still counts (the caller stays within its share), and once released
+    it is free at once."""
+    from app import shares
+
+    name = f"share-{uuid.uuid4().hex[:10]}"
+    held = shares.take_slot(name, "stream", limit=1, lease_s=2.0, holds_thread=False)
+    try:
+        time.sleep(5.0)  # two and a half leases, and the slot's request does nothing meanwhile
+        with pytest.raises(shares.ApiError) as refused:
+            shares.take_slot(name, "stream", limit=1, holds_thread=False)
+        assert refused.value.status == 429 and refused.value.error == "too_many_open"
+    finally:
+        held.release()
+    shares.take_slot(name, "stream", limit=1, holds_thread=False).release()
