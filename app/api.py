@@ -31,27 +31,28 @@ def _idempotency_header() -> str | None:
 # -- the call's life --------------------------------------------------------------------
 
 @bp.post("/voice-tools/pending")
-@doc("Record a tool call as PENDING", body=schemas.PendingRequest,
+@doc("Record a tool call as PENDING", tag="calls", body=schemas.PendingRequest,
      responses={201: schemas.PendingAnswer, 200: schemas.PendingAnswer})
 def pending():
     return operations.pending(inputs.body(), _caller(), _idempotency_header())
 
 
 @bp.patch("/voice-tools/modify/<tool_call_id>")
-@doc("Change the parameters of a PENDING call", body=schemas.ModifyRequest, responses={200: schemas.ModifyAnswer})
+@doc("Change the parameters of a PENDING call", tag="calls", body=schemas.ModifyRequest,
+     responses={200: schemas.ModifyAnswer})
 def modify(tool_call_id: str):
     return operations.modify(tool_call_id, inputs.body(), _caller())
 
 
 @bp.post("/voice-tools/confirm/<tool_call_id>")
-@doc("Confirm a PENDING call: it starts running", body=schemas.ConfirmRequest, query=schemas.WaitQuery,
+@doc("Confirm a PENDING call: it starts running", tag="calls", body=schemas.ConfirmRequest, query=schemas.WaitQuery,
      responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def confirm(tool_call_id: str):
     return operations.confirm(tool_call_id, inputs.body(), inputs.query(), _caller(), wait_answer.hand_over())
 
 
 @bp.post("/voice-tools/execute")
-@doc("Record and start at once a call the relay already confirmed", body=schemas.PendingRequest,
+@doc("Record and start at once a call the relay already confirmed", tag="calls", body=schemas.PendingRequest,
      query=schemas.WaitQuery, responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def execute():
     return operations.execute(inputs.body(), inputs.query(), _caller(), _idempotency_header(),
@@ -59,14 +60,15 @@ def execute():
 
 
 @bp.post("/voice-tools/resume/<tool_call_id>")
-@doc("At a checkpoint: proceed or cancel", body=schemas.ResumeRequest, query=schemas.WaitQuery,
+@doc("At a checkpoint: proceed or cancel", tag="calls", body=schemas.ResumeRequest, query=schemas.WaitQuery,
      responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def resume(tool_call_id: str):
     return operations.resume(tool_call_id, inputs.body(), inputs.query(), _caller(), wait_answer.hand_over())
 
 
 @bp.delete("/voice-tools/cancel/<tool_call_id>")
-@doc("Cancel a call before its point of no return", body=schemas.CancelRequest, query=schemas.CancelRequest,
+@doc("Cancel a call before its point of no return", tag="calls", body=schemas.CancelRequest,
+     query=schemas.CancelRequest,
      responses={200: schemas.CancelAnswer})
 def cancel(tool_call_id: str):
     return operations.cancel(tool_call_id, inputs.body(), inputs.query(), _caller())
@@ -75,27 +77,28 @@ def cancel(tool_call_id: str):
 # -- reading ---------------------------------------------------------------------------
 
 @bp.get("/voice-tools/status/<tool_call_id>")
-@doc("The whole record of a call", responses={200: schemas.CallRecord})
+@doc("The whole record of a call", tag="calls", responses={200: schemas.CallRecord})
 def status(tool_call_id: str):
     return operations.status(tool_call_id, _caller())
 
 
 @bp.get("/voice-tools/context/<session_id>")
-@doc("A session's open calls and its recent finished ones", query=schemas.ContextQuery,
+@doc("A session's open calls and its recent finished ones", tag="calls", query=schemas.ContextQuery,
      responses={200: schemas.ContextAnswer})
 def context(session_id: str):
     return operations.context(session_id, inputs.query(), _caller())
 
 
 @bp.get("/voice-tools/session-context")
-@doc("A stored session context value that has not expired", query=schemas.SessionContextQuery,
+@doc("A stored session context value that has not expired", tag="calls", query=schemas.SessionContextQuery,
      responses={200: schemas.SessionContextAnswer})
 def session_context():
     return operations.session_context(inputs.query(), _caller())
 
 
 @bp.get("/voice-tools/tools")
-@doc("Every tool as an OpenAI function definition", query=schemas.ToolsQuery, responses={200: schemas.ToolsAnswer})
+@doc("Every tool as an OpenAI function definition", tag="tools", query=schemas.ToolsQuery,
+     responses={200: schemas.ToolsAnswer})
 def tool_list():
     return operations.tool_list(inputs.query())
 
@@ -111,7 +114,8 @@ def _flat_alias(tool_name: str):
                                     wait_answer.hand_over())
 
     alias.__name__ = f"alias_{tool_name}"
-    return doc(f"Legacy alias: run {tool_name} as /voice-tools/execute does (flat body)", body=flat,
+    return doc(f"Legacy alias: run {tool_name} as /voice-tools/execute does (flat body)", tag="calls",
+               instead="/voice-tools/execute", body=flat,
                query=schemas.WaitQuery, responses={202: schemas.StartAnswer, 200: schemas.CallRecord})(alias)
 
 
@@ -120,7 +124,8 @@ bp.add_url_rule("/query-vector-db", view_func=_flat_alias("query_vector_db"), me
 
 
 @bp.get("/get-session-context")
-@doc("Legacy alias of /voice-tools/session-context: {context}", query=schemas.SessionContextQuery,
+@doc("Legacy alias of /voice-tools/session-context: {context}", tag="calls", instead="/voice-tools/session-context",
+     query=schemas.SessionContextQuery,
      responses={200: schemas.LegacyContextAnswer})
 def legacy_session_context():
     return operations.legacy_session_context(inputs.query(), _caller())

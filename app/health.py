@@ -32,13 +32,13 @@ def broker_error() -> str | None:
 
 
 @bp.get("/healthz")
-@doc("Liveness (no token needed)", responses={200: schemas.HealthAnswer}, public=True)
+@doc("Liveness (no token needed)", tag="meta", responses={200: schemas.HealthAnswer}, public=True)
 def healthz():
     return schemas.HealthAnswer().dump({"status": "ok"}), 200
 
 
 @bp.get("/readyz")
-@doc("Readiness: the database and the broker answer", responses={200: schemas.ReadyAnswer})
+@doc("Readiness: the database and the broker answer", tag="meta", responses={200: schemas.ReadyAnswer})
 def readyz():
     problems = {name: error for name, error in (("database", database_error()), ("broker", broker_error())) if error}
     if problems:
@@ -49,13 +49,13 @@ def readyz():
 
 
 @bp.get("/metrics")
-@doc("Prometheus metrics", responses={200: "Prometheus text format"})
+@doc("Prometheus metrics", tag="meta", responses={200: "Prometheus text format"})
 def metrics_text():
     return metrics.render()
 
 
 @bp.get("/openapi.json")
-@doc("This API's OpenAPI document", responses={200: "The OpenAPI 3 document"})
+@doc("This API's OpenAPI document", tag="meta", responses={200: "The OpenAPI 3 document"})
 def openapi_json():
     document = current_app.extensions.get("openapi")
     if document is None:

@@ -11,7 +11,7 @@ from flask import current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
-from app import request_log
+from app import json_keys, request_log
 from app.json_depth import MAX_DEPTH, depth
 from tasks.calls.errors import ApiError
 
@@ -46,12 +46,16 @@ def raw_body() -> bytes:
 
 
 def body() -> dict[str, Any]:
-    """The body as a JSON object; an empty body is ``{}``. 400 for anything else, 413 if too large."""
+    """The body as a JSON object; an empty body is ``{}``. 400 for anything else (a key given twice
+    too, naming it), 413 if too large."""
     raw = raw_body()
     if not raw.strip():
         return {}
     try:
-        data = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+        data = json.loads(raw, parse_float=_finite, parse_constant=_no_constant,
+                          object_pairs_hook=json_keys.unique_object)
+    except json_keys.DuplicateKey as exc:
+        raise json_keys.refused(exc) from exc
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, "bad_json", "The body is not valid JSON.", {"reason": str(exc)[:200]}) from exc
     if not isinstance(data, dict):

@@ -24,8 +24,10 @@ JSON Schema 2020-12) are generated from those same marshmallow schemas.
 
 Every request needs ``Authorization: Bearer <token>`` of ``VOICE_TOOLS_API_TOKENS``
 (``tasks.calls.callers``' token lookup; the token's name is the call's ``caller``), refused
-with a JSON 401 at the HTTP level otherwise. The transport is streamable HTTP at
-``/mcp``, stateless with JSON responses (any process can answer any request).
+with a JSON 401 at the HTTP level otherwise; a tool call that reaches the server with no caller
+identified all the same (the server on another transport) is a 401 error result, never run
+unscoped. A JSON body that gives a key twice is a 400 ``bad_json`` naming it. The transport is
+streamable HTTP at ``/mcp``, stateless with JSON responses (any process can answer any request).
 
 Run it with ``python -m app.mcp_server`` (``--host``/``--port``, defaults ``HOST`` or
 127.0.0.1 and ``MCP_PORT`` or 8001), or ``uvicorn --factory app.mcp_server:create_mcp_app``.
@@ -57,9 +59,9 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import json_depth, shares, stream_loop
+from app import json_depth, json_keys, shares, stream_loop
 from app.limits import MAX_BODY_BYTES
 from models import listen, logs
 from tasks import tools
@@ -136,7 +138,7 @@ def _json_schema(schema: type[Schema]) -> dict[str, Any]:
     return toolspec.json_schema(schema)
 
 
-def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: Caller | None) -> Answer:
+def tool_schemas(_: Arguments, query: Arguments, body: Arguments, caller: Caller) -> Answer:
     """list_tools: every tool of the registry as ``{name, description, inputSchema}``."""
     found = [{"name": tool.name, "description": tool.description, "inputSchema": toolspec.parameters_schema(tool)}
              for tool in (tools.TOOLS[name] for name in tools.names())]
@@ -234,16 +236,17 @@ def _error_result(exc: Exception, face: Face) -> CallToolResult:
     return _result(errors.payload(err), err.status, is_error=True)
 
 
-def call(face: Face, arguments: Arguments, caller: Caller | None, hand_over: bool = False) -> CallToolResult | Held:
-    """Run one MCP tool: the REST operation's answer, or its error JSON with ``is_error``. With
-    ``hand_over``, a ``wait`` is not waited here: a :class:`Held` is returned for :func:`waited`."""
+def call(face: Face, arguments: Arguments, caller: Caller, hand_over: bool = False) -> CallToolResult | Held:
+    """Run one MCP tool for ``caller`` (always someone: the operators' unscoped door is not this face's):
+    the REST operation's answer, or its error JSON with ``is_error``. With ``hand_over``, a ``wait`` is
+    not waited here: a :class:`Held` is returned for :func:`waited`."""
     try:
         bad = _bad_arguments(arguments)
         if bad is not None:
             raise bad
         path, query, body = face.split(arguments)
         slot = None
-        if face.query is schemas.WaitQuery and shares.asks_to_wait(query) and caller is not None:
+        if face.query is schemas.WaitQuery and shares.asks_to_wait(query):
             # a wait holds a slot of the caller's share (or 429) and of this process's capacity, never a web
             # thread of the process: served by the API's worker (app/mcp_lazy.py), it leaves them be
             slot = shares.wait_slot(caller.name, query["wait"], holds_thread=False)
@@ -255,8 +258,6 @@ def call(face: Face, arguments: Arguments, caller: Caller | None, hand_over: boo
                     return answer
             else:
                 answer = face.run(path, query, body, caller)
-            if isinstance(answer, operations.Waiting):  # pragma: no cover - only a hand-over returns one
-                raise AssertionError(answer)
             answer, status = answer
         finally:
             if slot is not None:
@@ -321,6 +322,13 @@ def _input_schema(name: str) -> Mapping[str, Any] | None:
     return {tool.name: tool.input_schema for tool in listed_tools()}.get(name)
 
 
+def nobody() -> CallToolResult:
+    """The answer to a tool call that reached the server with no caller identified (no HTTP request with a
+    token, e.g. the server run over another transport than ``create_mcp_app``'s): 401, nothing run."""
+    err = callers.unauthorized("No caller identified: send Authorization: Bearer <token> over HTTP.")
+    return _result(errors.payload(err), err.status, is_error=True)
+
+
 def unknown_face(name: str) -> CallToolResult:
     err = ApiError(404, "not_found", f"No MCP tool {name!r}.", {"tool": name, "known_tools": sorted(FACES_BY_NAME)})
     return _result(errors.payload(err), err.status, is_error=True)
@@ -339,10 +347,13 @@ async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequest
         return unknown_face(params.name)
     arguments: Arguments = dict(params.arguments or {})
     request = ctx.request
+    caller = _caller(request)
+    if caller is None:  # fail closed: a tool never runs unscoped (no caller is the operators' door)
+        return nobody()
 
     def run() -> CallToolResult | Held:
         with _log_context(request, arguments):
-            return call(face, arguments, _caller(request), hand_over=True)
+            return call(face, arguments, caller, hand_over=True)
 
     started = await anyio.to_thread.run_sync(run)
     if isinstance(started, Held):  # the wait: on the event loop, no thread held
@@ -391,6 +402,44 @@ class BearerToken:
         await answer(scope, receive, send)
 
 
+class EveryKeyOnce:
+    """Refuse (400 ``bad_json``, naming the key, the REST API's JSON) a request whose JSON body gives a key
+    twice, in the JSON-RPC envelope or in a tool's arguments: the SDK keeps the last of two, a proxy or a
+    signer in front may read the first. The body is read here once (at most ``MAX_BODY_BYTES`` and a byte)
+    and handed on as it came; a body past that, or not JSON, is the SDK's to answer."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        read: list[Message] = []
+        size, complete = 0, False
+        while not complete and size <= MAX_BODY_BYTES:
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":  # the client went away: the app hears it too
+                break
+            size += len(message.get("body", b""))
+            complete = not message.get("more_body", False)
+        if complete:
+            try:
+                json.loads(b"".join(m.get("body", b"") for m in read), object_pairs_hook=json_keys.unique_object)
+            except json_keys.DuplicateKey as exc:
+                refused = json_keys.refused(exc, "request")
+                await JSONResponse(errors.payload(refused), status_code=refused.status)(scope, receive, send)
+                return
+            except (ValueError, RecursionError):
+                pass  # not JSON: the SDK answers it
+
+        async def replay() -> Message:
+            return read.pop(0) if read else await receive()
+
+        await self.app(scope, replay, send)
+
+
 async def _healthz(_: Request) -> JSONResponse:
     return JSONResponse(schemas.HealthAnswer().dump({"status": "ok"}))
 
@@ -408,7 +457,8 @@ def create_mcp_app() -> Starlette:
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         custom_starlette_routes=[Route(HEALTH_PATH, _healthz, methods=["GET"])],
     )
-    app.add_middleware(BearerToken)
+    app.add_middleware(EveryKeyOnce)
+    app.add_middleware(BearerToken)  # added last, run first: nothing is read for a request without a caller
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
     return app
 

@@ -50,8 +50,10 @@ TEXT_PATTERN = "^[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"
 RULES = (
     "What the schemas below cannot say: field names, and the strings inside free-form objects, follow the "
     "rule every request string's pattern states (no NUL nor other control character but tab, newline and "
-    "carriage return); a callback URL's host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
-    "(configuration: a URL the schema allows may be refused with 422); `parameters` of /voice-tools/modify "
+    "carriage return); a callback URL holds no whitespace nor control or format character (Unicode's too; "
+    "percent-encode them) and its host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
+    "(configuration: a URL the schema allows may be refused with 422); a JSON object that gives a key twice is "
+    "400 bad_json naming it; `parameters` of /voice-tools/modify "
     "are checked against the parameters of the call's own tool; a pending or execute body may name its tool "
     "in `function_name` alone instead of `function` (the older form; given both, they must agree); a tool's "
     "`reference_context` must name a "
@@ -64,13 +66,32 @@ RULES = (
 )
 
 
-def doc(summary: str, *, body: type[Schema] | None = None, query: type[Schema] | None = None,
-        responses: dict[int, type[Schema] | str | tuple] | None = None, public: bool = False) -> Callable:
-    """Describe a view for the OpenAPI document (no effect on how it runs). An answer that is not
-    JSON is a description (text/plain) or ``(media type, description[, schema])``."""
+# the groups of operations (a generated client's modules: ``calls.confirm``), each operation in one
+TAGS = {
+    "calls": "A call's life (record, modify, confirm, execute, resume, cancel) and reading calls and session "
+             "context",
+    "tools": "The tools this service runs",
+    "events": "A session's events as a stream",
+    "meta": "Liveness, readiness, metrics and this document",
+}
+COMPATIBILITY = ("Kept so that a relay written for the n8n workflows works unchanged; new relays use {canonical}, "
+                 "which does the same.")
+
+
+def doc(summary: str, *, tag: str, body: type[Schema] | None = None, query: type[Schema] | None = None,
+        responses: dict[int, type[Schema] | str | tuple] | None = None, public: bool = False,
+        instead: str | None = None) -> Callable:
+    """Describe a view for the OpenAPI document (no effect on how it runs): ``tag`` its group (one of
+    ``TAGS``); ``instead``, for a legacy endpoint kept for older relays, what new relays use (it is
+    marked deprecated). An answer that is not JSON is a description (text/plain) or ``(media type,
+    description[, schema])``."""
+    if tag not in TAGS:
+        raise ValueError(f"tag {tag!r} is not one of {sorted(TAGS)}")
+
     def mark(view: Callable) -> Callable:
         view.openapi = {  # type: ignore[attr-defined]
-            "summary": summary, "body": body, "query": query, "responses": responses or {}, "public": public,
+            "summary": summary, "tag": tag, "body": body, "query": query, "responses": responses or {},
+            "public": public, "instead": instead,
         }
         return view
     return mark
@@ -81,7 +102,10 @@ _PATH_SCHEMAS: dict[str, type[Schema]] = {"tool_call_id": schemas.ToolCallPath, 
 
 
 def _operation(meta: dict[str, Any], path_args: list[str]) -> dict[str, Any]:
-    operation: dict[str, Any] = {"summary": meta.get("summary", "")}
+    operation: dict[str, Any] = {"summary": meta["summary"], "tags": [meta["tag"]]}
+    if meta.get("instead"):
+        operation["deprecated"] = True
+        operation["description"] = COMPATIBILITY.format(canonical=meta["instead"])
     parameters: list[dict[str, Any]] = [
         {"in": "path", "schema": _PATH_SCHEMAS[name]} if name in _PATH_SCHEMAS
         else {"in": "path", "name": name, "required": True, "schema": {"type": "string"}}
@@ -142,6 +166,8 @@ def build(app: Flask) -> dict[str, Any]:
         info={"description": "Runs the tool calls of a voice assistant (how to call it: docs/relay-guide.md; what it "
                              f"promises: docs/promises.md). {RULES}"},
     )
+    for name, description in TAGS.items():
+        spec.tag({"name": name, "description": description})
     for tool in tools.TOOLS.values():
         spec.components.schema(tool.schema.__name__, schema=tool.schema)
     for event_schema in schemas.EVENT_SCHEMAS.values():
@@ -156,16 +182,20 @@ def build(app: Flask) -> dict[str, Any]:
     for rule in app.url_map.iter_rules():
         if rule.endpoint == "static":
             continue
-        meta = getattr(app.view_functions[rule.endpoint], "openapi", {"summary": rule.endpoint})
+        meta = getattr(app.view_functions[rule.endpoint], "openapi", None)
+        if meta is None:
+            raise ValueError(f"the view of {rule.rule} is not described: give it app.openapi.doc(...)")
         path = _PATH_ARG.sub(r"{\1}", rule.rule)
         canonical = alias_of(rule.endpoint, app)
         methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
         for method in methods:
             operation = _operation(meta, sorted(rule.arguments))
             operation["operationId"] = operation_id(rule.endpoint, method if len(methods) > 1 else None)
-            if canonical:
+            if canonical:  # an n8n-compatible path: grouped with the operation it stands for, deprecated
                 operation["summary"] = f"n8n-compatible alias of {canonical}: {operation['summary']}"
                 operation["x-alias-of"] = canonical
+                operation["deprecated"] = True
+                operation["description"] = COMPATIBILITY.format(canonical=meta.get("instead") or canonical)
             paths.setdefault(path, {})[method.lower()] = operation
     ids = [operation["operationId"] for item in paths.values() for operation in item.values()]
     if len(ids) != len(set(ids)):

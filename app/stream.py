@@ -105,7 +105,7 @@ class HandOver:
 
 
 @bp.get("/voice-tools/events/<session_id>")
-@doc("The session's events as Server-Sent Events (resumable with Last-Event-ID)", query=EventsQuery,
+@doc("The session's events as Server-Sent Events (resumable with Last-Event-ID)", tag="events", query=EventsQuery,
      responses={200: ("text/event-stream",
                       "A first `retry: <milliseconds>` line, then per event `id: <event_id>`, `event: <kind>` and "
                       "`data: <the callback body>` (a CallbackEvent, without sent_at), and a `: keep-alive` comment "

@@ -9,17 +9,19 @@ it (``event=``, or ``lifecycle.record_event`` after a transition that did not);
 """
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Row, bindparam, case, cast, func, insert, literal, null, select
+from sqlalchemy import Row, and_, bindparam, case, false, func, insert, literal, literal_column, null, select, true
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.types import DateTime, String, Text
 
 from models import settings
-from models.calls import CANCELLED, COMPLETED, EXECUTING, EXPIRED, FAILED, PENDING, PREPARED, CallbackDelivery
+from models.calls import (CANCELLED, COMPLETED, EXECUTING, EXPIRED, FAILED, MODIFIED, PENDING, PREPARED,
+                          CallbackDelivery)
 
 
 # every kind of event, and the status a call has in the event of each kind (the OpenAPI document's event schemas)
@@ -28,13 +30,22 @@ STATUS_OF = {"progress": EXECUTING, "checkpoint": PREPARED, "completed": COMPLET
              "cancelled": CANCELLED, "expired": EXPIRED}
 
 
-def actions_available(status: str) -> list[str]:
-    """What the caller may do to a call in ``status`` (an event's ``actions_available``, a record's)."""
-    return {
-        PENDING: ["confirm", "modify", "cancel"],
-        EXECUTING: ["cancel"],
-        PREPARED: ["proceed", "cancel"],
-    }.get(status, [])
+# what a call in each open status offers its caller, before its point of no return (lifecycle's transitions:
+# confirm and modify from PENDING, proceed from PREPARED, cancel from any open status until committed_at is set)
+OFFERED = {
+    PENDING: ("confirm", "modify", "cancel"),
+    MODIFIED: ("cancel",),
+    EXECUTING: ("cancel",),
+    PREPARED: ("proceed", "cancel"),
+}
+
+
+def offers(status: str, committed: bool) -> tuple[list[str], bool]:
+    """``(actions_available, cancellable)`` of a call in ``status``, ``committed`` if past its point of no
+    return (``committed_at`` set): the one place both are derived, for every event and every record. Past the
+    point of no return nothing cancels the call, so ``cancel`` is not offered and it is not cancellable."""
+    actions = [action for action in OFFERED.get(status, ()) if not (committed and action == "cancel")]
+    return actions, "cancel" in actions
 
 
 def lease_s(timeout: float) -> float:
@@ -68,7 +79,6 @@ def event(
     gate: int | None,
     progress: float | None,
     message: str = "",
-    cancellable: bool = False,
     requires_confirmation: bool = False,
     preview: dict[str, Any] | None = None,
     context_key: str | None = None,
@@ -78,7 +88,8 @@ def event(
 
     The ``INSERT ... SELECT`` takes what Python knows now as parameters and the rest from
     the call's row as that statement left it (``moved``): its columns, its new
-    ``event_seq`` (the event's ``seq``), its actions and its URL (the call's
+    ``event_seq`` (the event's ``seq``), what it offers (its ``actions_available`` and
+    ``cancellable``: :func:`offers` of its status and ``committed_at``) and its URL (the call's
     ``callback_urls[event]`` if it names one, else its ``callback_url``). ``progress`` is
     the progress the transition sets. ``inline``: the caller posts it at once, so the row
     is inserted already claimed for that attempt (``next_attempt_at`` a lease ahead).
@@ -87,7 +98,7 @@ def event(
     event_id = uuid.uuid4().hex
     constant: dict[str, Any] = {
         "event_id": event_id, "type": "tool_status", "event": event, "step": step, "gate": gate,
-        "progress": progress, "message": message, "cancellable": cancellable,
+        "progress": progress, "message": message,
         "requires_confirmation": requires_confirmation, "preview": preview,
         "context_available": context_key is not None, "context_key": context_key,
     }
@@ -107,14 +118,12 @@ def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool, n
 
     url = func.coalesce(func.nullif(moved.c.callback_urls.op("->>")(event), ""), func.nullif(moved.c.callback_url, ""))
     resume_url = text_param("ev_resume") + moved.c.tool_call_id if requires_confirmation else null()
-    actions = case({status: cast(bindparam(None, actions_available(status), type_=JSONB), JSONB)
-                    for status in (PENDING, EXECUTING, PREPARED)},
-                   value=moved.c.status, else_=cast(literal("[]"), JSONB))
+    actions, cancellable = _offered(moved)
     row = func.jsonb_build_object(
         "tool_call_id", moved.c.tool_call_id, "intent_id", moved.c.intent_id,
         "session_id", moved.c.session_id, "function_name", moved.c.function_name,
         "parameters", moved.c.parameters, "status", moved.c.status, "resume_url", resume_url,
-        "actions_available", actions, "result", moved.c.result,
+        "actions_available", actions, "cancellable", cancellable, "result", moved.c.result,
         "voice_response", func.coalesce(func.nullif(moved.c.voice_response, ""), text_param("ev_voice")),
         "execution_time_ms", moved.c.execution_time_ms, "seq", moved.c.event_seq,
         "outcome", moved.c.outcome,  # done / not_done / unconfirmed once the call has ended, else null
@@ -135,6 +144,23 @@ def _insert(moved: Any, event: str, requires_confirmation: bool, inline: bool, n
          "next_attempt_at", *(["commit_seq"] if numbered else [])], chosen,
     ).returning(CallbackDelivery.event_id.label("delivery_event_id"), CallbackDelivery.url.label("delivery_url"),
                 CallbackDelivery.payload.label("delivery_payload"), CallbackDelivery.event.label("delivery_event"))
+
+
+def _offered(moved: Any) -> tuple[Any, Any]:
+    """:func:`offers` in SQL, over the row ``moved``: its ``actions_available`` (jsonb) and ``cancellable``,
+    the table written out as constants of the statement (no parameters to send at each run)."""
+    def actions_sql(actions: list[str]) -> Any:  # our own names (actions, statuses): letters only, safe to write out
+        return literal_column(f"'{json.dumps(actions)}'::jsonb", JSONB)
+
+    committed = moved.c.committed_at.is_not(None)
+    actions_when, cancellable_when = [], []
+    for status in OFFERED:
+        for past in (False, True):
+            actions, cancellable = offers(status, past)
+            when = and_(moved.c.status == literal_column(f"'{status}'"), committed if past else ~committed)
+            actions_when.append((when, actions_sql(actions)))
+            cancellable_when.append((when, true() if cancellable else false()))
+    return case(*actions_when, else_=actions_sql([])), case(*cancellable_when, else_=false())
 
 
 def delivery_of(row: Row[Any] | None) -> CallbackDelivery | None:

@@ -164,11 +164,9 @@ class Link(base.Task):
 
         if self.index == len(tool.steps) - 1:
             return self._complete(tool_call_id, given, step.name, output)
-        cancellable = not (step.side_effect or any(s.side_effect for s in tool.steps[: self.index]))
         progress_done = (self.index + 1) / len(tool.steps)
         event = events.event("progress", step=step.name, gate=self.index + 1, progress=progress_done,
-                                message=tool.say(step.message, given.parameters), cancellable=cancellable,
-                                inline=True)
+                             message=tool.say(step.message, given.parameters), inline=True)
         with db.statement() as s:
             call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event,
                                          chain=chain_id, token=token)
@@ -273,8 +271,8 @@ class Link(base.Task):
         index = self.index if index is None else index
         preview = step.preview(given) if step.preview else None
         event = events.event("checkpoint", step=step.name, gate=index + 1, progress=progress,
-                                message=tool.say(step.message, given.parameters), cancellable=True,
-                                requires_confirmation=True, preview=preview, inline=True)
+                             message=tool.say(step.message, given.parameters), requires_confirmation=True,
+                             preview=preview, inline=True)
         with db.statement() as s:
             call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event)
         if call is None:

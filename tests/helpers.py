@@ -75,7 +75,7 @@ def progress_event(callback_url: str) -> tuple[str, str]:
         lifecycle.begin_step(s, call.tool_call_id, "PREPARING", 0.0)
         recorded = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
         event = events.record(s, recorded, "progress", step="PREPARING", gate=1,
-                                 message="Preparing the email to john@example.com.", cancellable=True)
+                                 message="Preparing the email to john@example.com.")
     return call.tool_call_id, event.event_id
 
 

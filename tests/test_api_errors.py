@@ -316,6 +316,60 @@ def test_invalid_fields_are_422_naming_the_field(client, existing, change, field
     assert snapshot() == before
 
 
+# whitespace and control characters a URI never holds (RFC 3986): each one, in the path, the query, the host
+NOT_IN_A_URI = ["http://127.0.0.1:9/cb\r\nX-Injected: yes", "http://127.0.0.1:9/cb\n", "http://127.0.0.1:9/c b",
+                "http://127.0.0.1:9/cb\t", "http://127.0.0.1:9/cb?x=\r", "http://127.0.0.1:9/cb\x7f",
+                "http://127.0.0.1:9/cb\x85", "http://127.0.0.1:9/cb\u2028", " http://127.0.0.1:9/cb",
+                "http://127.0.0.1:9/cb\u00a0"]
+
+
+@pytest.mark.parametrize("url", NOT_IN_A_URI)
+def test_a_callback_url_with_whitespace_or_a_control_character_is_422_naming_it_on_every_door(client, existing, url):
+    tool_call_id, before = existing
+    doors = [
+        ("post", "/voice-tools/pending", {**BODY, "callback_url": url}, "callback_url"),
+        ("post", "/voice-tools/execute", {**BODY, "callback_urls": {"completed": url}}, "callback_urls"),
+        ("post", f"/voice-tools/confirm/{tool_call_id}", {"callback_url": url}, "callback_url"),
+        ("post", "/webhook/voice-tools/pending", {**BODY, "callback_urls": {"progress": url}}, "callback_urls"),
+        ("post", "/webhook/execute-gmail", {"session_id": "s", "to": "john@example.com", "subject": "Hi",
+                                            "callback_url": url}, "callback_url"),
+    ]
+    for method, path, payload, field in doors:
+        body = assert_error(getattr(client, method)(path, headers=AUTH, json=payload), 422, "validation_error")
+        assert field in _fields(body), (path, body)
+        said = str(_fields(body)[field])
+        assert "whitespace or control characters" in said, (path, body)
+    assert snapshot() == before
+
+
+def test_a_clean_callback_url_is_still_taken_as_given(client):
+    url = "http://127.0.0.1:9/cb/%0D%0A?x=a%20b&y=~"  # percent-encoded, as a URI carries them
+    answer = pending(client, {**BODY, "callback_url": url})
+    assert answer.status_code == 201, answer.get_json()
+    assert row(answer.get_json()["tool_call_id"]).callback_url == url
+
+
+@pytest.mark.parametrize("text, key", [
+    ('{"session_id": "a", "function": "send_email", "session_id": "b", "parameters": {"to": "j@example.com", '
+     '"subject": "Hi"}}', "session_id"),
+    ('{"session_id": "a", "function": "send_email", "parameters": {"to": "j@example.com", "subject": "Hi", '
+     '"to": "k@example.com"}}', "to"),
+    ('{"session_id": "a", "function": "send_email", "parameters": {"to": "j@example.com", "subject": "Hi"}, '
+     '"callback_urls": {"completed": "http://127.0.0.1:9/a", "completed": "http://127.0.0.1:9/b"}}', "completed"),
+])
+def test_a_key_given_twice_in_a_body_is_400_naming_it(client, existing, text, key):
+    """A proxy or a signer that reads the first of two keys must not see another request than the one run."""
+    tool_call_id, before = existing
+    for path in ("/voice-tools/pending", "/webhook/voice-tools/execute"):
+        body = assert_error(client.post(path, headers=AUTH, data=text), 400, "bad_json")
+        assert body["details"] == {"key": key}, body
+        assert repr(key) in body["message"], body
+    patched = client.patch(f"/voice-tools/modify/{tool_call_id}", headers=AUTH,
+                           data='{"parameters": {"subject": "a", "subject": "b"}}')
+    assert assert_error(patched, 400, "bad_json")["details"] == {"key": "subject"}
+    assert snapshot() == before
+
+
 def test_nested_control_character_names_the_nested_field(client, existing):
     _, before = existing
     payload = {"session_id": "s", "function": "query_vector_db",

@@ -174,9 +174,11 @@ def test_aliases_are_documented_alike(client):
     assert aliases and {path for path, _, _ in aliases} == {p for p in paths if p.startswith("/webhook/")}
     for path, method, operation in aliases:
         canonical = paths[operation["x-alias-of"]][method]
-        strip = ("summary", "x-alias-of", "operationId")  # an alias's operationId is its own
+        # an alias's operationId is its own, and it is marked deprecated, saying what to use instead
+        strip = ("summary", "x-alias-of", "operationId", "deprecated", "description")
         assert {k: v for k, v in operation.items() if k not in strip} == \
             {k: v for k, v in canonical.items() if k not in strip}, path
+        assert operation["deprecated"] is True and operation["description"], path
         assert operation["operationId"].startswith("webhook") and not canonical["operationId"].startswith("webhook")
 
 

@@ -658,12 +658,11 @@ def test_the_event_a_link_records_with_its_transition_is_the_one_record_writes(r
     if ending == "progress":
         first, second = _twin_payloads(
             id_, lambda s, ev: lifecycle.record_step(s, id_, "PREPARING", {"draft": 1}, 0.25, event=ev), "progress",
-            step="PREPARING", gate=1, progress=0.25, message="Preparing.", cancellable=True, inline=True)
+            step="PREPARING", gate=1, progress=0.25, message="Preparing.", inline=True)
     elif ending == "checkpoint":
         first, second = _twin_payloads(
             id_, lambda s, ev: lifecycle.checkpoint(s, id_, "READY_TO_SEND", 0.5, output={"to": "x"}, event=ev),
-            "checkpoint", step="READY_TO_SEND", gate=2, progress=0.5, message="Send it?", cancellable=True,
-            requires_confirmation=True, preview={"to": "x"}, inline=True)
+            "checkpoint", step="READY_TO_SEND", gate=2, progress=0.5, message="Send it?", requires_confirmation=True, preview={"to": "x"}, inline=True)
     else:
         first, second = _twin_payloads(
             id_, lambda s, ev: lifecycle.complete(s, id_, {"ok": True}, "Done.", context_key="k1", event=ev),

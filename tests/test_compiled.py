@@ -84,8 +84,7 @@ def test_the_apis_reads_return_the_rows_sqlalchemy_returns():
 
 def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns():
     tool_call_id = executing_call()
-    event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", cancellable=False,
-                         inline=True)
+    event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", inline=True)
     with db.session() as s:
         with s.begin_nested() as sp:
             assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event) is not None
@@ -128,7 +127,7 @@ def test_an_attempt_is_recorded_by_a_statement_without_rows():
     tool_call_id = executing_call()
     with db.session() as s:
         call = queries.get(s, tool_call_id)
-        delivery = record(s, call, "progress", step="PREPARING", gate=1, message="m", cancellable=True, inline=True)
+        delivery = record(s, call, "progress", step="PREPARING", gate=1, message="m", inline=True)
     assert attempts._record_attempt(delivery.event_id, 0, 200, None, 5) == "delivered"
     with db.session() as s:
         state, tried = s.execute(text("SELECT state, attempts FROM callback_deliveries WHERE event_id = :e"),

@@ -375,11 +375,9 @@ def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log
     call = make_call(callback_url=relay.url)
     with db.session() as s:
         confirmed = lifecycle.confirm(s, call.tool_call_id)
-        overdue = events.record(s, confirmed, "progress", step="PREPARING", gate=1, message="a",
-                                   cancellable=True).event_id
+        overdue = events.record(s, confirmed, "progress", step="PREPARING", gate=1, message="a").event_id
         stepped = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
-        later = events.record(s, stepped, "progress", step="PREPARING", gate=1, message="b",
-                                 cancellable=True).event_id
+        later = events.record(s, stepped, "progress", step="PREPARING", gate=1, message="b").event_id
     with db.session() as s:  # the first one's retry message was lost five minutes ago
         s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() - interval '5 minutes', attempts = 1 "
                        "WHERE event_id = :e"), {"e": overdue})

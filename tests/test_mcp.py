@@ -309,6 +309,66 @@ async def test_without_a_known_token_the_mcp_endpoint_refuses_at_the_http_level(
         assert (await error(mcp, "get_status", {"tool_call_id": "tc_000000000000"}))["error"] == "not_found"
 
 
+async def test_a_server_reached_with_no_identified_caller_refuses_every_tool_and_runs_nothing(client):
+    """Fail closed: the MCP server without its HTTP door (here the SDK's own client, in process: no request,
+    so no token) answers every tool 401, never the operator's unscoped door."""
+    from app.mcp_server import create_mcp_server
+
+    created = client.post("/voice-tools/pending", headers=AUTH, json={
+        "session_id": "sess_nobody", "function": "send_email", "parameters": GUIDE_EMAIL})
+    tool_call_id = created.get_json()["tool_call_id"]
+    before = snapshot()
+    async with Client(create_mcp_server()) as mcp:
+        assert {tool.name for tool in (await mcp.list_tools()).tools} == FACES  # what exists is no secret
+        for name, arguments in [("get_status", {"tool_call_id": tool_call_id}),
+                                ("get_context", {"session_id": "sess_nobody"}),
+                                ("cancel_tool", {"tool_call_id": tool_call_id}),
+                                ("request_tool", {"session_id": "sess_nobody", "function": "send_email",
+                                                  "parameters": GUIDE_EMAIL}),
+                                ("list_tools", {})]:
+            result = await mcp.call_tool(name, arguments)
+            assert result.is_error and result.structured_content["error"] == "unauthorized", (name, result)
+            assert result.meta["voice-tools/http_status"] == 401
+    assert snapshot() == before
+
+
+async def test_a_callback_url_with_a_line_break_or_a_space_is_refused_over_mcp_as_over_rest(mcp_url, client):
+    before = snapshot()
+    url = "http://127.0.0.1:9/cb\r\nX-Injected: yes"
+    async with connected(mcp_url) as mcp:
+        for name in ("request_tool", "execute_tool"):
+            refused = await error(mcp, name, {"session_id": "s", "function": "send_email", "parameters": GUIDE_EMAIL,
+                                              "callback_urls": {"progress": "http://127.0.0.1:9/a b"},
+                                              "callback_url": url})
+            assert refused["error"] == "validation_error"
+            assert {"callback_url", "callback_urls"} <= set(refused["details"]["fields"]), refused
+            assert refused == client.post("/voice-tools/pending", headers=MCP_AUTH, json={
+                "session_id": "s", "function": "send_email", "parameters": GUIDE_EMAIL,
+                "callback_urls": {"progress": "http://127.0.0.1:9/a b"}, "callback_url": url}).get_json()
+    assert snapshot() == before
+
+
+async def test_a_key_given_twice_in_an_mcp_request_is_400_naming_it(mcp_url):
+    """The JSON-RPC message is read once at the door with every key kept: a key given twice, in the
+    envelope or in the arguments, is refused before the SDK (which keeps the last) reads it."""
+    before = snapshot()
+    headers = {**MCP_AUTH, "Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    twice_in_arguments = ('{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "request_tool", '
+                          '"arguments": {"session_id": "a", "session_id": "b", "function": "send_email", '
+                          '"parameters": {"to": "john@example.com", "subject": "Hi"}}}}')
+    twice_in_envelope = ('{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "get_status", '
+                         '"name": "request_tool", "arguments": {"session_id": "a", "function": "send_email", '
+                         '"parameters": {"to": "john@example.com", "subject": "Hi"}}}}')
+    async with httpx2.AsyncClient() as http:
+        for text, key in ((twice_in_arguments, "session_id"), (twice_in_envelope, "name")):
+            refused = await http.post(mcp_url, content=text, headers=headers)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"] == "bad_json" and refused.json()["details"] == {"key": key}
+        once = await http.post(mcp_url, headers=headers, content='{"jsonrpc": "2.0", "id": 2, "method": "tools/list"}')
+    assert once.status_code == 200 and {t["name"] for t in once.json()["result"]["tools"]} == FACES
+    assert snapshot() == before
+
+
 async def test_a_token_named_past_100_characters_is_refused_clearly_over_mcp_too(mcp_url, monkeypatch):
     """On the MCP face, the same 401 as REST, not a database error later."""
     monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},{'n' * 101}:long-token")
@@ -463,6 +523,12 @@ async def test_the_local_web_line_serves_the_mcp_face_from_its_workers_loaded_at
             status = await answer(mcp, "get_status", {"tool_call_id": tool_call_id})
         rest = requests.get(f"http://127.0.0.1:{port}/voice-tools/status/{tool_call_id}", headers=AUTH, timeout=30)
         assert status == rest.json() and status["status"] == "PENDING"
+        asked = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                 "params": {"name": "get_status", "arguments": {"tool_call_id": tool_call_id}}}
+        for headers in ({}, {"Authorization": "Bearer nope"}):  # no caller identified: refused, never unscoped
+            refused = requests.post(f"http://127.0.0.1:{mcp_port}/mcp", json=asked, timeout=30,
+                                    headers={**headers, "Accept": "application/json, text/event-stream"})
+            assert refused.status_code == 401 and refused.json()["error"] == "unauthorized", refused.text
         assert any(loaded(pid) for pid in workers) and not loaded(master)  # a worker loaded it, the master never
         assert {pid for pid in workers if mcp_port in listening(pid)} == set(workers)  # the socket, inherited
     finally:

@@ -154,6 +154,44 @@ def test_every_operation_has_a_unique_operation_id(document):
     assert named[("get", "/voice-tools/session-context")] == "sessionContext"
 
 
+TAGS = {"calls", "tools", "events", "meta"}
+LEGACY = {"/execute-gmail", "/query-vector-db", "/get-session-context"}  # the n8n workflows' endpoint names
+
+
+def test_every_operation_is_grouped_by_one_tag_and_the_compatibility_doors_are_deprecated(document):
+    """A generated client groups operations by tag: ``calls.confirm``, with ``calls.webhook_confirm`` beside
+    it marked deprecated, never a ``default`` group."""
+    assert {tag["name"] for tag in document["tags"]} == TAGS and all(tag["description"] for tag in document["tags"])
+    tagged = {(method, path): operation.get("tags") for path, item in document["paths"].items()
+              for method, operation in item.items()}
+    assert all(tags is not None and len(tags) == 1 and tags[0] in TAGS for tags in tagged.values()), tagged
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            compatible = path.startswith("/webhook/") or path in LEGACY
+            assert operation.get("deprecated", False) is compatible, (method, path)
+            if path.startswith("/webhook/"):  # an alias: grouped with what it stands for
+                canonical = operation["x-alias-of"]
+                assert operation["tags"] == document["paths"][canonical][method]["tags"], (method, path)
+            if compatible:  # it names what new relays use: an operation of the document, not deprecated
+                named = [p for p in re.findall(r"/[\w\-/{}]+", operation["description"]) if p in document["paths"]]
+                assert named and not document["paths"][named[0]][method].get("deprecated"), operation
+    assert tagged[("post", "/voice-tools/confirm/{tool_call_id}")] == ["calls"]
+    assert tagged[("post", "/webhook/resume-execution/{tool_call_id}")] == ["calls"]
+    assert tagged[("get", "/voice-tools/tools")] == ["tools"]
+    assert tagged[("get", "/voice-tools/events/{session_id}")] == ["events"]
+    assert {tagged[("get", path)][0] for path in ("/healthz", "/readyz", "/metrics", "/openapi.json")} == {"meta"}
+
+
+def test_the_document_needs_the_token_as_the_readme_says(client):
+    """Like every path but /healthz, the document is the token's: the README says so where it names it."""
+    refused = client.get("/openapi.json")
+    assert refused.status_code == 401 and refused.get_json()["error"] == "unauthorized"
+    assert client.get("/openapi.json", headers=AUTH).status_code == 200
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("|") and "/openapi.json" in line.split("|")[1]]
+    assert len(rows) == 2 and all("token" in line for line in rows), rows  # where it is served; the pages
+
+
 def test_pending_and_execute_take_one_typed_body_per_tool_chosen_by_function(document):
     schemas_ = document["components"]["schemas"]
     union = schemas_["PendingRequest"]
@@ -184,7 +222,7 @@ def test_callback_url_fields_are_described_apart(document):
 
 USE_THE_CLIENT = '''
 from voice_tools_client import AuthenticatedClient
-from voice_tools_client.api.default import pending
+from voice_tools_client.api.calls import pending
 from voice_tools_client.models import (PendingAnswer, PendingSendEmail, PendingSendEmailFunction,
                                        SendEmailParameters)
 
@@ -200,7 +238,7 @@ def record(base_url: str, token: str) -> PendingAnswer:
 
 MISUSE_THE_CLIENT = '''
 from voice_tools_client import AuthenticatedClient
-from voice_tools_client.api.default import pending
+from voice_tools_client.api.calls import pending
 from voice_tools_client.models import PendingSendEmail, PendingSendEmailFunction, SearchContactsParameters
 
 client = AuthenticatedClient(base_url="http://127.0.0.1", token="t")
@@ -224,6 +262,12 @@ def test_a_generated_python_client_types_the_calls_and_records_one(document, api
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert made.returncode == 0, made.stdout + made.stderr
     assert "Warning" not in made.stdout + made.stderr, made.stdout + made.stderr
+    groups = {path.name for path in (tmp_path / "voice_tools_client" / "api").iterdir() if path.is_dir()}
+    assert groups == {"calls", "tools", "events", "meta"}, groups  # no "default"
+    calls = {path.stem for path in (tmp_path / "voice_tools_client" / "api" / "calls").glob("*.py")}
+    assert {"confirm", "webhook_confirm", "alias_send_email"} <= calls, calls
+    alias = (tmp_path / "voice_tools_client" / "api" / "calls" / "webhook_confirm.py").read_text()
+    assert "Kept so that a relay written for the n8n workflows works unchanged" in alias  # and what to use instead
     (tmp_path / "use_client.py").write_text(USE_THE_CLIENT)
     (tmp_path / "misuse_client.py").write_text(MISUSE_THE_CLIENT)
 

@@ -32,7 +32,6 @@ from tasks.calls import actions, schemas
 from tasks.calls.callers import Caller, name_of, scope_of
 from tasks.calls.errors import ApiError, validation_error
 from tasks.calls.toolspec import definitions
-from models import events
 
 Answer = tuple[dict[str, Any], int]
 
@@ -190,7 +189,7 @@ def pending(body: dict[str, Any], caller: Caller | None, idempotency_header: str
     message = tool.say(tool.confirmation_message, call.parameters)
     answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
               "parameters": call.parameters, "message": message, "confirmation_message": message,
-              "actions_available": events.actions_available(call.status)}
+              "actions_available": schemas.offered(call)}
     return schemas.instance(schemas.PendingAnswer).dump(answer), 201 if created else 200
 
 

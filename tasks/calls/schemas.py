@@ -88,12 +88,16 @@ def _allowed_callback_url(url: str) -> None:
         raise ValidationError(f"callback_url {reason}.")
 
 
+# no whitespace nor control character anywhere (url_policy.url_error says so in words for the rest)
+URL_PATTERN = "^https?://[^/?#\\s\\x00-\\x1f\\x7f-\\x9f]+[^\\s\\x00-\\x1f\\x7f-\\x9f]*$"
+
+
 def CallbackUrl(where: str = "Where the call's events go (each one callback_urls does not send elsewhere)",
                 **kwargs: Any) -> fields.String:  # noqa: N802
     return fields.String(
         validate=[validate.Length(min=1, max=2000), _allowed_callback_url],
         metadata={"description": f"{where}; its host must be in VOICE_TOOLS_CALLBACK_HOSTS",
-                  "format": "uri", "pattern": "^https?://[^/?#\\x00-\\x20]+[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"},
+                  "format": "uri", "pattern": URL_PATTERN},
         **kwargs,
     )
 
@@ -232,8 +236,12 @@ class ToolCallPath(Strict):
 
 # -- answers ----------------------------------------------------------------------
 
-def _actions(call: Any) -> list[str]:
-    return events.actions_available(call["status"] if isinstance(call, Mapping) else call.status)
+def offered(call: Any) -> list[str]:
+    """What a call (a row, or its mapping) offers: ``models.events.offers`` of its status and point of no return,
+    as its events say."""
+    if isinstance(call, Mapping):
+        return events.offers(call["status"], call["committed_at"] is not None)[0]
+    return events.offers(call.status, call.committed_at is not None)[0]
 
 
 class PendingAnswer(Schema):
@@ -310,7 +318,7 @@ class CallRecord(Schema):
     parameters_history = fields.List(fields.Nested(ParameterChange))
     status = fields.String()
     status_history = fields.List(fields.Nested(StatusEntry))
-    actions_available = fields.Function(_actions, dump_only=True)
+    actions_available = fields.Function(offered, dump_only=True)
     current_step = fields.String(allow_none=True)
     progress = fields.Float()
     result = fields.Dict(allow_none=True)

@@ -27,7 +27,6 @@ def record(
     step: str | None = None,
     gate: int | None = None,
     message: str = "",
-    cancellable: bool = False,
     requires_confirmation: bool = False,
     preview: dict[str, Any] | None = None,
     context_key: str | None = None,
@@ -42,8 +41,7 @@ def record(
     call's next event number (``lifecycle.record_event``).
     """
     described = events.event(kind, step=step or call.current_step, gate=gate, progress=call.progress,
-                              message=message, cancellable=cancellable,
-                              requires_confirmation=requires_confirmation, preview=preview,
+                              message=message, requires_confirmation=requires_confirmation, preview=preview,
                               context_key=context_key, inline=inline)
     row = lifecycle.record_event(s, call.tool_call_id, described)
     if kind in ENDINGS:  # every ending records its event once: counted when it has committed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import unicodedata
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -48,13 +49,19 @@ def _own(port: int) -> str | None:
 def url_error(url: str, allowed: list[str] | None = None) -> str | None:
     """Why ``url`` may not be a callback_url, or None if it may.
 
-    Its host (and port, when the entry names one; a bare host admits any port) must
-    be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP literal of a special-purpose
+    It holds no whitespace nor control character (percent-encoded, they are data; raw, a CR LF could
+    end a header line of a request that carried the URL as given). Its host (and port, when the entry
+    names one; a bare host admits any port) must be listed in ``VOICE_TOOLS_CALLBACK_HOSTS``. An IP
+    literal of a special-purpose
     range (private, loopback, link-local, shared, documentation, ...) is refused unless it
     is listed itself. The ports this system listens on (``settings.own_ports``) on a
     local address are refused whatever is listed.
     """
     allowed = settings.load().callback_hosts if allowed is None else allowed
+    unprintable = _unprintable(url)
+    if unprintable is not None:
+        return (f"must not hold whitespace or control characters ({unprintable!a} at {url.index(unprintable)}); "
+                "percent-encode them")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -78,6 +85,12 @@ def url_error(url: str, allowed: list[str] | None = None) -> str | None:
     except ValueError:
         pass
     return f"host {host} is not in VOICE_TOOLS_CALLBACK_HOSTS"
+
+
+def _unprintable(url: str) -> str | None:
+    """The first character of ``url`` that no URI holds: whitespace (a space, a tab, CR, LF, a Unicode
+    space or line separator) or a control or format character. A URI carries them percent-encoded."""
+    return next((c for c in url if c.isspace() or unicodedata.category(c)[0] in "CZ"), None)
 
 
 def _listed(host: str, port: int, allowed: list[str]) -> bool:
