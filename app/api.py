@@ -2,14 +2,15 @@
 
 Every view is one line: it hands the request's path arguments, query and body to the
 operation of the same name in ``tasks.calls.operations`` (shared with the MCP face,
-``app.mcp_server``) and answers what it returns. Errors are raised there and
+``app.mcp_server``) and answers what it returns; a ``?wait`` is handed to the stream loop
+(``app/wait_answer.py``), which answers it. Errors are raised there and
 answered by the JSON error handlers of ``app.errors``.
 """
 from __future__ import annotations
 
 from flask import Blueprint, g, request
 
-from app import inputs
+from app import inputs, wait_answer
 from app.openapi import doc
 from tasks import tools
 from tasks.calls import operations, schemas
@@ -47,21 +48,22 @@ def modify(tool_call_id: str):
 @doc("Confirm a PENDING call: it starts running", tag="calls", body=schemas.ConfirmRequest, query=schemas.WaitQuery,
      responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def confirm(tool_call_id: str):
-    return operations.confirm(tool_call_id, inputs.body(), inputs.query(), _caller())
+    return operations.confirm(tool_call_id, inputs.body(), inputs.query(), _caller(), wait_answer.hand_over())
 
 
 @bp.post("/voice-tools/execute")
 @doc("Record and start at once a call the relay already confirmed", tag="calls", body=schemas.PendingRequest,
      query=schemas.WaitQuery, responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def execute():
-    return operations.execute(inputs.body(), inputs.query(), _caller(), _idempotency_header())
+    return operations.execute(inputs.body(), inputs.query(), _caller(), _idempotency_header(),
+                              wait_answer.hand_over())
 
 
 @bp.post("/voice-tools/resume/<tool_call_id>")
 @doc("At a checkpoint: proceed or cancel", tag="calls", body=schemas.ResumeRequest, query=schemas.WaitQuery,
      responses={202: schemas.StartAnswer, 200: schemas.CallRecord})
 def resume(tool_call_id: str):
-    return operations.resume(tool_call_id, inputs.body(), inputs.query(), _caller())
+    return operations.resume(tool_call_id, inputs.body(), inputs.query(), _caller(), wait_answer.hand_over())
 
 
 @bp.delete("/voice-tools/cancel/<tool_call_id>")
@@ -108,7 +110,8 @@ def _flat_alias(tool_name: str):
     flat = schemas.flat_request_schema(tool)
 
     def alias():
-        return operations.flat_alias(tool, flat, inputs.body(), inputs.query(), _caller(), _idempotency_header())
+        return operations.flat_alias(tool, flat, inputs.body(), inputs.query(), _caller(), _idempotency_header(),
+                                    wait_answer.hand_over())
 
     alias.__name__ = f"alias_{tool_name}"
     return doc(f"Legacy alias: run {tool_name} as /voice-tools/execute does (flat body)", tag="calls",

@@ -21,9 +21,8 @@ Only what the command line does not say:
   ``tool_call_id``, ``session_id``. Never a header's value, a query string or a body.
 - when a worker exits, its Prometheus multiprocess files are marked dead so
   ``/metrics`` stops counting its live gauges;
-- each worker knows the threads and workers it runs with (``GUNICORN_THREADS``,
-  ``WEB_CONCURRENCY``, as the command line set them): a caller's default open share is
-  derived from them, and the worker keeps 2 threads from long-held requests
+- each worker knows the threads it runs with (``--threads``): it keeps 2 of them from the
+  long-held requests that hold a thread, those it cannot hand to its stream loop
   (docs/operations.md, "Fair shares");
 - with ``VOICE_TOOLS_MCP_BIND`` (``HOST:PORT``, ``Procfile.local``) the workers also serve the MCP
   face there, loaded at its first connection (``app/mcp_lazy.py``): the master binds the port
@@ -137,8 +136,6 @@ def child_exit(server, worker):
 
 
 def post_fork(server, worker):
-    os.environ["GUNICORN_THREADS"] = str(server.cfg.threads)
-    os.environ["WEB_CONCURRENCY"] = str(server.cfg.workers)
     from app import shares  # the worker's own, after the fork (the master never loads the app)
 
     shares.serve_with_threads(server.cfg.threads)

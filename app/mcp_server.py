@@ -34,6 +34,7 @@ Run it with ``python -m app.mcp_server`` (``--host``/``--port``, defaults ``HOST
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -60,9 +61,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import json_depth, json_keys, shares
+from app import json_depth, json_keys, shares, stream_loop
 from app.limits import MAX_BODY_BYTES
-from models import logs
+from models import listen, logs
 from tasks import tools
 from tasks.calls import callers, errors, operations, schemas, toolspec
 from tasks.calls.callers import Caller
@@ -96,7 +97,7 @@ class Face:
 
     name: str
     description: str
-    run: Callable[[Arguments, Arguments, Arguments, Caller], Answer]  # (path, query, body, caller)
+    run: Callable[..., Any]  # (path, query, body, caller[, hand_over: a face with a wait]) -> its answer
     path: type[Schema] | None = None  # arguments that are the REST path's
     query: type[Schema] | None = None  # arguments that are the REST query's
     body: type[Schema] | None = None  # the rest: the REST body
@@ -156,12 +157,14 @@ FACES = (
     Face("confirm_tool",
          "The user said yes: a PENDING call starts. With wait, answers the call's record once it is PREPARED "
          "(a write's checkpoint) or finished. = POST /voice-tools/confirm/{id}?wait=",
-         lambda path, query, body, caller: operations.confirm(path["tool_call_id"], body, query, caller),
+         lambda path, query, body, caller, hand_over=None: operations.confirm(path["tool_call_id"], body, query,
+                                                                             caller, hand_over),
          path=schemas.ToolCallPath, query=schemas.WaitQuery, body=schemas.ConfirmRequest),
     Face("resume_tool",
          "At the checkpoint (PREPARED): action proceed (the point of no return) or cancel. With wait, answers "
          "the record once finished. = POST /voice-tools/resume/{id}?wait=",
-         lambda path, query, body, caller: operations.resume(path["tool_call_id"], body, query, caller),
+         lambda path, query, body, caller, hand_over=None: operations.resume(path["tool_call_id"], body, query,
+                                                                            caller, hand_over),
          path=schemas.ToolCallPath, query=schemas.WaitQuery, body=schemas.ResumeRequest),
     Face("cancel_tool",
          "Cancel a call before its point of no return. = DELETE /voice-tools/cancel/{id}",
@@ -170,7 +173,7 @@ FACES = (
     Face("execute_tool",
          "Record and start at once a call the user already confirmed (arguments as request_tool, plus wait). "
          "= POST /voice-tools/execute?wait=",
-         lambda path, query, body, caller: operations.execute(body, query, caller),
+         lambda path, query, body, caller, hand_over=None: operations.execute(body, query, caller, None, hand_over),
          query=schemas.WaitQuery, body=schemas.PendingRequest),
     Face("get_status",
          "The whole record of a call. = GET /voice-tools/status/{id}",
@@ -216,9 +219,27 @@ def _result(answer: dict[str, Any], status: int, is_error: bool = False) -> Call
                           _meta={"voice-tools/http_status": status})
 
 
-def call(face: Face, arguments: Arguments, caller: Caller) -> CallToolResult:
+@dataclass
+class Held:
+    """A tool's wait the operation handed over (``tasks.calls.operations.Waiting``), with its caller's slot:
+    awaited on the face's event loop (:func:`waited`), no thread held."""
+
+    waiting: operations.Waiting
+    slot: shares.Slot | None
+
+
+def _error_result(exc: Exception, face: Face) -> CallToolResult:
+    err = errors.api_error(exc)
+    if err is None:
+        log.exception("unhandled error in MCP tool %s", face.name)
+        err = errors.internal_error()
+    return _result(errors.payload(err), err.status, is_error=True)
+
+
+def call(face: Face, arguments: Arguments, caller: Caller, hand_over: bool = False) -> CallToolResult | Held:
     """Run one MCP tool for ``caller`` (always someone: the operators' unscoped door is not this face's):
-    the REST operation's answer, or its error JSON with ``is_error``."""
+    the REST operation's answer, or its error JSON with ``is_error``. With ``hand_over``, a ``wait`` is
+    not waited here: a :class:`Held` is returned for :func:`waited`."""
     try:
         bad = _bad_arguments(arguments)
         if bad is not None:
@@ -226,20 +247,44 @@ def call(face: Face, arguments: Arguments, caller: Caller) -> CallToolResult:
         path, query, body = face.split(arguments)
         slot = None
         if face.query is schemas.WaitQuery and shares.asks_to_wait(query):
-            # a wait holds a slot of the caller's share (or 429), and one of the face's own threads (MCP_THREADS),
-            # never a web thread of the process: served by the API's worker (app/mcp_lazy.py), it leaves them be
+            # a wait holds a slot of the caller's share (or 429) and of this process's capacity, never a web
+            # thread of the process: served by the API's worker (app/mcp_lazy.py), it leaves them be
             slot = shares.wait_slot(caller.name, query["wait"], holds_thread=False)
         try:
-            answer, status = face.run(path, query, body, caller)
+            if hand_over and face.query is schemas.WaitQuery:
+                answer = face.run(path, query, body, caller, hand_over=lambda waiting: Held(waiting, slot))
+                if isinstance(answer, Held):
+                    slot = None  # the wait's now: given back when it ends
+                    return answer
+            else:
+                answer = face.run(path, query, body, caller)
+            answer, status = answer
         finally:
             if slot is not None:
                 slot.release()
     except Exception as exc:  # every error is answered as the REST API answers it
-        err = errors.api_error(exc)
-        if err is None:
-            log.exception("unhandled error in MCP tool %s", face.name)
-            err = errors.internal_error()
-        return _result(errors.payload(err), err.status, is_error=True)
+        return _error_result(exc, face)
+    return _result(answer, status)
+
+
+async def waited(face: Face, held: Held) -> CallToolResult:
+    """The answer of a wait handed over: awaited on the process's stream loop (``models.listen``'s
+    listener wakes it), holding no thread; its slot given back after."""
+    waiting = held.waiting
+    future = asyncio.run_coroutine_threadsafe(listen.until_settled_async(waiting.tool_call_id, waiting.seconds),
+                                              stream_loop.loop())
+    try:
+        try:
+            call_row, settled = await asyncio.wrap_future(future)
+        except BaseException:
+            future.cancel()
+            raise
+        answer, status = waiting.answer(call_row, settled)
+    except Exception as exc:
+        return _error_result(exc, face)
+    finally:
+        if held.slot is not None:
+            await anyio.to_thread.run_sync(held.slot.release)
     return _result(answer, status)
 
 
@@ -295,7 +340,8 @@ async def list_tools(ctx: ServerRequestContext[Any, Any], params: PaginatedReque
 
 async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequestParams) -> CallToolResult:
     """``tools/call``: the arguments as the client sent them (raw JSON, no model of the SDK's in
-    between) go to the REST schemas, which alone judge them, in a worker thread (the operation blocks)."""
+    between) go to the REST schemas, which alone judge them, in a worker thread (the operation blocks);
+    a ``wait`` it asks for is then awaited on the event loop, in no thread (:func:`waited`)."""
     face = FACES_BY_NAME.get(params.name)
     if face is None:
         return unknown_face(params.name)
@@ -305,11 +351,15 @@ async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequest
     if caller is None:  # fail closed: a tool never runs unscoped (no caller is the operators' door)
         return nobody()
 
-    def run() -> CallToolResult:
+    def run() -> CallToolResult | Held:
         with _log_context(request, arguments):
-            return call(face, arguments, caller)
+            return call(face, arguments, caller, hand_over=True)
 
-    return await anyio.to_thread.run_sync(run)
+    started = await anyio.to_thread.run_sync(run)
+    if isinstance(started, Held):  # the wait: on the event loop, no thread held
+        with _log_context(request, arguments):
+            return await waited(face, started)
+    return started
 
 
 def server_version() -> str:
@@ -415,7 +465,7 @@ def create_mcp_app() -> Starlette:
 
 def _bounded_threads(lifespan: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Run at most ``MCP_THREADS`` (default 16) operations at once: each is a blocking call in a
-    worker thread (held for up to 30 s with ``wait``, woken by the process's listener) that borrows
+    worker thread (its ``wait`` is not: that is awaited on the event loop afterwards) that borrows
     pooled database connections, so the count stays within the pool (``VOICE_TOOLS_DB_POOL_SIZE`` +
     20 overflow) instead of anyio's 40."""
     @asynccontextmanager

@@ -1,19 +1,26 @@
 """Each caller's fair share of the API, on every face (REST, the event stream, MCP): a rate of requests
-and a number of long-held requests at once (``?wait`` and open event streams), so that no caller takes
-every thread (docs/operations.md, "Fair shares"; docs/relay-guide.md, "Limits and small rules").
+and a number of long-held requests at once (``?wait`` and open event streams), and each API process's
+capacity for long-held requests, shared fairly between the callers holding them there
+(docs/operations.md, "Fair shares"; docs/relay-guide.md, "Limits and small rules").
 
-Both are counted per caller name in the Redis the API processes share (``models.settings.redis_url``:
-``REDIS_URL`` or a Redis broker), so they hold across gunicorn workers, hosts and faces; in this
-process's memory where no Redis is configured. The rate is the `limits` library's sliding window
-counter (the library beneath Flask-Limiter, which serves Flask only: the MCP face is Starlette). A
-long-held request takes a *slot*: a member of the caller's sorted set whose score is its lease's end,
-renewed while the request lasts, so a process killed while holding one leaks it only until the lease
-lapses. Under gunicorn each process also keeps ``settings.RESERVED_THREADS`` of its threads from
-long-held requests that hold a thread (``?wait``; an event stream handed to the stream loop holds none),
-whoever holds them. Past the rate, or past the open share (an event stream or
-a ``?wait``): :class:`ApiError` 429 with ``Retry-After``, before the request does anything. A Redis
-that does not answer lets requests through (logged): the limits protect the service, they must not
-stop it.
+The rate and the open share are counted per caller name in the Redis the API processes share
+(``models.settings.redis_url``: ``REDIS_URL`` or a Redis broker), so they hold across gunicorn workers,
+hosts and faces; in this process's memory where no Redis is configured. The rate is the `limits`
+library's sliding window counter (the library beneath Flask-Limiter, which serves Flask only: the MCP
+face is Starlette). A long-held request takes a *slot*: a member of the caller's sorted set whose score
+is its lease's end, renewed by its process every ``RENEW_EVERY_S`` whatever its client does (a thread of
+the process renews them all), so a lease lapses only when its process is gone.
+
+A stream or a wait served by the process's stream loop (``app/stream_loop.py``) holds no web thread: it
+costs a descriptor and a few KB. The process serves at most ``settings.open_per_process`` of them
+(``VOICE_TOOLS_OPEN_PER_PROCESS``, within its open-files limit), and a caller takes no more of that than
+its fair part: an equal part among the callers holding slots in the process, three quarters when it is
+alone there (the rest waits for the next caller), so no caller takes the whole process. A long-held
+request that does hold a thread (one served where the server gives no socket to hand over) counts
+against the process's threads instead: under gunicorn each process keeps ``settings.RESERVED_THREADS``
+of its threads from them. Past the rate, the open share or the process's capacity: :class:`ApiError`
+429 with ``Retry-After``, before the request does anything. A Redis that does not answer lets
+requests through (logged): the limits protect the service, they must not stop it.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import functools
 import logging
 import math
 import os
+import resource
 import threading
 import time
 import uuid
@@ -32,13 +40,14 @@ from limits import parse
 from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import SlidingWindowCounterRateLimiter
 
+from app import handover
 from models import settings
 from tasks.calls.errors import ApiError
 
 log = logging.getLogger(__name__)
 
 LEASE_S = 60.0  # a slot not renewed for this long is free again (its process was killed)
-RENEW_EVERY_S = 15.0  # an event stream renews its slot at most this often (at its keep-alive)
+RENEW_EVERY_S = 15.0  # the process renews every slot it holds this often
 OPEN_RETRY_AFTER_S = 5  # a stream's slot frees when a stream closes
 WAIT_RETRY_AFTER_S = 1  # a wait's slot frees when a wait ends: most end within a second
 KEY_PREFIX = "voice-tools:shares"
@@ -88,7 +97,7 @@ def _share_of(name: str, _environment: int) -> Share:
         return share
     except ValueError as exc:
         log.error("fair share settings not readable (%s): the built-in defaults apply", exc)
-        return Share(settings.RATE_LIMIT, 4)
+        return Share(settings.RATE_LIMIT, settings.OPEN_PER_CALLER)
 
 
 _rate_item = functools.lru_cache(maxsize=64)(parse)  # a rate in the `limits` notation, parsed once
@@ -162,8 +171,9 @@ def check_rate(name: str) -> None:
 
 # -- long-held requests: slots -------------------------------------------------------------------------------
 
-# -- this process's threads: under gunicorn (app/gunicorn_conf.py), long-held requests of all callers
-# together leave ``settings.RESERVED_THREADS`` of each worker's threads to /healthz and short requests
+# -- this process's threads: under gunicorn (app/gunicorn_conf.py), long-held requests that hold a thread
+# (served where no socket could be handed to the stream loop) leave ``settings.RESERVED_THREADS`` of each
+# worker's threads to /healthz and short requests
 
 _process_threads: int | None = None
 _process_held = 0
@@ -181,8 +191,15 @@ def _retry_after(kind: str) -> int:
     return WAIT_RETRY_AFTER_S if kind == "wait" else OPEN_RETRY_AFTER_S
 
 
+def _server_full(kind: str, held: int, most: int, what: str) -> ApiError:
+    retry_after = _retry_after(kind)
+    return ApiError(429, "too_many_open", f"{what}; try again in {retry_after} s.",
+                    {"kind": kind, "scope": "server", "open": held, "limit": most, "retry_after": retry_after},
+                    {"Retry-After": str(retry_after)})
+
+
 def _enter_process(kind: str) -> bool:
-    """Count a long-held request in this process (False: no guard here); 429 when it is full."""
+    """Count a long-held request that holds a thread in this process (False: no guard here); 429 when full."""
     global _process_held
     with _process_lock:
         if _process_threads is None:
@@ -191,12 +208,8 @@ def _enter_process(kind: str) -> bool:
         if _process_held < most:
             _process_held += 1
             return True
-    retry_after = _retry_after(kind)
-    raise ApiError(429, "too_many_open",
-                   f"This server already holds {most} waits and event streams open, all it keeps for them; "
-                   f"try again in {retry_after} s.",
-                   {"kind": kind, "scope": "server", "open": most, "limit": most, "retry_after": retry_after},
-                   {"Retry-After": str(retry_after)})
+    raise _server_full(kind, most, most, f"This server already holds {most} long-held requests on its threads, "
+                                         "all it keeps for them")
 
 
 def _leave_process() -> None:
@@ -205,47 +218,97 @@ def _leave_process() -> None:
         _process_held = max(0, _process_held - 1)
 
 
-@dataclass
+# -- this process's capacity: the long-held requests its stream loop serves (a descriptor and a few KB each)
+
+_capacity_held: dict[str, int] = {}  # caller -> its long-held requests this process serves on its stream loop
+_descriptors: tuple[int, int] | None = None  # (pid, this process's open-files limit, raised once to its hard one)
+DESCRIPTORS_AT_MOST = 65536  # the open-files limit a process raises its own to, at most
+
+
+def descriptors() -> int:
+    """This process's open-files limit, its soft limit raised (once) to its hard one, at most
+    :data:`DESCRIPTORS_AT_MOST`: each open stream or wait holds a socket."""
+    global _descriptors
+    if _descriptors is None or _descriptors[0] != os.getpid():
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = min(hard if hard != resource.RLIM_INFINITY else DESCRIPTORS_AT_MOST, DESCRIPTORS_AT_MOST)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                soft = wanted
+            except (ValueError, OSError) as exc:
+                log.warning("open-files limit not raised (%s)", exc)
+        _descriptors = (os.getpid(), soft if soft != resource.RLIM_INFINITY else DESCRIPTORS_AT_MOST)
+    return _descriptors[1]
+
+
+def capacity() -> int:
+    """How many long-held requests this process serves on its stream loop at most, whoever holds them."""
+    return settings.open_per_process(descriptors())
+
+
+def fair_part(name: str, most: int | None = None) -> int:
+    """The most of this process's capacity (``most``) caller ``name`` may hold now: an equal part among the
+    callers holding some here (``name`` counted), or three quarters when it is alone."""
+    most = capacity() if most is None else most
+    holders = {caller for caller, held in _capacity_held.items() if held > 0} | {name}
+    return max(1, most * 3 // 4 if len(holders) == 1 else most // len(holders))
+
+
+def _enter_capacity(name: str, kind: str) -> None:
+    """Count a long-held request of caller ``name`` served by the stream loop; 429 past the process's
+    capacity or the caller's fair part of it."""
+    most = capacity()
+    with _process_lock:
+        total = sum(_capacity_held.values())
+        mine = _capacity_held.get(name, 0)
+        part = fair_part(name, most)
+        if total < most and mine < part:
+            _capacity_held[name] = mine + 1
+            return
+    if total >= most:
+        raise _server_full(kind, total, most, f"This server already serves {most} waits and event streams, "
+                                              "all it has room for")
+    raise _server_full(kind, mine, part, f"This caller already holds {mine} waits and event streams on this "
+                                         "server, its fair part of it beside the other callers")
+
+
+def _leave_capacity(name: str) -> None:
+    with _process_lock:
+        left = _capacity_held.get(name, 0) - 1
+        if left > 0:
+            _capacity_held[name] = left
+        else:
+            _capacity_held.pop(name, None)
+
+
+@dataclass(eq=False)
 class Slot:
-    """One long-held request's place in its caller's open share (and in this process's); :meth:`renew`
-    while it lasts, :meth:`release` once (again is harmless)."""
+    """One long-held request's place in its caller's open share (and in this process's threads or capacity);
+    renewed by this process while it is held (:func:`renew_all`), :meth:`release` once (again is harmless)."""
 
     caller: str
     member: str
     lease_s: float
     renewed: float = 0.0
     in_process: bool = False
+    in_capacity: bool = False
     released: bool = False
 
     def renew(self) -> None:
-        where = counts()
-        self.renewed = time.monotonic()
-        if where.client is None:
-            with where.lock:
-                held = where.local.get(self.caller, {})
-                if self.member in held:
-                    held[self.member] = time.monotonic() + self.lease_s
-            return
-        try:
-            where.renew(keys=[_open_key(self.caller)], args=[self.lease_s, self.member])
-        except redis.RedisError as exc:
-            log.warning("open slot not renewed (Redis: %s)", exc)
-
-    def renewal_due(self) -> bool:
-        """Was it last renewed ``RENEW_EVERY_S`` ago?"""
-        return time.monotonic() - self.renewed >= RENEW_EVERY_S
-
-    def renew_now_and_then(self) -> None:
-        """Renew if it was last renewed ``RENEW_EVERY_S`` ago (a stream calls it at every frame)."""
-        if self.renewal_due():
-            self.renew()
+        """Renew this one slot now (:func:`renew_all` renews every held slot together)."""
+        _renew([self])
 
     def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
+        with _held_lock:
+            if self.released:
+                return
+            self.released = True
+            _held.discard(self)
         if self.in_process:
             _leave_process()
+        if self.in_capacity:
+            _leave_capacity(self.caller)
         where = counts()
         if where.client is None:
             with where.lock:
@@ -257,6 +320,83 @@ class Slot:
             log.warning("open slot not released, its lease will lapse (Redis: %s)", exc)
 
 
+# -- renewing: one thread per process renews every slot it holds, whatever their clients do
+
+_held: set[Slot] = set()
+_held_lock = threading.Lock()
+_renewer: tuple[int, threading.Thread] | None = None
+
+
+def held_slots() -> int:
+    """How many slots this process holds now."""
+    with _held_lock:
+        return len(_held)
+
+
+def _hold(slot: Slot) -> None:
+    global _renewer
+    with _held_lock:
+        _held.add(slot)
+        if _renewer is None or _renewer[0] != os.getpid() or not _renewer[1].is_alive():
+            thread = threading.Thread(target=_renew_forever, name="voice-tools-slot-renewer", daemon=True)
+            _renewer = (os.getpid(), thread)
+            thread.start()
+        elif _period(slot) < RENEW_EVERY_S:  # a short lease: the renewer recounts its period now
+            _renew_soon.set()
+
+
+_renew_soon = threading.Event()
+
+
+def _period(slot: Slot) -> float:
+    return min(RENEW_EVERY_S, slot.lease_s / 4)
+
+
+def _renew_forever() -> None:
+    """Renew every held slot each ``RENEW_EVERY_S`` (a quarter of the shortest lease, if shorter)."""
+    while True:
+        with _held_lock:
+            period = min([RENEW_EVERY_S, *(_period(slot) for slot in _held)])
+        if _renew_soon.wait(period):
+            _renew_soon.clear()
+            continue
+        try:
+            renew_all()
+        except Exception:  # never let the renewer die: a lapsed lease would let a caller past its share
+            log.exception("open slots not renewed")
+
+
+def renew_all() -> None:
+    """Renew every slot this process holds (one round trip to Redis for all)."""
+    with _held_lock:
+        slots = list(_held)
+    _renew(slots)
+
+
+def _renew(slots: list[Slot]) -> None:
+    if not slots:
+        return
+    where = counts()
+    now = time.monotonic()
+    if where.client is None:
+        with where.lock:
+            for slot in slots:
+                held = where.local.get(slot.caller, {})
+                if slot.member in held:
+                    held[slot.member] = now + slot.lease_s
+                slot.renewed = now
+        return
+    try:
+        pipe = where.client.pipeline(transaction=False)
+        for slot in slots:
+            where.renew(keys=[_open_key(slot.caller)], args=[slot.lease_s, slot.member], client=pipe)
+        pipe.execute()
+        for slot in slots:
+            slot.renewed = now
+    except redis.RedisError as exc:
+        log.warning("open slots not renewed (Redis: %s)", exc)
+
+
 def _open_key(name: str) -> str:
     return f"{KEY_PREFIX}:open:{name}"
 
@@ -265,17 +405,26 @@ def take_slot(name: str, kind: str, limit: int | None = None, lease_s: float = L
               holds_thread: bool = True) -> Slot:
     """A slot of caller ``name``'s open share for a long-held request (``kind``: ``wait`` or
     ``stream``); :class:`ApiError` 429 ``too_many_open`` when it holds ``limit`` (its share) already.
-    A request that ``holds_thread`` counts against this process's threads too (an event stream served by
-    the process's stream loop holds none)."""
+    A request that ``holds_thread`` counts against this process's threads too; one that holds none (served
+    by the process's stream loop, or MCP's event loop) against this process's capacity and the caller's
+    fair part of it (``details.scope`` ``server`` when that refuses it)."""
     limit = limit if limit is not None else share_of(name).open
-    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic(),
-                in_process=_enter_process(kind) if holds_thread else False)
+    slot = Slot(name, uuid.uuid4().hex, lease_s, time.monotonic())
+    if holds_thread:
+        slot.in_process = _enter_process(kind)
+    else:
+        _enter_capacity(name, kind)
+        slot.in_capacity = True
     try:
-        return _take_share(slot, name, kind, limit, lease_s)
+        taken = _take_share(slot, name, kind, limit, lease_s)
     except BaseException:
         if slot.in_process:
             _leave_process()
+        if slot.in_capacity:
+            _leave_capacity(name)
         raise
+    _hold(taken)
+    return taken
 
 
 def _take_share(slot: Slot, name: str, kind: str, limit: int, lease_s: float) -> Slot:
@@ -341,7 +490,9 @@ def register(app: Any) -> None:
             return
         check_rate(who.name)
         if asks_to_wait(request.args) and waits(request.endpoint):
-            g.share_slot = wait_slot(who.name, request.args.get("wait"))
+            # a wait the server gives the socket of is answered by the stream loop (app/wait_answer.py)
+            held = handover.socket_of(request.environ, ("POST",)) is None
+            g.share_slot = wait_slot(who.name, request.args.get("wait"), holds_thread=held)
 
     @app.teardown_request
     def _release_share(_exc: BaseException | None) -> None:

@@ -15,17 +15,17 @@ listener; a client that reconnects with ``Last-Event-ID`` (the header, or the
 it missed: no loss, no duplicate. A call's own events are also in ``seq`` order. A
 keep-alive comment is written every ``KEEPALIVE_S`` seconds.
 
-The view answers as any other (token, rate, the caller's open share of ``app/shares.py``: past
-it, 429; its errors), writes the head and the opening, then hands the connection to the
-process's stream loop (``app/stream_loop.py``): an open stream holds no web thread, and no
-database connection while idle (docs/operations.md, "Event streams, waits and threads"). A server
+The view answers as any other (token, rate, the caller's open share and the process's capacity of
+``app/shares.py``: past them, 429; its errors), writes the head and the opening, then hands the
+connection to the process's stream loop (``app/stream_loop.py``, ``app/handover.py``): an open stream
+holds no web thread, and no database connection while idle; a client that takes nothing for the send
+timeout is closed (docs/operations.md, "Event streams, waits and threads"). A server
 that hands the app no plain socket (HTTP/2, TLS in the app server, a test client) streams from
 the request's thread instead. Browsers are not served: an ``EventSource`` cannot send the
 ``Authorization`` header every request needs.
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
 from contextlib import closing
@@ -34,7 +34,7 @@ from typing import Any, Iterator
 from flask import Blueprint, Response, g, request, stream_with_context
 from marshmallow import RAISE, Schema, fields
 
-from app import inputs, shares, sse, stream_loop
+from app import handover, inputs, shares, sse, stream_loop
 from app.openapi import doc
 from models import listen
 from models.events import KINDS as EVENT_KINDS
@@ -73,24 +73,11 @@ def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
            caller: str | None = None, slot: shares.Slot | None = None) -> Iterator[str]:
     """The session's events numbered after ``after`` (``models/listen.py``) as frames, then new ones as they are recorded,
     with keep-alive comments; only those of ``caller``'s calls when it is given (None: an
-    operator's, every event). The stream's ``slot`` of its caller's open share is renewed as it goes."""
+    operator's, every event). The stream's ``slot`` of its caller's open share is renewed by its process."""
     yield sse.OPENING
     with closing(listen.session_events(session_id, after, keepalive_s, caller)) as events:
         for event in events:  # a client gone closes this generator, and so the listener's subscription
-            if slot is not None:
-                slot.renew_now_and_then()
             yield sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload)
-
-
-def _socket_of(environ: dict[str, Any]) -> socket.socket | None:
-    """The client's plain TCP socket, if the server hands one over (gunicorn's and werkzeug's do) and
-    the request is HTTP/1.1 over it (both servers then frame the answer in chunks); else None."""
-    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
-    if type(sock) is not socket.socket or environ.get("SERVER_PROTOCOL") != "HTTP/1.1":
-        return None  # TLS or HTTP/2 in the app server, HTTP/1.0, a test client: served from the thread
-    if environ.get("wsgi.url_scheme") != "http" or environ.get("REQUEST_METHOD") != "GET":
-        return None
-    return sock
 
 
 class HandOver:
@@ -106,11 +93,7 @@ class HandOver:
 
     def __iter__(self) -> Iterator[str]:
         yield sse.OPENING
-        own = socket.socket(fileno=os.dup(self.sock.fileno()))
-        dead, peer = socket.socketpair()
-        peer.close()
-        os.dup2(dead.fileno(), self.sock.fileno())  # the server's descriptor now names the pipe, not the client
-        dead.close()
+        own = handover.take(self.sock)  # the server's descriptor now names a closed pipe, not the client
         self.handed = True
         stream_loop.serve(own, self.session_id, self.after, self.caller, self.slot, chunked=True,
                           keepalive_s=self.keepalive_s)
@@ -144,7 +127,7 @@ def events(session_id: str):
     last = request.headers.get("Last-Event-ID") or query.get("last_event_id")
     scope = g.who.scope  # a caller sees the events of its own calls only; an admin, all of them
     after = _cursor_after(session_id, last, scope)
-    sock = _socket_of(request.environ)
+    sock = handover.socket_of(request.environ)
     slot = shares.take_slot(g.who.name, "stream", holds_thread=sock is None)  # 429 past the caller's open share
     if sock is not None:
         body = HandOver(sock, session_id, after, scope, slot, KEEPALIVE_S)

@@ -1,6 +1,7 @@
-"""``python -m bench.stream``: 1,000 event streams open at once on one API process, measured in one run.
+"""``python -m bench.stream``: 1,000 event streams open at once on one API process, then 200 waits held
+beside them, measured in one run.
 
-    .venv/bin/python -m bench.stream [--streams 1000] [--callers 4] [--requests 300]
+    .venv/bin/python -m bench.stream [--streams 1000] [--callers 4] [--waits 200] [--requests 300]
 
 The Procfile's ``web`` line (gunicorn, one worker: the one process that serves every stream) and a
 ``celery -A tasks worker --pool prefork -c 2`` subprocess, on one database and one broker:
@@ -8,14 +9,18 @@ The Procfile's ``web`` line (gunicorn, one worker: the one process that serves e
 1. REST ``POST /voice-tools/pending`` p50 with no stream open (one client, keep-alive), before the
    streams and again after they closed (the two together are the reference);
 2. ``--streams`` streams opened at once (asyncio sockets in a process of their own), spread over ``--callers``
-   callers whose open share is raised for the bench (``VOICE_TOOLS_CALLER_LIMITS``), five streams per
-   session; the worker process's PSS and RSS before and after, idle: the memory of an idle stream;
+   callers on the default shares, five streams per session; the worker process's PSS and RSS before and
+   after, idle: the memory of an idle stream;
 3. the same REST p50 with every stream open (goal: at most 1.2x the first);
 4. one ``search_contacts`` call per session (``/voice-tools/execute`` with a callback URL): each event's
    delay from its commit (its NOTIFY's arrival at a LISTEN connection, in a third process) to its arrival
-   on each of its session's streams and at the callback receiver (goals: stream p50 at most the
-   callback's, stream p99 at most 2x the stream's p50); every stream must get exactly its session's
-   events, in their order, none missed, none twice.
+   on each of its session's streams and at the callback receiver (goals, in the same run: stream p50 at
+   most the callback's p50, stream p99 at most the callback's p99);
+5. ``--waits`` ``?wait`` requests held at once by one more caller, beside the streams (each a replay of
+   an ``execute`` whose call no worker moves, asked again as soon as it is answered: asyncio sockets in
+   a process of their own): none refused; REST p50 again (goal: at most 1.2x the first), and one more
+   call per session, its events' delays to the streams against the callbacks' (the same goals).
+Every stream must get exactly its session's events, in their order, none missed, none twice.
 
 Results are printed and written to ``bench/STREAM.md``, and their summary to the "Event streams"
 section of ``bench/RESULTS.md``.
@@ -161,6 +166,55 @@ class Streams:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+class Waits:
+    """``count`` ``?wait`` requests held at once, each asked again as soon as it is answered (the connection
+    closes after each answer): how many were answered, by HTTP status, and how many are held now."""
+
+    def __init__(self, port: int, token: str, bodies: list[bytes], wait_s: float):
+        self.port, self.token, self.bodies, self.wait_s = port, token, bodies, wait_s
+        self.statuses: dict[int, int] = defaultdict(int)
+        self.held = 0
+        self.running = True
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tasks = [asyncio.run_coroutine_threadsafe(self._hold(body), self.loop) for body in bodies]
+
+    async def _hold(self, body: bytes) -> None:
+        while self.running:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            writer.write(f"POST /voice-tools/execute?wait={self.wait_s:g} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                         f"Authorization: Bearer {self.token}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            self.held += 1
+            try:
+                answer = await reader.read()  # to the end: the answer closes the connection
+            finally:
+                self.held -= 1
+                writer.close()
+            self.statuses[int(answer.split()[1]) if answer[:5] == b"HTTP/" else 0] += 1
+            if answer[:5] == b"HTTP/" and int(answer.split()[1]) == 429:
+                await asyncio.sleep(1.0)
+
+    def holding(self) -> int:
+        return self.held
+
+    def answered(self) -> dict[int, int]:
+        return dict(self.statuses)
+
+    def close(self) -> None:
+        self.running = False
+
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 # -- the measurements -----------------------------------------------------------------------------------
 
 def pending_ms(api: str, token: str, n: int) -> list[float]:
@@ -189,6 +243,36 @@ def run_calls(api: str, plan: list[tuple[str, str]], relay: Any) -> None:
             "callback_url": relay.url})
         assert started.status_code == 202, started.text
         relay.wait_for(started.json()["tool_call_id"], "completed", timeout=60)
+
+
+def calls_that_do_not_move(api: str, token: str, count: int) -> list[bytes]:
+    """``count`` send_email calls started with ``/voice-tools/execute`` (and an idempotency key) on a queue no
+    worker consumes: EXECUTING until the end; each one's request body, whose replay waits on it."""
+    import json
+
+    import requests
+
+    http = requests.Session()
+    bodies = []
+    for k in range(count):
+        body = json.dumps({"session_id": f"bench_waits_{k % 20}", "function": "send_email",
+                           "parameters": {"to": "bench@example.com", "subject": "Bench"},
+                           "idempotency_key": f"bench-wait-{k}"}).encode()
+        started = http.post(f"{api}/voice-tools/execute", headers={"Authorization": f"Bearer {token}",
+                                                                    "Content-Type": "application/json"}, data=body)
+        assert started.status_code == 202, started.text
+        bodies.append(body)
+    return bodies
+
+
+def wait_for_events(streams: Any, plan: list[tuple[str, str]], timeout: float = 60) -> dict[str, list[tuple[str, float]]]:
+    """Each session's events (:func:`expected_events`), once every stream has them all (or ``timeout``)."""
+    expected = expected_events(plan)
+    want = [len(expected[session]) for _, session in plan]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(have < need for have, need in zip(streams.counts(), want)):
+        time.sleep(0.5)
+    return expected
 
 
 class Commits:
@@ -249,25 +333,28 @@ class Apart(BaseManager):
 
 Apart.register("Streams", Streams)
 Apart.register("Commits", Commits)
+Apart.register("Waits", Waits)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--callers", type=int, default=4)
+    parser.add_argument("--waits", type=int, default=200, help="?wait requests held at once by one more caller")
     parser.add_argument("--requests", type=int, default=300, help="REST pendings timed, each time (default 300)")
     parser.add_argument("--output", default=str(ROOT / "bench" / "STREAM.md"))
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * args.streams + 500  # this process's client sockets, and the web worker's (it inherits this limit)
+    need = 2 * (args.streams + args.waits) + 500  # this process's client sockets, and the web worker's (it inherits this limit)
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
 
     callers = [(f"bench{k}", f"bench-stream-token-{k}") for k in range(args.callers)]
-    os.environ["VOICE_TOOLS_API_TOKENS"] = ",".join(f"{name}:{token}" for name, token in callers)
+    waiter = ("bench-waits", "bench-waits-token")
+    os.environ["VOICE_TOOLS_API_TOKENS"] = ",".join(f"{name}:{token}" for name, token in [*callers, waiter])
     os.environ["VOICE_TOOLS_CALLBACK_SECRET"] = "bench-callback-secret"
-    share = args.streams // args.callers + 10
-    limits = ",".join(f"{name}::{share}" for name, _ in callers)  # the open share raised for the bench
+    for name in ("VOICE_TOOLS_CALLER_LIMITS", "VOICE_TOOLS_OPEN_PER_CALLER", "VOICE_TOOLS_OPEN_PER_PROCESS"):
+        os.environ.pop(name, None)  # the default shares
     plan = [(callers[i % args.callers][1], f"bs{i % args.callers}_{i // (args.callers * PER_SESSION)}")
             for i in range(args.streams)]
 
@@ -286,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         api = f"http://127.0.0.1:{port}"
         log_dir = Path(tempfile.mkdtemp(prefix="voice-tools-bench-stream-web-"))
-        web = start_web(port, log_dir, VOICE_TOOLS_CALLER_LIMITS=limits)
+        web = start_web(port, log_dir)
         arrived_cb: dict[str, float] = {}
         try:
             with WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=data_dir, name="bench-stream"), \
@@ -316,12 +403,25 @@ def main(argv: list[str] | None = None) -> int:
 
                 commits, commits_process = apart(Commits, db.listen_url())
                 run_calls(api, plan, relay)
-                expected = expected_events(plan)
-                want = [len(expected[session]) for _, session in plan]
+                first = wait_for_events(streams, plan)
+                first_ids = {event_id for events in first.values() for event_id, _ in events}
+                print(f"holding {args.waits} waits from one caller ...", flush=True)
+                bodies = calls_that_do_not_move(api, waiter[1], args.waits)
+                waits, waits_process = apart(Waits, port, waiter[1], bodies, 30.0)
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and any(
-                        have < need for have, need in zip(streams.counts(), want)):
-                    time.sleep(0.5)
+                while waits.holding() < args.waits and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                time.sleep(1.0)
+                held = waits.holding()
+                print(f"REST pending, {args.streams} streams open and {held} waits held ...", flush=True)
+                loaded_waits = pending_ms(api, token, args.requests)
+                print(f"events again, {held} waits held ...", flush=True)
+                run_calls(api, plan, relay)
+                expected = wait_for_events(streams, plan)
+                held_after = waits.holding()
+                answered = waits.answered()
+                waits.close()
+                waits_process.shutdown()
                 got = streams.arrivals()
                 streams.close()
                 notified = commits.notified()
@@ -333,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                 alone += pending_ms(api, token, args.requests)
         finally:
             stop_process(web)
+        held_waits = (held, held_after, answered)
         text = report(args, alone, loaded, before, after, took, statuses, got, plan, expected, arrived_cb,
-                      notified)
+                      notified, first_ids, loaded_waits, held_waits)
     Path(args.output).write_text(text)
     results = ROOT / "bench" / "RESULTS.md"
     summary = summary_section(text)
@@ -364,7 +465,8 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
            after: tuple[int, int], took: float, statuses: set, arrivals: list[list[tuple[str, float]]],
            plan: list[tuple[str, str]],
            expected: dict[str, list[tuple[str, float]]], arrived_cb: dict[str, float],
-           notified: dict[str, list[float]]) -> str:
+           notified: dict[str, list[float]], first_ids: set[str], loaded_waits: list[float],
+           held_waits: tuple[int, int, dict[int, int]]) -> str:
     recorded = {event_id: at for events in expected.values() for event_id, at in events}
     assert all(len(notified.get(session, [])) == len(events) for session, events in expected.items()), "a NOTIFY missing"
     committed = {event_id: notified[session][k] for session, events in expected.items()
@@ -377,41 +479,57 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         duplicated += len(got) - len(set(got))
         out_of_order += got != want and sorted(got) == sorted(want)
 
-    def delays(origin: dict[str, float]) -> tuple[list[float], list[float]]:
-        """(each stream arrival's delay, each callback's), in ms from ``origin``'s instant of the event."""
-        stream_ms = [(at - origin[e]) * 1000 for got in arrivals for e, at in got if e in origin]
-        return stream_ms, [(arrived_cb[e] - at) * 1000 for e, at in origin.items() if e in arrived_cb]
+    def delays(origin: dict[str, float], among: Any = None) -> tuple[list[float], list[float]]:
+        """(each stream arrival's delay, each callback's), in ms from ``origin``'s instant of the event, for the
+        events ``among`` picks (all when None)."""
+        keep = (lambda e: e in origin) if among is None else (lambda e: e in origin and among(e))
+        stream_ms = [(at - origin[e]) * 1000 for got in arrivals for e, at in got if keep(e)]
+        return stream_ms, [(arrived_cb[e] - at) * 1000 for e, at in origin.items() if e in arrived_cb and keep(e)]
 
-    stream_ms, callback_ms = delays(committed)
+    stream_ms, callback_ms = delays(committed, lambda e: e in first_ids)
+    stream_w, callback_w = delays(committed, lambda e: e not in first_ids)
     if os.environ.get("VOICE_TOOLS_BENCH_RAW"):  # every arrival, for a closer look
         import json
 
         Path(os.environ["VOICE_TOOLS_BENCH_RAW"]).write_text(json.dumps({
             "arrivals": [[i, e, at, committed[e]] for i, got in enumerate(arrivals) for e, at in got if e in committed],
             "callbacks": {e: [arrived_cb[e], at] for e, at in committed.items() if e in arrived_cb},
-            "recorded": recorded}))
-    row_stream, row_callback = delays(recorded)
+            "recorded": recorded, "first": sorted(first_ids)}))
+    row_stream, row_callback = delays(recorded, lambda e: e in first_ids)
     n = args.streams
     pss, rss = (after[0] - before[0]) / n, (after[1] - before[1]) / n
     rest_ratio = statistics.median(loaded) / statistics.median(alone)
-    s50, s99, c50 = statistics.median(stream_ms), pct(stream_ms, 99), statistics.median(callback_ms)
+    rest_waits_ratio = statistics.median(loaded_waits) / statistics.median(alone)
+    held, held_after, answered = held_waits
+    refused = answered.get(429, 0)
     info = machine()
 
     def ok(good: bool) -> str:
         return "met" if good else "**not met**"
 
+    def against_callback(stream: list[float], callback: list[float], when: str) -> list[str]:
+        s50, s99, c50, c99 = statistics.median(stream), pct(stream, 99), statistics.median(callback), pct(callback, 99)
+        return [
+            f"| {when}: an event's delay from its commit to the stream, p50 / p99 (ms; {len(stream)} arrivals of "
+            f"{len(callback)} events) | {s50:.1f} / {s99:.1f} | | |",
+            f"| {when}: the same to the callback, p50 / p99 (ms) | {c50:.1f} / {c99:.1f} | | |",
+            f"| {when}: stream p50 against the callback's p50 | **{s50 / c50:.2f}x** | at most 1x | {ok(s50 <= c50)} |",
+            f"| {when}: stream p99 against the callback's p99 | **{s99 / c99:.2f}x** | at most 1x | {ok(s99 <= c99)} |",
+        ]
+
     return "\n".join([
         "# voice-tools event stream benchmark",
         "",
         f"- measured on {datetime.now(timezone.utc).strftime('%Y-%m-%d')} with `.venv/bin/python -m bench.stream "
-        f"--streams {n} --callers {args.callers} --requests {args.requests}`",
+        f"--streams {n} --callers {args.callers} --waits {args.waits} --requests {args.requests}`",
         f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
         f"- {info['versions']}; servers {info['servers']}",
         f"- {info['load']}",
-        f"- the Procfile's web line, one gunicorn worker (8 threads), serving every stream; {n} streams over "
-        f"{args.callers} callers, {PER_SESSION} per session, opened in {took:.1f} s (answers: {sorted(statuses)})",
+        f"- the Procfile's web line, one gunicorn worker (8 threads), serving every stream and wait on the default "
+        f"shares; {n} streams over {args.callers} callers, {PER_SESSION} per session, opened in {took:.1f} s "
+        f"(answers: {sorted(statuses)}); then {args.waits} waits from one more caller beside them",
         "",
-        "## Event streams: 1,000 open on one API process",
+        f"## Event streams: {n:,} open on one API process, then {args.waits} waits held",
         "",
         "| measurement | value | goal | |",
         "|---|---|---|---|",
@@ -421,23 +539,25 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         f"| ratio | **{rest_ratio:.2f}x** | at most 1.2x | {ok(rest_ratio <= 1.2)} |",
         f"| events missed / duplicated / out of order, over {n} streams | {missed} / {duplicated} / {out_of_order} "
         f"| 0 / 0 / 0 | {ok(missed == duplicated == out_of_order == 0)} |",
-        f"| an event's delay from its commit to the stream, p50 / p99 (ms; {len(stream_ms)} arrivals of "
-        f"{len(recorded)} events) | {s50:.1f} / {s99:.1f} | | |",
-        f"| the same to the callback, p50 / p99 (ms) | {c50:.1f} / {pct(callback_ms, 99):.1f} | | |",
-        f"| stream p50 against the callback's p50 | **{s50 / c50:.2f}x** | at most 1x | {ok(s50 <= c50)} |",
-        f"| stream p99 against its p50 | **{s99 / s50:.2f}x** | at most 2x | {ok(s99 <= 2 * s50)} |",
-        f"| the callback's p99 against its p50, for comparison | {pct(callback_ms, 99) / c50:.2f}x | | |",
+        *against_callback(stream_ms, callback_ms, f"{n} streams open"),
         f"| from the row's `created_at` instead: stream p50 / p99, callback p50 / p99 (ms) "
         f"| {statistics.median(row_stream):.1f} / {pct(row_stream, 99):.1f}, {statistics.median(row_callback):.1f}"
         f" / {pct(row_callback, 99):.1f} | | |",
         f"| memory per idle stream, PSS / RSS of the worker (KB) | **{pss:.1f}** / {rss:.1f} | at most 50 | "
         f"{ok(pss <= 50 and rss <= 50)} |",
+        f"| waits held by one caller, when measured and at the end; answers refused (429) | {held}, {held_after}; "
+        f"{refused} of {sum(answered.values())} | {args.waits}; 0 | {ok(held >= args.waits and refused == 0)} |",
+        f"| REST `pending` p50, {n} streams open and {held} waits held (ms) | {statistics.median(loaded_waits):.2f} "
+        f"| | |",
+        f"| ratio | **{rest_waits_ratio:.2f}x** | at most 1.2x | {ok(rest_waits_ratio <= 1.2)} |",
+        *against_callback(stream_w, callback_w, f"{held} waits held"),
         "",
         "An event's commit is when a LISTEN connection of the bench received its NOTIFY (PostgreSQL delivers "
         "it at the commit); the callback is posted by the link right after its commit; a stream gets the "
         "event from the NOTIFY the API's own listener hears at the commit (it reads the table only for an event "
         "too large for a notification). From the row's `created_at` (the start of "
-        "the recording transaction), both delays also carry that transaction's own time.",
+        "the recording transaction), both delays also carry that transaction's own time. The waits are replays "
+        "of `execute` on calls no worker moves, each asked again as soon as it is answered (after 30 s).",
         "",
     ])
 

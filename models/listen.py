@@ -104,6 +104,44 @@ def until_settled(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
     return call, call.status in SETTLED
 
 
+def _status_of(tool_call_id: str) -> str | None:
+    with db.engine().connect() as conn:
+        return conn.execute(_STATUS, {"id": tool_call_id}).scalar_one_or_none()
+
+
+def _call_of(tool_call_id: str) -> ToolCall:
+    with db.session() as s:
+        return queries.get(s, tool_call_id)
+
+
+async def until_settled_async(tool_call_id: str, timeout: float) -> tuple[ToolCall, bool]:
+    """:func:`until_settled` for an asyncio task on the listener's loop (``app/stream_loop.py``; another loop
+    awaits it there): the same answer, woken the same way, holding no thread while it waits (each read in
+    the loop's executor)."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout
+    woken = LISTENER.subscribe_loop(tool_call_id, loop, STATUS_CHANNEL)
+    try:
+        while True:
+            woken.event.clear()
+            woken.inbox.clear()
+            status = await loop.run_in_executor(None, _status_of, tool_call_id)
+            if status in SETTLED or status is None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                async with asyncio.timeout(left):
+                    await woken.event.wait()
+            except TimeoutError:
+                break
+    finally:
+        LISTENER.unsubscribe(tool_call_id, woken, STATUS_CHANNEL)
+    call = await loop.run_in_executor(None, _call_of, tool_call_id)
+    return call, call.status in SETTLED
+
+
 # -- the event stream: a session's events, as they are recorded --------------------------
 
 _READ = text(f"""

@@ -136,7 +136,11 @@ def own_ports(environ: Mapping[str, str] | None = None) -> dict[int, str]:
 
 # Each caller's fair share of the API (docs/operations.md, "Fair shares"; app/shares.py)
 RATE_LIMIT = "60000/minute"  # requests per caller, in the notation of the `limits` library
-RESERVED_THREADS = 2  # of each API process's threads, never taken by one caller's long-held requests
+RESERVED_THREADS = 2  # of each API process's threads, never taken by long-held requests that hold a thread
+OPEN_PER_CALLER = 1000  # long-held requests (event streams, ?wait) one caller holds at once, over every process
+OPEN_PER_PROCESS = 4000  # long-held requests one API process serves at once, whoever holds them
+SPARE_DESCRIPTORS = 256  # of a process's descriptors, kept from its long-held requests (pool, files, REST)
+SEND_TIMEOUT_S = 30.0  # a client that leaves a stream's or a wait's data untaken this long is closed
 
 
 def rate_limit() -> str:
@@ -146,13 +150,26 @@ def rate_limit() -> str:
 
 def open_per_caller() -> int:
     """``VOICE_TOOLS_OPEN_PER_CALLER``: how many ``?wait`` requests and event streams one caller may hold
-    at once; by default half the API's threads (``GUNICORN_THREADS`` x ``WEB_CONCURRENCY``), and never
-    more than one process's threads but ``RESERVED_THREADS``, wherever its requests land."""
+    at once, over every API process (counted in Redis); :data:`OPEN_PER_CALLER` by default. Neither holds
+    a web thread (each costs a descriptor and a few KB of the process's stream loop): each process's own
+    capacity (:func:`open_per_process`) bounds what it serves."""
     raw = os.environ.get("VOICE_TOOLS_OPEN_PER_CALLER", "").strip()
-    if raw:
-        return max(int(raw), 1)
-    threads, workers = max(_int("GUNICORN_THREADS", 8), 1), max(_int("WEB_CONCURRENCY", 1), 1)
-    return max(1, min(threads - RESERVED_THREADS, threads * workers // 2))
+    return max(int(raw), 1) if raw else OPEN_PER_CALLER
+
+
+def open_per_process(descriptors: int) -> int:
+    """``VOICE_TOOLS_OPEN_PER_PROCESS``: how many ``?wait`` requests and event streams one API process serves
+    at once, whoever holds them; :data:`OPEN_PER_PROCESS` by default. Never more than the process's
+    ``descriptors`` (its open-files limit) but :data:`SPARE_DESCRIPTORS`: each holds a socket."""
+    raw = os.environ.get("VOICE_TOOLS_OPEN_PER_PROCESS", "").strip()
+    wanted = max(int(raw), 1) if raw else OPEN_PER_PROCESS
+    return max(1, min(wanted, descriptors - SPARE_DESCRIPTORS))
+
+
+def send_timeout_s() -> float:
+    """``VOICE_TOOLS_SEND_TIMEOUT``: seconds a client may leave an event stream's (or a wait's answer's)
+    data untaken before the connection is closed, its slot given back (:data:`SEND_TIMEOUT_S`)."""
+    return max(_float("VOICE_TOOLS_SEND_TIMEOUT", SEND_TIMEOUT_S), 0.1)
 
 
 def caller_limits() -> dict[str, tuple[str | None, int | None]]:

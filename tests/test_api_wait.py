@@ -161,3 +161,108 @@ def test_waiting_holds_no_connection_between_reads():
         event.remove(pool, "checkin", on_checkin)
     assert len(held) == 4, held  # every wait read its call's status
     assert samples[-5:] == [0] * 5, samples  # and, waiting, held no connection
+
+
+# -- over HTTP: a served API hands the wait to its stream loop (app/wait_answer.py) --------------------
+
+def _pending_over_http(api_url: str, headers: dict[str, str], callback_url: str | None = None) -> str:
+    import requests
+
+    from tests.api_fixtures import GUIDE_EMAIL
+
+    body = {"session_id": "sess_wait_http", "function": "send_email", "parameters": GUIDE_EMAIL}
+    if callback_url:
+        body["callback_url"] = callback_url
+    created = requests.post(f"{api_url}/voice-tools/pending", headers=headers, json=body, timeout=10)
+    assert created.status_code == 201, created.text
+    return created.json()["tool_call_id"]
+
+
+def test_a_wait_over_http_is_held_by_the_stream_loop_and_answers_the_record_at_the_checkpoint(api_url, worker,
+                                                                                          relay):
+    import requests
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app import stream_loop
+
+    relay.delay = 1.0  # the PREPARING callback is held: the wait is still held a moment later
+    tool_call_id = _pending_over_http(api_url, AUTH, relay.url)
+    before = stream_loop.held_waits()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(requests.post, f"{api_url}/voice-tools/confirm/{tool_call_id}?wait=20",
+                              headers={**AUTH, "X-Request-ID": "wait-over-http"}, timeout=30)
+        deadline = time.monotonic() + 10
+        while stream_loop.held_waits() == before and not waiting.done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stream_loop.held_waits() == before + 1  # held by the stream loop, not by a request's thread
+        answer = waiting.result(timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "PREPARED" and answer.json()["actions_available"] == ["proceed", "cancel"]
+    assert answer.headers["Content-Type"] == "application/json"
+    assert answer.headers["X-Request-ID"] == "wait-over-http"
+    assert answer.headers["Connection"] == "close"
+    record = requests.get(f"{api_url}/voice-tools/status/{tool_call_id}", headers=AUTH, timeout=10)
+    assert answer.content == record.content  # the same JSON, written as the view's would be
+    deadline = time.monotonic() + 5
+    while stream_loop.held_waits() > before and time.monotonic() < deadline:  # its task ends after the answer
+        time.sleep(0.02)
+    assert stream_loop.held_waits() == before
+
+
+@pytest.mark.slow
+def test_a_wait_over_http_that_ends_unsettled_answers_202_with_the_current_status(api_url, worker, relay):
+    import requests
+
+    relay.delay = 1.5
+    tool_call_id = _pending_over_http(api_url, AUTH, relay.url)
+    answer = requests.post(f"{api_url}/voice-tools/confirm/{tool_call_id}?wait=0.3", headers=AUTH, timeout=10)
+    assert answer.status_code == 202, answer.text
+    assert answer.json()["status"] == "EXECUTING" and answer.json()["tool_call_id"] == tool_call_id
+    assert answer.json()["message"] == "Preparing the email to test@example.com."
+    assert wait_status(tool_call_id, "PREPARED").status == "PREPARED"
+
+
+def test_a_client_gone_while_it_waits_gives_its_slot_back(api_url, monkeypatch):
+    """A caller whose open share is one wait: the client goes while its wait is held; the wait ends
+    with it, and the caller's next long-held request is taken."""
+    import json
+    import os
+    import socket
+    import uuid
+
+    import requests
+
+    from app import stream_loop
+
+    name, token = f"waits-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},{name}:{token}")
+    monkeypatch.setenv("VOICE_TOOLS_CALLER_LIMITS", f"{name}::1")
+    auth = {"Authorization": f"Bearer {token}"}
+    key = uuid.uuid4().hex
+    call = make_call(caller=name, idempotency_key=key, request_kind="execute")
+    with db.session() as s:
+        lifecycle.confirm(s, call.tool_call_id)  # EXECUTING, and nothing moves it on
+    body = json.dumps({"session_id": call.session_id, "function": "send_email", "parameters": call.parameters,
+                       "idempotency_key": key})  # a replay of the call: its record once it settles
+    before = stream_loop.held_waits()
+    port = int(api_url.rsplit(":", 1)[1])
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(f"POST /voice-tools/execute?wait=30 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+    try:
+        deadline = time.monotonic() + 10
+        while stream_loop.held_waits() == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if stream_loop.held_waits() == before:  # the body was refused before the wait: nothing held
+            pytest.fail(client.recv(4096).decode(errors="replace"))
+        refused = requests.get(f"{api_url}/voice-tools/events/sess_gone", headers=auth, timeout=10)
+        assert refused.status_code == 429, refused.text
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while stream_loop.held_waits() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream_loop.held_waits() == before
+    again = requests.get(f"{api_url}/voice-tools/events/sess_gone", headers=auth, stream=True, timeout=10)
+    assert again.status_code == 200, again.text
+    again.close()

@@ -1,8 +1,8 @@
 """Each caller's fair share of the API (docs/relay-guide.md, "Limits and small rules"; docs/operations.md,
 "Fair shares"): a rate of requests, and a number of long-held requests at once (``?wait`` and open
-event streams), so that no caller takes every thread; past the rate, or for a stream past the open
-share, 429 with ``Retry-After`` and the JSON error body, and nothing done. ``/healthz`` is
-never limited. And a method name nobody uses is one metric label.
+event streams) within each process's capacity for them, so that no caller takes the whole process;
+past the rate, the open share or the process's capacity, 429 with ``Retry-After`` and the JSON error
+body, and nothing done. ``/healthz`` is never limited. And a method name nobody uses is one metric label.
 """
 from __future__ import annotations
 
@@ -170,13 +170,14 @@ def own_broker(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_one_caller_cannot_take_every_thread_of_the_local_run(own_broker):
-    """``voice-tools run``'s web line (one gunicorn worker of 8 threads): caller a opens as many event
-    streams and ``?wait`` requests as it can; past its share each is told 429 (the call untouched), and
-    caller b's requests and ``/healthz`` still answer at once."""
+def test_one_caller_cannot_hold_more_than_its_open_share(own_broker):
+    """``voice-tools run``'s web line (one gunicorn worker of 8 threads), every caller's open share set to 4
+    (``VOICE_TOOLS_OPEN_PER_CALLER``): caller a opens as many event streams and ``?wait`` requests as it can;
+    past its share each is told 429 (the call untouched), and caller b's requests and ``/healthz`` still
+    answer at once."""
     a, b = {"Authorization": "Bearer token-a"}, {"Authorization": "Bearer token-b"}
     with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b", WEB_CONCURRENCY="1", GUNICORN_THREADS="8",
-                      CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+                      VOICE_TOOLS_OPEN_PER_CALLER="4", CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
         calls = [requests.post(f"{url}/voice-tools/pending", headers=a, timeout=10,
                                json={"session_id": "sa", "function": "send_email", "parameters": GUIDE_EMAIL})
                  .json()["tool_call_id"] for _ in range(8)]
@@ -212,7 +213,7 @@ def test_one_caller_cannot_take_every_thread_of_the_local_run(own_broker):
         for answer in not_held:
             assert answer.json()["error"] == "too_many_open" and int(answer.headers["Retry-After"]) >= 1
         held = len(opened) - len(refused) + len(waited) - len(not_held)
-        assert refused and not_held and 1 <= held <= 4, (opened, waited)  # 4: half of 8 threads
+        assert refused and not_held and 1 <= held <= 4, (opened, waited)  # 4: its share
         untouched = [requests.get(f"{url}/voice-tools/status/{c}", headers=a, timeout=5).json()["status"]
                      for c in calls]
         assert untouched.count("PENDING") >= len(not_held), untouched  # a refused confirm did nothing
@@ -238,13 +239,16 @@ def test_fifty_made_up_methods_add_no_metric_label(api_url):
 
 
 @pytest.mark.slow
-def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker):
-    """Each caller within its share, two callers' ``?wait`` requests together would fill the worker's 8
-    threads: each gunicorn worker keeps 2 threads from long-held requests, so ``/healthz`` and short
-    requests are still answered at once. Their event streams hold no thread, so none is refused for it."""
+def test_callers_together_cannot_take_the_whole_of_an_api_process(own_broker):
+    """Each caller within its share, two callers' ``?wait`` requests together would pass the process's
+    capacity for long-held requests (``VOICE_TOOLS_OPEN_PER_PROCESS`` 6 here): past it they are told 429
+    with ``details.scope`` ``server``, and a third caller's event streams too, while ``/healthz`` and
+    short requests are still answered at once on the worker's 2 threads, which the held waits do not take.
+    Once the waits end, the third caller's streams open."""
     a, b, c = ({"Authorization": f"Bearer token-{x}"} for x in "abc")
     with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b,c:token-c", WEB_CONCURRENCY="1",
-                      GUNICORN_THREADS="8", CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+                      GUNICORN_THREADS="2", VOICE_TOOLS_OPEN_PER_PROCESS="6", CELERY_BROKER_URL=own_broker,
+                      REDIS_URL=own_broker) as url:
         calls = [(auth, requests.post(f"{url}/voice-tools/pending", headers=auth, timeout=10,
                                       json={"session_id": "sw", "function": "send_email", "parameters": GUIDE_EMAIL})
                   .json()["tool_call_id"]) for auth in (a, b) for _ in range(4)]
@@ -257,14 +261,15 @@ def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker)
 
         pool = ThreadPoolExecutor(8)
         waits = [pool.submit(wait, auth, c_id) for auth, c_id in calls]
-        time.sleep(1.5)  # every wait arrived: those admitted hold their threads
+        time.sleep(1.5)  # every wait arrived: those admitted are held
         started = time.monotonic()
         assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
         assert requests.get(f"{url}/voice-tools/context/sc", headers=c, timeout=5).status_code == 200
         assert time.monotonic() - started < 2.0
         streams = [requests.get(f"{url}/voice-tools/events/s{i}", headers=c, stream=True, timeout=(3, 3))
-                   for i in range(4)]  # within c's share; no thread left for them, and none needed
-        assert [r.status_code for r in streams] == [200] * 4
+                   for i in range(4)]  # within c's share, past the process's capacity
+        assert [r.status_code for r in streams] == [429] * 4
+        assert all(r.json()["details"]["scope"] == "server" for r in streams), [r.text for r in streams]
         waited = [f.result() for f in waits]
         refused = [r for r in waited if isinstance(r, requests.Response) and r.status_code == 429]
         assert len(refused) == 2, waited
@@ -273,6 +278,14 @@ def test_callers_together_cannot_take_every_thread_of_an_api_process(own_broker)
         for r in streams + refused:
             r.close()
         pool.shutdown(wait=False)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the held waits end (8 s) and give their slots back
+            opened = requests.get(f"{url}/voice-tools/events/s0", headers=c, stream=True, timeout=(3, 3))
+            opened.close()
+            if opened.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert opened.status_code == 200, opened.text
 
 
 @pytest.mark.slow
@@ -299,3 +312,82 @@ def test_event_streams_hold_no_gunicorn_thread(own_broker):
             for s in streams:
                 s.close()
         assert requests.get(f"{url}/voice-tools/context/many7", headers=a, timeout=5).status_code == 200
+
+
+# -- the defaults fit a relay: hundreds of streams and waits from one token ---------------------------------
+
+@pytest.mark.slow
+def test_on_the_defaults_one_token_follows_300_sessions_each_stream_seeing_its_event(own_broker):
+    """The Procfile's web line on the defaults (one worker of 8 threads here): one caller opens 300 event
+    streams (five per session), every one is answered 200, and each sees the event of its session."""
+    from tests.helpers import make_call
+    from tests.test_event_stream import record_progress_of
+
+    a = {"Authorization": "Bearer token-a"}
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a", WEB_CONCURRENCY="1", CELERY_BROKER_URL=own_broker,
+                      REDIS_URL=own_broker) as url:
+        sessions = [f"fleet_{uuid.uuid4().hex[:8]}" for _ in range(60)]
+        streams = [Stream(f"{url}/voice-tools/events/{sessions[i % 60]}", a) for i in range(300)]
+        try:
+            assert [s.response.status_code for s in streams] == [200] * 300
+            assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+            events = {session: record_progress_of(make_call(session_id=session, caller="a").tool_call_id)
+                      for session in sessions}
+            for i, stream in enumerate(streams):
+                assert stream.next_event()[0] == events[sessions[i % 60]], i
+        finally:
+            for s in streams:
+                s.close()
+
+
+@pytest.mark.slow
+def test_on_the_defaults_one_token_holds_200_waits_and_no_one_else_waits_for_them(own_broker):
+    """200 ``?wait`` requests from one token at once, on calls no worker moves (a broker nobody consumes),
+    on one gunicorn worker of 8 threads: none is refused, each is held its whole wait and answered 202, and
+    meanwhile ``/healthz`` and another caller's requests are answered at once."""
+    a, b = {"Authorization": "Bearer token-a"}, {"Authorization": "Bearer token-b"}
+    with gunicorn_web(VOICE_TOOLS_API_TOKENS="a:token-a,b:token-b", WEB_CONCURRENCY="1",
+                      CELERY_BROKER_URL=own_broker, REDIS_URL=own_broker) as url:
+        http = requests.Session()
+        calls = [http.post(f"{url}/voice-tools/pending", headers=a, timeout=10,
+                           json={"session_id": "waits200", "function": "send_email", "parameters": GUIDE_EMAIL})
+                 .json()["tool_call_id"] for _ in range(200)]
+
+        def wait(tool_call_id: str) -> tuple[int, float, str]:
+            started = time.monotonic()
+            answer = requests.post(f"{url}/voice-tools/confirm/{tool_call_id}?wait=6", headers=a, timeout=30)
+            return answer.status_code, time.monotonic() - started, answer.json().get("status", answer.text)
+
+        with ThreadPoolExecutor(200) as pool:
+            waits = [pool.submit(wait, c) for c in calls]
+            time.sleep(3.0)  # every wait arrived and is held
+            assert not any(w.done() for w in waits), [w.result() for w in waits if w.done()][:3]
+            started = time.monotonic()
+            assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+            other = requests.post(f"{url}/voice-tools/pending", headers=b, timeout=5,
+                                  json={"session_id": "waits200b", "function": "send_email",
+                                        "parameters": GUIDE_EMAIL})
+            assert other.status_code == 201, other.text
+            assert time.monotonic() - started < 2.0
+            answers = [w.result() for w in waits]
+        assert [status for status, _, _ in answers] == [202] * 200, [a for a in answers if a[0] != 202][:3]
+        assert all(took >= 6 for _, took, _ in answers)  # each held its whole wait
+        assert {status for _, _, status in answers} == {"EXECUTING"}
+
+
+def test_a_held_slot_is_renewed_by_its_process_and_outlasts_its_lease():
+    """A slot is renewed by the process holding it, whatever its request writes or does not write: held
+    for several of its leases, it still counts (the caller stays within its share), and once released
+    it is free at once."""
+    from app import shares
+
+    name = f"share-{uuid.uuid4().hex[:10]}"
+    held = shares.take_slot(name, "stream", limit=1, lease_s=2.0, holds_thread=False)
+    try:
+        time.sleep(5.0)  # two and a half leases, and the slot's request does nothing meanwhile
+        with pytest.raises(shares.ApiError) as refused:
+            shares.take_slot(name, "stream", limit=1, holds_thread=False)
+        assert refused.value.status == 429 and refused.value.error == "too_many_open"
+    finally:
+        held.release()
+    shares.take_slot(name, "stream", limit=1, holds_thread=False).release()

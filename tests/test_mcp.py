@@ -610,3 +610,32 @@ async def test_mcp_shares_the_callers_limits_a_wait_past_its_open_share_and_a_ra
         codes = [(await http.post(mcp_url, json=listing)) for _ in range(3)]
     assert [c.status_code != 429 for c in codes] == [True, True, False], [c.status_code for c in codes]
     assert codes[2].json()["error"] == "rate_limited" and int(codes[2].headers["retry-after"]) >= 1
+
+
+async def test_mcp_waits_hold_no_thread_of_the_face(mcp_url):
+    """A ``wait`` is awaited on the face's event loop, not in one of its ``MCP_THREADS`` (16) worker threads:
+    20 waits held at once on calls that do not move, and another tool is still answered at once."""
+    import asyncio
+    import uuid
+
+    from models import db, lifecycle
+    from tests.helpers import make_call
+
+    replays = []
+    for _ in range(20):
+        key = uuid.uuid4().hex
+        call = make_call(caller="mcp-client", idempotency_key=key, request_kind="execute", session_id="mcp_held")
+        with db.session() as s:
+            lifecycle.confirm(s, call.tool_call_id)  # EXECUTING, and nothing moves it on
+        replays.append({"session_id": "mcp_held", "function": "send_email", "parameters": call.parameters,
+                        "idempotency_key": key, "wait": 3.5})  # within the client's 5 s read timeout
+    async with connected(mcp_url) as mcp:
+        held = [asyncio.ensure_future(answer(mcp, "execute_tool", replay)) for replay in replays]
+        await asyncio.sleep(1.0)  # every wait arrived and is held
+        started = time.monotonic()
+        status = await answer(mcp, "get_status", {"tool_call_id": call.tool_call_id})
+        took = time.monotonic() - started
+        records = await asyncio.gather(*held)
+    assert status["status"] == "EXECUTING"
+    assert took < 2.0, took  # not queued behind the waits
+    assert [r["status"] for r in records] == ["EXECUTING"] * 20  # each wait ran its course: the record at its end

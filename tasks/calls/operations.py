@@ -18,7 +18,8 @@ statement checks it.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from marshmallow import ValidationError
 
@@ -98,18 +99,50 @@ def _wait_seconds(query: dict[str, Any]) -> float | None:
     return schemas.load(schemas.WaitQuery, query).get("wait")
 
 
-def _started(started: actions.Started, wait: float | None) -> Answer:
+@dataclass(frozen=True)
+class Waiting:
+    """A ``wait`` an operation asks for: until call ``tool_call_id`` is PREPARED or final, ``seconds`` at
+    most. Its answer is the call's record (200) once settled, else ``unsettled`` of the call as it is
+    then. A face waits it here (:meth:`block`, holding its thread) or hands it to an event loop
+    (``models.listen.until_settled_async``, then :meth:`answer`)."""
+
+    tool_call_id: str
+    seconds: float
+    unsettled: Callable[[ToolCall], Answer]
+
+    def answer(self, call: ToolCall, settled: bool) -> Answer:
+        if settled:
+            return schemas.instance(schemas.CallRecord).dump(call), 200
+        return self.unsettled(call)
+
+    def block(self) -> Answer:
+        return self.answer(*until_settled(self.tool_call_id, self.seconds))
+
+
+HandOver = Callable[[Waiting], Any]  # a face's way to answer a wait without blocking: what it returns is answered
+
+
+def _waited(waiting: Waiting, hand_over: HandOver | None) -> Any:
+    return waiting.block() if hand_over is None else hand_over(waiting)
+
+
+def _record_of(call: ToolCall) -> Answer:
+    return schemas.instance(schemas.CallRecord).dump(call), 200
+
+
+def _started(started: actions.Started, wait: float | None, hand_over: HandOver | None = None) -> Any:
     """The answer to confirm / execute / resume proceed, waiting if asked to: what the action
     started (its sentence), whatever the wait sees."""
     call = _logged(started.call)
+
+    def start_answer(call: ToolCall) -> Answer:
+        answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
+                  "workflow_id": call.workflow_id, "message": started.message}
+        return schemas.instance(schemas.StartAnswer).dump(answer), 202
+
     if wait:
-        waited, settled = until_settled(call.tool_call_id, wait)
-        if settled:
-            return schemas.instance(schemas.CallRecord).dump(waited), 200
-        call = waited
-    answer = {"tool_call_id": call.tool_call_id, "status": call.status, "function_name": call.function_name,
-              "workflow_id": call.workflow_id, "message": started.message}
-    return schemas.instance(schemas.StartAnswer).dump(answer), 202
+        return _waited(Waiting(call.tool_call_id, wait, start_answer), hand_over)
+    return start_answer(call)
 
 
 def _cancelled(call: ToolCall) -> Answer:
@@ -117,7 +150,7 @@ def _cancelled(call: ToolCall) -> Answer:
 
 
 def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | None,
-                    idempotency_header: str | None) -> Answer:
+                    idempotency_header: str | None, hand_over: HandOver | None = None) -> Any:
     """Record a call the relay already confirmed, then start it (an idempotent replay starts nothing new)."""
     loaded = _pending_body(data, idempotency_header)
     call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)", kind="execute")
@@ -129,10 +162,10 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | N
             # this one is a replay of a call already started
             call = exc.call
         else:
-            return _started(started, wait)
+            return _started(started, wait, hand_over)
     if wait:  # a replay of a call already started: its record
-        call, _ = until_settled(call.tool_call_id, wait)
-    return schemas.instance(schemas.CallRecord).dump(call), 200
+        return _waited(Waiting(call.tool_call_id, wait, _record_of), hand_over)
+    return _record_of(call)
 
 
 def merge(parameters: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -198,31 +231,34 @@ def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
-    """POST /voice-tools/confirm/{id}[?wait=S]: a PENDING call starts running."""
+def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None,
+            hand_over: HandOver | None = None) -> Any:
+    """POST /voice-tools/confirm/{id}[?wait=S]: a PENDING call starts running. A wait is waited here, or
+    given to ``hand_over`` (module :class:`Waiting`), whose result is the answer."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
     loaded = schemas.load(schemas.ConfirmRequest, body)
     started = actions.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
                               caller=scope_of(caller))
-    return _started(started, wait)
+    return _started(started, wait, hand_over)
 
 
 def execute(body: dict[str, Any], query: dict[str, Any], caller: Caller | None,
-            idempotency_header: str | None = None) -> Answer:
+            idempotency_header: str | None = None, hand_over: HandOver | None = None) -> Any:
     """POST /voice-tools/execute[?wait=S]: record and start at once a call the relay already confirmed."""
     wait = _wait_seconds(query)
-    return _execute_loaded(body, wait, caller, idempotency_header)
+    return _execute_loaded(body, wait, caller, idempotency_header, hand_over)
 
 
-def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
+def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None,
+           hand_over: HandOver | None = None) -> Any:
     """POST /voice-tools/resume/{id}[?wait=S]: at the checkpoint, proceed or cancel."""
     tool_call_id = _tool_call_id(tool_call_id)
     wait = _wait_seconds(query)
     loaded = schemas.load(schemas.ResumeRequest, body)
     if loaded["action"] == "cancel":
         return _cancelled(actions.cancel(tool_call_id, loaded.get("reason"), caller=scope_of(caller)))
-    return _started(actions.resume(tool_call_id, caller=scope_of(caller)), wait)
+    return _started(actions.resume(tool_call_id, caller=scope_of(caller)), wait, hand_over)
 
 
 def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
@@ -284,8 +320,8 @@ def tool_list(query: dict[str, Any]) -> Answer:
 
 
 def flat_alias(tool: tools.Tool, flat: type[schemas.Strict], body: dict[str, Any], query: dict[str, Any],
-               caller: Caller | None, idempotency_header: str | None = None) -> Answer:
+               caller: Caller | None, idempotency_header: str | None = None, hand_over: HandOver | None = None) -> Any:
     """A legacy alias (/execute-gmail, /query-vector-db): /voice-tools/execute with ``tool``'s flat body."""
     wait = _wait_seconds(query)
     loaded = schemas.load(flat, body)
-    return _execute_loaded(schemas.split_flat(loaded, tool), wait, caller, idempotency_header)
+    return _execute_loaded(schemas.split_flat(loaded, tool), wait, caller, idempotency_header, hand_over)

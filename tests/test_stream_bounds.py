@@ -1,0 +1,108 @@
+"""A stream never outlives its client (docs/operations.md, "Event streams, waits and threads"): a client
+that leaves the stream's data untaken for ``VOICE_TOOLS_SEND_TIMEOUT`` seconds is closed, its slot of its
+caller's open share given back and its listener subscription removed; it resumes with ``Last-Event-ID``
+and loses nothing.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import uuid
+
+import requests
+
+from support.sse_client import Stream
+from tests.helpers import make_call
+
+FRAME = re.compile(rb"id: ([0-9a-f]{32})\nevent: \w+\ndata: [^\n]*\n\n")
+
+
+def a_caller_with_one_slot(monkeypatch) -> tuple[str, str]:
+    """A caller of its own whose open share is one long-held request: its name and token."""
+    name, token = f"stall-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"{os.environ['VOICE_TOOLS_API_TOKENS']},{name}:{token}")
+    monkeypatch.setenv("VOICE_TOOLS_CALLER_LIMITS", f"{name}::1")
+    return name, token
+
+
+def a_backlog(session_id: str, caller: str, events: int = 400, size: int = 8000) -> list[str]:
+    """``events`` events of about ``size`` bytes each in ``session_id``, of ``caller``'s call; their ids in order."""
+    from sqlalchemy import text
+
+    from models import db, events as event_rows, lifecycle
+
+    call = make_call(session_id=session_id, caller=caller)
+    with db.session() as s:
+        for k in range(events):
+            lifecycle.record_event(s, call.tool_call_id, event_rows.event(
+                "progress", step="PREPARING", gate=1, progress=0.1, message=f"{k:05d}" + "x" * size))
+    with db.engine().connect() as conn:
+        return list(conn.execute(text("SELECT event_id FROM callback_deliveries WHERE session_id = :s "
+                                      "ORDER BY commit_seq"), {"s": session_id}).scalars())
+
+
+def a_client_that_stops_reading(port: int, session_id: str, token: str) -> tuple[socket.socket, str]:
+    """A client with a small receive buffer that reads the answer's head and first events, then reads no
+    more; the last event it took whole."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET /voice-tools/events/{session_id} HTTP/1.1\r\nHost: x\r\n"
+                 f"Authorization: Bearer {token}\r\n\r\n".encode())
+    sock.settimeout(10)
+    got = b""
+    while len(FRAME.findall(got)) < 3:
+        chunk = sock.recv(4096)
+        assert chunk, got[:300]
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
+    return sock, FRAME.findall(got)[-1].decode()
+
+
+def closed_by_the_server(sock: socket.socket, within: float) -> bool:
+    """Does the server close the connection (after what it had sent) within ``within`` seconds?"""
+    deadline = time.monotonic() + within
+    sock.settimeout(1)
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(1 << 20):
+                return True
+        except socket.timeout:
+            continue
+        except ConnectionError:
+            return True
+    return False
+
+
+def test_a_client_that_stops_reading_is_closed_after_the_bound_and_resumes_losing_nothing(api_url, monkeypatch):
+    from app import stream_loop
+    from models import listen
+
+    name, token = a_caller_with_one_slot(monkeypatch)
+    monkeypatch.setenv("VOICE_TOOLS_SEND_TIMEOUT", "2")
+    session_id = f"stall_{uuid.uuid4().hex[:8]}"
+    backlog = a_backlog(session_id, name)  # about 3 MB
+    auth = {"Authorization": f"Bearer {token}"}
+    served_before = stream_loop.open_streams()
+    port = int(api_url.rsplit(":", 1)[1])
+    stalled, last = a_client_that_stops_reading(port, session_id, token)
+    try:
+        refused = requests.get(f"{api_url}/voice-tools/events/{session_id}", headers=auth, timeout=10)
+        assert refused.status_code == 429, refused.text  # the stalled stream holds the caller's one slot
+        deadline = time.monotonic() + 2 + 10  # the bound, and room for a loaded machine
+        while stream_loop.open_streams() > served_before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stream_loop.open_streams() == served_before, "a client that reads nothing is never closed"
+        assert ("voice_tools_events", session_id) not in listen.LISTENER._waiters  # unsubscribed
+        assert closed_by_the_server(stalled, 10)
+    finally:
+        stalled.close()
+    resumed = Stream(f"{api_url}/voice-tools/events/{session_id}", {**auth, "Last-Event-ID": last})
+    try:
+        assert resumed.response.status_code == 200, resumed.response.text  # the slot is back
+        rest = backlog[backlog.index(last) + 1:]
+        assert [resumed.next_event()[0] for _ in rest] == rest  # every event after the last one taken, in order
+    finally:
+        resumed.close()
