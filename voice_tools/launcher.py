@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
     sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
     sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
+    sub.add_parser("openapi", add_help=False, help="print the API's OpenAPI document (-o FILE: write it there)")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="read, chunk, embed and store .md/.html/.pdf/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
@@ -439,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         from voice_tools import footprint
 
         return footprint.main(rest)
+    if command == "openapi":
+        from voice_tools import openapi_document
+
+        return openapi_document.main(rest)
     if command == "mcp":
         from voice_tools import mcp_command
 
