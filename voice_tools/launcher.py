@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from models import logs, settings
+from voice_tools import ports
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
                                  record_run, stop_servers)
 
@@ -94,12 +95,11 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
         env["HOST"] = "127.0.0.1"
     # Read by celeryconfig: silences Celery's superuser warning for this run only (see there).
     env["VOICE_TOOLS_LOCAL_RUN"] = "1"
-    env.setdefault("PORT", "8000")
+    for name, default, _who in ports.RUN_PORTS:  # PORT, MCP_PORT, WORKER_METRICS_PORT, FLOWER_PORT
+        env.setdefault(name, str(default))
     # honcho gives each process its own PORT (8000, 8100, ...): every process learns the API's here
     # (the callbacks' own-ports guard, docs/operations.md, Configuration).
     env["VOICE_TOOLS_API_PORT"] = env["PORT"]
-    env.setdefault("FLOWER_PORT", "5555")
-    env.setdefault("MCP_PORT", "8001")
     env.setdefault("VOICE_TOOLS_PUBLIC_URL", f"http://127.0.0.1:{env['PORT']}")
     env["VOICE_TOOLS_DATA_DIR"] = str(data_dir)
     # The Procfile's commands (gunicorn, celery) live beside this Python: the README
@@ -108,7 +108,6 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
     if scripts not in env.get("PATH", "").split(os.pathsep):
         env["PATH"] = os.pathsep.join(filter(None, [scripts, env.get("PATH")]))
     env.pop("FLOWER_UNAUTHENTICATED_API", None)
-    env.setdefault("WORKER_METRICS_PORT", "9101")
     # Each side's own multiprocess folder: the API's (gunicorn's workers) and the
     # workers' (every pool child; the Procfile's worker lines pass it on). Flower keeps
     # its series in its own process (its Procfile line unsets the variable).
@@ -168,6 +167,12 @@ def run(procfile: str | None = None) -> int:
     lock = _lock_data_dir(data_dir)
     if lock is None:
         _say(f"another voice-tools run is using {data_dir}; stop it first or set VOICE_TOOLS_DATA_DIR")
+        return 1
+    taken = ports.problems(os.environ)  # before anything starts: a taken port is said now, in words
+    if taken:
+        for sentence in taken:
+            _say(sentence)
+        _say("nothing was started")
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
