@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -90,12 +91,15 @@ def test_local_batches_pool_over_the_mask_only_and_cut_at_256_tokens():
 
 
 @pytest.mark.slow
-def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch):
+def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch, caplog):
     import onnx
     import onnxruntime
 
     monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
-    path = embeddings.prepared_model()  # made here: this data dir has none yet
+    with caplog.at_level(logging.INFO):
+        path = embeddings.prepared_model()  # made here: this data dir has none yet
+    # a fresh run's first lines are its own: no library's warning (onnxruntime's advice to pre-process)
+    assert [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert path.parent == tmp_path / "embedding-models" and path.name.startswith("all-MiniLM-L6-v2-int8-dyn-")
     # no half-written file left behind: the model, its recorded sha256, the lock the processes share
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f"{path.name}.sha256", ".prepare.lock"])
