@@ -35,6 +35,7 @@ from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensu
 
 PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
+FLOWER_PASSWORD = "flower_password"  # its key in local-secrets.json: the banner names it
 FLOWER_LINE = "flower"  # a Procfile without this line has Flower served by the run's own process
 
 
@@ -64,7 +65,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
         "api_token": lambda: secrets.token_urlsafe(24),
         "callback_secret": lambda: secrets.token_urlsafe(32),
         "webhook_secret": signing.new_secret,  # Standard Webhooks: whsec_ + base64 of 32 random bytes
-        "flower_password": lambda: secrets.token_urlsafe(12),
+        FLOWER_PASSWORD: lambda: secrets.token_urlsafe(12),
     }
     if not all(stored.get(key) for key in wanted):
         stored = {key: stored.get(key) or make() for key, make in wanted.items()}
@@ -77,7 +78,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
         "VOICE_TOOLS_CALLBACK_SECRET": stored["callback_secret"],
         "VOICE_TOOLS_CALLBACK_SECRETS": stored["webhook_secret"],
         "VOICE_TOOLS_CALLBACK_HOSTS": "127.0.0.1,localhost",
-        "FLOWER_BASIC_AUTH": f"admin:{stored['flower_password']}",
+        "FLOWER_BASIC_AUTH": f"admin:{stored[FLOWER_PASSWORD]}",
     }
 
 
@@ -300,9 +301,12 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
     else:
         lines.append(f"listening on {host} (HOST): reachable from other machines")
     users = [pair.split(":", 1)[0] for pair in env.get("FLOWER_BASIC_AUTH", "").split(",") if pair]
+    if "FLOWER_BASIC_AUTH" in filled:
+        password = f"password: {FLOWER_PASSWORD} in that file, made for it; FLOWER_BASIC_AUTH=user:password sets your own"
+    else:
+        password = "password: as set in FLOWER_BASIC_AUTH"
     lines.append(f"local secrets kept in {data_dir / LOCAL_SECRETS} (mode 0600); "
-                 f"Flower user: {', '.join(users) or 'none'} (password: FLOWER_BASIC_AUTH"
-                 f"{', made for this run, in that file' if 'FLOWER_BASIC_AUTH' in filled else ', as you set it'})")
+                 f"Flower user: {', '.join(users) or 'none'} ({password})")
     if logs.log_format(env) == "json":
         lines.append(f"logs: one JSON line per event ({logs.FORMAT_VARIABLE}=text for plain lines)")
     else:
