@@ -520,12 +520,12 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder):
-    """The embedded server HAS pgvector; this database is made to look as if it had not:
-    its ``search_path`` puts a view hiding ``vector`` from ``pg_available_extensions`` before
-    ``pg_catalog``, so the migration and the store see a server without it (what the
-    check reads is the only thing faked; no CREATE EXTENSION is ever run there)."""
+@pytest.fixture
+def no_pgvector_url():
+    """A database of the embedded server (which HAS pgvector) made to look as if it had not: its
+    ``search_path`` puts a view hiding ``vector`` from ``pg_available_extensions`` before ``pg_catalog``,
+    so the migration and the store see a server without it (what the check reads is the only thing faked;
+    no CREATE EXTENSION is ever run there)."""
     parts = urlsplit(os.environ["DATABASE_URL"])
     admin = psycopg2.connect(urlunsplit(parts._replace(path="/postgres")))
     admin.autocommit = True
@@ -542,17 +542,43 @@ def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder):
                     "SELECT * FROM pg_catalog.pg_available_extensions WHERE name <> 'vector'")
     target.close()
     try:
-        probe = subprocess.run([sys.executable, "-c", PROBE, str(folder)], cwd=ROOT, capture_output=True, text=True,
-                               env={**os.environ, "DATABASE_URL": url}, timeout=120)
-        assert probe.returncode == 0, probe.stderr
-        out = json.loads(probe.stdout.strip().splitlines()[-1])
+        yield url
     finally:
         with admin.cursor() as cur:
             cur.execute(f'DROP DATABASE IF EXISTS "{NO_PGVECTOR_DB}" WITH (FORCE)')
         admin.close()
+
+
+@pytest.mark.slow
+def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder, no_pgvector_url):
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "DATABASE_URL": no_pgvector_url}, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    out = json.loads(probe.stdout.strip().splitlines()[-1])
     assert out["head"] is not None and "embedding" not in out["columns"] and "embedding_model" in out["columns"]
     assert out["search"] == out["ingest"] == documents.NO_PGVECTOR
     assert out["load_demo"] == 0
+
+
+@pytest.mark.slow
+def test_without_pgvector_migrate_and_run_say_at_once_that_document_search_will_not_work(no_pgvector_url):
+    """``voice-tools migrate``, and what ``voice-tools run`` does before its banner (``launcher.prepare``, in a
+    child process), each say it in a line of their own, with the reason and the fix; nothing else
+    is said that is not the run's own line."""
+    said = (f"voice-tools: document search will not work: {documents.NO_PGVECTOR} (query_vector_db and "
+            f"search_documentation will fail; every other tool works)")
+    env = {**os.environ, "DATABASE_URL": no_pgvector_url}
+    migrated = subprocess.run([sys.executable, "-m", "voice_tools", "migrate"], cwd=ROOT, capture_output=True,
+                              text=True, env=env, timeout=300)
+    assert migrated.returncode == 0, migrated.stderr
+    assert said in migrated.stdout.splitlines(), migrated.stdout
+    prepared = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; "
+                               "sys.exit(launcher.prepare())"], cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=300)
+    assert prepared.returncode == 0, prepared.stderr
+    lines = prepared.stdout.splitlines()
+    assert lines[0] == said, lines
+    assert all(line.startswith("voice-tools: ") for line in lines + prepared.stderr.splitlines()), prepared.stderr
 
 
 @pytest.fixture

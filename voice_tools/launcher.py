@@ -238,12 +238,30 @@ def serve_flower(env: dict[str, str], honcho: Any) -> Any:
 
 def prepare() -> int:
     """Migrate, prepare the offline embedding model, and load the demo data set into a database
-    that has never had a call."""
+    that has never had a call. Its warnings are the run's lines (``voice-tools: …``)."""
+    logging.basicConfig(level=logging.WARNING, format="voice-tools: %(message)s")
     migrate()
+    _say_if_no_document_search()
     prepare_model()
     if _never_used():
         _say(f"demo data loaded: {_describe(load_demo())}")
     return 0
+
+
+def document_search_problem() -> str | None:
+    """Why document search cannot work on this database (no pgvector, or a table made without it), or None."""
+    from backends import documents
+    from models import db
+
+    with db.engine().connect() as conn:
+        return documents.vector_support_error(conn)
+
+
+def _say_if_no_document_search() -> None:
+    problem = document_search_problem()
+    if problem:
+        _say(f"document search will not work: {problem} (query_vector_db and search_documentation will fail; "
+             f"every other tool works)")
 
 
 def prepare_model() -> None:
@@ -475,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_servers(need=("postgres",))
     if command == "migrate":
         migrate()
+        _say_if_no_document_search()
         return 0
     if command == "load-demo":
         migrate()
