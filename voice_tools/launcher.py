@@ -250,7 +250,7 @@ def prepare() -> int:
 
 def document_search_problem() -> str | None:
     """Why document search cannot work on this database (no pgvector, or a table made without it), or None."""
-    from backends import documents
+    from voice_tools.backends import documents
     from models import db
 
     with db.engine().connect() as conn:
@@ -267,7 +267,7 @@ def _say_if_no_document_search() -> None:
 def prepare_model() -> None:
     """The offline embedding model made ready in ``<data dir>/models`` now (once for every process of
     the system: a worker's first query then prepares nothing)."""
-    from backends import embeddings
+    from voice_tools.backends import embeddings
 
     embeddings.prepare()
 
@@ -349,7 +349,7 @@ def _never_used() -> bool:
 
 
 def load_demo() -> dict[str, int]:
-    from backends import load_demo as load_every_backends_demo
+    from voice_tools.backends import load_demo as load_every_backends_demo
 
     return load_every_backends_demo()
 
@@ -399,7 +399,7 @@ class IngestProgress:
 
 
 def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
-    from backends import documents
+    from voice_tools.backends import documents
 
     progress = IngestProgress()
     try:
