@@ -10,11 +10,12 @@ its speech-to-text and text-to-speech there, and sends ``function_call_output`` 
 
     VOICE_TOOLS_API=http://127.0.0.1:8000 VOICE_TOOLS_TOKEN=... \\
         python examples/python_relay.py '{"type": "response.function_call_arguments.done",
-        "name": "send_email", "call_id": "call_1", "arguments": "{\\"to\\": \\"john@example.com\\",
+        "name": "send_email", "call_id": "call_8f3a1c", "arguments": "{\\"to\\": \\"john@example.com\\",
         \\"subject\\": \\"Hello\\"}"}'
 
 (``voice-tools run`` prints the API's URL and a token; with the client installed, or
-``PYTHONPATH=clients/python/src``.)
+``PYTHONPATH=clients/python/src``.) Give each run its own ``call_id``: it is the call's idempotency
+key, so the same id again is the call already recorded, which has ended (docs/relay-guide.md, Clients).
 """
 from __future__ import annotations
 

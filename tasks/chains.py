@@ -50,7 +50,7 @@ from models import db, events, lifecycle, queries
 from models.calls import NOT_DONE, UNCONFIRMED, ToolCall
 from tasks import base, tools
 from tasks.effect_claims import claim_token, holder_gone
-import backends
+from voice_tools import backends
 from tasks.delivery import attempts
 from tasks.delivery.events import record
 from tasks.worker import metrics

@@ -423,3 +423,119 @@ def test_a_link_waiting_for_its_countdown_in_the_delay_queues_is_never_taken_for
         with app.connection_for_write() as conn:  # the countdown is not left for later tests
             for delay_queue in liveness.DELAY_QUEUES:
                 conn.default_channel.queue_purge(delay_queue)
+
+
+# -- Flower on RabbitMQ ----------------------------------------------------------------
+
+def management_api() -> str:
+    """RabbitMQ's management API (its ``rabbitmq_management`` plugin), as Flower's ``FLOWER_BROKER_API`` names it:
+    ``VOICE_TOOLS_TEST_RABBITMQ_API``, else the broker's host and user on port 15672."""
+    import os
+    from urllib.parse import urlsplit
+
+    given = os.environ.get("VOICE_TOOLS_TEST_RABBITMQ_API", "").strip()
+    if given:
+        return given
+    broker = urlsplit(app.connection_for_write().as_uri(include_password=True))
+    return f"http://{broker.username}:{broker.password}@{broker.hostname}:15672/api/"
+
+
+def test_flower_shows_every_queues_length_through_the_management_api(worker, tmp_path):
+    """docs/operations.md, Flower: on RabbitMQ Flower reads the queues' lengths from RabbitMQ's management API
+    (``FLOWER_BROKER_API``, Flower's ``--broker-api``): every queue of the app, as RabbitMQ counts it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    api = management_api()
+    try:
+        requests.get(f"{api.rstrip('/')}/overview", timeout=5).raise_for_status()
+    except requests.RequestException as exc:
+        message = (f"RabbitMQ's management API does not answer at {api.split('@')[-1]} ({exc}): "
+                   "rabbitmq-plugins enable rabbitmq_management (or set VOICE_TOOLS_TEST_RABBITMQ_API)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(FLOWER_BASIC_AUTH="ops:flower-rabbit", FLOWER_BROKER_API=api)
+    log = tmp_path / "flower.log"
+    with open(log, "wb") as sink:
+        flower = subprocess.Popen([sys.executable, "-m", "voice_tools", "flower", "--address=127.0.0.1",
+                                   f"--port={port}"], env=env, stdout=sink, stderr=subprocess.STDOUT)
+    # Flower lists the queues its workers consume (a tool registered by another test here may have none)
+    answers = app.control.inspect(timeout=5).active_queues() or {}
+    wanted = {queue["name"] for queues in answers.values() for queue in queues}
+    assert {"callbacks", "maintenance", "tools.send_email", "tools.search_documentation"} <= wanted, answers
+    try:
+        deadline, listed = time.monotonic() + 90, {}
+        while not wanted <= {name for name, count in listed.items() if count is not None}:
+            assert time.monotonic() < deadline, f"Flower listed {listed}, not {sorted(wanted)}:\n{log.read_text()[-3000:]}"
+            assert flower.poll() is None, log.read_text()[-3000:]
+            try:
+                answer = requests.get(f"http://127.0.0.1:{port}/api/queues/length", auth=("ops", "flower-rabbit"),
+                                      timeout=10)
+                if answer.status_code == 200:
+                    # a queue's counts are there once RabbitMQ has collected its statistics (every 5 s)
+                    listed = {q["name"]: q.get("messages") for q in answer.json()["active_queues"]}
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        counted = dict(rabbitmqctl.listed("queues", vhost(), "name", "messages"))
+        for name in wanted:
+            assert listed[name] == int(counted[name]), (name, listed[name], counted[name])
+    finally:
+        flower.terminate()
+        flower.wait(30)
+    assert "management API call failed" not in log.read_text()
+
+
+# -- what a first start logs ---------------------------------------------------------------
+
+def test_a_worker_of_some_queues_on_an_empty_virtual_host_logs_the_lines_the_operations_guide_quotes(tmp_path):
+    """docs/operations.md, RabbitMQ, "the first start on an empty virtual host": each line the row quotes (… for
+    what varies) is in the log of a worker consuming one group's queue, started on a new virtual host."""
+    import re
+    import time
+    import uuid
+    from pathlib import Path
+    import subprocess
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    from support.procs import ROOT
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    [row] = [line for line in guide.splitlines() if line.startswith("| the first start on an empty virtual host |")]
+    quoted = re.findall(r"`([^`]*(?:Failed|failures)[^`]*)`", row)
+    assert len(quoted) == 4, quoted
+    patterns = [".*?".join(re.escape(part) for part in line.split("…")) for line in quoted]
+
+    ours = urlsplit(app.connection_for_write().as_uri(include_password=True))
+    name = f"voice-tools-empty-{uuid.uuid4().hex[:8]}"
+    rabbitmqctl.run("add_vhost", name)
+    try:
+        rabbitmqctl.run("set_permissions", "-p", name, ours.username, ".*", ".*", ".*")
+        url = urlunsplit(ours._replace(path=f"/{quote(name, safe='')}"))
+        worker = WorkerProcess(app, ["tools.send_email"], concurrency=1, log_dir=tmp_path, name="firststart",
+                               env={"CELERY_BROKER_URL": url})
+        # started by hand: WorkerProcess.start() pings it through this run's virtual host, not the new one
+        worker.proc = subprocess.Popen(worker.argv, cwd=ROOT, env=worker.env, start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 120
+            while f"{worker.name} ready." not in worker.log():  # delayed delivery is set up before it is ready
+                assert worker.proc.poll() is None and time.monotonic() < deadline, worker.log()[-3000:]
+                time.sleep(0.5)
+            log = worker.log()
+        finally:
+            worker.stop()
+    finally:
+        rabbitmqctl.run("delete_vhost", name)
+    for line, pattern in zip(quoted, patterns):
+        assert re.search(pattern, log), f"not in the worker's log: {line}\n{log[-3000:]}"

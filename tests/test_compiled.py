@@ -241,7 +241,7 @@ def test_rows_of_a_statement_are_sqlalchemys_rows():
     """``all()``: every row, in order, as SQLAlchemy's execution gives them (the calendar's busy periods)."""
     from datetime import datetime, timedelta, timezone
 
-    from backends import calendar
+    from voice_tools.backends import calendar
 
     start = datetime(2031, 3, 3, 9, tzinfo=timezone.utc)
     with db.session() as s:

@@ -1,4 +1,4 @@
-"""The document store (backends/documents.py) on the real PostgreSQL + pgvector, with
+"""The document store (voice_tools/backends/documents.py) on the real PostgreSQL + pgvector, with
 the real offline embedding model; query_vector_db and search_documentation end to end
 through a real worker; OpenAI through the real client against a local HTTP double."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from models import db
 from models.calls import SessionContext
 from models.documents import DocumentChunk
 from tasks.calls import actions
-from backends import documents
+from voice_tools.backends import documents
 from tests.helpers import deliveries, make_call, wait_status
 from tests.test_embeddings import chat_answer, embeddings_answer, fake_vector, openai_api  # noqa: F401 (fixture)
 
@@ -213,7 +213,7 @@ def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_pat
 
 
 def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_top_k(tmp_path):
-    from backends import embeddings
+    from voice_tools.backends import embeddings
 
     for name, text_ in {
         "printer.md": "# Office printers\n\nThe printers on each floor print double-sided. When the display shows "
@@ -502,7 +502,7 @@ PROBE = textwrap.dedent("""
     servers.migrate()  # alembic upgrade head, as `voice-tools migrate` does
     from sqlalchemy import text
     from models import db
-    from backends import documents
+    from voice_tools.backends import documents
     out = {}
     with db.engine().connect() as conn:
         out["columns"] = sorted(r[0] for r in conn.execute(text(
@@ -520,12 +520,12 @@ PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder):
-    """The embedded server HAS pgvector; this database is made to look as if it had not:
-    its ``search_path`` puts a view hiding ``vector`` from ``pg_available_extensions`` before
-    ``pg_catalog``, so the migration and the store see a server without it (what the
-    check reads is the only thing faked; no CREATE EXTENSION is ever run there)."""
+@pytest.fixture
+def no_pgvector_url():
+    """A database of the embedded server (which HAS pgvector) made to look as if it had not: its
+    ``search_path`` puts a view hiding ``vector`` from ``pg_available_extensions`` before ``pg_catalog``,
+    so the migration and the store see a server without it (what the check reads is the only thing faked;
+    no CREATE EXTENSION is ever run there)."""
     parts = urlsplit(os.environ["DATABASE_URL"])
     admin = psycopg2.connect(urlunsplit(parts._replace(path="/postgres")))
     admin.autocommit = True
@@ -542,17 +542,43 @@ def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder):
                     "SELECT * FROM pg_catalog.pg_available_extensions WHERE name <> 'vector'")
     target.close()
     try:
-        probe = subprocess.run([sys.executable, "-c", PROBE, str(folder)], cwd=ROOT, capture_output=True, text=True,
-                               env={**os.environ, "DATABASE_URL": url}, timeout=120)
-        assert probe.returncode == 0, probe.stderr
-        out = json.loads(probe.stdout.strip().splitlines()[-1])
+        yield url
     finally:
         with admin.cursor() as cur:
             cur.execute(f'DROP DATABASE IF EXISTS "{NO_PGVECTOR_DB}" WITH (FORCE)')
         admin.close()
+
+
+@pytest.mark.slow
+def test_without_pgvector_migrations_pass_and_search_names_the_fix(folder, no_pgvector_url):
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "DATABASE_URL": no_pgvector_url}, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    out = json.loads(probe.stdout.strip().splitlines()[-1])
     assert out["head"] is not None and "embedding" not in out["columns"] and "embedding_model" in out["columns"]
     assert out["search"] == out["ingest"] == documents.NO_PGVECTOR
     assert out["load_demo"] == 0
+
+
+@pytest.mark.slow
+def test_without_pgvector_migrate_and_run_say_at_once_that_document_search_will_not_work(no_pgvector_url):
+    """``voice-tools migrate``, and what ``voice-tools run`` does before its banner (``launcher.prepare``, in a
+    child process), each say it in a line of their own, with the reason and the fix; nothing else
+    is said that is not the run's own line."""
+    said = (f"voice-tools: document search will not work: {documents.NO_PGVECTOR} (query_vector_db and "
+            f"search_documentation will fail; every other tool works)")
+    env = {**os.environ, "DATABASE_URL": no_pgvector_url}
+    migrated = subprocess.run([sys.executable, "-m", "voice_tools", "migrate"], cwd=ROOT, capture_output=True,
+                              text=True, env=env, timeout=300)
+    assert migrated.returncode == 0, migrated.stderr
+    assert said in migrated.stdout.splitlines(), migrated.stdout
+    prepared = subprocess.run([sys.executable, "-c", "from voice_tools import launcher; import sys; "
+                               "sys.exit(launcher.prepare())"], cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=300)
+    assert prepared.returncode == 0, prepared.stderr
+    lines = prepared.stdout.splitlines()
+    assert lines[0] == said, lines
+    assert all(line.startswith("voice-tools: ") for line in lines + prepared.stderr.splitlines()), prepared.stderr
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
-"""The embedders (backends/embeddings.py): the real offline model, and OpenAI's
+"""The embedders (voice_tools/backends/embeddings.py): the real offline model, and OpenAI's
 endpoint through the real ``openai`` client against a local HTTP double (the request
 bodies it sends, and what its errors become)."""
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from backends import documents, embeddings
+from voice_tools.backends import documents, embeddings
 from models import settings
 from tasks.tools import is_transient
 from tests.http_double import HttpDouble
@@ -90,12 +91,15 @@ def test_local_batches_pool_over_the_mask_only_and_cut_at_256_tokens():
 
 
 @pytest.mark.slow
-def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch):
+def test_the_package_model_is_prepared_once_as_int8_and_means_the_same(tmp_path, monkeypatch, caplog):
     import onnx
     import onnxruntime
 
     monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
-    path = embeddings.prepared_model()  # made here: this data dir has none yet
+    with caplog.at_level(logging.INFO):
+        path = embeddings.prepared_model()  # made here: this data dir has none yet
+    # a fresh run's first lines are its own: no library's warning (onnxruntime's advice to pre-process)
+    assert [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert path.parent == tmp_path / "embedding-models" and path.name.startswith("all-MiniLM-L6-v2-int8-dyn-")
     # no half-written file left behind: the model, its recorded sha256, the lock the processes share
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f"{path.name}.sha256", ".prepare.lock"])
@@ -136,7 +140,7 @@ def test_a_damaged_prepared_model_is_made_again_and_a_changed_package_model_refu
 def test_every_process_keeps_the_model_in_the_data_dir_never_the_temp_dir(tmp_path):
     """The launcher, the CLI and the workers all find the model in <data dir>/embedding-models: VOICE_TOOLS_DATA_DIR,
     else ./.voice-tools of the folder they run in (as the embedded servers' data)."""
-    code = "from backends import embeddings; print(embeddings.model_cache_dir())"
+    code = "from voice_tools.backends import embeddings; print(embeddings.model_cache_dir())"
     env = {k: v for k, v in os.environ.items() if k != "VOICE_TOOLS_DATA_DIR"}
     bare = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -158,7 +162,7 @@ def test_importing_and_using_search_changes_nothing_in_the_environment(tmp_path)
     code = textwrap.dedent("""
         import json, os, sys
         before = dict(os.environ)
-        from backends import documents, embeddings
+        from voice_tools.backends import documents, embeddings
         import tasks.tools.search_documentation, tasks.tools.query_vector_db
         import tasks.tools  # every tool module
         embeddings.embed(["How do I reset my password?"])
@@ -238,7 +242,7 @@ def test_a_process_working_in_the_data_dir_imports_the_code_not_the_model_folder
     on their path: the prepared model's folder there must not shadow a package of ours (a folder named
     ``models`` was imported as a namespace package in place of ``models``: a second run failed to migrate)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VOICE_TOOLS_DATA_DIR": str(tmp_path)}
-    folder = subprocess.run([sys.executable, "-c", "from backends import embeddings; print(embeddings.model_cache_dir())"],
+    folder = subprocess.run([sys.executable, "-c", "from voice_tools.backends import embeddings; print(embeddings.model_cache_dir())"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     Path(folder).mkdir(parents=True)
     imported = subprocess.run([sys.executable, "-c", "import models; models.import_all(); print(models.__file__)"],

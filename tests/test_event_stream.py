@@ -350,6 +350,33 @@ def next_event_within(stream: Stream, seconds: float = 5) -> tuple[str, dict]:
         pool.shutdown(wait=False)
 
 
+def caught_up(stream: Stream, session_id: str) -> str:
+    """Returns once ``stream`` has made every read of the table it was due so far: the process's listener
+    is connected (its connection woke every stream to read, before any notification), and an event recorded
+    now has reached the stream (every read asked before it is done); that event's id. A read counted
+    after this is one the test caused, however late the stream's own reads ran on a busy machine."""
+    from sqlalchemy import text
+
+    from models import db, listen
+
+    probe_key = f"{session_id}_listening"
+    probe = listen.LISTENER.subscribe(probe_key)  # set by a notice of probe_key, or by the listener's connecting
+    try:
+        deadline = time.monotonic() + 20
+        while not probe.is_set():
+            assert time.monotonic() < deadline, "the listener did not connect"
+            with db.engine().connect() as conn:
+                conn.execute(text("SELECT pg_notify(:channel, :key)"),
+                             {"channel": listen.EVENTS_CHANNEL, "key": probe_key})
+                conn.commit()
+            probe.wait(0.2)
+    finally:
+        listen.LISTENER.unsubscribe(probe_key, probe)
+    event_id = record_progress(session_id)
+    assert next_event_within(stream)[0] == event_id
+    return event_id
+
+
 def test_a_live_event_is_written_from_its_notification_with_no_read_of_the_table(api_url):
     """A stream that is caught up writes a new event from its NOTIFY (which carries it), exactly as a
     read of its row would give it, and reads nothing."""
@@ -357,6 +384,7 @@ def test_a_live_event_is_written_from_its_notification_with_no_read_of_the_table
     stream = Stream(f"{api_url}/voice-tools/events/sess_notice", AUTH)
     try:
         assert next_event_within(stream)[0] == first  # what was there: read from the table
+        caught_up(stream, "sess_notice")
         with Reads() as reads:
             second = record_progress("sess_notice")
             event_id, payload = next_event_within(stream)
@@ -369,12 +397,16 @@ def test_a_live_event_is_written_from_its_notification_with_no_read_of_the_table
 
 def test_an_event_too_large_for_a_notification_is_read_from_the_table_in_its_place(api_url):
     """PostgreSQL takes a notification of less than 8000 bytes: a larger event's NOTIFY says only its
-    number, and the stream reads it, in its order between the events around it."""
+    number, and the stream reads it, in its order between the events around it.
+
+    The stream's own first read of the table may run at any moment until it is caught up: reads are
+    counted only after that, so that read is never taken for the large event's."""
     from models import events, lifecycle
     from models.db import session
 
     stream = Stream(f"{api_url}/voice-tools/events/sess_large", AUTH)
     try:
+        caught_up(stream, "sess_large")
         call = make_call(session_id="sess_large")
         with Reads() as reads:
             with session() as s:

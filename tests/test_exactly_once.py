@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-import backends
+from voice_tools import backends
 from tasks import chains
 from tasks.calls import actions
 from tasks.tools import Step, TransientError

@@ -251,3 +251,24 @@ def test_the_readme_reports_the_local_runs_footprint_and_the_command_that_measur
     assert "```sh\n.venv/bin/voice-tools footprint\n```" in section
     measured = re.search(r"it is (\d+) processes and (\d+) MB PSS", section)
     assert measured and int(measured.group(2)) <= 250, measured
+
+
+def test_the_across_hosts_rows_give_each_host_what_it_needs():
+    """docs/operations.md, Across hosts: the API and worker rows list the tokens, callback hosts and signing
+    secrets; the section says each worker host needs its own host name, and how long a dead worker host's
+    links wait on Redis (the visibility timeout's default, as celeryconfig reads it) and which setting shortens it."""
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    section = operations.split("\n### Across hosts\n", 1)[1].split("\n### ", 1)[0]
+    rows = {line.split(" | ")[0].lstrip("| ").split(" (")[0]: line for line in section.splitlines()
+            if line.startswith("| ")}
+    signing = ("VOICE_TOOLS_CALLBACK_SECRET`", "VOICE_TOOLS_CALLBACK_SECRETS`")
+    for needed in ("DATABASE_URL", "CELERY_BROKER_URL", "VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_HOSTS",
+                   "VOICE_TOOLS_PUBLIC_URL", *signing):
+        assert needed in rows["API hosts"], needed
+    for needed in ("DATABASE_URL", "CELERY_BROKER_URL", "VOICE_TOOLS_CALLBACK_HOSTS", "VOICE_TOOLS_PUBLIC_URL",
+                   "VOICE_TOOLS_WORKER_METRICS_DIR", *signing):
+        assert needed in rows["worker hosts"], needed
+    assert "FLOWER_BASIC_AUTH" in rows["Flower's host"]
+    assert "host name of its own" in section and "`%h`" in section
+    default = re.search(r'"VOICE_TOOLS_VISIBILITY_TIMEOUT", "(\d+)"', (ROOT / "celeryconfig.py").read_text()).group(1)
+    assert f"`VOICE_TOOLS_VISIBILITY_TIMEOUT` has passed since they were handed out ({default} s by" in section

@@ -376,3 +376,24 @@ def test_the_example_relay_cancels_at_the_checkpoint_on_no(api_url, worker):
     out = run_example(api_url, "yes\nno\n", "sess_example_no")
     assert "assistant: Cancelled. The email was not sent." in out.splitlines()
     assert '\\"status\\": \\"CANCELLED\\"' in out
+
+
+@pytest.mark.slow
+def test_the_guides_example_command_runs_twice_each_a_call_of_its_own(api_url, worker):
+    """docs/relay-guide.md's command for the example relay, run as written (bash, from the repository's root)
+    two times: each run is a new call (a fresh call_id) and sends its email."""
+    guide = (ROOT / "docs" / "relay-guide.md").read_text()
+    after = guide.split("`examples/python_relay.py` is a relay's whole flow", 1)[1]
+    block = after.split("```sh\n", 1)[1].split("```", 1)[0]
+    command = "\n".join(line for line in block.splitlines() if not line.startswith("#"))
+    env = {**os.environ, "API": api_url, "T": API_TOKEN,
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    said = []
+    for _ in range(2):
+        done = subprocess.run(["bash", "-c", command], cwd=ROOT, input="yes\nyes\n", capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = done.stdout.splitlines()
+        assert "assistant: Email sent to john@example.com." in lines, done.stdout
+        said.append(json.loads(lines[-1].split("to the model: ", 1)[1])["item"]["call_id"])
+    assert len(set(said)) == 2, said

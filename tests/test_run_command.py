@@ -216,6 +216,10 @@ def worker_mains(system: System) -> set[int]:
 
 def test_the_banner_names_the_secrets_file_and_flowers_user_and_prints_no_secret(system):
     out = system.output()
+    lines = out.splitlines()
+    banner = next(i for i, line in enumerate(lines) if line.startswith("voice-tools: API on "))
+    # the first lines a newcomer sees are the run's own: no library's warning before the banner
+    assert all(line.startswith("voice-tools: ") for line in lines[:banner]), lines[:banner]
     secrets_file = system.data_dir / "local-secrets.json"
     assert f"local secrets kept in {secrets_file} (mode 0600)" in out
     assert "Flower user: ops" in out

@@ -203,6 +203,10 @@ def test_the_run_environment_fills_unset_secrets_once_and_keeps_them(data_dir, m
     lines = launcher.banner(env, filled, data_dir)
     assert f"local secrets kept in {data_dir / launcher.LOCAL_SECRETS} (mode 0600)" in "\n".join(lines)
     assert "Flower user: admin" in "\n".join(lines)
+    # the banner names the file's key that holds Flower's password
+    [key] = [k for k, v in json.loads((data_dir / launcher.LOCAL_SECRETS).read_text()).items()
+             if v == env["FLOWER_BASIC_AUTH"].split(":", 1)[1]]
+    assert f"(password: {key} in that file, made for it;" in "\n".join(lines)
     assert "worker metrics on http://127.0.0.1:9101/metrics" in "\n".join(lines)
     assert env["FLOWER_BASIC_AUTH"].split(":", 1)[1] not in "\n".join(lines)
     assert env["VOICE_TOOLS_CALLBACK_SECRET"] not in "\n".join(lines)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import requests
 
-from support.procs import ROOT, describe, free_port, running, wait_none_running
+from support.procs import ROOT, describe, free_port, hold_servers, running, stop_process, wait_none_running
 from voice_tools import launcher, servers
 
 SHIPPED = ("Procfile", "Procfile.local", "migrations")
@@ -105,45 +105,53 @@ def _processes_of(venv: Path) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture
-def outside():
-    """A temporary folder outside the checkout (removed afterwards)."""
-    folder = Path(tempfile.mkdtemp(prefix="voice-tools-wheel-", dir=tempfile.gettempdir())).resolve()
-    assert not folder.is_relative_to(ROOT.resolve())
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+@pytest.fixture(scope="module")
+def installed():
+    """The wheel built from a copy of the tree, installed with the exact versions of ``requirements.lock``
+    into a new virtualenv, in a temporary folder outside the checkout (removed afterwards): ``(folder,
+    venv)``."""
+    outside = Path(tempfile.mkdtemp(prefix="voice-tools-wheel-", dir=tempfile.gettempdir())).resolve()
+    assert not outside.is_relative_to(ROOT.resolve())
+    try:
+        source, dist, venv = outside / "source", outside / "dist", outside / "venv"
+        # Built from a copy of the tree, as from a fresh clone: setuptools' build/ folder in a checkout
+        # keeps files its sources no longer have.
+        shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".voice-tools", "bench",
+            "node_modules"))
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), "."], cwd=source)
+        (wheel,) = dist.glob("voice_tools-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            names = set(archive.namelist())
+            for name, shipped in _shipped_files().items():
+                assert name in names, f"{name} is not in the wheel"
+                assert archive.read(name) == shipped.read_bytes(), f"{name} differs from {shipped}"
+            tops = {name.split("/")[0].removesuffix(".py") for name in names if ".dist-info/" not in name}
+        assert tops == {"app", "celeryconfig", "models", "tasks", "voice_tools"}  # no stray top-level name
+        assert "voice_tools/backends/data/all-MiniLM-L6-v2/tokenizer.json" in names
+
+        # as docs/operations.md, "Installing the wheel", says
+        _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
+        # --no-compile: Python writes the bytecode of what it imports when it imports it; pip's compiling of
+        # every module of every package at install was most of this test's time
+        pip = [str(venv / "bin" / "pip"), "install", "-q", "--no-compile"]
+        _run([*pip, "--require-hashes", "-r", str(ROOT / "requirements.lock")], cwd=outside)
+        _run([*pip, "--no-deps", str(wheel)], cwd=outside)
+        yield outside, venv
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
 
 
 @pytest.mark.slow
-def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(outside):
-    source, dist, venv, work = outside / "source", outside / "dist", outside / "venv", outside / "work"
+def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
+    outside, venv = installed
+    work = outside / "work"
     work.mkdir()
-
-    # Built from a copy of the tree, as from a fresh clone: setuptools' build/ folder in a checkout
-    # keeps files its sources no longer have.
-    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".voice-tools", "bench"))
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), "."], cwd=source)
-    (wheel,) = dist.glob("voice_tools-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        names = set(archive.namelist())
-        for name, source in _shipped_files().items():
-            assert name in names, f"{name} is not in the wheel"
-            assert archive.read(name) == source.read_bytes(), f"{name} differs from {source}"
-        tops = {name.split("/")[0].removesuffix(".py") for name in names if ".dist-info/" not in name}
-    assert tops == {"app", "backends", "celeryconfig", "models", "tasks", "voice_tools"}
-
-    _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
-    # --no-compile: Python writes the bytecode of what it imports when it imports it; pip's compiling of
-    # every module of every package at install was most of this test's time
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    _run([*pip, "--require-hashes", "-r", str(ROOT / "requirements.lock")], cwd=outside)
-    _run([*pip, "--no-deps", str(wheel)], cwd=outside)
 
     env = _clean_env(PORT=str(free_port()), MCP_PORT=str(free_port()), FLOWER_PORT=str(free_port()),
                      WORKER_METRICS_PORT=str(free_port()), VOICE_TOOLS_WORKER_CONCURRENCY="1")
     where = json.loads(_run([str(venv / "bin" / "python"), "-c", (
-        "import json, app, tasks, models, backends, celeryconfig, voice_tools;"
+        "import json, app, tasks, models, celeryconfig, voice_tools, voice_tools.backends as backends;"
         "print(json.dumps({m.__name__: m.__file__ for m in (app, tasks, models, backends, celeryconfig, voice_tools)}))")],
         cwd=work, env=env))
     site = venv / "lib"
@@ -214,3 +222,86 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
             pass
         time.sleep(0.5)
     pytest.fail(f"/healthz did not answer 200 in {START_TIMEOUT}s:\n{log_path.read_text(errors='replace')[-4000:]}")
+
+
+@pytest.mark.slow
+def test_the_operations_page_installs_the_wheel_migrates_and_runs_the_procfile_with_honcho(installed):
+    """docs/operations.md, "Installing the wheel", done as written, on servers of its own (the embedded ones,
+    held by a process of the test's as real servers would run): ``voice-tools migrate``, then ``honcho start
+    -f`` the shipped Procfile from a folder of one's own, the venv's ``bin`` on PATH; a call runs through it."""
+    page = (ROOT / "docs" / "operations.md").read_text().split("\n### Installing the wheel\n", 1)[1].split("\n### ", 1)[0]
+    for step in ("pip install --require-hashes -r requirements.lock", "pip install --no-deps voice_tools-",
+                 "export PATH=/opt/voice-tools/bin:$PATH", "voice-tools migrate\n",
+                 """honcho start -f "$(python -c 'import voice_tools, pathlib; print(pathlib.Path(voice_tools.__file__).with_name("Procfile"))')\""""):
+        assert step in page, step  # the steps this test takes
+
+    outside, venv = installed
+    work = outside / "honcho-work"
+    work.mkdir()
+    holder, urls = hold_servers(outside / "servers")
+    token, port = "wheel-page-token", free_port()
+    env = _clean_env(
+        PATH=os.pathsep.join([str(venv / "bin"), os.environ["PATH"]]),
+        DATABASE_URL=urls["DATABASE_URL"], REDIS_URL=urls["REDIS_URL"],
+        HOST="127.0.0.1", PORT=str(port), MCP_PORT=str(free_port()), WORKER_METRICS_PORT=str(free_port()),
+        FLOWER_PORT=str(free_port()), VOICE_TOOLS_API_TOKENS=f"page:{token}",
+        VOICE_TOOLS_CALLBACK_SECRET="wheel-page-secret", VOICE_TOOLS_CALLBACK_HOSTS="127.0.0.1",
+        FLOWER_BASIC_AUTH="ops:wheel-page-password", VOICE_TOOLS_PUBLIC_URL=f"http://127.0.0.1:{port}",
+        PROMETHEUS_MULTIPROC_DIR=str(work / "metrics-api"), VOICE_TOOLS_WORKER_METRICS_DIR=str(work / "metrics-workers"),
+        VOICE_TOOLS_WORKER_CONCURRENCY="1", WEB_CONCURRENCY="1")
+    for folder in ("metrics-api", "metrics-workers"):
+        (work / folder).mkdir()
+    log_path = outside / "honcho.log"
+    proc = None
+    try:
+        _run(["voice-tools", "migrate"], cwd=work, env=env, timeout=300)
+        procfile = _run(["python", "-c", "import voice_tools, pathlib; "
+                         "print(pathlib.Path(voice_tools.__file__).with_name('Procfile'))"], cwd=work, env=env).strip()
+        assert Path(procfile).is_relative_to(venv)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(["honcho", "start", "-f", procfile], cwd=work, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, url, log_path)
+        auth = {"Authorization": f"Bearer {token}"}
+        made = requests.post(f"{url}/voice-tools/pending", headers=auth, timeout=30, json={
+            "session_id": "wheel_page", "function": "send_email",
+            "parameters": {"to": "ann@example.com", "subject": "Lunch", "body": "At noon?"}})
+        assert made.status_code == 201, made.text
+        call = made.json()["tool_call_id"]
+        confirmed = requests.post(f"{url}/voice-tools/confirm/{call}", headers=auth, timeout=30)
+        assert confirmed.status_code == 202, confirmed.text
+        assert _settled(url, call, auth) == "PREPARED"
+        resumed = requests.post(f"{url}/voice-tools/resume/{call}", headers=auth, json={"action": "proceed"},
+                                timeout=30)
+        assert resumed.status_code == 202, resumed.text
+        assert _settled(url, call, auth) == "COMPLETED"
+        out = log_path.read_text(errors="replace")
+        for line in ("web.1", "mcp.1", "writes.1", "reads.1", "callbacks.1", "worker-metrics.1", "beat.1", "flower.1"):
+            assert f"{line} started" in out, out[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        left = _processes_of(venv)
+        assert left == [], describe(left)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for leftover in _processes_of(venv):
+            try:
+                leftover.kill()
+            except psutil.Error:
+                pass
+        stop_process(holder)
+
+
+def _settled(url: str, call: str, auth: dict[str, str]) -> str:
+    """The call's status once PREPARED or ended (asked every half second while the workers start)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        answer = requests.get(f"{url}/voice-tools/status/{call}", headers=auth, timeout=30)
+        assert answer.status_code == 200, answer.text
+        status = answer.json()["status"]
+        if status != "EXECUTING" or time.monotonic() > deadline:
+            return status
+        time.sleep(0.5)

