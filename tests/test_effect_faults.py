@@ -1,6 +1,7 @@
 """Every side-effect tool, on each of its backends, against the faults of an effect (docs/promises.md,
 "Exactly once"): the effect happened and its answer was lost; the read-back lags longer than any wait;
-two copies of the effect at once. Each ends with one effect and an honest outcome, never a second one.
+two copies of the effect at once. Each ends with one effect (two copies: at most one) and an honest
+outcome, never a second effect, never an answer that names an effect that is not there.
 
 The tools come from the registry (``tasks.tools.TOOLS``): a tool with a side-effect step and no row in
 :data:`BACKENDS` fails here, so a new tool is covered (or refused) by this test as it is added.
@@ -13,26 +14,28 @@ The tools come from the registry (``tasks.tools.TOOLS``): a tool with a side-eff
 - **... with a read-back that lags** (a service whose reads lag behind its writes): the same, while
   what was made does not show for an hour, far past ``VOICE_TOOLS_GOOGLE_CONFIRM_WAIT``.
 - **two copies at once**: a first attempt and a copy that took its claim over (the lease lapsed)
-  run the step side by side, what they made lagging behind.
+  run the step side by side, what they made lagging behind: each answers with the one effect or
+  says it cannot tell.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
 
 import backends
+from backends import google
 from models import db, lifecycle
 from models.calendar import CalendarEvent
 from models.calls import SessionContext
 from models.email import EmailOutbox
 from models.task_list import TodoTask
-from backends import google
 from tasks import chains, tools
 from tasks.tools import Step, StepInput, Tool
 from tests.google_fixtures import CalendarDouble, GmailDouble, TasksDouble
@@ -247,7 +250,11 @@ def test_two_copies_of_an_effect_at_once_act_once(request, confirm_quickly, name
     for t in copies:
         t.join(60)
 
-    assert backend.effects(double, call.tool_call_id) == 1, f"{name} on {backend.name}: {results}"
-    assert any(not isinstance(r, Exception) for r in results), results
+    made = backend.effects(double, call.tool_call_id)
+    assert made <= 1, f"{name} on {backend.name}: {made} effects: {results}"
     assert all(isinstance(r, backends.Unconfirmed) for r in results if isinstance(r, Exception)), \
-        f"a copy that did not act may only say it cannot tell: {results}"
+        f"a copy that did not answer with the effect may only say it cannot tell: {results}"
+    if any(not isinstance(r, Exception) for r in results):
+        assert made == 1, f"a copy answered with an effect that is not there: {results}"
+    # both may say they cannot tell (the copy that knows an earlier attempt may have acted went
+    # first, and never acts on a read that does not show it; the other then took its turn for one)
