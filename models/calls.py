@@ -102,7 +102,7 @@ class ToolCall(Base):
     # the side-effect step's claim (migration 0010): held until ``effect_claimed_until`` by the
     # attempt whose token is ``effect_claimed_by``; ``effect_attempts`` claims of it so far
     effect_claimed_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    effect_claimed_by: Mapped[str | None] = mapped_column(String(64))
+    effect_claimed_by: Mapped[str | None] = mapped_column(Text)  # a token: tasks/effect_claims.py (migration 0020)
     effect_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     # runs of the current step (the bound of its retries)
     step_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))

@@ -550,16 +550,12 @@ def take_over_claim(s: Executor, tool_call_id: str, step: str, held_by: str, tok
     ).one_or_none()
 
 
-def release_claim(s: Executor, tool_call_id: str, token: str, acted: bool = True) -> None:
+def release_claim(s: Executor, tool_call_id: str, token: str) -> None:
     """Give up the side effect's claim held by ``token`` (its attempt failed and will be retried:
-    the retry claims it again, knowing an earlier attempt may have acted). ``acted=False``: the
-    backend found the attempt did not act, so it is not counted among the claims that may have
-    (``effect_attempts``), and the retry acts as a first attempt."""
-    values: dict[str, Any] = {"effect_claimed_until": None}
-    if not acted:
-        values["effect_attempts"] = CALLS.c.effect_attempts - 1
+    the retry claims it again, knowing an earlier attempt may have acted: a claim once counted in
+    ``effect_attempts`` is never taken back, since no read can prove an attempt did not act)."""
     s.execute(update(CALLS).where(CALLS.c.tool_call_id == tool_call_id, CALLS.c.effect_claimed_by == token)
-              .values(**values))
+              .values(effect_claimed_until=None))
 
 
 def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:

@@ -361,8 +361,8 @@ class Link(base.Task):
             log.warning("%s of %s gave up after %d retries", self.step.name, tool_call_id, retries, exc_info=exc)
             return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)")
         if attempt.token is not None:  # the retry claims the effect again, knowing this attempt may have acted
-            with db.statement() as s:  # unless the backend found it did not (backends.NothingDone)
-                lifecycle.release_claim(s, tool_call_id, attempt.token, acted=not isinstance(exc, backends.NothingDone))
+            with db.statement() as s:
+                lifecycle.release_claim(s, tool_call_id, attempt.token)
         raise self.retry(exc=exc, countdown=min(2 ** retries, 30), max_retries=RETRIES_UNBOUNDED_HERE)
 
 

@@ -243,11 +243,12 @@ class TasksDouble(_Service):
 
 class CalendarDouble(_Service):
     """Google Calendar's events: ``events.insert`` with a client id answers 409 when that id exists,
-    ``events.get`` reads one back; ``freebusy.query`` answers free."""
+    ``events.get`` reads one back ``lag`` seconds after it was made; ``freebusy.query`` answers free."""
 
-    def __init__(self, api: HttpDouble, calendar: str = "primary") -> None:
-        super().__init__(api)
+    def __init__(self, api: HttpDouble, calendar: str = "primary", lag: float = 0.0) -> None:
+        super().__init__(api, lag)
         self.events: dict[str, dict[str, Any]] = {}
+        self._made: dict[str, float] = {}
         self.calendar = calendar
         api.answer("POST", r"/freeBusy$", {"calendars": {calendar: {"busy": []}}}, times=None)
         api.answer("POST", rf"/calendars/{calendar}/events$", self._insert, times=None)
@@ -263,6 +264,7 @@ class CalendarDouble(_Service):
                 return Reply(409, google_error(409, "The requested identifier already exists.", "duplicate"))
             event = {**body, "status": "confirmed", "htmlLink": f"https://calendar.google.com/event?eid={body['id']}"}
             self.events[body["id"]] = event
+            self._made[body["id"]] = time.monotonic()
         return self._after("insert", event)
 
     def _get(self, request: Any) -> Any:
@@ -272,6 +274,8 @@ class CalendarDouble(_Service):
         event_id = request.path.rsplit("/", 1)[1]
         with self._lock:
             event = self.events.get(event_id)
+            if event is not None and not self._visible(self._made.get(event_id, 0.0)):
+                event = None
         if event is None:
             return Reply(404, google_error(404, "Not Found", "notFound"))
         return event

@@ -200,6 +200,64 @@ def test_a_claim_is_known_abandoned_only_when_its_holder_process_on_this_host_is
     assert holder_gone(None) is False and holder_gone("garbage") is False
 
 
+def token_written_on(tmp_path, boot_id: str | None = None, hostname: str | None = None) -> str:
+    """A claim token as a worker's process writes it, on a kernel whose boot id is ``boot_id`` and a host
+    named ``hostname`` (a mount and UTS namespace of their own, root only), in this pid namespace; the
+    process has ended when it is returned."""
+    import os
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root: another boot id is made with a mount namespace")
+        pytest.skip("another boot id needs a mount namespace (root)")
+    steps = []
+    if boot_id is not None:
+        (tmp_path / "boot_id").write_text(boot_id + "\n")
+        steps.append(f"mount --bind {tmp_path / 'boot_id'} /proc/sys/kernel/random/boot_id")
+    if hostname is not None:
+        steps.append(f"hostname {hostname}")
+    python = f"{sys.executable} -c 'from tasks.effect_claims import claim_token; print(claim_token())'"
+    made = subprocess.run(["unshare", "--mount", "--uts", "sh", "-c", " && ".join(steps + [f"exec {python}"])],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert made.returncode == 0, made.stderr
+    return made.stdout.strip()
+
+
+def test_a_claim_is_taken_over_early_only_from_this_boot_and_pid_namespace(tmp_path):
+    """A pid means something only within one boot of one kernel, in one pid namespace. Every host's
+    initial pid namespace has the same inode, and cloned hosts keep one name: a holder on another
+    machine (another boot id) whose host name and namespace are this one's may still run, and its
+    claim waits for its lease. A process of this boot and namespace that is gone is taken over early."""
+    import socket
+
+    from tasks.effect_claims import holder_gone
+
+    here = socket.gethostname()
+    other_machine = token_written_on(tmp_path, boot_id="0b0e1d2c-3a4b-4c5d-8e6f-708192a3b4c5", hostname=here)
+    assert holder_gone(other_machine) is False, f"{other_machine}: another kernel's pid cannot be told here: wait"
+    this_machine = token_written_on(tmp_path, hostname=here)
+    assert holder_gone(this_machine) is True, f"{this_machine}: a gone process of this boot is taken over early"
+
+
+def test_a_claim_names_its_host_whole_and_fits_its_column(tmp_path):
+    """The token names the host by its whole name (for people; a Linux host name has up to 64
+    characters), and is stored whole."""
+    long_name = "voice-tools-worker-prod-eu1-" + "x" * 28 + ".example"
+    assert len(long_name) == 64
+    token = token_written_on(tmp_path, hostname=long_name)
+    assert long_name in token
+    call = make_call(parameters={"to": "claims@example.com", "subject": "Holder"})
+    from models import db, lifecycle
+
+    with db.statement() as s:
+        lifecycle.confirm(s, call.tool_call_id, workflow_id="holder-chain")
+        claimed = lifecycle.begin_step(s, call.tool_call_id, "SENDING", 0.5, commit=True, chain="holder-chain",
+                                       token=token, lease_s=70)
+    assert claimed.effect_claimed_by == token == row(call.tool_call_id).effect_claimed_by
+
+
 def test_a_run_again_of_a_call_whose_link_still_runs_sends_once_and_completes(worker, relay, task_log):  # noqa: F811
     """The stuck-call sweep's run again of a committed call whose SENDING link is in fact still inside
     its send: the new chain's SENDING finds the send claimed and does not act; the running link sends,

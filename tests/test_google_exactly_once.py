@@ -315,6 +315,24 @@ def test_create_task_on_google_after_a_503_whose_insert_went_through_adds_one(cl
     assert len(board.tasks) == 1 and done.result["task_id"] == board.tasks[0]["id"]
 
 
+@pytest.mark.slow
+def test_create_task_on_google_a_503_and_a_list_lagging_past_the_wait_adds_one_and_says_unconfirmed(
+        worker, relay, google_api, quick_confirm):
+    """The list answers, without the task, for far longer than the confirm wait: that is no proof the
+    insert did nothing, so the call ends unconfirmed and never inserts a second task."""
+    board = TasksDouble(google_api, lag=60.0)
+    board.after["insert"] = [(503, 0.0)]
+    call = make_call("create_task", dict(TASK), callback_url=relay.url)
+    actions.confirm(call.tool_call_id)
+    failed = relay.wait_for(call.tool_call_id, "failed", timeout=60)
+    done = wait_status(call.tool_call_id, timeout=60)
+    assert len(board.tasks) == 1, "one task"
+    assert len(google_api.requests_to("POST", TasksDouble.PATH)) == 1, "one insert"
+    assert done.status == "FAILED" and done.outcome == failed["outcome"] == "unconfirmed"
+    said = tools.TOOLS["create_task"].say(tools.TOOLS["create_task"].unconfirmed_response, TASK)
+    assert done.voice_response == said == failed["voice_response"]
+
+
 # -- Google Calendar -----------------------------------------------------------------------------
 
 MEETING_PARAMS = {"title": "Project sync", "start": "2030-11-26T14:00:00", "duration_minutes": 30,

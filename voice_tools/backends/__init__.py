@@ -39,11 +39,6 @@ class Unavailable(Exception):
     connection): the engine retries the step with backoff."""
 
 
-class NothingDone(Unavailable):
-    """A failure worth retrying after which the backend found, within its bound, that the effect did
-    not happen (the service answered without it): the retry acts again as a first attempt would."""
-
-
 class Unconfirmed(Exception):
     """The service's answers leave it unknown whether the effect happened (an earlier attempt
     may have acted and nothing shows that it did or did not): the engine ends the call FAILED

@@ -17,7 +17,8 @@ Never twice for one call: the event id is derived from the tool_call_id
 ids are base32hex characters a-v0-9, 5 to 1024 long). Locally the INSERT does nothing
 on a conflict and the row is read back; on Google an ``events.insert`` answered 409
 ("already exists") means an earlier run of the same link booked it, and the event is
-read back with ``events.get``. A refused insert is checked the same way (an earlier
+read back with ``events.get``, asked again with backoff for ``VOICE_TOOLS_GOOGLE_CONFIRM_WAIT``
+seconds (a read that lags); not shown by then: :class:`Unconfirmed`, never "not booked". A refused insert is checked the same way (an earlier
 request, a 5xx that booked or a lost answer, may have booked it): the event (booked), 404
 (nothing booked: the refusal stands), or no answer: :class:`Unconfirmed` when an earlier
 attempt may have acted (``earlier_attempt``), never "not booked".
@@ -208,8 +209,11 @@ class GoogleCalendar:
         except HttpError as exc:
             if google.status_of(exc) != 409:
                 raise
-            # "The requested identifier already exists": an earlier run of this link booked it
-            event = _call(lambda: events().get(calendarId=self.calendar, eventId=body["id"]).execute())
+            # "The requested identifier already exists": an earlier run of this link booked it; its
+            # read-back may lag, and a get that does not show it is never taken for "not booked"
+            event = google.within_bound(lambda: events().get(calendarId=self.calendar, eventId=body["id"]).execute())
+            if event is None:
+                raise Unconfirmed("Google Calendar has the event but did not show it") from exc
         except Refused as refused:  # an earlier request (a 5xx that booked, a lost answer) may have booked it
             event = self._booked_earlier(body["id"], refused, earlier_attempt)
         tz = zone(meeting["timezone"])

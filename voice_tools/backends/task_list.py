@@ -14,8 +14,13 @@ the last day (completed, hidden and deleted ones too) are searched for the marke
 and a task found is returned instead of inserting a second one. ``due`` is sent as
 RFC 3339 midnight UTC (Google keeps only the date).
 
+An insert whose answer was lost (408, 5xx, a timeout, a connection cut after the request went)
+may have added the task: the list is asked for it again with backoff for
+``VOICE_TOOLS_GOOGLE_CONFIRM_WAIT`` seconds; found, it is the result; not, :class:`Unconfirmed`.
+Never a second insert: a list that answers without the task may lag behind by any time.
+
 Errors: :class:`Refused` for 400, 401, 403, 404 (the task surely was not added);
-a 429 / 5xx ``HttpError`` or a timeout goes through as it is (retried by the engine);
+a 429 goes through as it is (retried by the engine, which then looks before inserting);
 :class:`Unavailable` for a connection that failed below HTTP.
 """
 from __future__ import annotations
@@ -31,7 +36,7 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, settings
 from models.task_list import TodoTask
 from voice_tools.backends import google
-from voice_tools.backends import NothingDone, Refused, Unavailable, Unconfirmed
+from voice_tools.backends import Refused, Unavailable, Unconfirmed
 
 DEFAULT_TASKLIST = "@default"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})
@@ -141,7 +146,8 @@ def google_create(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_i
     ``earlier_attempt`` (an earlier attempt may have inserted it): the list is asked again until
     the task shows or the bound passes (``VOICE_TOOLS_GOOGLE_CONFIRM_WAIT``), then
     :class:`Unconfirmed`, never a second insert. An insert whose answer leaves it unknown (a 5xx,
-    a timeout) is looked for the same way before the error goes to the engine to retry.
+    a timeout) is looked for the same way, and ends the same way: found, or :class:`Unconfirmed`.
+    A list that answers without the task is not taken for "not added": it may lag by any time.
     """
     with one_copy_at_a_time(tool_call_id) as another_went_first:
         return _create_once(svc, tool_call_id, draft, tasklist_id, now, earlier_attempt or another_went_first)
@@ -178,20 +184,11 @@ def _create_once(svc: Any, tool_call_id: str, draft: dict[str, Any], tasklist_id
                        or google.status_of(exc) in UNKNOWN_STATUSES)
             if not unknown:
                 raise
-            answered: list[bool] = []
-
-            def look_answered() -> dict[str, Any] | None:
-                found = look()
-                answered.append(True)
-                return found
-
-            found = google.within_bound(look_answered)  # it may have been added: the list lags behind inserts
+            found = google.within_bound(look)  # it may have been added: the list lags behind inserts
             if found is not None:
                 return _result(found, draft)
-            if not answered:  # the list never answered: nobody can say whether it was added
-                raise Unconfirmed("Google Tasks did not show whether the task was added") from exc
-            # the list answered and does not have it: the engine retries the insert as a first attempt
-            raise NothingDone(f"Google Tasks answered {type(exc).__name__} and its list has no such task") from exc
+            # a list that answered without it proves nothing (it may lag by any time): never insert again
+            raise Unconfirmed("Google Tasks did not show whether the task was added") from exc
     except google.HttpError as exc:
         status = google.status_of(exc)
         if status == 404:
