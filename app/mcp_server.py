@@ -65,6 +65,7 @@ from tasks import tools
 from tasks.calls import callers, errors, operations, schemas, toolspec
 from tasks.calls.callers import Caller
 from tasks.calls.errors import ApiError
+from tasks.tracing import web as tracing
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequest
     request = ctx.request
 
     def run() -> CallToolResult:
-        with _log_context(request, arguments):
+        with _log_context(request, arguments), tracing.joined(arguments.get("tool_call_id"), f"mcp {face.name}"):
             return call(face, arguments, _caller(request))
 
     return await anyio.to_thread.run_sync(run)
@@ -357,6 +358,8 @@ def create_mcp_app() -> Starlette:
         custom_starlette_routes=[Route(HEALTH_PATH, _healthz, methods=["GET"])],
     )
     app.add_middleware(BearerToken)
+    if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (tasks/tracing/)
+        app.add_middleware(tracing.Middleware)
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
     return app
 

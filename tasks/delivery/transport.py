@@ -24,6 +24,8 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import ProxyManager
 
+from tasks.tracing import callbacks as tracing
+
 _http: requests.Session | None = None
 
 MAX_ANSWER_BYTES = 64 * 1024  # more than any {"cancel": true, "reason": ...}; a longer answer is no answer
@@ -215,7 +217,7 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
     note: str | None = None
     _local.pin = pin
     try:
-        with _Watch(timeout) as watch:
+        with tracing.posting(url, headers) as span, _Watch(timeout) as watch:  # traceparent: the span's, if tracing
             try:
                 response = http().post(url, data=body, headers=headers, timeout=(timeout, timeout),
                                        allow_redirects=False, stream=True,
@@ -239,6 +241,7 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
                 error = f"{type(exc).__name__}: {exc}"[:500]
             if watch.fired:  # whatever the cut connection raised, the truth is the deadline
                 error, raw, note = f"Timeout: no complete answer within {timeout:g} s", b"", None
+            tracing.answered(span, code, error)
     finally:
         _local.pin = None
     return code, error, raw, note
