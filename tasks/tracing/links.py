@@ -16,7 +16,6 @@ from typing import Any
 from celery import signals
 
 import tasks.tracing as tracing
-from tasks.tracing.runs import PREFIX, attributes
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +70,8 @@ def _span_of_lost_attempt(request: Any, exc: BaseException) -> None:
 
     from opentelemetry import propagate, trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    from tasks.tracing.runs import PREFIX, attributes
 
     if not request.time_start:
         return

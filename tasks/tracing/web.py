@@ -47,9 +47,7 @@ def _parent(headers: Any, tool_call_id: str | None) -> tuple[Any, list[Any]]:
 
 def register(app: Any) -> None:
     """The Flask app's server spans (after ``app.request_log``, whose context they add to)."""
-    from tasks.tracing import sdk
-
-    if not sdk.start("api"):
+    if not started("api"):
         return
     from flask import g, request
     from opentelemetry import context, trace
