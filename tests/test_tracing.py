@@ -32,6 +32,9 @@ from tests.otlp_receiver import Receiver, Span, tree
 from tests.test_worker_loss import link_held_in_side_effect, outbox_row_held
 from tests.web_server import gunicorn_web
 
+sys.path.insert(0, str(ROOT / "clients" / "python" / "src"))
+from voice_tools_relay import trace_context  # noqa: E402  (the relay's Python client, from its source folder)
+
 pytestmark = pytest.mark.slow
 
 QUEUE = "tools.send_email"
@@ -146,6 +149,7 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
     events = relay.events_for(call_id)
     assert [e["event"] for e in events] == ["progress", "checkpoint", "progress", "completed"]
     for event, headers in zip(events, [h for h, e in zip(relay.headers, relay.events) if e["tool_call_id"] == call_id]):
+        assert trace_context(headers) == {"traceparent": headers["traceparent"]}  # the Python client reads it
         version, sent_trace, sent_span, flags = headers["traceparent"].split("-")
         assert (version, sent_trace, flags) == ("00", trace_id, "01")
         posted = by_id[sent_span]

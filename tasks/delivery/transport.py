@@ -7,7 +7,9 @@ answer are read (a longer answer counts as no answer). The connection goes to th
 address the URL check approved (``tasks/delivery/url_policy.py``), with no second DNS
 answer in between: the name stays in the Host header and, for https, in SNI and the
 certificate check; a pooled connection to another address is not reused. The environment's
-proxies (``HTTP_PROXY``, ...) are not read; ``VOICE_TOOLS_CALLBACK_PROXY`` is the only one.
+proxies (``HTTP_PROXY``, ...) are not read; ``VOICE_TOOLS_CALLBACK_PROXY`` is the only one. With
+tracing on, the exchange is a span whose ``traceparent`` and ``tracestate`` the request carries
+(``tasks/tracing/callbacks.py``).
 """
 from __future__ import annotations
 
