@@ -18,12 +18,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
 import requests
 
-from support.procs import ROOT
+from support.procs import ROOT, free_port, stop_process
 from support.worker_process import WorkerProcess, queues_taken_from_others
 from tasks import app
 from tests.conftest import AUTH
@@ -239,3 +242,72 @@ def test_off_without_the_variables_nothing_of_it_is_loaded(tmp_path, own_queues)
         ran = json.loads(answer.read_text())
     assert loaded_for_tracing(ran["modules"]) == []
     assert not [t for t in ran["threads"] if "otel" in t.lower()], ran["threads"]
+
+
+@contextmanager
+def mcp_face(env: dict[str, str]) -> Iterator[str]:
+    """``voice-tools mcp`` in a process of its own with ``env``; its /mcp URL once /healthz answers."""
+    port = free_port()
+    with open(Path(env["VOICE_TOOLS_TEST_LOG_DIR"]) / "mcp.log", "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("voice-tools")), "mcp", "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the MCP face exited"
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "the MCP face did not answer"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop_process(proc)
+
+
+async def mcp_call(url: str, name: str, arguments: dict, traceparent: str | None = None) -> dict:
+    """One tool call on an MCP session of its own (its own HTTP connections), with ``traceparent`` on its requests."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = {**AUTH, **({"traceparent": traceparent} if traceparent else {})}
+    async with httpx2.AsyncClient(headers=headers) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            result = await client.call_tool(name, arguments)
+    assert not result.is_error, result.structured_content
+    return result.structured_content
+
+
+def test_an_mcp_call_is_one_trace_too(tmp_path, relay, receiver, own_queues):
+    """The MCP face: a tool call's HTTP request with a relay's traceparent is its span's parent; a later tool call
+    about the call, sent without one, runs in the call's trace (linked to its request's own trace)."""
+    import anyio
+
+    env = {**os.environ, **traced(receiver), "VOICE_TOOLS_TEST_LOG_DIR": str(tmp_path)}
+    with mcp_face(env) as url, \
+            WorkerProcess(app, [QUEUE, "callbacks"], concurrency=1, log_dir=tmp_path, name="mcp", env=env):
+        trace_id, traceparent = relay_traceparent()
+        recorded = anyio.run(mcp_call, url, "request_tool", {
+            "session_id": "sess_mcp", "function": "send_email", "callback_url": f"{relay.base}/hook",
+            "parameters": {"to": "mcp@example.com", "subject": "Traced over MCP"}}, traceparent)
+        call_id = recorded["tool_call_id"]
+        anyio.run(mcp_call, url, "confirm_tool", {"tool_call_id": call_id})
+        relay.wait_for(call_id, "checkpoint", timeout=60)
+        spans = receiver.wait(lambda found: named(found, PREPARING) and named(found, "callback checkpoint"),
+                              timeout=60)
+    print(f"\nthe MCP spans:\n{tree(spans)}")
+    assert {s.service for s in spans} >= {"voice-tools-mcp", "voice-tools-worker"}
+    by_id = {s.span_id: s for s in spans}
+    relays = [s for s in spans if s.kind == 2 and s.parent_id == traceparent.split("-")[2]]
+    assert relays and all(s.trace_id == trace_id and s.name == "POST /mcp" for s in relays)  # the relay's requests
+    [joined] = named(spans, "mcp confirm_tool")
+    assert joined.trace_id == trace_id and joined.attributes["voice_tools.tool_call_id"] == call_id
+    [(linked_trace, linked_span)] = joined.links  # the confirm's own request (the MCP SDK's span in it), its own trace
+    assert linked_trace != trace_id and by_id[linked_span].name == "tools/call confirm_tool"
+    assert by_id[by_id[linked_span].parent_id].name == "POST /mcp"
+    [link] = named(spans, PREPARING)
+    assert link.trace_id == trace_id and by_id[by_id[link.parent_id].parent_id] is joined
+    assert all(s.trace_id == trace_id for s in spans if s.name.startswith(("tools.", "callback ")))
