@@ -130,3 +130,37 @@ def tree(spans: list[Span]) -> str:
 
     walk("", 0)
     return "\n".join(lines)
+
+
+class GrpcReceiver(Receiver):
+    """The same collector over OTLP/gRPC (``TraceService/Export``), on 127.0.0.1."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        super().__init__()  # its HTTP server is made, never started
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
+                receiver._add("grpc", request)
+                return ExportTraceServiceResponse()
+
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._grpc)
+        self._port = self._grpc.add_insecure_port("127.0.0.1:0")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def __enter__(self) -> "GrpcReceiver":
+        self._grpc.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._grpc.stop(grace=None)
+        self._server.server_close()

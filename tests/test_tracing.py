@@ -31,7 +31,7 @@ from support.worker_process import WorkerProcess, queues_taken_from_others
 from tasks import app
 from tests.conftest import AUTH
 from tests.helpers import wait_status
-from tests.otlp_receiver import Receiver, Span, tree
+from tests.otlp_receiver import GrpcReceiver, Receiver, Span, tree
 from tests.test_worker_loss import link_held_in_side_effect, outbox_row_held
 from tests.web_server import gunicorn_web
 
@@ -311,3 +311,24 @@ def test_an_mcp_call_is_one_trace_too(tmp_path, relay, receiver, own_queues):
     [link] = named(spans, PREPARING)
     assert link.trace_id == trace_id and by_id[by_id[link.parent_id].parent_id] is joined
     assert all(s.trace_id == trace_id for s in spans if s.name.startswith(("tools.", "callback ")))
+
+
+def test_grpc_when_the_protocol_says_so(relay):
+    """``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``: the same spans, over OTLP/gRPC, with the service name and
+    sampler the variables give."""
+    with GrpcReceiver() as receiver:
+        env = {**traced(receiver), "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "relay-facing-api",
+               "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
+        with gunicorn_web(**env) as url:
+            trace_id, traceparent = relay_traceparent()
+            # first a turn the relay did not sample, and one with no traceparent (a root: off by this sampler, on by
+            # the default one): had they made spans, they would be queued before the next one's
+            unsampled = record(url, relay, relay_traceparent()[1][:-2] + "00", "unsampled")
+            record(url, relay, None, "root")
+            call_id = record(url, relay, traceparent, "grpc")
+            spans = receiver.wait(lambda found: named(found, "POST /voice-tools/pending"), timeout=60)
+    assert receiver.paths and set(receiver.paths) == {"grpc"}
+    [pending] = named(spans, "POST /voice-tools/pending")
+    assert pending.trace_id == trace_id and pending.service == "relay-facing-api"
+    assert {s.trace_id for s in spans} == {trace_id}  # nothing of the unsampled request, nor of the root
+    assert call_id != unsampled
