@@ -176,6 +176,8 @@ def test_a_redelivered_link_shows_both_attempts(tmp_path, relay, receiver, own_q
         call_id = record(url, relay, traceparent, "lost")
         post_alone(url, f"/voice-tools/confirm/{call_id}")
         relay.wait_for(call_id, "checkpoint", timeout=60)
+        # exported before a child is killed (a killed process's spans not yet exported are lost with it)
+        receiver.wait(lambda found: named(found, PREPARING) and named(found, "callback checkpoint"), timeout=60)
         with outbox_row_held(call_id):
             post_alone(url, f"/voice-tools/resume/{call_id}", json={"action": "proceed"})
             first = link_held_in_side_effect(worker, call_id)
@@ -187,6 +189,7 @@ def test_a_redelivered_link_shows_both_attempts(tmp_path, relay, receiver, own_q
         spans = receiver.wait(lambda found: len(named(found, SENDING)) >= 2 and any(
             s.name == "callback completed" for s in found), timeout=60)
     print(f"\nthe trace of {call_id}:\n{tree(spans)}")
+    assert len(named(spans, PREPARING)) == 1, tree(spans)
     sending = sorted(named(spans, SENDING), key=lambda s: s.start_ns)
     assert len(sending) == 2, tree(spans)
     lost, again = sending
