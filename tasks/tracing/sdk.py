@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 import tasks.tracing as tracing
 
@@ -67,7 +68,7 @@ def start(role: str) -> bool:
         return True
 
 
-def _instrument(children: object) -> None:
+def _instrument(children: Any) -> None:
     from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 

@@ -28,21 +28,8 @@ def _parent(headers: Any, tool_call_id: str | None) -> tuple[Any, list[Any]]:
     from opentelemetry import propagate, trace
 
     sent = propagate.extract(headers)
-    if not tool_call_id:
-        return sent, []
-    from tasks.tracing.calls import kept_context
-
-    kept = kept_context(tool_call_id)
-    if not kept:
-        return sent, []
-    sent_span = trace.get_current_span(sent).get_span_context()
-    kept_ctx = propagate.extract({"traceparent": kept})
-    if not trace.get_current_span(kept_ctx).get_span_context().is_valid:
-        return sent, []
-    if sent_span.is_valid and sent_span.trace_id == trace.get_current_span(kept_ctx).get_span_context().trace_id:
-        return sent, []  # the relay continues the call's trace itself
-    links = [trace.Link(sent_span, {"voice_tools.link": "request"})] if sent_span.is_valid else []
-    return kept_ctx, links
+    kept = _kept_parent(tool_call_id, trace.get_current_span(sent).get_span_context()) if tool_call_id else None
+    return kept or (sent, [])
 
 
 def register(app: Any) -> None:
@@ -144,7 +131,7 @@ def joined(tool_call_id: Any, operation: str) -> Iterator[None]:
         return
     from opentelemetry import trace
 
-    kept = _kept_parent(tool_call_id)
+    kept = _kept_parent(tool_call_id, trace.get_current_span().get_span_context())
     if kept is None:
         yield
         return
@@ -155,7 +142,9 @@ def joined(tool_call_id: Any, operation: str) -> Iterator[None]:
             yield
 
 
-def _kept_parent(tool_call_id: str) -> tuple[Any, list[Any]] | None:
+def _kept_parent(tool_call_id: str, request: Any) -> tuple[Any, list[Any]] | None:
+    """The context kept with the call, and a link to ``request`` (the request's own span context, when
+    valid), unless the call kept none or ``request`` is already in the call's trace."""
     from opentelemetry import propagate, trace
 
     from tasks.tracing.calls import kept_context
@@ -163,9 +152,8 @@ def _kept_parent(tool_call_id: str) -> tuple[Any, list[Any]] | None:
     kept = kept_context(tool_call_id)
     if not kept:
         return None
-    current = trace.get_current_span().get_span_context()
     kept_ctx = propagate.extract({"traceparent": kept})
     kept_span = trace.get_current_span(kept_ctx).get_span_context()
-    if not kept_span.is_valid or (current.is_valid and current.trace_id == kept_span.trace_id):
+    if not kept_span.is_valid or (request.is_valid and request.trace_id == kept_span.trace_id):
         return None
-    return kept_ctx, ([trace.Link(current, {"voice_tools.link": "request"})] if current.is_valid else [])
+    return kept_ctx, ([trace.Link(request, {"voice_tools.link": "request"})] if request.is_valid else [])
