@@ -27,6 +27,7 @@ import pytest
 import requests
 
 from support.procs import ROOT, free_port, stop_process
+from support.sse_client import Stream
 from support.worker_process import WorkerProcess, queues_taken_from_others
 from tasks import app
 from tests.conftest import AUTH
@@ -95,6 +96,7 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
     with gunicorn_web(**env) as url, \
             WorkerProcess(app, [QUEUE, "callbacks"], concurrency=1, log_dir=tmp_path, name="traced", env=env) as worker:
         trace_id, traceparent = relay_traceparent()
+        stream = Stream(f"{url}/voice-tools/events/sess_one", {**AUTH, "traceparent": traceparent})
         call_id = record(url, relay, traceparent, "one")
         post_alone(url, f"/voice-tools/confirm/{call_id}")
         relay.wait_for(call_id, "checkpoint", timeout=60)
@@ -102,11 +104,13 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
         post_alone(url, f"/voice-tools/resume/{call_id}", json={"action": "proceed"})
         relay.wait_for(call_id, "completed", timeout=60)
         assert wait_status(call_id, timeout=30).status == "COMPLETED"
+        streamed = [stream.next_event()[1] for _ in range(4)]
+        stream.close()
 
         def complete(spans: list[Span]) -> bool:
             sent = {h["traceparent"].split("-")[2] for h in relay.headers if "traceparent" in h}
             return len(named(spans, SENDING)) >= 1 and sent <= {s.span_id for s in spans} \
-                and sum(s.name.startswith("POST /voice-tools/") for s in spans) >= 3
+                and sum(s.kind == 2 for s in spans) >= 4
 
         spans = receiver.wait(complete, timeout=60)
         worker_log = worker.log()
@@ -121,7 +125,8 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
     # traceparent on connections of their own, join the trace kept with the call
     servers = {s.name: s for s in spans if s.kind == 2}  # SPAN_KIND_SERVER
     assert set(servers) == {"POST /voice-tools/pending", "POST /voice-tools/confirm/<tool_call_id>",
-                            "POST /voice-tools/resume/<tool_call_id>"}, tree(spans)
+                            "POST /voice-tools/resume/<tool_call_id>", "GET /voice-tools/events/<session_id>"}, \
+        tree(spans)
     pending = servers["POST /voice-tools/pending"]
     assert pending.parent_id == traceparent.split("-")[2]
     assert servers["POST /voice-tools/confirm/<tool_call_id>"].parent_id == pending.span_id
@@ -160,6 +165,9 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
         assert posted.attributes["voice_tools.event_id"] == event["event_id"]
         assert event["trace_id"] == trace_id and event["span_id"] in by_id
         assert by_id[event["span_id"]].name.startswith("tools.send_email.")
+    # the stream's events carry the same ids as the callbacks' (the same rows)
+    assert [(e["event_id"], e["trace_id"], e["span_id"]) for e in streamed] == \
+        [(e["event_id"], e["trace_id"], e["span_id"]) for e in events]
     # the worker's log lines of the call carry the trace and the span of their link
     lines = [json.loads(line) for line in worker_log.splitlines() if line.startswith("{")]
     mine = [line for line in lines if line.get("tool_call_id") == call_id and line.get("task")]
