@@ -345,3 +345,19 @@ def test_grpc_when_the_protocol_says_so(relay):
     assert pending.trace_id == trace_id and pending.service == "relay-facing-api"
     assert {s.trace_id for s in spans} == {trace_id}  # nothing of the unsampled request, nor of the root
     assert call_id != unsampled
+
+
+def test_beat_traces_the_sweeps_it_sends(tmp_path, receiver):
+    """``celery -A tasks beat`` with the variables set: each sweep it sends is a span of its own (voice-tools-beat)."""
+    env = {**os.environ, **traced(receiver)}
+    with open(tmp_path / "beat.log", "wb") as log:
+        beat = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "beat", "--loglevel", "INFO",
+                                 "-s", str(tmp_path / "schedule")], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        spans = receiver.wait(lambda found: any(s.name.startswith("apply_async/maintenance.") for s in found),
+                              timeout=90)
+    finally:
+        stop_process(beat)
+    sent = [s for s in spans if s.name.startswith("apply_async/maintenance.")]
+    assert {s.service for s in sent} == {"voice-tools-beat"} and all(s.kind == 4 for s in sent)  # PRODUCER
