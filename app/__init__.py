@@ -21,6 +21,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
     from app import api, auth, errors, health, inputs, metrics, request_log, shares, stream
+    from tasks.tracing import web as tracing
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
@@ -28,6 +29,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     app.config.update(config or {})
     app.json.sort_keys = False  # type: ignore[attr-defined]
     request_log.register(app)  # first: a refused request has its id and context too
+    tracing.register(app)  # a server span per request, with OTEL_EXPORTER_OTLP_ENDPOINT set (tasks/tracing/)
     metrics.register(app)  # then, so refused requests are counted and timed too
     auth.register(app)
     shares.register(app)  # after the token: each caller's rate and open share (app/shares.py)

@@ -68,6 +68,7 @@ from tasks import tools
 from tasks.calls import callers, errors, operations, schemas, toolspec
 from tasks.calls.callers import Caller
 from tasks.calls.errors import ApiError
+from tasks.tracing import web as tracing
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +353,7 @@ async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequest
         return nobody()
 
     def run() -> CallToolResult | Held:
-        with _log_context(request, arguments):
+        with _log_context(request, arguments), tracing.joined(arguments.get("tool_call_id"), f"mcp {face.name}"):
             return call(face, arguments, caller, hand_over=True)
 
     started = await anyio.to_thread.run_sync(run)
@@ -459,6 +460,8 @@ def create_mcp_app() -> Starlette:
     )
     app.add_middleware(EveryKeyOnce)
     app.add_middleware(BearerToken)  # added last, run first: nothing is read for a request without a caller
+    if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (tasks/tracing/)
+        app.add_middleware(tracing.Middleware)
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
     return app
 

@@ -20,6 +20,7 @@ from sqlalchemy.sql.dml import Insert
 from sqlalchemy.types import DateTime, String, Text
 
 from models import settings
+import tasks.tracing as tracing
 from models.calls import (CANCELLED, COMPLETED, EXECUTING, EXPIRED, FAILED, MODIFIED, PENDING, PREPARED,
                           CallbackDelivery)
 
@@ -101,6 +102,7 @@ def event(
         "progress": progress, "message": message,
         "requires_confirmation": requires_confirmation, "preview": preview,
         "context_available": context_key is not None, "context_key": context_key,
+        **tracing.current_ids(),  # with tracing on: the span that made the event (trace_id, span_id)
     }
     return Event((event, requires_confirmation, inline), {
         "ev_id": event_id, "ev_constant": constant, "ev_step": step,

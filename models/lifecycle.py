@@ -62,6 +62,7 @@ from models.calls import (
 from models.compiled import Compiled
 from models.db import Executor
 from models.events import Event
+import tasks.tracing as tracing
 from models.queries import get, quiet_for, stale_where
 
 CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)
@@ -268,7 +269,7 @@ def _refuse(s: Executor, tool_call_id: str, action: str, caller: str | None = No
 
 _CREATED_FROM = ("tool_call_id", "session_id", "connection_id", "intent_id", "idempotency_key", "function_name",
                  "action_level", "parameters", "callback_url", "callback_urls", "context_key", "caller",
-                 "request_kind")
+                 "request_kind", "trace_context")
 # built once: each column's value a parameter of the column's own type (as ``values(col=value)`` binds it)
 _CREATE = Compiled(
     insert(CALLS)
@@ -312,6 +313,7 @@ def create(
         "action_level": action_level, "parameters": parameters, "callback_url": callback_url,
         "callback_urls": callback_urls or None, "context_key": context_key, "caller": caller,
         "request_kind": request_kind,
+        "trace_context": tracing.traceparent(),  # the trace a later request about the call joins; None when off
     }
     call = _CREATE.one_or_none(s, {"p_history": _entry(PENDING, reason),
                                    **{f"c_{name}": value for name, value in values.items()}})

@@ -4,7 +4,8 @@ Every process of the Procfile (gunicorn, the Celery workers and beat, the MCP fa
 writes its log with :func:`formatter` and :class:`ContextFilter`: one JSON line per
 event with ``time``, ``level``, ``logger``, ``message``, ``pid`` and the context bound
 at that moment: ``request_id`` (the HTTP request, or the request whose chain a task
-runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one), ``tool_call_id``,
+runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one; with tracing on, the trace's, and
+``span_id``, the request's or the task's span: ``tasks/tracing/``), ``tool_call_id``,
 ``session_id``, and in a worker ``task_id``, ``task`` and ``step``. ``grep tc_...``
 over every process's log then follows one call end to end.
 ``VOICE_TOOLS_LOG_FORMAT=text`` switches to one human line per event, the context at
@@ -33,7 +34,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 FORMAT_VARIABLE = "VOICE_TOOLS_LOG_FORMAT"  # json (the default) | text
-FIELDS = ("request_id", "trace_id", "tool_call_id", "session_id", "task_id", "task", "step")
+FIELDS = ("request_id", "trace_id", "span_id", "tool_call_id", "session_id", "task_id", "task", "step")
 HEADER = "voice_tools_log"  # the task message header that carries the context to the worker
 
 _context: ContextVar[dict[str, str]] = ContextVar("voice_tools_log_context", default={})

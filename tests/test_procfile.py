@@ -187,7 +187,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_the_lock_files_pin_every_requirement_with_hashes_and_agree():
-    """requirements.lock (the product) and requirements-dev.lock (with the tests' extras) pin one version
+    """requirements.lock (the product, its tracing extra included) and requirements-dev.lock (with the tests' extras) pin one version
     of each package, with hashes, and the same version where both have it; every range of setup.cfg
     is met by its pin."""
     import configparser
@@ -204,7 +204,8 @@ def test_the_lock_files_pin_every_requirement_with_hashes_and_agree():
     assert {name: dev.get(name) for name in product} == product
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    declared = {"product": cfg["options"]["install_requires"], "dev": cfg["options.extras_require"]["dev"]}
+    declared = {"product": cfg["options"]["install_requires"], "tracing": cfg["options.extras_require"]["tracing"],
+                "dev": cfg["options.extras_require"]["dev"]}  # the tracing extra is in both locks
     for side, text in declared.items():
         lock = product if side == "product" else dev
         for line in text.splitlines():

@@ -31,7 +31,7 @@ CLIENT_SRC = ROOT / "clients" / "python" / "src"
 EXAMPLE = ROOT / "examples" / "python_relay.py"
 sys.path.insert(0, str(CLIENT_SRC))
 
-from voice_tools_relay import Client, RelayError, SignatureError, verify  # noqa: E402
+from voice_tools_relay import Client, RelayError, SignatureError, trace_context, verify  # noqa: E402
 
 NEW_SECRET = "whsec_" + base64.b64encode(b"N" * 32).decode()
 OLD_SECRET = "whsec_" + base64.b64encode(b"O" * 32).decode()
@@ -72,6 +72,15 @@ def test_verify_returns_the_event_of_a_real_callback(relay):
     assert verify(head, body, [OLD_SECRET, secret]) == event  # any secret of several may match
     with pytest.raises(SignatureError, match="no signature matches"):
         verify(head, body, OLD_SECRET)
+
+
+def test_trace_context_reads_a_callbacks_traceparent_whatever_its_case():
+    """tests/test_tracing.py reads a traced server's real callbacks with it; here its reading of the headers."""
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace_context({"TraceParent": parent, "TRACESTATE": "vendor=x", "webhook-id": "e"}) == {
+        "traceparent": parent, "tracestate": "vendor=x"}
+    assert trace_context({"traceparent": parent}) == {"traceparent": parent}
+    assert trace_context({"tracestate": "vendor=x", "webhook-id": "e"}) == {}
 
 
 def test_verify_during_a_rotation_with_either_secret(relay, monkeypatch):

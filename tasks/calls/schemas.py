@@ -464,6 +464,10 @@ class EventBody(Schema):
         "description": "The call's events counted 1, 2, 3 ... with no gaps, whichever URL they go to"})
     sent_at = fields.DateTime(metadata={"description": "When this delivery attempt was sent (callbacks only; not "
                                                        "on the event stream)"})
+    trace_id = fields.String(metadata={"description": "Only when the server traces (OpenTelemetry): the call's "
+                                                      "trace id", "pattern": "^[0-9a-f]{32}$"})
+    span_id = fields.String(metadata={"description": "Only when the server traces: the span that made the event",
+                                      "pattern": "^[0-9a-f]{16}$"})
 
 
 def _event_schema(kind: str) -> type[Schema]:

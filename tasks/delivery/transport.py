@@ -7,7 +7,9 @@ answer are read (a longer answer counts as no answer). The connection goes to th
 address the URL check approved (``tasks/delivery/url_policy.py``), with no second DNS
 answer in between: the name stays in the Host header and, for https, in SNI and the
 certificate check; a pooled connection to another address is not reused. The environment's
-proxies (``HTTP_PROXY``, ...) are not read; ``VOICE_TOOLS_CALLBACK_PROXY`` is the only one.
+proxies (``HTTP_PROXY``, ...) are not read; ``VOICE_TOOLS_CALLBACK_PROXY`` is the only one. With
+tracing on, the exchange is a span whose ``traceparent`` and ``tracestate`` the request carries
+(``tasks/tracing/callbacks.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import ProxyManager
+
+from tasks.tracing import callbacks as tracing
 
 _http: requests.Session | None = None
 
@@ -215,7 +219,7 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
     note: str | None = None
     _local.pin = pin
     try:
-        with _Watch(timeout) as watch:
+        with tracing.posting(url, headers) as span, _Watch(timeout) as watch:  # traceparent: the span's, if tracing
             try:
                 response = http().post(url, data=body, headers=headers, timeout=(timeout, timeout),
                                        allow_redirects=False, stream=True,
@@ -239,6 +243,7 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
                 error = f"{type(exc).__name__}: {exc}"[:500]
             if watch.fired:  # whatever the cut connection raised, the truth is the deadline
                 error, raw, note = f"Timeout: no complete answer within {timeout:g} s", b"", None
+            tracing.answered(span, code, error)
     finally:
         _local.pin = None
     return code, error, raw, note

@@ -28,6 +28,14 @@ def _header(headers: Mapping[str, str], name: str) -> Union[str, None]:
     return None
 
 
+def trace_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """The W3C trace context a callback carries (``traceparent``, and ``tracestate`` when sent), when the
+    server traces: hand it to your tracer's propagator (OpenTelemetry: ``opentelemetry.propagate.extract``)
+    and the relay's handling of the event continues the call's trace. {} when the callback has none."""
+    found = {name: _header(headers, name) for name in ("traceparent", "tracestate")}
+    return {name: value for name, value in found.items() if value} if found["traceparent"] else {}
+
+
 def verify(headers: Mapping[str, str], body: Union[bytes, str], secrets: Union[str, Iterable[str]],
            tolerance: float = TOLERANCE_S) -> dict[str, Any]:
     """The callback's event (its JSON body as a dict) when ``body`` (the raw bytes received) carries a

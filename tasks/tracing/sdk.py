@@ -1,0 +1,79 @@
+"""Starting OpenTelemetry's SDK in this process, from the standard variables only.
+
+The SDK reads them itself: the endpoint and headers (``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``,
+``..._HEADERS``, ``..._TIMEOUT``), the resource (``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``), the sampler (``OTEL_TRACES_SAMPLER``, ``OTEL_TRACES_SAMPLER_ARG``)
+and the batch processor (``OTEL_BSP_SCHEDULE_DELAY``, ...). ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``
+chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no service name given,
+the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
+
+Then the libraries' own instrumentations: psycopg2 (each statement), redis (each command, the
+broker's publishes included) and Celery (``tasks.tracing.runs``). The batch processor's thread
+is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import tasks.tracing as tracing
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+
+
+def protocol() -> str:
+    chosen = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    return (chosen or "http/protobuf").strip().lower()
+
+
+def _exporter():
+    if protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+    return OTLPSpanExporter()
+
+
+def start(role: str) -> bool:
+    """Start the SDK in this process if tracing is asked for (once); True if it runs."""
+    with _lock:
+        if tracing._started or not tracing.enabled():
+            return tracing._started
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+        resource = Resource.create({"voice_tools.process": role})
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: f"voice-tools-{role}"}))
+        exporting = BatchSpanProcessor(_exporter())  # one thread of this process (made again after a fork)
+        provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER (parentbased_always_on)
+        provider.add_span_processor(exporting)
+        # statements and Redis commands only inside a trace (a worker's broker polls, a batching thread's
+        # statements are no trace of their own), sampled as their trace is
+        children = TracerProvider(resource=resource, sampler=ParentBased(root=ALWAYS_OFF))
+        children.add_span_processor(exporting)
+        trace.set_tracer_provider(provider)
+        _instrument(children)
+        tracing._started = True
+        log.info("tracing on: %s spans to %s (%s)", resource.attributes.get(SERVICE_NAME),
+                 os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                 protocol())
+        return True
+
+
+def _instrument(children: Any) -> None:
+    from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
+    from opentelemetry.instrumentation.redis import RedisInstrumentor
+
+    from tasks.tracing import runs
+
+    Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
+    RedisInstrumentor().instrument(tracer_provider=children)
+    runs.instrument()

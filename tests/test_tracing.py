@@ -1,0 +1,363 @@
+"""One trace per call (OpenTelemetry), seen from outside: real gunicorn (the Procfile's web line) and a
+real ``celery -A tasks worker`` started with the OTLP variables, exporting to a collector made here
+(``tests/otlp_receiver.py``: OTLP/HTTP protobuf decoded with ``opentelemetry-proto``'s classes).
+
+- a send_email call recorded with a relay's ``traceparent``, confirmed and resumed later on connections
+  of their own (without one): every span is in the relay's trace, each link once, the callbacks'
+  ``traceparent`` names their spans, the events and the log lines carry the ids;
+- a pool child killed in the middle of a link: both attempts of the link are in the trace;
+- with the variables unset: no tracing module imported, no exporter thread, in a served app and in a
+  worker that ran a chain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+import requests
+
+from support.procs import ROOT, free_port, stop_process
+from support.sse_client import Stream
+from support.worker_process import WorkerProcess, queues_taken_from_others
+from tasks import app
+from tests.conftest import AUTH
+from tests.helpers import wait_status
+from tests.otlp_receiver import GrpcReceiver, Receiver, Span, tree
+from tests.test_worker_loss import link_held_in_side_effect, outbox_row_held
+from tests.web_server import gunicorn_web
+
+sys.path.insert(0, str(ROOT / "clients" / "python" / "src"))
+from voice_tools_relay import trace_context  # noqa: E402  (the relay's Python client, from its source folder)
+
+pytestmark = pytest.mark.slow
+
+QUEUE = "tools.send_email"
+PREPARING, SENDING = "tools.send_email.PREPARING", "tools.send_email.SENDING"
+PAUSE_S = 1.0  # between the checkpoint and the resume: the person's answer
+OTEL_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+@pytest.fixture
+def receiver():
+    with Receiver() as collector:
+        yield collector
+
+
+@pytest.fixture
+def own_queues():
+    """The subprocess workers are the only consumers of send_email's links and the callbacks' retries."""
+    with queues_taken_from_others(app, [QUEUE, "callbacks"]):
+        yield
+
+
+def traced(receiver: Receiver) -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+
+
+def relay_traceparent() -> tuple[str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, f"00-{trace_id}-{span_id}-01"
+
+
+def record(url: str, relay, traceparent: str | None, tag: str) -> str:
+    headers = {**AUTH, "Connection": "close", **({"traceparent": traceparent} if traceparent else {})}
+    created = requests.post(f"{url}/voice-tools/pending", headers=headers, timeout=30, json={
+        "session_id": f"sess_{tag}", "function": "send_email", "callback_url": f"{relay.base}/hook",
+        "parameters": {"to": f"{tag}@example.com", "subject": f"Traced {tag}"}})
+    assert created.status_code == 201, created.text
+    return created.json()["tool_call_id"]
+
+
+def post_alone(url: str, path: str, **kwargs) -> requests.Response:
+    """A request on a connection of its own (closed after it), with no ``traceparent``."""
+    with requests.Session() as session:
+        answer = session.post(f"{url}{path}", headers={**AUTH, "Connection": "close"}, timeout=30, **kwargs)
+    assert answer.status_code in (200, 202), answer.text
+    return answer
+
+
+def named(spans: list[Span], name: str) -> list[Span]:
+    return [s for s in spans if s.name == name]
+
+
+def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, relay, receiver, own_queues):
+    env = traced(receiver)
+    with gunicorn_web(**env) as url, \
+            WorkerProcess(app, [QUEUE, "callbacks"], concurrency=1, log_dir=tmp_path, name="traced", env=env) as worker:
+        trace_id, traceparent = relay_traceparent()
+        stream = Stream(f"{url}/voice-tools/events/sess_one", {**AUTH, "traceparent": traceparent})
+        call_id = record(url, relay, traceparent, "one")
+        post_alone(url, f"/voice-tools/confirm/{call_id}")
+        relay.wait_for(call_id, "checkpoint", timeout=60)
+        asked = time.time_ns()
+        time.sleep(PAUSE_S)  # the person thinks it over
+        answered = time.time_ns()
+        post_alone(url, f"/voice-tools/resume/{call_id}", json={"action": "proceed"})
+        relay.wait_for(call_id, "completed", timeout=60)
+        assert wait_status(call_id, timeout=30).status == "COMPLETED"
+        streamed = [stream.next_event()[1] for _ in range(4)]
+        stream.close()
+
+        def complete(spans: list[Span]) -> bool:
+            sent = {h["traceparent"].split("-")[2] for h in relay.headers if "traceparent" in h}
+            return len(named(spans, SENDING)) >= 1 and sent <= {s.span_id for s in spans} \
+                and sum(s.kind == 2 for s in spans) >= 4
+
+        spans = receiver.wait(complete, timeout=60)
+        worker_log = worker.log()
+    print(f"\nthe trace of {call_id}:\n{tree(spans)}")
+
+    # every span of the call, from every process, is in the relay's trace
+    assert {s.trace_id for s in spans} == {trace_id}, tree(spans)
+    assert {s.service for s in spans} == {"voice-tools-api", "voice-tools-worker"}
+    assert all(s.resource.get("deployment.environment") == "test" for s in spans)
+    by_id = {s.span_id: s for s in spans}
+    # the server spans: pending's parent is the relay's span; confirm and resume, sent without a
+    # traceparent on connections of their own, join the trace kept with the call
+    servers = {s.name: s for s in spans if s.kind == 2}  # SPAN_KIND_SERVER
+    assert set(servers) == {"POST /voice-tools/pending", "POST /voice-tools/confirm/<tool_call_id>",
+                            "POST /voice-tools/resume/<tool_call_id>", "GET /voice-tools/events/<session_id>"}, \
+        tree(spans)
+    pending = servers["POST /voice-tools/pending"]
+    assert pending.parent_id == traceparent.split("-")[2]
+    assert servers["POST /voice-tools/confirm/<tool_call_id>"].parent_id == pending.span_id
+    assert servers["POST /voice-tools/resume/<tool_call_id>"].parent_id == pending.span_id
+    # each link once (its step done by the link before it has no link), child of the span that sent it,
+    # which is a child of the request that started its chain
+    links = [s for s in spans if s.name.startswith("tools.send_email.")]
+    assert sorted(s.name for s in links) == [PREPARING, SENDING], tree(spans)
+    for link, request in ((named(links, PREPARING)[0], "confirm"), (named(links, SENDING)[0], "resume")):
+        assert link.attributes["voice_tools.tool_call_id"] == call_id
+        assert link.attributes["voice_tools.tool"] == "send_email"
+        assert link.attributes["voice_tools.step"] == link.name.rsplit(".", 1)[1]
+        assert link.attributes["voice_tools.attempt"] == 1
+        assert link.attributes["voice_tools.outcome"] == "success"
+        sender = by_id[link.parent_id]
+        assert sender.name == f"apply_async/{link.name}" and sender.kind == 4  # PRODUCER
+        assert by_id[sender.parent_id] is servers[f"POST /voice-tools/{request}/<tool_call_id>"]
+        assert sender.end_ns <= link.start_ns or sender.start_ns <= link.start_ns  # the queue's wait is visible
+    # the person's pause between the checkpoint and the resume is a gap: no span is open in the middle of it
+    middle = (asked + answered) // 2
+    assert named(spans, "callback checkpoint")[0].end_ns < middle < servers[
+        "POST /voice-tools/resume/<tool_call_id>"].start_ns
+    assert not [s for s in spans if s.start_ns < middle < s.end_ns], tree(spans)
+    # the database statements are children in the trace
+    assert any(s.attributes.get("db.system") == "postgresql" or s.attributes.get("db.system.name") == "postgresql"
+               for s in spans if s.parent_id == named(links, SENDING)[0].span_id), tree(spans)
+    # each callback names its own span; the event's JSON names the span that made it
+    events = relay.events_for(call_id)
+    assert [e["event"] for e in events] == ["progress", "checkpoint", "progress", "completed"]
+    for event, headers in zip(events, [h for h, e in zip(relay.headers, relay.events) if e["tool_call_id"] == call_id]):
+        assert trace_context(headers) == {"traceparent": headers["traceparent"]}  # the Python client reads it
+        version, sent_trace, sent_span, flags = headers["traceparent"].split("-")
+        assert (version, sent_trace, flags) == ("00", trace_id, "01")
+        posted = by_id[sent_span]
+        assert posted.name == f"callback {event['event']}" and posted.kind == 3  # CLIENT
+        assert posted.attributes["voice_tools.event_id"] == event["event_id"]
+        assert event["trace_id"] == trace_id and event["span_id"] in by_id
+        assert by_id[event["span_id"]].name.startswith("tools.send_email.")
+    # the stream's events carry the same ids as the callbacks' (the same rows)
+    assert [(e["event_id"], e["trace_id"], e["span_id"]) for e in streamed] == \
+        [(e["event_id"], e["trace_id"], e["span_id"]) for e in events]
+    # the worker's log lines of the call carry the trace and the span of their link
+    lines = [json.loads(line) for line in worker_log.splitlines() if line.startswith("{")]
+    mine = [line for line in lines if line.get("tool_call_id") == call_id and line.get("task")]
+    assert mine and all(line["trace_id"] == trace_id and line["span_id"] in by_id for line in mine), mine[:3]
+
+
+def test_a_redelivered_link_shows_both_attempts(tmp_path, relay, receiver, own_queues):
+    """A pool child killed in the middle of SENDING: the worker's main process ends the lost attempt's span,
+    the run of the requeued message is the second attempt; both in the call's trace."""
+    env = traced(receiver)
+    with gunicorn_web(**env) as url, \
+            WorkerProcess(app, [QUEUE, "callbacks"], concurrency=2, log_dir=tmp_path, name="lost", env=env) as worker:
+        trace_id, traceparent = relay_traceparent()
+        call_id = record(url, relay, traceparent, "lost")
+        post_alone(url, f"/voice-tools/confirm/{call_id}")
+        relay.wait_for(call_id, "checkpoint", timeout=60)
+        # exported before a child is killed (a killed process's spans not yet exported are lost with it)
+        receiver.wait(lambda found: named(found, PREPARING) and named(found, "callback checkpoint"), timeout=60)
+        with outbox_row_held(call_id):
+            post_alone(url, f"/voice-tools/resume/{call_id}", json={"action": "proceed"})
+            first = link_held_in_side_effect(worker, call_id)
+            worker.kill_child(first["worker_pid"])
+            worker.wait_active(SENDING, [call_id], not_pid=first["worker_pid"], timeout=60)
+            assert not psutil.pid_exists(first["worker_pid"]) or \
+                psutil.Process(first["worker_pid"]).status() == psutil.STATUS_ZOMBIE
+        assert wait_status(call_id, timeout=60).status == "COMPLETED"
+        spans = receiver.wait(lambda found: len(named(found, SENDING)) >= 2 and any(
+            s.name == "callback completed" for s in found), timeout=60)
+    print(f"\nthe trace of {call_id}:\n{tree(spans)}")
+    assert len(named(spans, PREPARING)) == 1, tree(spans)
+    sending = sorted(named(spans, SENDING), key=lambda s: s.start_ns)
+    assert len(sending) == 2, tree(spans)
+    lost, again = sending
+    assert {lost.trace_id, again.trace_id} == {trace_id}
+    assert (lost.attributes["voice_tools.attempt"], lost.attributes["voice_tools.outcome"]) == (1, "worker_lost")
+    assert lost.status_code == 2  # STATUS_CODE_ERROR
+    assert (again.attributes["voice_tools.attempt"], again.attributes["voice_tools.outcome"]) == (2, "success")
+    assert again.attributes["voice_tools.redelivered"] is True
+    assert lost.parent_id == again.parent_id  # the same message, sent once
+    assert lost.end_ns <= again.start_ns
+
+
+PROBE = textwrap.dedent("""
+    import json, sys, threading
+    from app import create_app
+    AUTH = json.loads(sys.argv[1])
+    client = create_app().test_client()
+    created = client.post("/voice-tools/pending", headers=AUTH, json={
+        "session_id": "sess_off", "function": "send_email", "parameters": {"to": "off@example.com", "subject": "Off"}})
+    assert created.status_code == 201, created.get_json()
+    call_id = created.get_json()["tool_call_id"]
+    assert client.post(f"/voice-tools/confirm/{call_id}?wait=30", headers=AUTH).status_code == 200
+    print(json.dumps({"call": call_id, "modules": sorted(sys.modules), "threads": [t.name for t in threading.enumerate()]}))
+""")
+
+TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.instrumentation", "tasks.tracing.sdk",
+                   "tasks.tracing.runs")
+
+
+def loaded_for_tracing(modules: list[str]) -> list[str]:
+    return [m for m in modules if m.startswith(TRACING_MODULES)]
+
+
+def test_off_without_the_variables_nothing_of_it_is_loaded(tmp_path, own_queues):
+    """No OTLP endpoint: a served app that recorded and confirmed a call, and a worker whose pool ran its link,
+    loaded no tracing SDK, exporter or instrumentation, and run no exporter thread; the call keeps no trace."""
+    env = {k: v for k, v in os.environ.items() if k not in OTEL_VARIABLES}
+    with WorkerProcess(app, [QUEUE], pool="solo", log_dir=tmp_path, name="untraced", env=env,
+                       include=["tests.tracing_probe"]) as worker:
+        served = subprocess.run([sys.executable, "-c", PROBE, json.dumps(AUTH)], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert served.returncode == 0, served.stderr[-3000:]
+        seen = json.loads(served.stdout.strip().splitlines()[-1])
+        assert wait_status(seen["call"], "PREPARED", timeout=30).trace_context is None
+        assert loaded_for_tracing(seen["modules"]) == []
+        assert not [t for t in seen["threads"] if "Otel" in t or "otel" in t.lower()], seen["threads"]
+        answer = tmp_path / "loaded.json"
+        app.send_task("tests.tracing_probe.loaded", (str(answer),), queue=QUEUE)
+        deadline = time.monotonic() + 60
+        while not answer.exists():
+            assert time.monotonic() < deadline, worker.log()[-3000:]
+            time.sleep(0.1)
+        ran = json.loads(answer.read_text())
+    assert loaded_for_tracing(ran["modules"]) == []
+    assert not [t for t in ran["threads"] if "otel" in t.lower()], ran["threads"]
+
+
+@contextmanager
+def mcp_face(env: dict[str, str]) -> Iterator[str]:
+    """``voice-tools mcp`` in a process of its own with ``env``; its /mcp URL once /healthz answers."""
+    port = free_port()
+    with open(Path(env["VOICE_TOOLS_TEST_LOG_DIR"]) / "mcp.log", "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("voice-tools")), "mcp", "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the MCP face exited"
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "the MCP face did not answer"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        stop_process(proc)
+
+
+async def mcp_call(url: str, name: str, arguments: dict, traceparent: str | None = None) -> dict:
+    """One tool call on an MCP session of its own (its own HTTP connections), with ``traceparent`` on its requests."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = {**AUTH, **({"traceparent": traceparent} if traceparent else {})}
+    async with httpx2.AsyncClient(headers=headers) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            result = await client.call_tool(name, arguments)
+    assert not result.is_error, result.structured_content
+    return result.structured_content
+
+
+def test_an_mcp_call_is_one_trace_too(tmp_path, relay, receiver, own_queues):
+    """The MCP face: a tool call's HTTP request with a relay's traceparent is its span's parent; a later tool call
+    about the call, sent without one, runs in the call's trace (linked to its request's own trace)."""
+    import anyio
+
+    env = {**os.environ, **traced(receiver), "VOICE_TOOLS_TEST_LOG_DIR": str(tmp_path)}
+    with mcp_face(env) as url, \
+            WorkerProcess(app, [QUEUE, "callbacks"], concurrency=1, log_dir=tmp_path, name="mcp", env=env):
+        trace_id, traceparent = relay_traceparent()
+        recorded = anyio.run(mcp_call, url, "request_tool", {
+            "session_id": "sess_mcp", "function": "send_email", "callback_url": f"{relay.base}/hook",
+            "parameters": {"to": "mcp@example.com", "subject": "Traced over MCP"}}, traceparent)
+        call_id = recorded["tool_call_id"]
+        anyio.run(mcp_call, url, "confirm_tool", {"tool_call_id": call_id})
+        relay.wait_for(call_id, "checkpoint", timeout=60)
+        spans = receiver.wait(lambda found: named(found, PREPARING) and named(found, "callback checkpoint"),
+                              timeout=60)
+    print(f"\nthe MCP spans:\n{tree(spans)}")
+    assert {s.service for s in spans} >= {"voice-tools-mcp", "voice-tools-worker"}
+    by_id = {s.span_id: s for s in spans}
+    relays = [s for s in spans if s.kind == 2 and s.parent_id == traceparent.split("-")[2]]
+    assert relays and all(s.trace_id == trace_id and s.name == "POST /mcp" for s in relays)  # the relay's requests
+    [joined] = named(spans, "mcp confirm_tool")
+    assert joined.trace_id == trace_id and joined.attributes["voice_tools.tool_call_id"] == call_id
+    [(linked_trace, linked_span)] = joined.links  # the confirm's own request (the MCP SDK's span in it), its own trace
+    assert linked_trace != trace_id and by_id[linked_span].name == "tools/call confirm_tool"
+    assert by_id[by_id[linked_span].parent_id].name == "POST /mcp"
+    [link] = named(spans, PREPARING)
+    assert link.trace_id == trace_id and by_id[by_id[link.parent_id].parent_id] is joined
+    assert all(s.trace_id == trace_id for s in spans if s.name.startswith(("tools.", "callback ")))
+
+
+def test_grpc_when_the_protocol_says_so(relay):
+    """``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``: the same spans, over OTLP/gRPC, with the service name and
+    sampler the variables give."""
+    with GrpcReceiver() as receiver:
+        env = {**traced(receiver), "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "relay-facing-api",
+               "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
+        with gunicorn_web(**env) as url:
+            trace_id, traceparent = relay_traceparent()
+            # first a turn the relay did not sample, and one with no traceparent (a root: off by this sampler, on by
+            # the default one): had they made spans, they would be queued before the next one's
+            unsampled = record(url, relay, relay_traceparent()[1][:-2] + "00", "unsampled")
+            record(url, relay, None, "root")
+            call_id = record(url, relay, traceparent, "grpc")
+            spans = receiver.wait(lambda found: named(found, "POST /voice-tools/pending"), timeout=60)
+    assert receiver.paths and set(receiver.paths) == {"grpc"}
+    [pending] = named(spans, "POST /voice-tools/pending")
+    assert pending.trace_id == trace_id and pending.service == "relay-facing-api"
+    assert {s.trace_id for s in spans} == {trace_id}  # nothing of the unsampled request, nor of the root
+    assert call_id != unsampled
+
+
+def test_beat_traces_the_sweeps_it_sends(tmp_path, receiver):
+    """``celery -A tasks beat`` with the variables set: each sweep it sends is a span of its own (voice-tools-beat)."""
+    env = {**os.environ, **traced(receiver)}
+    with open(tmp_path / "beat.log", "wb") as log:
+        beat = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "beat", "--loglevel", "INFO",
+                                 "-s", str(tmp_path / "schedule")], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        spans = receiver.wait(lambda found: any(s.name.startswith("apply_async/maintenance.") for s in found),
+                              timeout=90)
+    finally:
+        stop_process(beat)
+    sent = [s for s in spans if s.name.startswith("apply_async/maintenance.")]
+    assert {s.service for s in sent} == {"voice-tools-beat"} and all(s.kind == 4 for s in sent)  # PRODUCER
