@@ -22,7 +22,7 @@ import time
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable
 
-from app import metrics, shares, sse
+from app import shares, sse
 from models import listen, settings
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,8 @@ def _chunk(text: str, chunked: bool) -> bytes:
 
 async def _serve(sock: socket.socket, session_id: str, after: int, caller: str | None, slot: shares.Slot,
                  chunked: bool, keepalive_s: float) -> None:
+    from app import metrics  # the API's gauges (Flask's app): here, not at import, so the MCP face loads no Flask
+
     global _open
     _open += 1
     metrics.STREAMS_OPEN.inc()
