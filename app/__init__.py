@@ -20,7 +20,7 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, errors, health, metrics, request_log, shares, stream
+    from app import api, auth, console, errors, health, metrics, request_log, shares, stream
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
@@ -38,4 +38,5 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
                      view_func=api.resume, methods=["POST"])  # the n8n workflows' resume_webhook
     app.register_blueprint(stream.bp)
     app.register_blueprint(health.bp)
+    console.register(app)  # the operator console at /console (app/console/)
     return app

@@ -29,7 +29,7 @@ import os
 import re
 import socket
 from contextlib import closing
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from flask import Blueprint, Response, g, request, stream_with_context
 from marshmallow import RAISE, Schema, fields
@@ -82,7 +82,7 @@ def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
             yield sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload)
 
 
-def _socket_of(environ: dict[str, Any]) -> socket.socket | None:
+def socket_of(environ: dict[str, Any]) -> socket.socket | None:
     """The client's plain TCP socket, if the server hands one over (gunicorn's and werkzeug's do) and
     the request is HTTP/1.1 over it (both servers then frame the answer in chunks); else None."""
     sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
@@ -95,13 +95,11 @@ def _socket_of(environ: dict[str, Any]) -> socket.socket | None:
 
 class HandOver:
     """The answer's body under a server that gave its socket: the opening (the server writes it after
-    the head), then the connection goes to the stream loop with the stream's slot, and the server is
-    left a closed pipe in its place, so what it writes to end the answer reaches no one."""
+    the head), then the connection goes to the stream loop (``go_on(socket)``, which then owns the slot),
+    and the server is left a closed pipe in its place, so what it writes to end the answer reaches no one."""
 
-    def __init__(self, sock: socket.socket, session_id: str, after: int, caller: str | None,
-                 slot: shares.Slot, keepalive_s: float) -> None:
-        self.sock, self.session_id, self.after, self.caller = sock, session_id, after, caller
-        self.slot, self.keepalive_s = slot, keepalive_s
+    def __init__(self, sock: socket.socket, slot: shares.Slot, go_on: Callable[[socket.socket], None]) -> None:
+        self.sock, self.slot, self.go_on = sock, slot, go_on
         self.handed = False
 
     def __iter__(self) -> Iterator[str]:
@@ -112,8 +110,7 @@ class HandOver:
         os.dup2(dead.fileno(), self.sock.fileno())  # the server's descriptor now names the pipe, not the client
         dead.close()
         self.handed = True
-        stream_loop.serve(own, self.session_id, self.after, self.caller, self.slot, chunked=True,
-                          keepalive_s=self.keepalive_s)
+        self.go_on(own)
 
     def closed(self) -> None:
         """The server closed the answer: the slot is the stream loop's if it was handed over, else free."""
@@ -144,10 +141,11 @@ def events(session_id: str):
     last = request.headers.get("Last-Event-ID") or query.get("last_event_id")
     scope = g.who.scope  # a caller sees the events of its own calls only; an admin, all of them
     after = _cursor_after(session_id, last, scope)
-    sock = _socket_of(request.environ)
+    sock = socket_of(request.environ)
     slot = shares.take_slot(g.who.name, "stream", holds_thread=sock is None)  # 429 past the caller's open share
     if sock is not None:
-        body = HandOver(sock, session_id, after, scope, slot, KEEPALIVE_S)
+        body = HandOver(sock, slot, lambda own: stream_loop.serve(own, session_id, after, scope, slot, chunked=True,
+                                                                  keepalive_s=KEEPALIVE_S))
         response = Response(body, mimetype="text/event-stream")
         response.call_on_close(body.closed)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from app import metrics, shares, sse
 from models import listen
@@ -30,7 +30,14 @@ def serve(sock: socket.socket, session_id: str, after: int, caller: str | None, 
     """Go on with a stream whose head and opening were written on ``sock`` (a connected socket this
     call now owns): its events after ``after`` (``models/listen.py``), chunk-framed if ``chunked``, with
     keep-alives, until the client goes or the database is away; then ``slot`` is released."""
-    asyncio.run_coroutine_threadsafe(_serve(sock, session_id, after, caller, slot, chunked, keepalive_s), loop())
+    serve_frames(sock, lambda: session_frames(session_id, after, caller, keepalive_s), slot, chunked,
+                 f"event stream of {session_id}")
+
+
+def serve_frames(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
+                 chunked: bool, what: str) -> None:
+    """As :func:`serve`, for any stream of frames (``frames()``: made and run on the loop)."""
+    asyncio.run_coroutine_threadsafe(_serve(sock, frames, slot, chunked, what), loop())
 
 
 def _chunk(text: str, chunked: bool) -> bytes:
@@ -38,8 +45,8 @@ def _chunk(text: str, chunked: bool) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
 
 
-async def _serve(sock: socket.socket, session_id: str, after: int, caller: str | None, slot: shares.Slot,
-                 chunked: bool, keepalive_s: float) -> None:
+async def _serve(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
+                 chunked: bool, what: str) -> None:
     global _open
     _open += 1
     metrics.STREAMS_OPEN.inc()
@@ -47,7 +54,7 @@ async def _serve(sock: socket.socket, session_id: str, after: int, caller: str |
     writer: asyncio.StreamWriter | None = None
     try:
         reader, writer = await asyncio.open_connection(sock=sock)
-        pump = asyncio.ensure_future(_pump(writer, session_id, after, caller, slot, chunked, keepalive_s))
+        pump = asyncio.ensure_future(_pump(writer, frames(), slot, chunked))
         gone = asyncio.ensure_future(_until_closed(reader))
         done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
         for task in (pump, gone):
@@ -59,7 +66,7 @@ async def _serve(sock: socket.socket, session_id: str, after: int, caller: str |
     except (OSError, asyncio.CancelledError):
         pass
     except Exception:
-        log.exception("event stream of %s failed", session_id)
+        log.exception("%s failed", what)
     finally:
         _open -= 1
         metrics.STREAMS_OPEN.dec()
@@ -76,16 +83,23 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
         pass
 
 
-async def _pump(writer: asyncio.StreamWriter, session_id: str, after: int, caller: str | None,
-                slot: shares.Slot, chunked: bool, keepalive_s: float) -> None:
-    running = asyncio.get_running_loop()
+async def session_frames(session_id: str, after: int, caller: str | None, keepalive_s: float) -> AsyncIterator[str]:
+    """The session's events after ``after`` as frames, with keep-alives (``models/listen.py``)."""
     events: Any = listen.session_events_async(session_id, after, keepalive_s, caller)
     try:
         async for event in events:
-            writer.write(_chunk(sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload),
-                                chunked))
+            yield sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload)
+    finally:
+        await events.aclose()
+
+
+async def _pump(writer: asyncio.StreamWriter, frames: AsyncIterator[str], slot: shares.Slot, chunked: bool) -> None:
+    running = asyncio.get_running_loop()
+    try:
+        async for text in frames:
+            writer.write(_chunk(text, chunked))
             await writer.drain()
             if slot.renewal_due():
                 await running.run_in_executor(None, slot.renew)
     finally:
-        await events.aclose()
+        await frames.aclose()  # type: ignore[attr-defined]
