@@ -76,7 +76,7 @@ _STEP_TIMES = text(f"""
         SELECT tool_call_id, function_name, confirmed_at FROM tool_calls
         WHERE created_at >= now() - make_interval(secs => {HOUR_S}) AND confirmed_at IS NOT NULL
     ), timed AS (
-        SELECT r.function_name, d.payload->>'step' AS step,
+        SELECT r.function_name, d.payload->>'step' AS step, d.seq,
                1000 * extract(epoch FROM d.created_at - coalesce(
                    lag(d.created_at) OVER (PARTITION BY d.tool_call_id ORDER BY d.seq), r.confirmed_at)) AS ms
         FROM recent r JOIN callback_deliveries d ON d.tool_call_id = r.tool_call_id
@@ -84,7 +84,7 @@ _STEP_TIMES = text(f"""
     SELECT function_name, step, count(*) AS runs,
            percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50_ms,
            percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99_ms
-    FROM timed WHERE step IS NOT NULL GROUP BY 1, 2 ORDER BY 1, min(ms)
+    FROM timed WHERE step IS NOT NULL GROUP BY 1, 2 ORDER BY 1, min(seq)
 """)
 
 _CALLBACKS_FAILED = text(f"""

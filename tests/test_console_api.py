@@ -25,7 +25,7 @@ BOB = {"Authorization": "Bearer bob-token"}
 OPS = {"Authorization": "Bearer ops-token"}
 PAGES = ("/console", "/console/calls/tc_abc", "/console/sessions/sess_1", "/console/tools")
 FILES = {"/console/static/console.js": "javascript", "/console/static/console.css": "text/css",
-         "/console/static/icon.svg": "image/svg+xml"}
+         "/console/static/icon.svg": "image/svg+xml", "/favicon.ico": "image/svg+xml"}
 
 
 @pytest.fixture(autouse=True)

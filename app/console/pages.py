@@ -14,13 +14,21 @@ bp = Blueprint("console_pages", __name__, static_folder="static", static_url_pat
                template_folder="templates")
 
 
+FAVICON = "/favicon.ico"  # what a browser asks of any page without an icon of its own (the API's JSON too)
+
+
 def is_page(path: str) -> bool:
     """Is ``path`` one of the console's pages or files (served without a token), not its data?"""
-    return (path == PREFIX or path.startswith(f"{PREFIX}/")) and not path.startswith(DATA_PREFIX)
+    return path == FAVICON or ((path == PREFIX or path.startswith(f"{PREFIX}/")) and not path.startswith(DATA_PREFIX))
 
 
 def _page(view: str, ident: str = ""):
     return render_template("console.html", view=view, ident=ident)
+
+
+@bp.get(FAVICON)
+def favicon():
+    return bp.send_static_file("icon.svg")
 
 
 @bp.get(PREFIX)

@@ -136,9 +136,9 @@ def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer
 
 
 def tool_figures(caller: Caller) -> Answer:
-    """Per tool: its queue's depth (read from the broker as the workers' ``/metrics`` reads it), the
-    calls open now, calls and failures per minute over the last hour, each step's p50/p99. An
-    admin's only: the figures are every caller's."""
+    """Per tool: its queue's depth (read from the broker by the collector of the workers' ``/metrics``), the
+    calls open now, calls and failures per minute over the last hour (``calls_per_minute``: over the last
+    five), each step's p50/p99. An admin's only: the figures are every caller's."""
     if not caller.admin:
         raise ApiError(403, "forbidden", "The tools' figures are every caller's: an admin token sees them.", {})
     depths = {}
@@ -156,6 +156,6 @@ def tool_figures(caller: Caller) -> Answer:
             "tool": name, "queue": tool.queue, "queue_depth": depths.get(tool.queue),
             "open": {status: count for (t, status), count in open_now.items() if t == name},
             "calls_last_hour": sum(figures["per_minute"]), "failed_last_hour": sum(figures["failed_per_minute"]),
-            "calls_per_minute": round(sum(figures["per_minute"][1:6]) / 5, 2), **figures,
+            "calls_per_minute": round(sum(figures["per_minute"][:5]) / 5, 2), **figures,
         })
     return {"tools": answer}, 200

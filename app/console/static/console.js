@@ -306,17 +306,19 @@
       }
       actions.replaceChildren(...buttons);
       $("call-parameters").textContent = JSON.stringify(record.parameters, null, 2);
-      $("call-changes").replaceChildren(...(record.parameters_history || []).map((c) =>
-        el("li", {}, `${time(c.at)}: ${c.field} ${JSON.stringify(c.old)} → ${JSON.stringify(c.new)}`)));
+      const changes = record.parameters_history || [];
+      $("call-changes").replaceChildren(...(changes.length ? changes.map((c) =>
+        el("li", {}, `${time(c.at)}: ${c.field} ${JSON.stringify(c.old)} → ${JSON.stringify(c.new)}`)) :
+        [el("li", {}, "none")]));
       $("call-timeline").replaceChildren(...(record.status_history || []).map((entry) =>
         el("li", {}, el("time", {datetime: entry.at}, time(entry.at)), " ", statusBadge(entry.status),
           entry.reason ? ` ${entry.reason}` : "")));
       $("call-links").tBodies[0].replaceChildren(...links.map((link) =>
         el("tr", {}, el("td", {}, link.step), el("td", {}, time(link.recorded_at)),
           el("td", {}, link.took_ms === null ? "" : `${link.took_ms} ms`))));
-      $("call-counters").textContent = `Link runs of the current step: ${counters.step_attempts}; ` +
-        `claims of the side effect: ${counters.effect_attempts}; chain run again: ${counters.redrives}; ` +
-        `retries: ${counters.attempts}.`;
+      $("call-counters").textContent = `Link runs: ${counters.attempts} in all, ${counters.step_attempts} of the ` +
+        `current step; claims of the side effect: ${counters.effect_attempts}; chain run again by the ` +
+        `stuck-call sweep: ${counters.redrives}.`;
       $("call-voice").textContent = record.voice_response || "";
       $("call-outcome").textContent = record.outcome || "open";
       $("call-error").textContent = record.error_message || "";
@@ -376,6 +378,13 @@
     svg.setAttribute("role", "img");
     svg.setAttribute("aria-label", `${tool.tool}: ${tool.calls_last_hour} calls in the last hour, ` +
       `${tool.failed_last_hour} failed`);
+    const axis = document.createElementNS(SVG, "rect");
+    axis.setAttribute("x", 0);
+    axis.setAttribute("y", height - 1);
+    axis.setAttribute("width", width);
+    axis.setAttribute("height", 1);
+    axis.setAttribute("class", "axis");
+    svg.append(axis);
     for (let ago = 0; ago < 60; ago += 1) {
       for (const [values, kind] of [[tool.per_minute, "bar"], [tool.failed_per_minute, "bar-failed"]]) {
         if (!values[ago]) continue;
