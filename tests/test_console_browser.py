@@ -119,12 +119,12 @@ def sign_in(driver, origin: str, token: str, path: str = "/console") -> None:
 
 def rows(driver) -> list[str]:
     return driver.execute_script(
-        "return [...document.querySelectorAll('#calls tbody tr')].map(r => r.dataset.id)")
+        "return [...document.querySelectorAll('#calls-rows > [role=row]')].map(r => r.dataset.id)")
 
 
 def status_in_row(driver, tool_call_id: str) -> str | None:
     return driver.execute_script(
-        "const r = document.querySelector(`#calls tr[data-id='${arguments[0]}'] .status`);"
+        "const r = document.querySelector(`#calls [data-id='${arguments[0]}'] .status`);"
         " return r ? r.textContent : null", tool_call_id)
 
 
@@ -171,7 +171,8 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     sign_in(page, origin, OPS_TOKEN)
     until(page, lambda d: d.find_element(By.ID, "live-state").text == "live", what="the live list")
     for i in range(3):  # some history to show
-        record(origin, session_id=f"sess_{i}", parameters={**GUIDE_EMAIL, "subject": f"Offer {i}"})
+        earlier = record(origin, session_id=f"sess_{i}", parameters={**GUIDE_EMAIL, "subject": f"Offer {i}"})
+    requests.delete(f"{origin}/voice-tools/cancel/{earlier}", headers=AUTH, timeout=10)
     record(origin, headers=BOB, session_id="sess_bob")
     tool_call_id = record(origin)
     recorded = time.monotonic()

@@ -76,7 +76,7 @@
     if (liveAbort) liveAbort.abort();
     liveAbort = null;
     problem("");
-    for (const body of document.querySelectorAll(".view tbody")) body.replaceChildren();
+    for (const body of document.querySelectorAll(".view tbody, #calls-rows")) body.replaceChildren();
     showSignIn(message);
   }
   async function start() {
@@ -171,7 +171,7 @@
   // -- the calls -------------------------------------------------------------------------
   function callsView() {
     const rows = new Map();
-    const tbody = $("calls").tBodies[0];
+    const list = $("calls-rows"); // a grid of rows, not a <table>: a changed row lays out alone
     let filters = {};
     let next = null;
 
@@ -183,15 +183,16 @@
     const matches = (call) => Object.entries(filters).every(([name, value]) =>
       (name === "tool" ? call.function_name : name === "status" ? call.status : call[name]) === value);
     function rowOf(call) {
-      const status = el("td", {}, statusBadge(call.status));
-      const ageCell = el("td", {"data-at": call.created_at}, age(call.created_at));
-      const tr = el("tr", {"data-id": call.tool_call_id, "data-at": call.created_at},
-        el("td", {}, el("a", {href: `/console/calls/${encodeURIComponent(call.tool_call_id)}`}, call.tool_call_id)),
-        el("td", {}, call.function_name), status,
-        el("td", {}, el("a", {href: `/console/sessions/${encodeURIComponent(call.session_id)}`}, call.session_id)),
-        el("td", {}, call.caller || ""), ageCell);
-      rows.set(call.tool_call_id, {tr, status, call});
-      return tr;
+      const cell = (...content) => el("span", {role: "cell"}, ...content);
+      const status = cell(statusBadge(call.status));
+      const ageCell = el("span", {role: "cell", "data-at": call.created_at}, age(call.created_at));
+      const row = el("div", {role: "row", class: "row", "data-id": call.tool_call_id, "data-at": call.created_at},
+        cell(el("a", {href: `/console/calls/${encodeURIComponent(call.tool_call_id)}`}, call.tool_call_id)),
+        cell(call.function_name), status,
+        cell(el("a", {href: `/console/sessions/${encodeURIComponent(call.session_id)}`}, call.session_id)),
+        cell(call.caller || ""), ageCell);
+      rows.set(call.tool_call_id, {row, status, call});
+      return row;
     }
     function query(extra) {
       const params = new URLSearchParams({...filters, ...extra});
@@ -200,7 +201,7 @@
     const load = coalesced(async () => {
       const page = await api(query({limit: 50}));
       rows.clear();
-      tbody.replaceChildren(...page.calls.map(rowOf));
+      list.replaceChildren(...page.calls.map(rowOf));
       next = page.next;
       $("older").hidden = !next;
       $("calls-empty").hidden = page.calls.length > 0;
@@ -217,9 +218,9 @@
           continue;
         }
         if (!matches(call)) continue;
-        const first = tbody.rows[0];
+        const first = list.firstElementChild;
         if (first && first.dataset.at > call.created_at) continue; // older than the top: in a later page
-        tbody.prepend(rowOf(call));
+        list.prepend(rowOf(call));
         $("calls-empty").hidden = true;
       }
     }
@@ -236,16 +237,39 @@
       if (!next) return;
       try {
         const page = await api(query({limit: 50, ...next}));
-        tbody.append(...page.calls.filter((c) => !rows.has(c.tool_call_id)).map(rowOf));
+        list.append(...page.calls.filter((c) => !rows.has(c.tool_call_id)).map(rowOf));
         next = page.next;
         $("older").hidden = !next;
       } catch (error) {
         problem(error.message);
       }
     });
+    // ages: only the rows on screen are kept current (found by halving: the rows are in page order), and
+    // those scrolled into view are brought up to date, so 10,000 rows cost no more each tick than a screenful
+    function ageOnScreen() {
+      const shown = list.children;
+      let low = 0, high = shown.length;
+      while (low < high) {
+        const middle = (low + high) >> 1;
+        if (shown[middle].getBoundingClientRect().bottom < 0) low = middle + 1;
+        else high = middle;
+      }
+      let end = low;
+      while (end < shown.length && shown[end].getBoundingClientRect().top < innerHeight) end += 1;
+      for (let i = low; i < end; i += 1) { // every read first, then the writes: one layout, not one a row
+        const cell = shown[i].lastElementChild;
+        cell.textContent = age(cell.dataset.at);
+      }
+    }
+    let scrolled = null;
+    addEventListener("scroll", () => {
+      if (scrolled === null) scrolled = setTimeout(() => {
+        scrolled = null;
+        ageOnScreen();
+      }, 200);
+    }, {passive: true});
     setInterval(() => {
-      if (document.hidden) return;
-      for (const cell of tbody.querySelectorAll("td[data-at]")) cell.textContent = age(cell.dataset.at);
+      if (!document.hidden) ageOnScreen();
     }, 5000);
     live(changed, load); // the stream's first frame says "read": the list is read once it listens
   }
