@@ -15,7 +15,6 @@ from marshmallow import fields, validate
 
 from models import browse, db, queries
 from models.calls import STATUSES, CallbackDelivery
-from models.events import actions_available
 from tasks import tools
 from tasks.calls import admin, schemas
 from tasks.calls.callers import Caller, scope_of
