@@ -1,5 +1,6 @@
-"""LISTEN/NOTIFY, for both waits that must not poll: ``?wait=S`` (:func:`until_settled`) and the
-session's event stream (:func:`session_events_async`, woken by one :class:`Listener` per process).
+"""LISTEN/NOTIFY, for the waits that must not poll: ``?wait=S`` (:func:`until_settled`), the
+session's event stream (:func:`session_events_async`) and the console's live list
+(:func:`calls_changed`), all woken by one :class:`Listener` per process.
 
 ``?wait``: a trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every
 status change (migration 0001). The process's one listener (below) wakes the waits on that
@@ -40,7 +41,9 @@ order, and a notice it has already read is skipped by its number. It reads again
 notice has no payload, when its inbox overflows (a client slower than its events), and when the
 listener (re)connects (notices may have been lost meanwhile), each time from its own last
 number; the streams of one session that read together share one read, in the loop's executor.
-It holds no connection while it waits. A thread (:func:`session_events`, a stream a server gave
+It holds no connection while it waits. The console's live list (:func:`calls_changed`) is told the
+tool_call_id of every call recorded (migration 0021: an INSERT notifies the status channel too),
+changing status or recording an event, gathered for a moment; it reads the rows itself. A thread (:func:`session_events`, a stream a server gave
 no socket for) reads the table each time it is woken, or when its keep-alive interval has passed.
 """
 from __future__ import annotations
