@@ -211,6 +211,18 @@ def test_a_status_changes_in_the_list_without_a_reload(page, origin):
     until(page, lambda d: status_in_row(d, tool_call_id) == "CANCELLED", timeout=2.0, what="CANCELLED in place")
     assert page.execute_script("return window.notReloaded") is True
 
+    other = record(origin, session_id="sess_other")
+    until(page, lambda d: rows(d) == [other, tool_call_id], timeout=2.0, what="both listed")
+    page.find_element(By.ID, "f-status").send_keys("CANCELLED")  # a filter, from the keyboard
+    page.find_element(By.ID, "f-session").send_keys("sess_console" + Keys.ENTER)
+    until(page, lambda d: rows(d) == [tool_call_id], what="the filter applied")
+    record(origin, session_id="sess_other")  # matches no filter: never shown
+    third = record(origin, session_id="sess_console")
+    requests.delete(f"{origin}/voice-tools/cancel/{third}", headers=AUTH, timeout=10)
+    until(page, lambda d: rows(d) == [third, tool_call_id], timeout=2.0, what="a match, live")
+    page.find_element(By.ID, "f-id").send_keys(tool_call_id + Keys.ENTER)  # the search by id
+    until(page, lambda d: rows(d) == [tool_call_id], what="found by id")
+
 
 def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, origin, worker, relay, tmp_path):
     sign_in(page, origin, API_TOKEN)
