@@ -20,7 +20,7 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, errors, health, inputs, metrics, request_log, shares, stream
+    from app import api, auth, console, errors, health, inputs, metrics, request_log, shares, stream
     from tasks.tracing import web as tracing
 
     app = Flask(__name__, static_folder=None)
@@ -41,4 +41,5 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
                      view_func=api.resume, methods=["POST"])  # the n8n workflows' resume_webhook
     app.register_blueprint(stream.bp)
     app.register_blueprint(health.bp)
+    console.register(app)  # the operator console at /console (app/console/)
     return app

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import socket
 from contextlib import closing
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from flask import Blueprint, Response, g, request, stream_with_context
 from marshmallow import RAISE, Schema, fields
@@ -82,21 +82,18 @@ def stream(session_id: str, after: int, keepalive_s: float = KEEPALIVE_S,
 
 class HandOver:
     """The answer's body under a server that gave its socket: the opening (the server writes it after
-    the head), then the connection goes to the stream loop with the stream's slot, and the server is
+    the head), then the connection goes to the stream loop (``go_on(socket)``, which then owns the slot), and the server is
     left a closed pipe in its place, so what it writes to end the answer reaches no one."""
 
-    def __init__(self, sock: socket.socket, session_id: str, after: int, caller: str | None,
-                 slot: shares.Slot, keepalive_s: float) -> None:
-        self.sock, self.session_id, self.after, self.caller = sock, session_id, after, caller
-        self.slot, self.keepalive_s = slot, keepalive_s
+    def __init__(self, sock: socket.socket, slot: shares.Slot, go_on: Callable[[socket.socket], None]) -> None:
+        self.sock, self.slot, self.go_on = sock, slot, go_on
         self.handed = False
 
     def __iter__(self) -> Iterator[str]:
         yield sse.OPENING
         own = handover.take(self.sock)  # the server's descriptor now names a closed pipe, not the client
         self.handed = True
-        stream_loop.serve(own, self.session_id, self.after, self.caller, self.slot, chunked=True,
-                          keepalive_s=self.keepalive_s)
+        self.go_on(own)  # the stream loop's now, with the slot
 
     def closed(self) -> None:
         """The server closed the answer: the slot is the stream loop's if it was handed over, else free."""
@@ -130,7 +127,8 @@ def events(session_id: str):
     sock = handover.socket_of(request.environ)
     slot = shares.take_slot(g.who.name, "stream", holds_thread=sock is None)  # 429 past the caller's open share
     if sock is not None:
-        body = HandOver(sock, session_id, after, scope, slot, KEEPALIVE_S)
+        body = HandOver(sock, slot, lambda own: stream_loop.serve(own, session_id, after, scope, slot, chunked=True,
+                                                                  keepalive_s=KEEPALIVE_S))
         response = Response(body, mimetype="text/event-stream")
         response.call_on_close(body.closed)
     else:

@@ -20,7 +20,7 @@ import struct
 import termios
 import time
 from http import HTTPStatus
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from app import shares, sse
 from models import listen, settings
@@ -173,7 +173,25 @@ def serve(sock: socket.socket, session_id: str, after: int, caller: str | None, 
     call now owns): its events after ``after`` (``models/listen.py``), chunk-framed if ``chunked``, with
     keep-alives, until the client goes, takes nothing for the send timeout, or the database is away; then
     ``slot`` is released."""
-    asyncio.run_coroutine_threadsafe(_serve(sock, session_id, after, caller, slot, chunked, keepalive_s), loop())
+    serve_frames(sock, lambda: session_frames(session_id, after, caller, keepalive_s), slot, chunked,
+                 f"event stream of {session_id}")
+
+
+def serve_frames(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
+                 chunked: bool, what: str) -> None:
+    """As :func:`serve`, for any stream of frames (``frames()``: made and run on the loop), such as the
+    console's live list (``app/console/live.py``)."""
+    asyncio.run_coroutine_threadsafe(_serve(sock, frames, slot, chunked, what), loop())
+
+
+async def session_frames(session_id: str, after: int, caller: str | None, keepalive_s: float) -> AsyncIterator[str]:
+    """The session's events after ``after`` as frames, with keep-alives (``models/listen.py``)."""
+    events: Any = listen.session_events_async(session_id, after, keepalive_s, caller)
+    try:
+        async for event in events:
+            yield sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload)
+    finally:
+        await events.aclose()
 
 
 def _chunk(text: str, chunked: bool) -> bytes:
@@ -181,8 +199,8 @@ def _chunk(text: str, chunked: bool) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
 
 
-async def _serve(sock: socket.socket, session_id: str, after: int, caller: str | None, slot: shares.Slot,
-                 chunked: bool, keepalive_s: float) -> None:
+async def _serve(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
+                 chunked: bool, what: str) -> None:
     from app import metrics  # the API's gauges (Flask's app): here, not at import, so the MCP face loads no Flask
 
     global _open
@@ -190,20 +208,19 @@ async def _serve(sock: socket.socket, session_id: str, after: int, caller: str |
     metrics.STREAMS_OPEN.inc()
 
     async def pump(connection: Connection) -> bool:
-        events: Any = listen.session_events_async(session_id, after, keepalive_s, caller)
+        texts: Any = frames()
         try:
-            async for event in events:
-                connection.write(_chunk(sse.KEEPALIVE if event is None else sse.frame(event.event_id,
-                                                                                      event.payload), chunked))
+            async for text in texts:
+                connection.write(_chunk(text, chunked))
                 await connection.writer.drain()
         finally:
-            await events.aclose()
+            await texts.aclose()
         if chunked:  # the stream ended (the database is away): the client reconnects with Last-Event-ID
             connection.write(b"0\r\n\r\n")
         return True
 
     try:
-        await _served(sock, slot, pump, f"event stream of {session_id}")
+        await _served(sock, slot, pump, what)
     finally:
         _open -= 1
         metrics.STREAMS_OPEN.dec()

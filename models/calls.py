@@ -64,6 +64,10 @@ class ToolCall(Base):
         # the retention purge's way to the oldest ended calls (models/retention.py)
         Index("idx_tool_calls_ended", "completed_at",
               postgresql_where=text("status IN ('COMPLETED', 'FAILED', 'CANCELLED', 'EXPIRED')")),
+        # the console's list, newest first by keyset: every call, a caller's own, one tool's (models/browse.py)
+        Index("idx_tool_calls_created", "created_at", "tool_call_id"),
+        Index("idx_tool_calls_caller_created", "caller", "created_at", "tool_call_id"),
+        Index("idx_tool_calls_tool_created", "function_name", "created_at", "tool_call_id"),
         # idempotency keys are per caller (docs/promises.md, Callers); a call with no caller counts as ''
         Index("uq_tool_calls_caller_idempotency_key", func.coalesce(text("caller"), text("''")), "idempotency_key",
               unique=True, postgresql_where=text("idempotency_key IS NOT NULL")),

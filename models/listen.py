@@ -1,5 +1,6 @@
-"""LISTEN/NOTIFY, for both waits that must not poll: ``?wait=S`` (:func:`until_settled`) and the
-session's event stream (:func:`session_events_async`, woken by one :class:`Listener` per process).
+"""LISTEN/NOTIFY, for the waits that must not poll: ``?wait=S`` (:func:`until_settled`), the
+session's event stream (:func:`session_events_async`) and the console's live list
+(:func:`calls_changed`), all woken by one :class:`Listener` per process.
 
 ``?wait``: a trigger NOTIFYs channel ``tool_call_status`` with the tool_call_id on every
 status change (migration 0001). The process's one listener (below) wakes the waits on that
@@ -40,7 +41,9 @@ order, and a notice it has already read is skipped by its number. It reads again
 notice has no payload, when its inbox overflows (a client slower than its events), and when the
 listener (re)connects (notices may have been lost meanwhile), each time from its own last
 number; the streams of one session that read together share one read, in the loop's executor.
-It holds no connection while it waits. A thread (:func:`session_events`, a stream a server gave
+It holds no connection while it waits. The console's live list (:func:`calls_changed`) is told the
+tool_call_id of every call recorded (migration 0021: an INSERT notifies the status channel too),
+changing status or recording an event, gathered for a moment; it reads the rows itself. A thread (:func:`session_events`, a stream a server gave
 no socket for) reads the table each time it is woken, or when its keep-alive interval has passed.
 """
 from __future__ import annotations
@@ -230,6 +233,70 @@ class LoopEvent:
         self.event.set()
 
 
+class Heard:
+    """A firehose's inbox on ``loop`` (:meth:`Listener.add_everything`): the ids of the calls that changed
+    since it was last emptied, and ``reread`` when the listener (re)connected (notices may have been lost);
+    ``event`` is set on the loop when something came in."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.ids: set[str] = set()
+        self.reread = False
+
+    def set(self) -> None:
+        self._send(None)
+
+    def take_ids(self, tool_call_ids: list[str]) -> None:
+        self._send(tool_call_ids)
+
+    def _send(self, ids: list[str] | None) -> None:
+        try:
+            if _running_loop() is self.loop:
+                self._put(ids)
+            else:
+                self.loop.call_soon_threadsafe(self._put, ids)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _put(self, ids: list[str] | None) -> None:
+        if ids is None or len(self.ids) + len(ids) > INBOX:  # too many to name: the reader reads its list again
+            self.reread = True
+            self.ids.clear()
+        else:
+            self.ids.update(ids)
+        self.event.set()
+
+    def drain(self) -> tuple[set[str], bool]:
+        """``(ids, reread)`` come in so far, and empty again."""
+        ids, reread = self.ids, self.reread
+        self.ids, self.reread = set(), False
+        self.event.clear()
+        return ids, reread
+
+
+async def calls_changed(keepalive_s: float, gather_s: float) -> AsyncIterator[tuple[set[str], bool] | None]:
+    """Every call's changes, for an asyncio task: ``(tool_call_ids, reread)`` gathered over ``gather_s``
+    after the first (``reread``: notices may have been missed, read everything again), None when
+    ``keepalive_s`` passed with nothing; first a ``(set(), True)`` once subscribed, so the reader reads
+    after it listens. Holds no connection."""
+    heard = Heard(asyncio.get_running_loop())
+    LISTENER.add_everything(heard)
+    try:
+        yield set(), True
+        while True:
+            try:
+                async with asyncio.timeout(keepalive_s):
+                    await heard.event.wait()
+            except TimeoutError:
+                yield None
+                continue
+            await asyncio.sleep(gather_s)
+            yield heard.drain()
+    finally:
+        LISTENER.remove_everything(heard)
+
+
 class Listener:
     """One LISTEN connection per process, on both channels; wakes the streams of a session when it has
     news, and the waits on a call when its status changed."""
@@ -237,6 +304,7 @@ class Listener:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[tuple[str, str], set[Waker]] = {}
+        self._everything: set[Heard] = set()  # the firehoses: every call's changes (add_everything)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pid = 0
         self._reconnecting = False
@@ -269,11 +337,30 @@ class Listener:
                 if not waiters:
                     del self._waiters[(channel, key)]
 
+    def add_everything(self, heard: Heard) -> None:
+        """``heard`` is told the tool_call_id of every call recorded, changing status or recording an
+        event (migration 0021 announces a new call), and woken with the others on a reconnect."""
+        self.loop()
+        with self._lock:
+            self._everything.add(heard)
+
+    def remove_everything(self, heard: Heard) -> None:
+        with self._lock:
+            self._everything.discard(heard)
+
+    def _tell_everything(self, tool_call_ids: list[str]) -> None:
+        if not self._everything or not tool_call_ids:
+            return
+        with self._lock:
+            told = list(self._everything)
+        for heard in told:
+            heard.take_ids(tool_call_ids)
+
     def _wake(self, target: tuple[str, str] | None, notice: Notice | None = None) -> None:
         """Wake the waiters of ``target`` (everyone's when None); a stream's inbox takes ``notice``."""
         with self._lock:
             if target is None:
-                woken = [w for ws in self._waiters.values() for w in ws]
+                woken = [w for ws in self._waiters.values() for w in ws] + list(self._everything)
             else:
                 woken = list(self._waiters.get(target, ()))
         for waiter in woken:
@@ -326,12 +413,17 @@ class Listener:
                 return
             notes = list(conn.notifies)
             conn.notifies.clear()
+            changed = []
             for target in dict.fromkeys((n.channel, n.payload) for n in notes if n.channel == STATUS_CHANNEL):
                 self._wake(target)
+                changed.append(target[1])
             for note in notes:  # in their order: the events' order
                 if note.channel == EVENTS_CHANNEL:
                     notice = notice_of(note.payload)
                     self._wake((EVENTS_CHANNEL, notice.session_id), notice)
+                    if notice.payload is not None and isinstance(notice.payload.get("tool_call_id"), str):
+                        changed.append(notice.payload["tool_call_id"])
+            self._tell_everything(changed)
 
         fd = conn.fileno()  # kept: once libpq has closed the socket, conn.fileno() raises
         try:

@@ -180,9 +180,9 @@ def database_down(monkeypatch):
     return down
 
 
-@pytest.fixture
-def api_url():
-    """The API in a real threaded HTTP server (werkzeug) on a free port: for streams and HTTP clients."""
+@contextmanager
+def served_api():
+    """The API in a real threaded HTTP server (werkzeug) on a free port; its base URL."""
     from werkzeug.serving import make_server
 
     from app import create_app
@@ -194,3 +194,10 @@ def api_url():
         yield f"http://127.0.0.1:{server.server_port}"
     finally:
         server.shutdown()
+
+
+@pytest.fixture
+def api_url():
+    """The API in a real threaded HTTP server (werkzeug) on a free port: for streams and HTTP clients."""
+    with served_api() as url:
+        yield url

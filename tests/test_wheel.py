@@ -70,11 +70,15 @@ def test_alembic_is_configured_in_code_with_the_shipped_scripts():
 # -- the wheel, installed and run outside the checkout -------------------------------------------------
 
 def _shipped_files() -> dict[str, Path]:
-    """Each file the wheel must carry under ``voice_tools/`` → the checkout's file."""
+    """Each file the wheel must carry that is not a module → the checkout's file: under ``voice_tools/``
+    the Procfiles and migrations; the console's page template, script, style and icon."""
     files = {f"voice_tools/{name}": ROOT / name for name in ("Procfile", "Procfile.local")}
     for path in sorted((ROOT / "migrations").rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
             files[f"voice_tools/{path.relative_to(ROOT).as_posix()}"] = path
+    for path in sorted((ROOT / "app" / "console").rglob("*")):
+        if path.is_file() and path.suffix in (".html", ".js", ".css", ".svg"):
+            files[path.relative_to(ROOT).as_posix()] = path
     return files
 
 
@@ -175,6 +179,8 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
         listed = requests.get(f"{url}/voice-tools/tools", headers=auth, timeout=10)
         assert listed.status_code == 200 and "send_email" in listed.text, listed.text
         assert requests.get(f"{url}/readyz", headers=auth, timeout=10).status_code == 200
+        for page in ("/console", "/console/static/console.js", "/console/static/console.css", "/favicon.ico"):
+            assert requests.get(f"{url}{page}", timeout=10).status_code == 200, page  # the console, from the wheel
 
         played = subprocess.run([str(venv / "bin" / "voice-tools"), "demo"], cwd=work, env=env,
                                 capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)

@@ -47,14 +47,19 @@ def stats(*, since: datetime | None = None, tool: str | None = None) -> list[dic
         return queries.stats(s, since=since, tool=tool)
 
 
-def redeliver(*, failed_only: bool = False, tool_call_id: str | None = None) -> list[CallbackDelivery]:
+def redeliver(*, failed_only: bool = False, tool_call_id: str | None = None,
+              event_ids: Iterable[str] | None = None) -> list[CallbackDelivery]:
     """Send undelivered callbacks again from the callbacks queue: every failed one (``failed_only``),
-    or one call's failed or still-retrying ones, or that call's failed ones (both); the deliveries
-    queued, as they were before. :class:`models.queries.NotFound` for an unknown call."""
+    or one call's failed or still-retrying ones, or that call's failed ones (both), only those of
+    ``event_ids`` when given; the deliveries queued, as they were before.
+    :class:`models.queries.NotFound` for an unknown call."""
     with db.session() as s:
         if tool_call_id is not None:
             queries.get(s, tool_call_id)
         chosen = queries.redeliverable(s, failed_only=failed_only, tool_call_id=tool_call_id)
+    if event_ids is not None:
+        wanted = set(event_ids)
+        chosen = [d for d in chosen if d.event_id in wanted]
     queued = set(attempts.redeliver([d.event_id for d in chosen]))
     return [d for d in chosen if d.event_id in queued]
 

@@ -147,11 +147,12 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
     relay_cancels = cancel and answers.answers_a_cancel(delivery.payload)
 
     def record_it() -> None:
-        state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note)
+        state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note,
+                                took_s=seconds)
         metrics.callback_attempt(delivery.event, state, seconds)
 
     def hand_over() -> None:  # a delivered attempt: recorded with the others of the moment, off the link's clock
-        delivered_attempts.record(event_id, code, note)
+        delivered_attempts.record(event_id, code, note, took_s=seconds)
         metrics.callback_attempt(delivery.event, "delivered", seconds)
 
     if later is None or relay_cancels:
@@ -164,14 +165,18 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
 
 
 def _record_attempt(event_id: str, attempts_before: int, code: int | None, error: str | None,
-                    max_attempts: int, *, final: bool = False, note: str | None = None) -> str:
-    """Record one attempt on its row; return the row's new state (delivered, pending or failed)."""
+                    max_attempts: int, *, final: bool = False, note: str | None = None,
+                    took_s: float | None = None) -> str:
+    """Record one attempt on its row (its log entry: when, the answer's status, the error, how long it
+    took); return the row's new state (delivered, pending or failed)."""
     delivered = error is None
     attempts = attempts_before + 1
     exhausted = not delivered and (final or attempts >= max_attempts)
     state = "delivered" if delivered else ("failed" if exhausted else "pending")
     next_at = None if delivered or exhausted else datetime.now(timezone.utc) + timedelta(seconds=backoff_s(attempts))
     log_entry: dict[str, Any] = {"at": datetime.now(timezone.utc).isoformat(), "response_code": code, "error": error}
+    if took_s is not None:
+        log_entry["took_ms"] = round(took_s * 1000, 1)
     if note:
         log_entry["note"] = note
     with db.statement() as s:  # one statement, its own transaction

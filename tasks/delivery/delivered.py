@@ -79,18 +79,21 @@ class _Recorder(LingeringThread):
 recorder = per_process(_Recorder)
 
 
-def attempt(event_id: str, code: int | None, note: str | None) -> dict[str, Any]:
-    """A delivered attempt of ``event_id`` made just now, answered with ``code``, as the batch carries it."""
+def attempt(event_id: str, code: int | None, note: str | None, took_s: float | None = None) -> dict[str, Any]:
+    """A delivered attempt of ``event_id`` made just now, answered with ``code`` after ``took_s``, as the batch
+    carries it."""
     at = datetime.now(timezone.utc).isoformat()
     entry: dict[str, Any] = {"at": at, "response_code": code, "error": None}
+    if took_s is not None:
+        entry["took_ms"] = round(took_s * 1000, 1)
     if note:
         entry["note"] = note
     return {"event_id": event_id, "code": code, "at": at, "entry": entry}
 
 
-def record(event_id: str, code: int | None, note: str | None = None) -> None:
-    """Hand over a delivered attempt of ``event_id`` (answered with ``code``), made just now."""
-    recorder().put(attempt(event_id, code, note))
+def record(event_id: str, code: int | None, note: str | None = None, took_s: float | None = None) -> None:
+    """Hand over a delivered attempt of ``event_id`` (answered with ``code`` after ``took_s``), made just now."""
+    recorder().put(attempt(event_id, code, note, took_s))
 
 
 def drain(timeout: float = DRAIN_S) -> bool:

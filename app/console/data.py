@@ -1,0 +1,37 @@
+"""The console's data, each view one line over the room's operations (``tasks/calls/browse.py``), with
+the caller ``app/auth.py`` found for the request's token. The actions on a call (cancel, proceed) are
+REST's own endpoints; a redelivery is the operators' ``admin.redeliver``, for one event."""
+from __future__ import annotations
+
+from flask import Blueprint, g
+
+from app import inputs
+from app.console.pages import DATA_PREFIX
+from tasks.calls import browse
+
+bp = Blueprint("console_data", __name__, url_prefix=DATA_PREFIX.rstrip("/"))
+
+
+@bp.get("/me")
+def whoami():
+    return browse.whoami(g.who)
+
+
+@bp.get("/calls")
+def calls():
+    return browse.page(inputs.query(), g.who)
+
+
+@bp.get("/calls/<tool_call_id>")
+def call(tool_call_id: str):
+    return browse.call(tool_call_id, g.who)
+
+
+@bp.post("/calls/<tool_call_id>/events/<event_id>/redeliver")
+def redeliver(tool_call_id: str, event_id: str):
+    return browse.redeliver(tool_call_id, event_id, g.who)
+
+
+@bp.get("/tools")
+def tool_figures():
+    return browse.tool_figures(g.who)

@@ -1,0 +1,458 @@
+// The voice-tools console: the token stays in this tab (sessionStorage) and goes in the Authorization
+// header of every request, to this origin only; nothing is put in a URL. No library, no build step.
+"use strict";
+(() => {
+  const KEY = "voice-tools-console-token";
+  const view = document.body.dataset.view;
+  const ident = document.body.dataset.id;
+  const $ = (id) => document.getElementById(id);
+  let me = null;
+  let liveAbort = null;
+  let shown = false; // the view was set up once: signing in again reloads the page instead
+
+  // -- small helpers ---------------------------------------------------------------------
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value !== null && value !== undefined) node.setAttribute(name, value);
+    }
+    for (const child of children) {
+      if (child !== null && child !== undefined) node.append(child instanceof Node ? child : String(child));
+    }
+    return node;
+  }
+  const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
+  function age(iso) {
+    const s = Math.max(0, Math.round((Date.now() - Date.parse(iso)) / 1000));
+    if (s < 60) return `${s}s`;
+    if (s < 3600) return `${Math.floor(s / 60)}m`;
+    if (s < 86400) return `${Math.floor(s / 3600)}h`;
+    return `${Math.floor(s / 86400)}d`;
+  }
+  const time = (iso) => (iso ? new Date(iso).toISOString().replace("T", " ").slice(0, 23) : "");
+  const statusBadge = (status) => el("span", {class: `status s-${String(status).toLowerCase()}`}, status);
+  function problem(text) {
+    const p = $("problem");
+    p.textContent = text || "";
+    p.hidden = !text;
+  }
+
+  // -- the API, with the token ---------------------------------------------------------------
+  const token = () => sessionStorage.getItem(KEY);
+  async function api(path, options = {}) {
+    const headers = {Authorization: `Bearer ${token()}`};
+    let body;
+    if (options.json !== undefined) {
+      headers["Content-Type"] = "application/json";
+      body = JSON.stringify(options.json);
+    }
+    const answer = await fetch(path, {method: options.method || "GET", headers, body, cache: "no-store",
+      credentials: "omit", redirect: "error"});
+    const data = await answer.json().catch(() => null);
+    if (answer.status === 401) {
+      signOut("The token was refused.");
+    }
+    if (!answer.ok) {
+      const error = new Error((data && data.message) || answer.statusText);
+      error.status = answer.status;
+      throw error;
+    }
+    return data;
+  }
+
+  // -- signing in and out ------------------------------------------------------------------
+  function showSignIn(message) {
+    $("sign-in").hidden = false;
+    $("sign-in-error").textContent = message || "";
+    $("nav").hidden = true;
+    $("sign-out").hidden = true;
+    $("who").textContent = "";
+    for (const section of document.querySelectorAll(".view")) section.hidden = true;
+    $("token").focus();
+  }
+  function signOut(message) {
+    sessionStorage.removeItem(KEY);
+    me = null;
+    if (liveAbort) liveAbort.abort();
+    liveAbort = null;
+    problem("");
+    for (const body of document.querySelectorAll(".view tbody, #calls-rows")) body.replaceChildren();
+    showSignIn(message);
+  }
+  async function start() {
+    try {
+      me = await api("/console/api/me");
+    } catch (error) {
+      if (token()) signOut(error.message);
+      return;
+    }
+    $("sign-in").hidden = true;
+    $("token").value = "";
+    $("nav").hidden = false;
+    $("nav-tools").hidden = !me.admin;
+    $("sign-out").hidden = false;
+    $("who").textContent = `Signed in as ${me.name}${me.admin ? " (admin)" : ""}`;
+    if (shown) {
+      location.reload();
+      return;
+    }
+    shown = true;
+    const section = $(`view-${view}`);
+    if (section) section.hidden = false;
+    ({calls: callsView, call: callView, session: sessionView, tools: toolsView}[view])();
+  }
+
+  // -- the live stream: Server-Sent Events read with fetch (an EventSource cannot send the token) ----
+  function setLive(text) {
+    const state = $("live-state");
+    if (state) state.textContent = text;
+  }
+  async function live(onCalls, onReread) {
+    while (token()) {
+      const abort = new AbortController();
+      liveAbort = abort;
+      try {
+        const answer = await fetch("/console/api/live", {headers: {Authorization: `Bearer ${token()}`},
+          signal: abort.signal, cache: "no-store", credentials: "omit"});
+        if (!answer.ok) throw new Error(`live list: ${answer.status}`);
+        setLive("live");
+        const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
+        let buffer = "";
+        for (;;) {
+          const {value, done} = await reader.read();
+          if (done) break;
+          buffer += value;
+          let cut;
+          while ((cut = buffer.indexOf("\n\n")) >= 0) {
+            const block = buffer.slice(0, cut);
+            buffer = buffer.slice(cut + 2);
+            let kind = "", data = "";
+            for (const line of block.split("\n")) {
+              if (line.startsWith("event: ")) kind = line.slice(7);
+              else if (line.startsWith("data: ")) data += line.slice(6);
+            }
+            if (kind === "calls") onCalls(JSON.parse(data));
+            else if (kind === "reread") onReread();
+          }
+        }
+      } catch (error) {
+        if (abort.signal.aborted) return;
+      }
+      if (liveAbort !== abort) return;
+      setLive("reconnecting");
+      await sleep(2000);
+    }
+  }
+
+  // a read that runs at most once at a time, and once more if asked meanwhile
+  function coalesced(read) {
+    let running = null, again = false;
+    const run = async () => {
+      if (running) {
+        again = true;
+        return running;
+      }
+      running = (async () => {
+        do {
+          again = false;
+          try {
+            await read();
+          } catch (error) {
+            problem(error.message);
+          }
+        } while (again);
+      })();
+      await running;
+      running = null;
+    };
+    return run;
+  }
+
+  // -- the calls -------------------------------------------------------------------------
+  function callsView() {
+    const rows = new Map();
+    const list = $("calls-rows"); // a grid of rows, not a <table>: a changed row lays out alone
+    let filters = {};
+    let next = null;
+
+    function filtersOf() {
+      const found = {};
+      for (const [name, value] of new FormData($("filters"))) if (value.trim()) found[name] = value.trim();
+      return found;
+    }
+    const matches = (call) => Object.entries(filters).every(([name, value]) =>
+      (name === "tool" ? call.function_name : name === "status" ? call.status : call[name]) === value);
+    function rowOf(call) {
+      const cell = (...content) => el("span", {role: "cell"}, ...content);
+      const status = cell(statusBadge(call.status));
+      const ageCell = el("span", {role: "cell", "data-at": call.created_at}, age(call.created_at));
+      const row = el("div", {role: "row", class: "row", "data-id": call.tool_call_id, "data-at": call.created_at},
+        cell(el("a", {href: `/console/calls/${encodeURIComponent(call.tool_call_id)}`}, call.tool_call_id)),
+        cell(call.function_name), status,
+        cell(el("a", {href: `/console/sessions/${encodeURIComponent(call.session_id)}`}, call.session_id)),
+        cell(call.caller || ""), ageCell);
+      rows.set(call.tool_call_id, {row, status, call});
+      return row;
+    }
+    function query(extra) {
+      const params = new URLSearchParams({...filters, ...extra});
+      return `/console/api/calls?${params}`;
+    }
+    const load = coalesced(async () => {
+      const page = await api(query({limit: 50}));
+      rows.clear();
+      list.replaceChildren(...page.calls.map(rowOf));
+      next = page.next;
+      $("older").hidden = !next;
+      $("calls-empty").hidden = page.calls.length > 0;
+      problem("");
+    });
+    function changed(calls) {
+      for (const call of calls) {
+        const known = rows.get(call.tool_call_id);
+        if (known) {
+          if (known.call.status !== call.status) {
+            known.call = call;
+            known.status.replaceChildren(statusBadge(call.status));
+          }
+          continue;
+        }
+        if (!matches(call)) continue;
+        const first = list.firstElementChild;
+        if (first && first.dataset.at > call.created_at) continue; // older than the top: in a later page
+        list.prepend(rowOf(call));
+        $("calls-empty").hidden = true;
+      }
+    }
+    $("filters").addEventListener("submit", (event) => {
+      event.preventDefault();
+      filters = filtersOf();
+      load();
+    });
+    $("filters").addEventListener("reset", () => setTimeout(() => {
+      filters = {};
+      load();
+    }));
+    $("older").addEventListener("click", async () => {
+      if (!next) return;
+      try {
+        const page = await api(query({limit: 50, ...next}));
+        list.append(...page.calls.filter((c) => !rows.has(c.tool_call_id)).map(rowOf));
+        next = page.next;
+        $("older").hidden = !next;
+      } catch (error) {
+        problem(error.message);
+      }
+    });
+    // ages: only the rows on screen are kept current (found by halving: the rows are in page order), and
+    // those scrolled into view are brought up to date, so 10,000 rows cost no more each tick than a screenful
+    function ageOnScreen() {
+      const shown = list.children;
+      let low = 0, high = shown.length;
+      while (low < high) {
+        const middle = (low + high) >> 1;
+        if (shown[middle].getBoundingClientRect().bottom < 0) low = middle + 1;
+        else high = middle;
+      }
+      let end = low;
+      while (end < shown.length && shown[end].getBoundingClientRect().top < innerHeight) end += 1;
+      for (let i = low; i < end; i += 1) { // every read first, then the writes: one layout, not one a row
+        const cell = shown[i].lastElementChild;
+        cell.textContent = age(cell.dataset.at);
+      }
+    }
+    let scrolled = null;
+    addEventListener("scroll", () => {
+      if (scrolled === null) scrolled = setTimeout(() => {
+        scrolled = null;
+        ageOnScreen();
+      }, 200);
+    }, {passive: true});
+    setInterval(() => {
+      if (!document.hidden) ageOnScreen();
+    }, 5000);
+    live(changed, load); // the stream's first frame says "read": the list is read once it listens
+  }
+
+  // -- one call ------------------------------------------------------------------------
+  function callView() {
+    const id = ident;
+    const path = `/console/api/calls/${encodeURIComponent(id)}`;
+    const load = coalesced(async () => {
+      let shown;
+      try {
+        shown = await api(path);
+      } catch (error) {
+        if (error.status === 404) {
+          $("view-call").hidden = true;
+          problem(`No call ${id} that this token may see.`);
+          if (liveAbort) liveAbort.abort();
+          return;
+        }
+        throw error;
+      }
+      render(shown);
+    });
+
+    async function act(button, request) {
+      button.disabled = true;
+      try {
+        await request();
+        problem("");
+      } catch (error) {
+        problem(error.message);
+      }
+      await load();
+    }
+    const cancel = () => api(`/voice-tools/cancel/${encodeURIComponent(id)}`, {method: "DELETE",
+      json: {reason: "Cancelled from the console"}});
+    const resume = (action) => api(`/voice-tools/resume/${encodeURIComponent(id)}`, {method: "POST",
+      json: action === "cancel" ? {action, reason: "Cancelled from the console"} : {action}});
+
+    function render({record, events, links, counters}) {
+      $("call-status").replaceChildren(statusBadge(record.status));
+      $("call-summary").replaceChildren(`${record.function_name} · session `,
+        el("a", {href: `/console/sessions/${encodeURIComponent(record.session_id)}`}, record.session_id),
+        ` · caller ${record.caller || "none"} · step ${record.current_step || "none"} · progress ` +
+        `${Math.round((record.progress || 0) * 100)}%`);
+      const actions = $("actions");
+      const offered = record.actions_available || [];
+      const buttons = [];
+      if (offered.includes("proceed")) {
+        const proceed = el("button", {type: "button", id: "action-proceed"}, "Proceed");
+        proceed.addEventListener("click", () => act(proceed, () => resume("proceed")));
+        buttons.push(proceed);
+      }
+      if (offered.includes("cancel")) {
+        const stop = el("button", {type: "button", id: "action-cancel", class: "danger"}, "Cancel call");
+        stop.addEventListener("click", () => act(stop, offered.includes("proceed") ? () => resume("cancel") : cancel));
+        buttons.push(stop);
+      }
+      actions.replaceChildren(...buttons);
+      $("call-parameters").textContent = JSON.stringify(record.parameters, null, 2);
+      const changes = record.parameters_history || [];
+      $("call-changes").replaceChildren(...(changes.length ? changes.map((c) =>
+        el("li", {}, `${time(c.at)}: ${c.field} ${JSON.stringify(c.old)} → ${JSON.stringify(c.new)}`)) :
+        [el("li", {}, "none")]));
+      $("call-timeline").replaceChildren(...(record.status_history || []).map((entry) =>
+        el("li", {}, el("time", {datetime: entry.at}, time(entry.at)), " ", statusBadge(entry.status),
+          entry.reason ? ` ${entry.reason}` : "")));
+      $("call-links").tBodies[0].replaceChildren(...links.map((link) =>
+        el("tr", {}, el("td", {}, link.step), el("td", {}, time(link.recorded_at)),
+          el("td", {}, link.took_ms === null ? "" : `${link.took_ms} ms`))));
+      $("call-counters").textContent = `Link runs: ${counters.attempts} in all, ${counters.step_attempts} of the ` +
+        `current step; claims of the side effect: ${counters.effect_attempts}; chain run again by the ` +
+        `stuck-call sweep: ${counters.redrives}.`;
+      $("call-voice").textContent = record.voice_response || "";
+      $("call-outcome").textContent = record.outcome || "open";
+      $("call-error").textContent = record.error_message || "";
+      $("call-result").textContent = record.result ? JSON.stringify(record.result, null, 2) : "";
+      $("call-events").tBodies[0].replaceChildren(...events.map((item) => {
+        const attempts = el("ol", {class: "attempts"}, ...item.attempt_log.map((a) =>
+          el("li", {}, `${a.response_code === null ? "no answer" : `HTTP ${a.response_code}`}` +
+            `${a.took_ms !== undefined ? `, ${a.took_ms} ms` : ""}, ${time(a.at)}${a.error ? `: ${a.error}` : ""}`)));
+        const cell = el("td", {});
+        if (item.actions_available.includes("redeliver")) {
+          const again = el("button", {type: "button", class: "redeliver", "data-event": item.event_id,
+            "aria-label": `Redeliver event ${item.seq} (${item.event})`}, "Redeliver");
+          again.addEventListener("click", () => act(again, async () => {
+            await api(`${path}/events/${item.event_id}/redeliver`, {method: "POST"});
+            setTimeout(load, 1500); // the attempt is made by a worker, and recorded a moment later
+          }));
+          cell.append(again);
+        }
+        return el("tr", {"data-event": item.event_id}, el("td", {}, item.seq),
+          el("td", {}, item.event + (item.step ? ` (${item.step})` : "")),
+          el("td", {class: `delivery d-${item.state}`}, item.url ? item.state : "no URL"),
+          el("td", {}, attempts), el("td", {}, time(item.next_attempt_at)),
+          el("td", {}, el("code", {}, item.event_id)), cell);
+      }));
+    }
+    live((calls) => {
+      if (calls.some((c) => c.tool_call_id === id)) load();
+    }, load);
+  }
+
+  // -- a session, as the relay's context reads it --------------------------------------------
+  function sessionView() {
+    const tbody = $("session-calls").tBodies[0];
+    const load = coalesced(async () => {
+      const context = await api(`/voice-tools/context/${encodeURIComponent(ident)}?limit=100`);
+      const calls = [...context.pending, ...context.recent];
+      calls.sort((a, b) => (a.created_at < b.created_at ? -1 : 1));
+      tbody.replaceChildren(...calls.map((call) => el("tr", {"data-id": call.tool_call_id},
+        el("td", {}, el("a", {href: `/console/calls/${encodeURIComponent(call.tool_call_id)}`}, call.tool_call_id)),
+        el("td", {}, call.function_name), el("td", {}, statusBadge(call.status)), el("td", {}, time(call.created_at)),
+        el("td", {}, call.voice_response || ""))));
+    });
+    live((calls) => {
+      if (calls.some((c) => c.session_id === ident)) load();
+    }, load);
+  }
+
+  // -- the tools -----------------------------------------------------------------------
+  const SVG = "http://www.w3.org/2000/svg";
+  function chart(tool) {
+    // the last hour, a bar per minute, oldest on the left; failures in a second colour
+    const width = 180, height = 36, most = Math.max(1, ...tool.per_minute);
+    const svg = document.createElementNS(SVG, "svg");
+    svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+    svg.setAttribute("width", width);
+    svg.setAttribute("height", height);
+    svg.setAttribute("role", "img");
+    svg.setAttribute("aria-label", `${tool.tool}: ${tool.calls_last_hour} calls in the last hour, ` +
+      `${tool.failed_last_hour} failed`);
+    const axis = document.createElementNS(SVG, "rect");
+    axis.setAttribute("x", 0);
+    axis.setAttribute("y", height - 1);
+    axis.setAttribute("width", width);
+    axis.setAttribute("height", 1);
+    axis.setAttribute("class", "axis");
+    svg.append(axis);
+    for (let ago = 0; ago < 60; ago += 1) {
+      for (const [values, kind] of [[tool.per_minute, "bar"], [tool.failed_per_minute, "bar-failed"]]) {
+        if (!values[ago]) continue;
+        const h = Math.max(1, Math.round((values[ago] / most) * (height - 2)));
+        const rect = document.createElementNS(SVG, "rect");
+        rect.setAttribute("x", (59 - ago) * 3);
+        rect.setAttribute("y", height - h);
+        rect.setAttribute("width", 2);
+        rect.setAttribute("height", h);
+        rect.setAttribute("class", kind);
+        svg.append(rect);
+      }
+    }
+    return svg;
+  }
+  function toolsView() {
+    const tbody = $("tools").tBodies[0];
+    const load = coalesced(async () => {
+      const {tools} = await api("/console/api/tools");
+      tbody.replaceChildren(...tools.map((tool) => el("tr", {"data-tool": tool.tool},
+        el("th", {scope: "row"}, tool.tool), el("td", {}, tool.queue_depth === null ? "?" : tool.queue_depth),
+        el("td", {}, Object.entries(tool.open).map(([s, n]) => `${n} ${s}`).join(", ") || "0"),
+        el("td", {}, tool.calls_per_minute), el("td", {}, tool.failed_last_hour),
+        el("td", {}, tool.callbacks_failed),
+        el("td", {}, el("ul", {class: "steps"}, ...tool.steps.map((step) =>
+          el("li", {}, `${step.step}: ${step.p50_ms} / ${step.p99_ms} ms`)))),
+        el("td", {}, chart(tool)))));
+    });
+    $("tools-refresh").addEventListener("click", load);
+    load();
+    setInterval(() => {
+      if (!document.hidden && token()) load();
+    }, 30000);
+  }
+
+  // -- wiring --------------------------------------------------------------------------
+  $("sign-in-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const given = $("token").value.trim();
+    if (!given) return;
+    sessionStorage.setItem(KEY, given);
+    start();
+  });
+  $("sign-out").addEventListener("click", () => signOut("Signed out."));
+  if (token()) start();
+  else showSignIn();
+})();

@@ -1,0 +1,123 @@
+"""What the console reads: a page of calls newest first (by keyset, never OFFSET), the calls a live
+list must redraw, and each tool's figures over the last hour.
+
+The list is ordered by ``(created_at, tool_call_id)`` descending and continued after the last
+row shown, so every page is one index range (migration 0021: every call, a caller's own, one
+tool's; a session's by ``idx_tool_calls_session``) however many calls the table holds.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable
+
+from sqlalchemy import Row, Select, and_, func, select, text, tuple_
+
+from models.calls import FAILED, ToolCall
+
+# the columns of a row of the list
+LIST_COLUMNS = (ToolCall.tool_call_id, ToolCall.function_name, ToolCall.status, ToolCall.session_id,
+                ToolCall.caller, ToolCall.created_at)
+MAX_PAGE = 200
+HOUR_S = 3600
+
+
+def calls_page(s: Any, **filters: Any) -> list[Row[Any]]:
+    """Up to ``limit`` calls matching every filter, newest first (:func:`page_statement`)."""
+    return list(s.execute(page_statement(**filters)))
+
+
+def page_statement(*, scope: str | None, statuses: Iterable[str] = (), tool: str | None = None,
+                   session_id: str | None = None, caller: str | None = None, tool_call_id: str | None = None,
+                   before: tuple[datetime, str] | None = None, limit: int = 50) -> Select[Any]:
+    """Up to ``limit`` calls matching every filter, newest first, after ``before`` (the
+    ``(created_at, tool_call_id)`` of the last row of the previous page); only ``scope``'s calls when
+    it is given (None: an admin's, everyone's)."""
+    where = []
+    if scope is not None:
+        where.append(ToolCall.caller == scope)
+    if caller:
+        where.append(ToolCall.caller == caller)
+    statuses = tuple(statuses)
+    if statuses:
+        where.append(ToolCall.status.in_(statuses))
+    if tool:
+        where.append(ToolCall.function_name == tool)
+    if session_id:
+        where.append(ToolCall.session_id == session_id)
+    if tool_call_id:
+        where.append(ToolCall.tool_call_id == tool_call_id)
+    if before is not None:
+        where.append(tuple_(ToolCall.created_at, ToolCall.tool_call_id) < tuple_(*before))
+    return (select(*LIST_COLUMNS).where(and_(True, *where))
+            .order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id.desc()).limit(min(limit, MAX_PAGE)))
+
+
+def calls_by_id(s: Any, tool_call_ids: Iterable[str], scope: str | None) -> list[Row[Any]]:
+    """The list's rows of these calls (only ``scope``'s when given), with their progress."""
+    ids = list(tool_call_ids)
+    if not ids:
+        return []
+    stmt = select(*LIST_COLUMNS, ToolCall.progress, ToolCall.current_step).where(ToolCall.tool_call_id.in_(ids))
+    if scope is not None:
+        stmt = stmt.where(ToolCall.caller == scope)
+    return list(s.execute(stmt))
+
+
+_PER_MINUTE = text(f"""
+    SELECT function_name, floor(extract(epoch FROM now() - created_at) / 60)::int AS minutes_ago, count(*) AS calls,
+           count(*) FILTER (WHERE status = '{FAILED}') AS failed
+    FROM tool_calls WHERE created_at >= now() - make_interval(secs => {HOUR_S})
+    GROUP BY 1, 2
+""")
+
+# each step's time: from the event before it (or the confirmation) to the event its link recorded
+_STEP_TIMES = text(f"""
+    WITH recent AS (
+        SELECT tool_call_id, function_name, confirmed_at FROM tool_calls
+        WHERE created_at >= now() - make_interval(secs => {HOUR_S}) AND confirmed_at IS NOT NULL
+    ), timed AS (
+        SELECT r.function_name, d.payload->>'step' AS step, d.seq,
+               1000 * extract(epoch FROM d.created_at - coalesce(
+                   lag(d.created_at) OVER (PARTITION BY d.tool_call_id ORDER BY d.seq), r.confirmed_at)) AS ms
+        FROM recent r JOIN callback_deliveries d ON d.tool_call_id = r.tool_call_id
+    )
+    SELECT function_name, step, count(*) AS runs,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50_ms,
+           percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99_ms
+    FROM timed WHERE step IS NOT NULL GROUP BY 1, 2 ORDER BY 1, min(seq)
+""")
+
+_CALLBACKS_FAILED = text(f"""
+    SELECT t.function_name, count(*) FROM tool_calls t
+    JOIN callback_deliveries d ON d.tool_call_id = t.tool_call_id
+    WHERE t.created_at >= now() - make_interval(secs => {HOUR_S}) AND d.state = 'failed'
+    GROUP BY 1
+""")
+
+
+def hour_figures(s: Any) -> dict[str, dict[str, Any]]:
+    """Per tool over the last hour: calls and failures per minute (index 0: this minute), each
+    step's p50/p99 (ms, from the events its links recorded), callbacks given up."""
+    figures: dict[str, dict[str, Any]] = {}
+
+    def entry(tool: str) -> dict[str, Any]:
+        return figures.setdefault(tool, {"per_minute": [0] * 60, "failed_per_minute": [0] * 60, "steps": [],
+                                         "callbacks_failed": 0})
+
+    for tool, minutes_ago, calls, failed in s.execute(_PER_MINUTE):
+        if 0 <= minutes_ago < 60:
+            entry(tool)["per_minute"][minutes_ago] = calls
+            entry(tool)["failed_per_minute"][minutes_ago] = failed
+    for tool, step, runs, p50, p99 in s.execute(_STEP_TIMES):
+        entry(tool)["steps"].append({"step": step, "runs": runs, "p50_ms": round(p50), "p99_ms": round(p99)})
+    for tool, count in s.execute(_CALLBACKS_FAILED):
+        entry(tool)["callbacks_failed"] = count
+    return figures
+
+
+def open_counts(s: Any) -> dict[tuple[str, str], int]:
+    """How many calls of each tool are open now, by status (the partial index of open calls)."""
+    stmt = (select(ToolCall.function_name, ToolCall.status, func.count())
+            .where(ToolCall.status.in_(("PENDING", "PREPARED", "EXECUTING"))).group_by(ToolCall.function_name,
+                                                                                      ToolCall.status))
+    return {(tool, status): count for tool, status, count in s.execute(stmt)}

@@ -1,0 +1,160 @@
+"""What the console asks of the calls (``app/console/``): who the token is, a page of calls, one call
+with its events and their delivery attempts, a failed event sent again, each tool's figures.
+
+Fenced as every operation is: a caller sees and acts on its own calls only, an admin on all;
+another caller's call is :class:`models.queries.NotFound`, the same 404 as an unknown id. The
+actions on a call themselves are the operations REST and the CLI call (``operations.cancel``,
+``operations.resume``, ``admin.redeliver``).
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from marshmallow import fields, validate
+
+from models import browse, db, queries
+from models.calls import STATUSES, CallbackDelivery
+from tasks import tools
+from tasks.calls import admin, schemas
+from tasks.calls.callers import Caller, scope_of
+from tasks.calls.errors import ApiError
+from tasks.celery_app import app as celery_app
+from tasks.worker.metrics_page import QueueDepth
+
+Answer = tuple[dict[str, Any], int]
+
+REDELIVER = "redeliver"
+
+
+class PageQuery(schemas.Strict):
+    status = fields.String(validate=validate.OneOf(STATUSES))
+    tool = schemas.Identifier()
+    session_id = schemas.Identifier()
+    caller = fields.String(validate=validate.Length(min=1, max=100))
+    tool_call_id = schemas.Identifier()
+    before_at = fields.AwareDateTime()
+    before_id = schemas.Identifier()
+    limit = fields.Integer(load_default=50, validate=validate.Range(min=1, max=browse.MAX_PAGE))
+
+
+def _row(row: Any) -> dict[str, Any]:
+    item = {"tool_call_id": row.tool_call_id, "function_name": row.function_name, "status": row.status,
+            "session_id": row.session_id, "caller": row.caller, "created_at": row.created_at.isoformat()}
+    if "progress" in row._fields:
+        item.update(progress=row.progress, current_step=row.current_step)
+    return item
+
+
+def whoami(caller: Caller) -> Answer:
+    """The token's name and whether it is an admin's."""
+    return {"name": caller.name, "admin": caller.admin}, 200
+
+
+def page(query: dict[str, Any], caller: Caller | None) -> Answer:
+    """A page of calls, newest first, and the cursor of the next (None: the last page)."""
+    loaded = schemas.load(PageQuery, query)
+    before = None
+    if "before_at" in loaded or "before_id" in loaded:
+        if "before_at" not in loaded or "before_id" not in loaded:
+            raise ApiError(422, "validation_error", "before_at and before_id go together.", {})
+        before = (loaded["before_at"], loaded["before_id"])
+    with db.statement() as s:
+        rows = browse.calls_page(s, scope=scope_of(caller), statuses=[loaded["status"]] if "status" in loaded else (),
+                                 tool=loaded.get("tool"), session_id=loaded.get("session_id"),
+                                 caller=loaded.get("caller"), tool_call_id=loaded.get("tool_call_id"),
+                                 before=before, limit=loaded["limit"])
+    calls = [_row(r) for r in rows]
+    last = rows[-1] if len(rows) == loaded["limit"] else None
+    following = {"before_at": last.created_at.isoformat(), "before_id": last.tool_call_id} if last else None
+    return {"calls": calls, "next": following}, 200
+
+
+def rows_of(tool_call_ids: list[str], caller: Caller | None) -> list[dict[str, Any]]:
+    """The list's rows of these calls that ``caller`` may see (the live list's redraw)."""
+    with db.statement() as s:
+        return [_row(r) for r in browse.calls_by_id(s, tool_call_ids, scope_of(caller))]
+
+
+def _when(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _event(delivery: CallbackDelivery) -> dict[str, Any]:
+    payload = delivery.payload or {}
+    return {
+        "event_id": delivery.event_id, "event": delivery.event, "seq": delivery.seq, "step": payload.get("step"),
+        "status": payload.get("status"), "url": delivery.url, "state": delivery.state,
+        "attempts": delivery.attempts, "last_error": delivery.last_error, "response_code": delivery.response_code,
+        "next_attempt_at": _when(delivery.next_attempt_at), "created_at": _when(delivery.created_at),
+        "delivered_at": _when(delivery.delivered_at), "attempt_log": delivery.attempt_log or [],
+        "actions_available": [REDELIVER] if delivery.url is not None and delivery.state == "failed" else [],
+    }
+
+
+def _links(call: Any, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step a link recorded: when its event was recorded and how long since the one before
+    (the confirmation, for the first)."""
+    links = []
+    previous = call.confirmed_at
+    for item in events:
+        if item["step"] is None:
+            continue
+        at = datetime.fromisoformat(item["created_at"])
+        took = round((at - previous).total_seconds() * 1000) if previous is not None else None
+        links.append({"step": item["step"], "event": item["event"], "recorded_at": item["created_at"],
+                      "took_ms": took})
+        previous = at
+    return links
+
+
+def call(tool_call_id: Any, caller: Caller | None) -> Answer:
+    """One call's whole record (as ``GET /voice-tools/status`` answers it), its events with their
+    delivery attempts, and its links."""
+    tool_call_id = schemas.load(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
+    with db.session() as s:
+        row = queries.get(s, tool_call_id, caller=scope_of(caller))
+        events = [_event(d) for d in queries.deliveries(s, tool_call_id)]
+    record = schemas.instance(schemas.CallRecord).dump(row)
+    counters = {"attempts": row.attempts, "step_attempts": row.step_attempts,
+                "effect_attempts": row.effect_attempts, "redrives": row.redrives}
+    return {"record": record, "events": events, "links": _links(row, events), "counters": counters}, 200
+
+
+def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer:
+    """Send one failed event of the call again (the operator's ``callbacks redeliver``), if its record offers it."""
+    tool_call_id = schemas.load(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
+    with db.session() as s:
+        queries.get(s, tool_call_id, caller=scope_of(caller))
+        chosen = [d for d in queries.deliveries(s, tool_call_id) if d.event_id == event_id]
+    if not chosen or REDELIVER not in _event(chosen[0])["actions_available"]:
+        raise ApiError(409, "invalid_state", "This event is not one to redeliver (only a failed one with a URL).",
+                       {"event_id": str(event_id)[:64]})
+    queued = admin.redeliver(tool_call_id=tool_call_id, failed_only=True, event_ids=[chosen[0].event_id])
+    return {"queued": [d.event_id for d in queued]}, 202
+
+
+def tool_figures(caller: Caller) -> Answer:
+    """Per tool: its queue's depth (read from the broker by the collector of the workers' ``/metrics``), the
+    calls open now, calls and failures per minute over the last hour (``calls_per_minute``: over the last
+    five), each step's p50/p99. An admin's only: the figures are every caller's."""
+    if not caller.admin:
+        raise ApiError(403, "forbidden", "The tools' figures are every caller's: an admin token sees them.", {})
+    depths = {}
+    for family in QueueDepth(celery_app).collect():
+        depths = {sample.labels["queue"]: int(sample.value) for sample in family.samples}
+    with db.session() as s:
+        hour = browse.hour_figures(s)
+        open_now = browse.open_counts(s)
+    answer = []
+    for name in tools.names():
+        tool = tools.get(name)
+        figures = hour.get(name) or {"per_minute": [0] * 60, "failed_per_minute": [0] * 60, "steps": [],
+                                     "callbacks_failed": 0}
+        answer.append({
+            "tool": name, "queue": tool.queue, "queue_depth": depths.get(tool.queue),
+            "open": {status: count for (t, status), count in open_now.items() if t == name},
+            "calls_last_hour": sum(figures["per_minute"]), "failed_last_hour": sum(figures["failed_per_minute"]),
+            "calls_per_minute": round(sum(figures["per_minute"][:5]) / 5, 2), **figures,
+        })
+    return {"tools": answer}, 200

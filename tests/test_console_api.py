@@ -1,0 +1,279 @@
+"""The operator console's server side (``app/console/``): its pages open and locked down, its data
+fenced as REST is, its list paged by keyset on an index, its live list told of every call.
+
+The browser itself drives the console in ``tests/test_console_browser.py``.
+"""
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from html.parser import HTMLParser
+
+import pytest
+import requests
+from sqlalchemy import text
+from sqlalchemy.dialects import postgresql
+
+from models import browse, db
+from support.sse_client import Stream
+from tests.api_fixtures import GUIDE_EMAIL
+from tests.conftest import API_TOKEN, AUTH
+
+BOB = {"Authorization": "Bearer bob-token"}
+OPS = {"Authorization": "Bearer ops-token"}
+PAGES = ("/console", "/console/calls/tc_abc", "/console/sessions/sess_1", "/console/tools")
+FILES = {"/console/static/console.js": "javascript", "/console/static/console.css": "text/css",
+         "/console/static/icon.svg": "image/svg+xml", "/favicon.ico": "image/svg+xml"}
+
+
+@pytest.fixture(autouse=True)
+def three_tokens(monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin")
+
+
+def record(client, headers=AUTH, session_id="sess_console", **parameters) -> str:
+    answer = client.post("/voice-tools/pending", headers=headers,
+                         json={"session_id": session_id, "function": "send_email",
+                               "parameters": {**GUIDE_EMAIL, **parameters}})
+    assert answer.status_code == 201, answer.get_json()
+    return answer.get_json()["tool_call_id"]
+
+
+class Tags(HTMLParser):
+    """Every start tag of a page, with its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.labels: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag == "label":
+            self.labels.add(dict(attrs).get("for") or "")
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_a_page_is_served_without_a_token_locked_down_and_with_no_inline_script_or_style(client, path):
+    answer = client.get(path)
+    assert answer.status_code == 200 and answer.mimetype == "text/html"
+    csp = answer.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "style-src 'self'" in csp
+    assert "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp and "connect-src 'self'" in csp
+    assert answer.headers["X-Frame-Options"] == "DENY"
+    assert answer.headers["X-Content-Type-Options"] == "nosniff"
+    page = Tags()
+    page.feed(answer.get_data(as_text=True))
+    assert not [t for t, a in page.tags if t == "style"] and not [a for _, a in page.tags if "style" in a]
+    scripts = [a for t, a in page.tags if t == "script"]
+    assert scripts == [{"src": "/console/static/console.js", "defer": None}]
+    assert not [a for _, a in page.tags if any(name.startswith("on") for name in a)]  # no inline handlers
+    for tag, attrs in page.tags:  # every control has a name: a <label for> or an aria-label
+        if tag in ("input", "select") and attrs.get("type") != "hidden":
+            assert attrs["id"] in page.labels or attrs.get("aria-label"), attrs
+    for url in (a.get("src") or a.get("href") for _, a in page.tags):
+        assert url is None or url.startswith("/"), url  # nothing from another origin
+
+
+@pytest.mark.parametrize("path,kind", FILES.items())
+def test_the_script_style_and_icon_are_served_without_a_token(client, path, kind):
+    answer = client.get(path)
+    assert answer.status_code == 200 and kind in answer.content_type
+    assert answer.headers["X-Frame-Options"] == "DENY"
+
+
+def test_the_data_needs_a_token_and_says_whose_it_is(client):
+    refused = client.get("/console/api/me")
+    assert refused.status_code == 401 and refused.get_json()["error"] == "unauthorized"
+    assert refused.headers["X-Frame-Options"] == "DENY"
+    assert client.get("/console/api/calls").status_code == 401
+    assert client.get("/console/api/me", headers=AUTH).get_json() == {"name": "tests", "admin": False}
+    assert client.get("/console/api/me", headers=OPS).get_json() == {"name": "ops", "admin": True}
+
+
+def test_the_list_is_fenced_as_rest_is(client):
+    ours = record(client)
+    bobs = record(client, headers=BOB, session_id="sess_bob")
+    listed = lambda headers, query="": [c["tool_call_id"] for c in client.get(
+        f"/console/api/calls{query}", headers=headers).get_json()["calls"]]
+    assert listed(AUTH) == [ours]
+    assert listed(BOB) == [bobs]
+    assert listed(OPS) == [bobs, ours]  # an admin: everyone's, newest first
+    assert listed(OPS, "?caller=tests") == [ours]
+    assert listed(BOB, "?caller=tests") == []  # a caller filter never widens the fence
+    assert client.get(f"/console/api/calls/{ours}", headers=BOB).status_code == 404
+    assert client.get(f"/console/api/calls/{ours}", headers=AUTH).status_code == 200
+    assert client.get(f"/console/api/calls/{ours}", headers=OPS).status_code == 200
+
+
+def test_the_filters_and_the_search_by_id(client):
+    first = record(client, session_id="sess_a")
+    second = record(client, session_id="sess_b")
+    client.delete(f"/voice-tools/cancel/{first}", headers=AUTH)
+    listed = lambda query: [c["tool_call_id"] for c in client.get(
+        f"/console/api/calls?{query}", headers=AUTH).get_json()["calls"]]
+    assert listed("status=CANCELLED") == [first]
+    assert listed("status=PENDING") == [second]
+    assert listed("session_id=sess_a") == [first]
+    assert listed("tool=send_email") == [second, first]
+    assert listed("tool=create_task") == []
+    assert listed(f"tool_call_id={second}") == [second]
+    assert client.get("/console/api/calls?status=LOST", headers=AUTH).status_code == 422
+    assert client.get("/console/api/calls?offset=3", headers=AUTH).status_code == 422
+
+
+def test_paging_by_keyset_gives_every_call_once_newest_first(client):
+    made = [record(client, subject=f"Subject {i}") for i in range(7)]
+    seen: list[str] = []
+    query = {"limit": 3}
+    while True:
+        page = client.get("/console/api/calls", headers=AUTH, query_string=query).get_json()
+        seen += [c["tool_call_id"] for c in page["calls"]]
+        if page["next"] is None:
+            break
+        query = {"limit": 3, **page["next"]}
+    assert seen == list(reversed(made))
+
+
+PLANS = {
+    "everyone's": {"scope": None},
+    "a caller's own": {"scope": "tests"},
+    "one tool's": {"scope": None, "tool": "send_email"},
+    "a session's": {"scope": None, "session_id": "sess_a"},
+    "a caller's, one tool's, one open status": {"scope": "tests", "tool": "send_email", "statuses": ["PENDING"]},
+}
+
+
+def _nodes(plan: dict) -> list[str]:
+    return [plan["Node Type"], *(n for child in plan.get("Plans", []) for n in _nodes(child))]
+
+
+@pytest.mark.parametrize("filters", PLANS.values(), ids=PLANS.keys())
+def test_a_page_is_one_index_range_at_any_depth(filters):
+    """Held without ten million rows: with sequential scans and sorts priced out, a page of the list
+    (the first, and one after a cursor) must still be an index scan with no sort of the whole
+    selection; a plan that needed either (no index on the order) shows it anyway."""
+    from datetime import datetime, timezone
+
+    for before in (None, (datetime.now(timezone.utc), "tc_zzzz")):
+        stmt = browse.page_statement(**filters, before=before, limit=50)
+        sql = str(stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+        assert "OFFSET" not in sql.upper()
+        with db.engine().connect() as conn:
+            conn.execute(text("SET LOCAL enable_seqscan = off"))
+            conn.execute(text("SET LOCAL enable_sort = off"))
+            plan = conn.execute(text(f"EXPLAIN (FORMAT JSON) {sql}")).scalar_one()[0]["Plan"]
+        nodes = _nodes(plan)
+        assert "Seq Scan" not in nodes and "Sort" not in nodes, (filters, nodes)
+        assert any("Index" in n for n in nodes), nodes
+
+
+def test_the_migration_matches_the_models_indexes():
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from models.calls import Base
+
+    with db.engine().connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    touched = [d for d in diff if "tool_calls_created" in repr(d) or "caller_created" in repr(d)]
+    assert touched == [], touched
+
+
+class Frames:
+    """The live list's frames, read by a thread of their own: :meth:`next` waits at most ``timeout``
+    (keep-alive comments never hold a test past its deadline)."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        self.stream = Stream(url, headers)
+        self.queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                _, data = self.stream.next_event()
+                self.queue.put((self.stream.kinds[-1], data))
+        except Exception as exc:  # closed
+            self.queue.put(("ended", repr(exc)))
+
+    def next(self, timeout: float) -> tuple[str, object]:
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no frame within {timeout} s") from None
+
+    def until(self, found, timeout: float, check=lambda data: None) -> float:
+        """Frames until ``found(kind, data)``; ``check(data)`` on each ``calls`` frame; the seconds it took."""
+        started = time.monotonic()
+        while True:
+            kind, data = self.next(max(0.0, timeout - (time.monotonic() - started)))
+            if kind == "calls":
+                check(data)
+            if found(kind, data):
+                return time.monotonic() - started
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def names(tool_call_id: str, status: str | None = None):
+    return lambda kind, data: kind == "calls" and any(
+        c["tool_call_id"] == tool_call_id and status in (None, c["status"]) for c in data)
+
+
+def test_the_live_list_is_told_of_a_new_call_and_of_each_change_only_what_its_caller_may_see(api_url):
+    ours_live = Frames(f"{api_url}/console/api/live", AUTH)
+    ops_live = Frames(f"{api_url}/console/api/live", OPS)
+    only_ours = lambda data: [c for c in data if c["caller"] != "tests"] == [] or pytest.fail(f"not ours: {data}")
+    try:
+        for live in (ours_live, ops_live):
+            assert live.next(5.0) == ("reread", {})  # subscribed: the page reads its list now
+        bobs = requests.post(f"{api_url}/voice-tools/pending", headers=BOB, timeout=10, json={
+            "session_id": "sess_bob", "function": "send_email", "parameters": GUIDE_EMAIL}).json()["tool_call_id"]
+        assert ops_live.until(names(bobs, "PENDING"), 2.0) < 2.0  # an admin's firehose: every caller's calls
+        ours = requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, timeout=10, json={
+            "session_id": "sess_ours", "function": "send_email", "parameters": GUIDE_EMAIL}).json()["tool_call_id"]
+        ours_live.until(names(ours, "PENDING"), 2.0, only_ours)
+        requests.delete(f"{api_url}/voice-tools/cancel/{ours}", headers=AUTH, timeout=10)
+        ours_live.until(names(ours, "CANCELLED"), 2.0, only_ours)
+        ops_live.until(names(ours, "CANCELLED"), 2.0)
+    finally:
+        ours_live.close()
+        ops_live.close()
+
+
+def test_a_redelivery_is_refused_where_the_record_does_not_offer_it(client):
+    ours = record(client)
+    client.delete(f"/voice-tools/cancel/{ours}", headers=AUTH)  # a cancelled event with no URL: nothing to send
+    shown = client.get(f"/console/api/calls/{ours}", headers=AUTH).get_json()
+    [event] = shown["events"]
+    assert (event["event"], event["state"], event["actions_available"]) == ("cancelled", "none", [])
+    again = client.post(f"/console/api/calls/{ours}/events/{event['event_id']}/redeliver", headers=AUTH)
+    assert again.status_code == 409
+    assert client.post(f"/console/api/calls/{ours}/events/{event['event_id']}/redeliver",
+                       headers=BOB).status_code == 404
+
+
+def test_the_tools_figures_are_an_admins(client):
+    record(client)
+    assert client.get("/console/api/tools", headers=AUTH).status_code == 403
+    figures = client.get("/console/api/tools", headers=OPS).get_json()["tools"]
+    email = next(t for t in figures if t["tool"] == "send_email")
+    assert email["queue"] == "tools.send_email" and email["calls_last_hour"] == 1
+    assert email["open"] == {"PENDING": 1} and len(email["per_minute"]) == 60
+    assert email["queue_depth"] == 0
+
+
+def test_no_token_reaches_a_log_line_or_a_url(client, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    client.get("/console/api/calls", headers=AUTH)
+    client.get("/console", headers=AUTH)
+    assert API_TOKEN not in caplog.text
+    script = client.get("/console/static/console.js").get_data(as_text=True)
+    assert "sessionStorage" in script and "localStorage" not in script and "document.cookie" not in script
+    assert not re.search(r"[?&](token|access_token)=", script)

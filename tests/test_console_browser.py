@@ -1,0 +1,315 @@
+"""The operator console in a real browser: Debian's Chromium, headless, driven by Selenium through the
+system's chromedriver (``/usr/bin/chromedriver``: Selenium Manager is never asked, nothing is downloaded).
+
+One browser and one API server (werkzeug, threaded: its event streams go to the stream loop as
+under gunicorn) for the module; each test signs in with its own token. After each test, every request
+the page made went to the API's origin and the browser's log holds no error. The screenshots of the
+list, a call and the tools view go to the test's folder; with ``VOICE_TOOLS_SCREENSHOTS=<folder>``
+(``docs/console`` for the operator guide's) they are copied there too.
+
+Skipped where Chromium or its driver is not installed (``apt-get install chromium chromium-driver``;
+``.ci/run`` installs them), except under ``CI=true``, where that is a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import requests
+
+from tests.api_fixtures import GUIDE_EMAIL, served_api
+from tests.conftest import API_TOKEN, AUTH
+from tests.helpers import deliveries
+
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CHROMIUM = Path("/usr/bin/chromium")
+TOKENS = f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin"
+BOB = {"Authorization": "Bearer bob-token"}
+OPS_TOKEN = "ops-token"
+
+if not (CHROMEDRIVER.exists() and CHROMIUM.exists()):
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI: the console's browser tests need Debian's chromium and chromium-driver")
+    pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
+
+from selenium import webdriver  # noqa: E402  (after the skip: an install without the browser needs no Selenium)
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VOICE_TOOLS_API_TOKENS", TOKENS)
+        yield
+
+
+@pytest.fixture(scope="module")
+def origin(database_and_broker, tokens):
+    """The API (``create_app()``) in a threaded werkzeug server on a free port, for the module."""
+    with served_api() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser(origin):
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1280,860", "--no-first-run", "--no-default-browser-check",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-default-apps", "--disable-extensions", "--metrics-recording-only",
+                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"):  # nothing but this machine
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def page(browser, origin, tmp_path, request):
+    """The browser, its logs drained first; after the test, every request it made went to ``origin`` and
+    its log holds no error but those the test expected (``page.expected_errors``)."""
+    browser.get_log("browser")
+    browser.get_log("performance")
+    browser.expected_errors = []
+    yield browser
+    urls = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    assert urls, "the page made no request?"
+    assert [u for u in urls if not u.startswith(f"{origin}/")] == [], urls
+    assert not [u for u in urls if API_TOKEN in u or OPS_TOKEN in u or "bob-token" in u]
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    unexpected = [e for e in errors if not any(part in e["message"] for part in browser.expected_errors)]
+    assert unexpected == [], unexpected
+
+
+def until(driver, found: Callable[[Any], Any], timeout: float = 10.0, what: str = "") -> Any:
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: found(d), message=what)
+
+
+def sign_in(driver, origin: str, token: str, path: str = "/console") -> None:
+    """Open ``path`` signed out, then sign in with the keyboard only: the token, then Enter."""
+    driver.get(f"{origin}/healthz")  # a page of the origin that reads nothing: forget the last test's token
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(f"{origin}{path}")
+    field = until(driver, lambda d: d.find_element(By.ID, "token") if d.find_element(By.ID, "token").is_displayed()
+                  else None, what="the sign-in form")
+    assert driver.switch_to.active_element == field  # the token field has the focus
+    field.send_keys(token + Keys.ENTER)
+    until(driver, lambda d: d.find_element(By.ID, "who").text.startswith("Signed in as"), what="signed in")
+
+
+def rows(driver) -> list[str]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#calls-rows > [role=row]')].map(r => r.dataset.id)")
+
+
+def status_in_row(driver, tool_call_id: str) -> str | None:
+    return driver.execute_script(
+        "const r = document.querySelector(`#calls [data-id='${arguments[0]}'] .status`);"
+        " return r ? r.textContent : null", tool_call_id)
+
+
+def record(origin: str, headers=AUTH, session_id: str = "sess_console", **extra: Any) -> str:
+    answer = requests.post(f"{origin}/voice-tools/pending", headers=headers, timeout=10, json={
+        "session_id": session_id, "function": "send_email", "parameters": dict(GUIDE_EMAIL), **extra})
+    assert answer.status_code == 201, answer.text
+    return answer.json()["tool_call_id"]
+
+
+def rest_status(origin: str, tool_call_id: str, headers=AUTH) -> str:
+    return requests.get(f"{origin}/voice-tools/status/{tool_call_id}", headers=headers, timeout=10).json()["status"]
+
+
+def screenshot(driver, tmp_path: Path, name: str) -> None:
+    """The whole page (up to 1,400 pixels high) as ``<name>.png``."""
+    path = tmp_path / f"{name}.png"
+    width, height = driver.get_window_size()["width"], driver.get_window_size()["height"]
+    tall = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(width, min(1400, max(height, tall + 140)))
+    try:
+        driver.save_screenshot(str(path))
+    finally:
+        driver.set_window_size(width, height)
+    assert path.stat().st_size < 400_000
+    into = os.environ.get("VOICE_TOOLS_SCREENSHOTS")
+    if into:
+        Path(into).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(into) / path.name)
+
+
+def every_control_named(driver) -> list[str]:
+    """The controls of the page shown with no name a screen reader would say."""
+    return driver.execute_script("""
+        return [...document.querySelectorAll('button, input, select, a[href]')]
+          .filter(e => e.offsetParent !== null)
+          .filter(e => !((e.labels && e.labels.length) || e.getAttribute('aria-label') || e.textContent.trim()))
+          .map(e => e.outerHTML);""")
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_its_page(page, origin, tmp_path):
+    sign_in(page, origin, OPS_TOKEN)
+    until(page, lambda d: d.find_element(By.ID, "live-state").text == "live", what="the live list")
+    for i in range(3):  # some history to show
+        earlier = record(origin, session_id=f"sess_{i}", parameters={**GUIDE_EMAIL, "subject": f"Offer {i}"})
+    requests.delete(f"{origin}/voice-tools/cancel/{earlier}", headers=AUTH, timeout=10)
+    record(origin, headers=BOB, session_id="sess_bob")
+    tool_call_id = record(origin)
+    recorded = time.monotonic()
+    until(page, lambda d: tool_call_id in rows(d), timeout=2.0, what="the new call in the list within 2 s")
+    assert time.monotonic() - recorded < 2.0
+    assert rows(page)[0] == tool_call_id  # newest first
+    assert status_in_row(page, tool_call_id) == "PENDING"
+    assert every_control_named(page) == []
+    screenshot(page, tmp_path, "calls")
+
+    link = page.find_element(By.LINK_TEXT, tool_call_id)
+    link.send_keys(Keys.ENTER)  # the keyboard opens it
+    cancel = until(page, lambda d: d.find_element(By.ID, "action-cancel"), what="Cancel, offered")
+    assert page.find_elements(By.ID, "action-proceed") == []  # a PENDING call is not at a checkpoint
+    assert "Recorded" in page.find_element(By.ID, "call-timeline").text
+    assert '"subject": "Test"' in page.find_element(By.ID, "call-parameters").text
+    page.execute_script("window.notReloaded = true")
+    cancel.send_keys(Keys.ENTER)
+    until(page, lambda d: d.find_element(By.ID, "call-status").text == "CANCELLED", what="CANCELLED on the page")
+    assert rest_status(origin, tool_call_id) == "CANCELLED"
+    assert page.execute_script("return window.notReloaded") is True
+    assert page.find_elements(By.ID, "action-cancel") == []  # nothing offered on an ended call
+    assert page.find_element(By.ID, "call-outcome").text == "not_done"
+
+    page.find_element(By.ID, "sign-out").click()
+    until(page, lambda d: d.find_element(By.ID, "token").is_displayed(), what="signed out")
+    assert page.execute_script("return sessionStorage.length") == 0
+
+
+def test_a_status_changes_in_the_list_without_a_reload(page, origin):
+    sign_in(page, origin, API_TOKEN)
+    tool_call_id = record(origin)
+    until(page, lambda d: status_in_row(d, tool_call_id) == "PENDING", timeout=2.0, what="listed")
+    page.execute_script("window.notReloaded = true")
+    requests.delete(f"{origin}/voice-tools/cancel/{tool_call_id}", headers=AUTH, timeout=10)
+    until(page, lambda d: status_in_row(d, tool_call_id) == "CANCELLED", timeout=2.0, what="CANCELLED in place")
+    assert page.execute_script("return window.notReloaded") is True
+
+    other = record(origin, session_id="sess_other")
+    until(page, lambda d: rows(d) == [other, tool_call_id], timeout=2.0, what="both listed")
+    page.find_element(By.ID, "f-status").send_keys("CANCELLED")  # a filter, from the keyboard
+    page.find_element(By.ID, "f-session").send_keys("sess_console" + Keys.ENTER)
+    until(page, lambda d: rows(d) == [tool_call_id], what="the filter applied")
+    record(origin, session_id="sess_other")  # matches no filter: never shown
+    third = record(origin, session_id="sess_console")
+    requests.delete(f"{origin}/voice-tools/cancel/{third}", headers=AUTH, timeout=10)
+    until(page, lambda d: rows(d) == [third, tool_call_id], timeout=2.0, what="a match, live")
+    page.find_element(By.ID, "f-id").send_keys(tool_call_id + Keys.ENTER)  # the search by id
+    until(page, lambda d: rows(d) == [tool_call_id], what="found by id")
+
+
+def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, origin, worker, relay, tmp_path):
+    sign_in(page, origin, API_TOKEN)
+    tool_call_id = record(origin, session_id="sess_checkpoint", callback_url=relay.url)
+    confirmed = requests.post(f"{origin}/voice-tools/confirm/{tool_call_id}", headers=AUTH, json={}, timeout=10)
+    assert confirmed.status_code == 202, confirmed.text
+    page.get(f"{origin}/console/calls/{tool_call_id}")
+    proceed = until(page, lambda d: d.find_element(By.ID, "action-proceed"), timeout=15.0,
+                    what="Proceed, offered at the checkpoint")
+    assert page.find_element(By.ID, "call-status").text == "PREPARED"
+    assert page.find_element(By.ID, "action-cancel").text == "Cancel call"
+    assert every_control_named(page) == []
+    proceed.click()
+    until(page, lambda d: d.find_element(By.ID, "call-status").text == "COMPLETED", timeout=15.0,
+          what="COMPLETED on the page")
+    assert rest_status(origin, tool_call_id) == "COMPLETED"
+    until(page, lambda d: d.find_element(By.ID, "call-outcome").text == "done", what="the outcome")
+    assert page.find_element(By.ID, "call-voice").text
+    steps = page.find_element(By.ID, "call-links").text
+    assert "PREPARING" in steps and "SENDING" in steps
+    relay.wait_for(tool_call_id, "completed")
+    page.refresh()  # the delivered attempts are recorded a moment after their post: read them all
+    until(page, lambda d: d.find_element(By.ID, "call-events").text.count("HTTP 200") == 4, timeout=10.0,
+          what="each event delivered, with its attempt")
+    webhook_ids = [e["event_id"] for e in relay.events_for(tool_call_id)]
+    assert all(i in page.find_element(By.ID, "call-events").text for i in webhook_ids)
+    screenshot(page, tmp_path, "call")
+
+    page.get(f"{origin}/console/sessions/sess_checkpoint")  # the session, as the relay's context reads it
+    until(page, lambda d: tool_call_id in d.find_element(By.ID, "session-calls").text, what="the session's call")
+
+
+def test_another_caller_never_sees_the_first_callers_calls_and_is_refused_their_page(page, origin):
+    theirs = record(origin)
+    page.expected_errors = [f"/console/api/calls/{theirs} - Failed to load resource: the server responded with "
+                            "a status of 404"]
+    sign_in(page, origin, "bob-token")
+    mine = record(origin, headers=BOB, session_id="sess_bob")
+    until(page, lambda d: mine in rows(d), timeout=2.0, what="bob's own call")
+    later = record(origin)  # recorded while bob watches: announced to every list, shown to none but its caller's
+    last = record(origin, headers=BOB, session_id="sess_bob")
+    until(page, lambda d: last in rows(d), timeout=2.0, what="bob's second call")
+    assert rows(page) == [last, mine]
+    assert theirs not in page.page_source and later not in page.page_source
+    assert not page.find_element(By.ID, "nav-tools").is_displayed()  # the tools' figures are an admin's
+
+    page.get(f"{origin}/console/calls/{theirs}")
+    until(page, lambda d: d.find_element(By.ID, "problem").text, what="refused")
+    assert page.find_element(By.ID, "problem").text == f"No call {theirs} that this token may see."
+    assert not page.find_element(By.ID, "view-call").is_displayed()
+    assert page.find_element(By.ID, "call-parameters").get_attribute("textContent") == ""
+
+
+def test_a_failed_callback_redelivered_from_the_page_arrives_at_the_relay(page, origin, worker, relay,
+                                                                           monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "1")
+    relay.answer(lambda event: 503)  # the relay is down
+    tool_call_id = record(origin, callback_url=relay.url)
+    assert requests.delete(f"{origin}/voice-tools/cancel/{tool_call_id}", headers=AUTH, timeout=10).ok
+    until(page, lambda d: [(x.event, x.state) for x in deliveries(tool_call_id)] == [("cancelled", "failed")],
+          timeout=15.0, what="the cancelled event given up")
+    relay.answer(lambda event: None)  # back up
+
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{tool_call_id}")
+    again = until(page, lambda d: d.find_element(By.CSS_SELECTOR, "button.redeliver"), what="Redeliver, offered")
+    assert "HTTP 503" in page.find_element(By.ID, "call-events").text
+    assert every_control_named(page) == []
+    again.click()
+    relay_events = lambda: [e["event"] for e in relay.events_for(tool_call_id)]
+    until(page, lambda d: relay_events() == ["cancelled", "cancelled"], timeout=15.0, what="redelivered")
+    until(page, lambda d: "HTTP 200" in d.find_element(By.ID, "call-events").text, timeout=10.0,
+          what="the delivered attempt on the page")
+    assert page.find_elements(By.CSS_SELECTOR, "button.redeliver") == []
+
+
+def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path):
+    for subject in ("One", "Two"):
+        done = requests.post(f"{origin}/voice-tools/execute?wait=10", headers=AUTH, timeout=20, json={
+            "session_id": "sess_tools", "function": "create_task", "parameters": {"title": subject}})
+        assert done.status_code == 200, done.text
+    record(origin)
+    sign_in(page, origin, OPS_TOKEN, "/console/tools")
+    until(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#tools tr[data-tool='create_task'] svg rect"),
+          what="the create_task row with its chart")
+    row = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='create_task']")
+    assert "ms" in row.text  # its steps' p50 / p99
+    email = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='send_email']")
+    assert "1 PENDING" in email.text
+    assert every_control_named(page) == []
+    screenshot(page, tmp_path, "tools")
