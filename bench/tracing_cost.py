@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=3, help="blocks of each side (default 3)")
     args = parser.parse_args(argv)
     with bench_servers("voice-tools-bench-tracing-") as data_dir:
-        from backends import load_demo
+        from voice_tools.backends import load_demo
         from support.relay import Relay
 
         load_demo()
