@@ -248,12 +248,14 @@ def test_metrics_folders_are_each_sides_own():
 
 
 def test_the_readme_reports_the_local_runs_footprint_and_the_command_that_measures_it():
-    """A local run idles at 250 MB PSS at most, as measured by ``voice-tools footprint`` (``python -m
-    bench.footprint``: measured, idle, and written down: a memory bound asserted here would be flaky)."""
+    """A local run idles at 255 MB PSS at most, as measured by ``voice-tools footprint`` (``python -m
+    bench.footprint``: measured, idle, and written down: a memory bound asserted here would be flaky).
+    The bound was 250 until the OpenTelemetry SDK came with the install: redis-py imports the SDK's
+    metrics module whenever it is installed, about 3 MB in each process that imports redis."""
     section = README.split("## Run it", 1)[1].split("\n## ", 1)[0]
     assert "```sh\n.venv/bin/voice-tools footprint\n```" in section
     measured = re.search(r"it is (\d+) processes and (\d+) MB PSS", section)
-    assert measured and int(measured.group(2)) <= 250, measured
+    assert measured and int(measured.group(2)) <= 255, measured
 
 
 def test_the_across_hosts_rows_give_each_host_what_it_needs():
