@@ -128,6 +128,18 @@ def clean_database(schema_tables):
     yield
 
 
+@pytest.fixture(autouse=True)
+def clean_log_context():
+    """Every test starts with no log context bound, and leaves none: an operation called outside a
+    request (a helper recording a call) adds its call's ids for "the rest of the request", which on a
+    test's thread is every later test of the process (``models/logs.py``)."""
+    from models import logs
+
+    token = logs.bind()
+    yield
+    logs.reset(token)
+
+
 def clear_shares() -> None:
     """Every test starts with no caller's share used (app/shares.py): a stream an earlier test dropped
     holds its slot until its server writes to it again (or, its server stopped, until its lease lapses)."""
