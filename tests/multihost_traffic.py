@@ -69,15 +69,25 @@ class HostsTraffic(Traffic):
             self.arrivals[event["event_id"]].append(time.monotonic())
         return super()._relay_answer(event)
 
-    def duplicate_problems(self, windows: list[tuple[float, float]]) -> list[str]:
+    def duplicate_problems(self, windows: list[tuple[float, float]], failed_attempts: dict[str, int]) -> list[str]:
         """Events the relay received more than once although their first copy came outside every fault
-        window (delivery is at least once: a copy again only when the sender may not have had the
-        relay's answer, its host lost or cut off as the answer came)."""
+        window and their row records fewer failed attempts than copies sent again (delivery is at least
+        once: a copy again only when the sender did not have the relay's whole answer, an attempt
+        recorded failed, or its host lost or cut off as the answer came). ``failed_attempts``: event_id
+        -> the failed attempts its row records."""
         with self._lock:
             arrivals = {event_id: list(times) for event_id, times in self.arrivals.items()}
-        return [f"event {event_id} received {len(times)} times, its first copy outside every fault"
+        return [f"event {event_id} received {len(times)} times, its first copy outside every fault, "
+                f"{failed_attempts.get(event_id, 0)} failed attempts recorded"
                 for event_id, times in arrivals.items()
-                if len(times) > 1 and not any(start <= times[0] <= end for start, end in windows)]
+                if len(times) - 1 > failed_attempts.get(event_id, 0)
+                and not any(start <= times[0] <= end for start, end in windows)]
+
+    def resent(self, failed_attempts: dict[str, int]) -> int:
+        """How many copies the relay received again after an attempt its row records failed (for the summary)."""
+        with self._lock:
+            return sum(min(len(times) - 1, failed_attempts.get(event_id, 0))
+                       for event_id, times in self.arrivals.items())
 
     # -- a session on one of the API hosts -------------------------------------------------
 

@@ -10,11 +10,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from models import db
 from models.calls import CallbackDelivery
@@ -240,6 +242,124 @@ def test_the_same_cancel_under_64_kib_cancels(servers):
     assert attempts.attempt(event_id).cancel is True
     assert row(tool_call_id).status == "CANCELLED"
     assert "note" not in delivery(event_id).attempt_log[0]
+
+
+# -- an answer at the deadline -------------------------------------------------------------
+
+class FramedRelay:
+    """A relay that answers each request ``{"received": true}`` ``answer_after`` seconds after it came,
+    framed as ``framing`` says: ``length`` (Content-Length), ``chunked``, or ``close`` (the answer
+    ends when the connection does, and this relay never ends it). ``hung_up`` is set when the
+    client closes or cuts the connection."""
+
+    BODY = b'{"received": true}'
+
+    def __init__(self, framing: str, answer_after: float = 0.0):
+        self.framing, self.answer_after = framing, answer_after
+        self.requests = 0
+        self.hung_up = threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.url = f"{self.base}/tool-progress"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _answer(self) -> bytes:
+        if self.framing == "length":
+            return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(self.BODY), self.BODY)
+        if self.framing == "chunked":
+            return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+                len(self.BODY), self.BODY)
+        return b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + self.BODY
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while True:  # one request after another on a kept-alive connection
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        self.hung_up.set()
+                        return
+                    data += chunk
+                head, _, data = data.partition(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                while len(data) < length:
+                    data += conn.recv(65536)
+                data = data[length:]
+                self.requests += 1
+                time.sleep(self.answer_after)
+                conn.sendall(self._answer())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def pause_the_sender(monkeypatch, method: str, relay: FramedRelay, most: float) -> None:
+    """Hold the sending thread at its first call of ``requests.Response.<method>`` for ``relay``'s answer
+    until the relay sees its connection cut (the attempt's deadline) or ``most`` seconds passed: a
+    sender that loses the processor there (a loaded machine) as the deadline comes, made certain."""
+    original = getattr(requests.Response, method)
+    held: list[str] = []
+
+    def paused(self: requests.Response, *args: Any, **kwargs: Any) -> Any:
+        if self.url.startswith(relay.base) and not held:
+            held.append(self.url)
+            relay.hung_up.wait(most)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(requests.Response, method, paused)
+
+
+def test_an_answer_read_whole_as_the_deadline_passes_is_delivered(servers, monkeypatch):
+    """The relay answers just inside the deadline and the sender, having read all of it, is held
+    past the deadline before it looks at the outcome: the relay has the event, and so does the row
+    (no second copy)."""
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
+    relay = servers(FramedRelay, "length", 0.8)
+    pause_the_sender(monkeypatch, "close", relay, most=2)
+    _, event_id = progress_event(relay.url)
+    answer = attempts.attempt(event_id)
+    found = delivery(event_id)
+    assert (found.state, found.attempts, found.response_code, found.last_error) == ("delivered", 1, 200, None)
+    assert (answer.delivered, relay.requests) == (True, 1)
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_an_answer_that_came_whole_before_the_deadline_cut_is_delivered(servers, monkeypatch, framing):
+    """The whole answer is in before the deadline but the sender reads it only after the watchdog cut
+    the connection: its framing (a length, a last chunk) shows it complete, so it is a delivery."""
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
+    relay = servers(FramedRelay, framing)
+    pause_the_sender(monkeypatch, "iter_content", relay, most=3)
+    _, event_id = progress_event(relay.url)
+    answer = attempts.attempt(event_id)
+    assert relay.hung_up.is_set()  # the deadline did cut the connection before the answer was read
+    found = delivery(event_id)
+    assert (found.state, found.attempts, found.response_code, found.last_error) == ("delivered", 1, 200, None)
+    assert (answer.delivered, relay.requests) == (True, 1)
+
+
+def test_an_answer_whose_end_is_the_cut_is_a_timeout(servers, monkeypatch):
+    """The control for the test above: an answer that ends only when its connection does is never
+    complete when the watchdog's cut is what ended it, however much of it came."""
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
+    relay = servers(FramedRelay, "close")
+    _, event_id = progress_event(relay.url)
+    assert not attempts.attempt(event_id).delivered
+    assert relay.hung_up.wait(5)
+    found = delivery(event_id)
+    assert (found.state, found.attempts, found.last_error) == ("pending", 1, "Timeout: no complete answer within 1 s")
 
 
 # -- the URL checked again at delivery ---------------------------------------------------

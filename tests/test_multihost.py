@@ -24,9 +24,10 @@ Then, once the system settles: every call terminal or waiting (PENDING, PREPARED
 only for what its caller has not done (never PENDING after a confirm taken, nor PREPARED after a
 resume taken); every side
 effect at most once (``email_outbox``, ``calendar_events``, ``todo_tasks``: one for each COMPLETED
-write call, none otherwise); every event delivered, each event_id once at the relay (a second copy
-only of an event whose first copy came while its worker's host was being lost or cut off: its
-sender may never have had the relay's answer, and delivery is at least once), and each stream
+write call, none otherwise); every event delivered, each event_id once at the relay (a copy again
+only of an event whose first copy came while its worker's host was being lost or cut off, or after
+an attempt its row records failed: its sender never had the relay's whole answer, and delivery is
+at least once), and each stream
 gapless by seq with each event once; a call whose cancel answered 200 CANCELLED (and never
 with its side effect), whatever the resume it raced answered; no answer but the
 expected ones (no 5xx, no request left unanswered by both API hosts); no call EXECUTING longer
@@ -144,6 +145,16 @@ def stream_rows() -> dict[str, list[tuple[str, str, int]]]:
                        CallbackDelivery.seq).join(ToolCall, ToolCall.tool_call_id == CallbackDelivery.tool_call_id)):
             rows.setdefault(session, []).append((event_id, call, seq))
     return rows
+
+
+def failed_attempts() -> dict[str, int]:
+    """event_id -> the failed attempts its row records (each one's copy may have reached the relay)."""
+    from models import db
+
+    with db.session() as s:
+        return dict(s.execute(text(
+            "SELECT event_id, count(*) FROM callback_deliveries, jsonb_array_elements(attempt_log) AS attempt "
+            "WHERE attempt->>'error' IS NOT NULL GROUP BY event_id")).all())
 
 
 def resume_url_problems(relay: Any, hosts: MultiHost) -> list[str]:
@@ -288,19 +299,21 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             marks = fault_marks()
             statuses = call_statuses()
             failed = failed_calls()
+            attempts_failed = failed_attempts()
     finally:
         followers.stop()
         relay.__exit__(None, None, None)
 
     problems = (verdict.problems + traffic.problems() + traffic.waiting_problems(statuses)
-                + traffic.duplicate_problems(windows)
+                + traffic.duplicate_problems(windows, attempts_failed)
                 + followers.problems(rows) + resume_url_problems(relay, hosts)
                 + ([f"{longest_call} EXECUTING {longest:.0f} s, past the bound of {STUCK_BOUND_S} s"]
                    if longest > STUCK_BOUND_S else []))
     print(f"\nmultihost on {hosts.kind} (seed {seed}): {verdict.calls} calls, {verdict.events} events "
           f"({followers.received()} on {len(rows)} streams, resumed {followers.resumed} times), "
           f"{len(faults)} faults, {len(problems)} problems; {verdict.summary()}; {traffic.summary()}; "
-          f"{marks}; longest EXECUTING {longest:.0f} s; traffic {traffic_s:.0f} s, settled in {settle_s:.0f} s\n  faults: "
+          f"{marks}; {traffic.resent(attempts_failed)} copies received again after a failed attempt; "
+          f"longest EXECUTING {longest:.0f} s; traffic {traffic_s:.0f} s, settled in {settle_s:.0f} s\n  faults: "
           + "; ".join(faults) + "".join(f"\n  FAILED {line}" for line in failed))
     assert problems == [], problems[:20]
     # each fault did what it says: the relays went over to api-2, and every tool ran

@@ -3,7 +3,9 @@ attempt's exchange bounded as a whole.
 
 Redirects are not followed. A watchdog ends the exchange at the timeout (a relay that
 drips a byte a second does not hold the link), and at most ``MAX_ANSWER_BYTES`` of the
-answer are read (a longer answer counts as no answer). The connection goes to the
+answer are read (a longer answer counts as no answer). An answer read whole is a delivery
+even when the deadline passed as it was read (the relay has the event: sending it again
+would only make a duplicate). The connection goes to the
 address the URL check approved (``tasks/delivery/url_policy.py``), with no second DNS
 answer in between: the name stays in the Host header and, for https, in SNI and the
 certificate check; a pooled connection to another address is not reused. The environment's
@@ -105,6 +107,13 @@ class _Watch:
                 self.fired = True
                 self._shut()
 
+    def settle(self) -> bool:
+        """The answer is read (to its end, or to the byte limit): from now on the deadline leaves the
+        connection alone. Returns whether the deadline had already cut it."""
+        with self._lock:
+            self.done = True
+            return self.fired
+
     def _shut(self) -> None:
         sock = getattr(self._conn, "sock", None)
         if sock is not None:
@@ -203,6 +212,12 @@ def http() -> requests.Session:
     return _http
 
 
+def _framed(response: requests.Response) -> bool:
+    """Whether the answer says where it ends (a Content-Length, chunks), so that reading it to that end
+    proves it whole; an answer that ends with its connection cannot tell the relay's end from the cut."""
+    return bool(response.raw.chunked) or response.raw.length_remaining is not None
+
+
 def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
              pin: tuple[str, str] | None, proxy: str | None = None) -> tuple[int | None, str | None, bytes, str | None]:
     """One request and its answer, all of it within ``timeout`` seconds and ``MAX_ANSWER_BYTES``.
@@ -211,12 +226,14 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
     proxy, the only hop when set.
 
     Returns (status code, error or None, the answer's bytes of a 2xx, a note). A 2xx
-    whose answer is longer than the limit is delivered with no answer (noted).
+    whose answer is longer than the limit is delivered with no answer (noted). A 2xx read whole is
+    delivered even when the deadline passed as it was read: the relay has the event.
     """
     code: int | None = None
     error: str | None = None
     raw = b""
     note: str | None = None
+    complete = False  # a 2xx answer read whole (or to the limit), whenever the deadline came
     _local.pin = pin
     try:
         with tracing.posting(url, headers) as span, _Watch(timeout) as watch:  # traceparent: the span's, if tracing
@@ -234,6 +251,10 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
                             if size > MAX_ANSWER_BYTES:
                                 note = f"answer over {MAX_ANSWER_BYTES} bytes: read as no answer"
                                 break
+                        cut = watch.settle()
+                        # the relay's own bytes settled it: the answer's framing says it is whole (the cut
+                        # only ends a read, and a framed answer ended early raises), or it is over the limit
+                        complete = not cut or note is not None or _framed(response)
                         raw = b"" if note else b"".join(chunks)
                     else:
                         error = f"HTTP {code}"
@@ -241,7 +262,7 @@ def exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
                     response.close()  # a connection left mid-answer is closed, not pooled
             except requests.RequestException as exc:
                 error = f"{type(exc).__name__}: {exc}"[:500]
-            if watch.fired:  # whatever the cut connection raised, the truth is the deadline
+            if watch.fired and not complete:  # whatever the cut connection raised, the truth is the deadline
                 error, raw, note = f"Timeout: no complete answer within {timeout:g} s", b"", None
             tracing.answered(span, code, error)
     finally:
