@@ -20,7 +20,7 @@ N8N_PREFIX = "/webhook"
 def create_app(config: dict[str, Any] | None = None) -> Flask:
     from flask import Flask
 
-    from app import api, auth, console, errors, health, inputs, metrics, request_log, shares, stream
+    from app import api, auth, console, errors, health, inputs, metrics, request_log, share_hooks, stream
     from tasks.tracing import web as tracing
 
     app = Flask(__name__, static_folder=None)
@@ -32,7 +32,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     tracing.register(app)  # a server span per request, with OTEL_EXPORTER_OTLP_ENDPOINT set (tasks/tracing/)
     metrics.register(app)  # then, so refused requests are counted and timed too
     auth.register(app)
-    shares.register(app)  # after the token: each caller's rate and open share (app/shares.py)
+    share_hooks.register(app)  # after the token: each caller's rate and open share (app/shares.py)
     errors.register(app)
     inputs.register(app)  # an answer that leaves the body unread closes the connection
     app.register_blueprint(api.bp)

@@ -1,5 +1,5 @@
 """Prometheus metrics of the API: request count and latency by method, endpoint and status, and the
-event streams open.
+event streams open (the stream loop's gauge, ``app/stream_gauges.py``).
 
 A method outside HTTP's standard ones is counted as ``other``: any token a client sends
 is a method name to gunicorn, and each would otherwise be a new label value.
@@ -15,16 +15,16 @@ import os
 import time
 
 from flask import Flask, Response, g, request
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from app import stream_gauges  # noqa: F401 - the stream loop's gauges, shown on this page too
 
 REQUESTS = Counter("voice_tools_http_requests_total", "HTTP requests answered",
                    ["method", "endpoint", "status"])
 LATENCY = Histogram("voice_tools_http_request_duration_seconds", "Time to answer an HTTP request",
                     ["method", "endpoint"])
-# the event streams the API's processes serve now (app/stream_loop.py); summed over the live processes
-STREAMS_OPEN = Gauge("voice_tools_event_streams_open", "Event streams served now", multiprocess_mode="livesum")
 
 
 STANDARD_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})

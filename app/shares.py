@@ -40,7 +40,6 @@ from limits import parse
 from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import SlidingWindowCounterRateLimiter
 
-from app import handover
 from models import settings
 from tasks.calls.errors import ApiError
 
@@ -468,34 +467,3 @@ def wait_slot(name: str, wait: Any, holds_thread: bool = True) -> Slot:
 
     schemas.load(schemas.WaitQuery, {"wait": wait})
     return take_slot(name, "wait", holds_thread=holds_thread)
-
-
-def register(app: Any) -> None:
-    """The REST face's hooks (after ``app.auth``'s): every request with a caller counts against its
-    rate; one that asks to wait, on a view that waits, holds a slot until it is answered (or, its
-    caller's share full, is refused 429 before it does anything). ``/healthz`` names no caller and
-    is never limited."""
-    from flask import g, request
-
-    from tasks.calls import schemas
-
-    def waits(endpoint: str | None) -> bool:
-        view = app.view_functions.get(endpoint) if endpoint else None
-        return getattr(view, "openapi", {}).get("query") is schemas.WaitQuery
-
-    @app.before_request
-    def _count_share() -> None:
-        who = g.get("who")
-        if who is None:
-            return
-        check_rate(who.name)
-        if asks_to_wait(request.args) and waits(request.endpoint):
-            # a wait the server gives the socket of is answered by the stream loop (app/wait_answer.py)
-            held = handover.socket_of(request.environ, ("POST",)) is None
-            g.share_slot = wait_slot(who.name, request.args.get("wait"), holds_thread=held)
-
-    @app.teardown_request
-    def _release_share(_exc: BaseException | None) -> None:
-        slot = g.pop("share_slot", None)
-        if slot is not None:
-            slot.release()

@@ -22,7 +22,7 @@ import time
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from app import shares, sse
+from app import shares, sse, stream_gauges
 from models import listen, settings
 
 log = logging.getLogger(__name__)
@@ -201,11 +201,9 @@ def _chunk(text: str, chunked: bool) -> bytes:
 
 async def _serve(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
                  chunked: bool, what: str) -> None:
-    from app import metrics  # the API's gauges (Flask's app): here, not at import, so the MCP face loads no Flask
-
     global _open
     _open += 1
-    metrics.STREAMS_OPEN.inc()
+    stream_gauges.STREAMS_OPEN.inc()
 
     async def pump(connection: Connection) -> bool:
         texts: Any = frames()
@@ -223,7 +221,7 @@ async def _serve(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], 
         await _served(sock, slot, pump, what)
     finally:
         _open -= 1
-        metrics.STREAMS_OPEN.dec()
+        stream_gauges.STREAMS_OPEN.dec()
 
 
 # -- a wait's answer ----------------------------------------------------------------------------------

@@ -156,3 +156,37 @@ def test_the_tasks_package_modules_take_the_app_from_celery_app_not_from_the_pac
     would be a circle."""
     back = sorted(name for name, targets in graph.items() if name.startswith("tasks.") and "tasks" in targets)
     assert back == []
+
+
+def imports_of_outside(path: Path) -> set[str]:
+    """The top-level names of the modules ``path`` imports anywhere in it (a function-level import too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """``start`` and every module of ours it imports, directly or not, a function-level import too."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    return seen
+
+
+def test_the_stream_loop_reaches_no_flask(graph):
+    """The MCP face (uvicorn) holds the stream loop for its waits: neither the loop nor any module of ours it
+    imports, even inside a function (the gauges of a stream served, the shares), imports Flask."""
+    def path(module: str) -> Path:
+        folder = ROOT / module.replace(".", "/")
+        return folder / "__init__.py" if folder.is_dir() else folder.with_suffix(".py")
+
+    with_flask = sorted(m for m in reached(graph, "app.stream_loop") if m in graph
+                        and "flask" in imports_of_outside(path(m)))
+    assert with_flask == []
