@@ -1,18 +1,19 @@
-"""A trace collector for the tests: a real HTTP server on 127.0.0.1 that takes OTLP/HTTP protobuf
-(``POST /v1/traces``) and decodes each request with ``opentelemetry-proto``'s own message classes
-(``ExportTraceServiceRequest``), keeping every span it received."""
+"""A trace collector for the tests: a real HTTP server on 127.0.0.1 (``tests/http_double.py``'s double)
+that takes OTLP/HTTP protobuf (``POST /v1/traces``) and decodes each request with ``opentelemetry-proto``'s
+own message classes (``ExportTraceServiceRequest``), keeping every span it received."""
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+from tests.http_double import HttpDouble, Request
 
 
 def _value(any_value: Any) -> Any:
@@ -46,39 +47,27 @@ class Receiver:
         self.requests = 0
         self.paths: list[str] = []
         self._lock = threading.Condition()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                assert self.headers.get("Content-Type") == "application/x-protobuf", self.headers
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                receiver._add(self.path, request)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._http = HttpDouble().answer("POST", r"^/v1/traces$", self._export, times=None,
+                                         headers={"Content-Type": "application/x-protobuf"})
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self._http.url
 
     def __enter__(self) -> "Receiver":
-        self._thread.start()
+        self._http.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._http.__exit__(*exc)
+
+    def _export(self, request: Request) -> bytes:
+        """One OTLP/HTTP export: its spans kept, answered with an empty ``ExportTraceServiceResponse``."""
+        assert request.headers.get("content-type") == "application/x-protobuf", request.headers
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(request.body)
+        self._add(request.path, message)
+        return ExportTraceServiceResponse().SerializeToString()
 
     def _add(self, path: str, request: ExportTraceServiceRequest) -> None:
         found = []
@@ -141,7 +130,7 @@ class GrpcReceiver(Receiver):
         import grpc
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
-        super().__init__()  # its HTTP server is made, never started
+        super().__init__()  # its OTLP/HTTP endpoint is served too, and never posted to
         receiver = self
 
         class Service(trace_service_pb2_grpc.TraceServiceServicer):
@@ -158,9 +147,10 @@ class GrpcReceiver(Receiver):
         return f"http://127.0.0.1:{self._port}"
 
     def __enter__(self) -> "GrpcReceiver":
+        super().__enter__()
         self._grpc.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._grpc.stop(grace=None)
-        self._server.server_close()
+        super().__exit__(*exc)
