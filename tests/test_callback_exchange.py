@@ -29,6 +29,23 @@ from tests.helpers import deliveries, delivery, make_call, progress_event, row, 
 DRIP_BYTES, DRIP_EVERY = 100, 0.2  # 20 s in all, yet every read gets a byte well within the 1 s timeout
 
 
+def read_request(conn: socket.socket, pending: bytes = b"") -> bytes | None:
+    """Read one request (its head, and a body of its Content-Length) from ``conn``, starting with the
+    ``pending`` bytes; the bytes that came after it, or None when the client hung up first."""
+    data = pending
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(rest) < length:
+        rest += conn.recv(65536)
+    return rest[length:]
+
+
 class DripServer:
     """A relay that answers its first ``drip`` requests slowly (in the status line
     or in the body): a byte every DRIP_EVERY seconds, and every later one at once with ``{"received": true}``.
@@ -59,17 +76,8 @@ class DripServer:
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             while True:  # one request after another on a kept-alive connection
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    data += chunk
-                head, _, rest = data.partition(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                while len(rest) < length:
-                    rest += conn.recv(65536)
+                if read_request(conn) is None:
+                    return
                 self.requests += 1
                 if self.requests > self.drip:
                     body = b'{"received": true}'
@@ -283,20 +291,12 @@ class FramedRelay:
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
-            data = b""
+            after: bytes | None = b""
             while True:  # one request after another on a kept-alive connection
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        self.hung_up.set()
-                        return
-                    data += chunk
-                head, _, data = data.partition(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                while len(data) < length:
-                    data += conn.recv(65536)
-                data = data[length:]
+                after = read_request(conn, after)
+                if after is None:
+                    self.hung_up.set()
+                    return
                 self.requests += 1
                 time.sleep(self.answer_after)
                 conn.sendall(self._answer())
