@@ -322,12 +322,12 @@ def pause_the_sender(monkeypatch, method: str, relay: FramedRelay, most: float) 
 
 
 def test_an_answer_read_whole_as_the_deadline_passes_is_delivered(servers, monkeypatch):
-    """The relay answers just inside the deadline and the sender, having read all of it, is held
+    """The relay answers inside the deadline and the sender, having read all of it, is held
     past the deadline before it looks at the outcome: the relay has the event, and so does the row
     (no second copy)."""
-    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "1")
-    relay = servers(FramedRelay, "length", 0.8)
-    pause_the_sender(monkeypatch, "close", relay, most=2)
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_TIMEOUT", "2")
+    relay = servers(FramedRelay, "length", 1.0)  # half the timeout: slack for a loaded machine
+    pause_the_sender(monkeypatch, "close", relay, most=3)  # past the deadline
     _, event_id = progress_event(relay.url)
     answer = attempts.attempt(event_id)
     found = delivery(event_id)
