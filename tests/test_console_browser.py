@@ -4,7 +4,7 @@ system's chromedriver (``/usr/bin/chromedriver``: Selenium Manager is never aske
 One browser and one API server (werkzeug, threaded: its event streams go to the stream loop as
 under gunicorn) for the module; each test signs in with its own token. After each test, every request
 the page made went to the API's origin and the browser's log holds no error. The screenshots of the
-list, a call and the tools view go to the test's folder; with ``VOICE_TOOLS_SCREENSHOTS=<folder>``
+list, a call, a call's retried run and the tools view go to the test's folder; with ``VOICE_TOOLS_SCREENSHOTS=<folder>``
 (``docs/console`` for the operator guide's) they are copied there too.
 
 Skipped where Chromium or its driver is not installed (``apt-get install chromium chromium-driver``;
@@ -322,7 +322,7 @@ def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path)
     screenshot(page, tmp_path, "tools")
 
 
-def test_a_link_retried_once_shows_both_its_runs_and_why_on_the_call_page(page, origin, register, relay):
+def test_a_link_retried_once_shows_both_its_runs_and_why_on_the_call_page(page, origin, register, relay, tmp_path):
     tries = itertools.count(1)
 
     def busy_once(step):
@@ -342,6 +342,7 @@ def test_a_link_retried_once_shows_both_its_runs_and_why_on_the_call_page(page, 
                                                   ("FETCH", "done", "")]
     assert all(r[1] and r[2].endswith(" ms") for r in runs)  # when each began, how long it took
     assert runs[0][1] < runs[1][1]
+    screenshot(page, tmp_path, "runs")
 
 
 # -- the tab's CPU with a long list ------------------------------------------------------------
