@@ -70,21 +70,12 @@ _PER_MINUTE = text(f"""
     GROUP BY 1, 2
 """)
 
-# each step's time: from the event before it (or the confirmation) to the event its link recorded
-_STEP_TIMES = text(f"""
-    WITH recent AS (
-        SELECT tool_call_id, function_name, confirmed_at FROM tool_calls
-        WHERE created_at >= now() - make_interval(secs => {HOUR_S}) AND confirmed_at IS NOT NULL
-    ), timed AS (
-        SELECT r.function_name, d.payload->>'step' AS step, d.seq,
-               1000 * extract(epoch FROM d.created_at - coalesce(
-                   lag(d.created_at) OVER (PARTITION BY d.tool_call_id ORDER BY d.seq), r.confirmed_at)) AS ms
-        FROM recent r JOIN callback_deliveries d ON d.tool_call_id = r.tool_call_id
-    )
-    SELECT function_name, step, count(*) AS runs,
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50_ms,
-           percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99_ms
-    FROM timed WHERE step IS NOT NULL GROUP BY 1, 2 ORDER BY 1, min(seq)
+# each run of each step, as its link recorded it on its call (migration 0022), in the order the steps run
+_STEP_RUNS = text(f"""
+    SELECT t.function_name, a->>'step' AS step, array_agg((a->>'took_ms')::text ORDER BY a->>'started_at') AS took_ms
+    FROM tool_calls t CROSS JOIN LATERAL jsonb_array_elements(t.link_attempts) a
+    WHERE t.created_at >= now() - make_interval(secs => {HOUR_S}) AND t.link_attempts <> '[]'::jsonb
+    GROUP BY 1, 2 ORDER BY 1, min(a->>'started_at')
 """)
 
 _CALLBACKS_FAILED = text(f"""
@@ -96,8 +87,8 @@ _CALLBACKS_FAILED = text(f"""
 
 
 def hour_figures(s: Any) -> dict[str, dict[str, Any]]:
-    """Per tool over the last hour: calls and failures per minute (index 0: this minute), each
-    step's p50/p99 (ms, from the events its links recorded), callbacks given up."""
+    """Per tool over the last hour: calls and failures per minute (index 0: this minute), the time
+    each run of each step took (ms, as its link recorded it), callbacks given up."""
     figures: dict[str, dict[str, Any]] = {}
 
     def entry(tool: str) -> dict[str, Any]:
@@ -108,8 +99,8 @@ def hour_figures(s: Any) -> dict[str, dict[str, Any]]:
         if 0 <= minutes_ago < 60:
             entry(tool)["per_minute"][minutes_ago] = calls
             entry(tool)["failed_per_minute"][minutes_ago] = failed
-    for tool, step, runs, p50, p99 in s.execute(_STEP_TIMES):
-        entry(tool)["steps"].append({"step": step, "runs": runs, "p50_ms": round(p50), "p99_ms": round(p99)})
+    for tool, step, took_ms in s.execute(_STEP_RUNS):
+        entry(tool)["steps"].append({"step": step, "took_ms": [float(ms) for ms in took_ms]})
     for tool, count in s.execute(_CALLBACKS_FAILED):
         entry(tool)["callbacks_failed"] = count
     return figures

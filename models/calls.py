@@ -110,6 +110,9 @@ class ToolCall(Base):
     effect_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     # runs of the current step (the bound of its retries)
     step_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # the latest runs of its links, each with its start, time taken, outcome and retry's reason
+    # (models/link_attempts.py; migration 0022)
+    link_attempts: Mapped[list[Any]] = mapped_column(nullable=False, server_default=text("'[]'::jsonb"))
     # done, not_done or unconfirmed once the call has ended
     outcome: Mapped[str | None] = mapped_column(String(12))
     caller: Mapped[str | None] = mapped_column(String(100))

@@ -59,6 +59,7 @@ from models.calls import (
     UNCONFIRMED,
     ToolCall,
 )
+from models import link_attempts
 from models.compiled import Compiled
 from models.db import Executor
 from models.events import Event
@@ -136,6 +137,16 @@ def _elapsed_ms_since(start: ColumnElement[Any]) -> ColumnElement[Any]:
     return func.coalesce(ToolCall.execution_time_ms, 0) + elapsed
 
 
+def _attempt_added(attempt: dict[str, Any] | None, column: Any = ToolCall.link_attempts,
+                   built_once: bool = True) -> dict[str, Any]:
+    """The values that add a run's entry to ``link_attempts`` (none without one): as the parameter
+    ``P_ATTEMPT`` in a statement built once (:func:`_transition_row`), else as the value itself."""
+    if attempt is None:
+        return {}
+    item = P_ATTEMPT if built_once else bindparam(None, attempt, type_=JSONB)
+    return {"link_attempts": link_attempts.appended(column, item)}
+
+
 CALLS = ToolCall.__table__
 # What the rows of a link's statements carry (its gate, its step's record, a checkpoint, the completion:
 # several a call): the columns a link reads, no more. Every other column costs its conversion to text in
@@ -194,6 +205,7 @@ P_CONTEXT_KEY = bindparam("p_context_key", type_=String)
 P_CHAIN = bindparam("p_chain", type_=String)
 P_TOKEN = bindparam("p_token", type_=String)
 P_LEASE = bindparam("p_lease", type_=Interval)
+P_ATTEMPT = bindparam("p_attempt", type_=JSONB)
 _BUILT: dict[tuple[Any, ...], Compiled] = {}
 
 
@@ -537,6 +549,13 @@ def count_failed_run(s: Executor, tool_call_id: str, step: str, chain: str | Non
     ).scalar_one_or_none()
 
 
+def add_attempt(s: Executor, tool_call_id: str, attempt: dict[str, Any]) -> None:
+    """Add a link run's entry to the call's ``link_attempts`` (a retried run of a step without side
+    effect: the statement that counted it could not yet say whether it is retried)."""
+    s.execute(update(CALLS).where(CALLS.c.tool_call_id == tool_call_id)
+              .values(**_attempt_added(attempt, CALLS.c.link_attempts, built_once=False)))
+
+
 def take_over_claim(s: Executor, tool_call_id: str, step: str, held_by: str, token: str,
                     lease_s: float) -> Row[Any] | None:
     """Claim the side effect ``step`` for ``token`` from ``held_by``, an attempt known to have died
@@ -552,12 +571,13 @@ def take_over_claim(s: Executor, tool_call_id: str, step: str, held_by: str, tok
     ).one_or_none()
 
 
-def release_claim(s: Executor, tool_call_id: str, token: str) -> None:
+def release_claim(s: Executor, tool_call_id: str, token: str, attempt: dict[str, Any] | None = None) -> None:
     """Give up the side effect's claim held by ``token`` (its attempt failed and will be retried:
     the retry claims it again, knowing an earlier attempt may have acted: a claim once counted in
-    ``effect_attempts`` is never taken back, since no read can prove an attempt did not act)."""
+    ``effect_attempts`` is never taken back, since no read can prove an attempt did not act).
+    ``attempt``: the failed run's entry, added to ``link_attempts``."""
     s.execute(update(CALLS).where(CALLS.c.tool_call_id == tool_call_id, CALLS.c.effect_claimed_by == token)
-              .values(effect_claimed_until=None))
+              .values(effect_claimed_until=None, **_attempt_added(attempt, CALLS.c.link_attempts, built_once=False)))
 
 
 def commit_point(s: Session, tool_call_id: str, step: str) -> ToolCall | None:
@@ -580,16 +600,18 @@ _WITH_OUTPUT = ToolCall.step_outputs.op("||")(func.jsonb_build_object(P_STEP, P_
 
 
 def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress: float,
-                event: Event | None = None, chain: str | None = None, token: str | None = None) -> Row[Any] | None:
+                event: Event | None = None, chain: str | None = None, token: str | None = None,
+                attempt: dict[str, Any] | None = None) -> Row[Any] | None:
     """Store a finished step's output (so a redelivery skips it) and its progress;
     with ``event``, its callback event in the same statement (see :func:`_transition_row`).
 
     ``token``: a side effect's, recorded only by the attempt that holds its claim, which the
     same statement releases; else (a step without side effect, whose gate was a read) only once,
     counted as a run of the call (``attempts``), and, given ``chain``, only while that chain is
-    the call's. Either is the call's latest sign of life (``step_started_at``)."""
+    the call's. Either is the call's latest sign of life (``step_started_at``). ``attempt``: the
+    run's entry, added to ``link_attempts`` (:mod:`models.link_attempts`)."""
     def make() -> Any:
-        values: dict[str, Any] = {"step_started_at": func.now()}
+        values: dict[str, Any] = {"step_started_at": func.now(), **_attempt_added(attempt)}
         fence: list[ColumnElement[bool]] = []
         if token is not None:
             fence = [ToolCall.effect_claimed_by == P_TOKEN]
@@ -602,19 +624,20 @@ def record_step(s: Executor, tool_call_id: str, step: str, output: Any, progress
         return _cas(P_ID, from_statuses=(EXECUTING,), to_status=None, history=[], extra_where=fence,
                     current_step=P_STEP, progress=P_PROGRESS, step_outputs=_WITH_OUTPUT, **values)
 
-    return _transition_row(s, ("record_step", token is not None, chain is not None),
+    return _transition_row(s, ("record_step", token is not None, chain is not None, attempt is not None),
                            {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
-                            "p_chain": chain, "p_token": token},
+                            "p_chain": chain, "p_token": token, "p_attempt": attempt},
                            make, event, columns=LINK_COLUMNS)
 
 
 def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, output: Any = None,
-               event: Event | None = None) -> Row[Any] | None:
+               event: Event | None = None, attempt: dict[str, Any] | None = None) -> Row[Any] | None:
     """EXECUTING → PREPARED: the chain ends here until resumed. ``output`` (the step's
     preview), when given, is stored as the step's output by the same statement; with
     ``event``, the ``checkpoint`` event is recorded by it too. Counted as a run of the call (``attempts``)."""
     def make() -> Any:
         values = {} if output is None else {"step_outputs": _WITH_OUTPUT}
+        values.update(_attempt_added(attempt))
         return _cas(
             P_ID, from_statuses=(EXECUTING,), to_status=PREPARED, history=[P_HISTORY],
             current_step=P_STEP, progress=P_PROGRESS, prepared_at=func.now(), **values,
@@ -623,8 +646,9 @@ def checkpoint(s: Executor, tool_call_id: str, step: str, progress: float, outpu
         )
 
     params = {"p_id": tool_call_id, "p_step": step, "p_progress": progress, "p_output": output,
-              "p_history": _entry(PREPARED, f"Checkpoint {step}")}
-    return _transition_row(s, ("checkpoint", output is None), params, make, event, columns=LINK_COLUMNS)
+              "p_history": _entry(PREPARED, f"Checkpoint {step}"), "p_attempt": attempt}
+    return _transition_row(s, ("checkpoint", output is None, attempt is not None), params, make, event,
+                           columns=LINK_COLUMNS)
 
 
 def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "Queue unavailable") -> ToolCall | None:
@@ -657,11 +681,13 @@ def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", cal
 
 
 def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_response: str,
-             context_key: str | None = None, event: Event | None = None) -> Row[Any] | None:
+             context_key: str | None = None, event: Event | None = None,
+             attempt: dict[str, Any] | None = None) -> Row[Any] | None:
     """EXECUTING → COMPLETED with the result; with ``event``, the ``completed`` event in the same statement.
     Counted as a run of the call (``attempts``)."""
     def make() -> Any:
         extra = {"context_key": P_CONTEXT_KEY} if context_key else {}
+        extra.update(_attempt_added(attempt))
         return _cas(
             P_ID, from_statuses=(EXECUTING,), to_status=COMPLETED, reason="Completed",
             result=P_RESULT, voice_response=P_VOICE, completed_at=func.now(), progress=1.0, outcome=DONE, **extra,
@@ -670,15 +696,18 @@ def complete(s: Executor, tool_call_id: str, result: dict[str, Any], voice_respo
             execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
         )
 
-    params = {"p_id": tool_call_id, "p_result": result, "p_voice": voice_response, "p_context_key": context_key}
-    return _transition_row(s, ("complete", bool(context_key)), params, make, event, columns=LINK_COLUMNS)
+    params = {"p_id": tool_call_id, "p_result": result, "p_voice": voice_response, "p_context_key": context_key,
+              "p_attempt": attempt}
+    return _transition_row(s, ("complete", bool(context_key), attempt is not None), params, make, event,
+                           columns=LINK_COLUMNS)
 
 
 def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
          from_statuses: Iterable[str] = (EXECUTING,), uncommitted_only: bool = False,
          at_step: str | None = None, outcome: str = NOT_DONE,
          quiet_s: int | None = None, unrecorded_step: str | None = None,
-         chain: str | None = None, step: str | None = None) -> ToolCall | None:
+         chain: str | None = None, step: str | None = None,
+         attempt: dict[str, Any] | None = None) -> ToolCall | None:
     """→ FAILED; ``uncommitted_only``: only if the point of no return was not passed;
     ``at_step``: only if the call is still at that step (a side effect's, whose gate recorded it);
     ``unrecorded_step``: only if that step is not recorded yet (a step without side effect, whose
@@ -686,7 +715,8 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
     for that long (no link passed its gate since: the stuck-call sweep's judgement, checked
     again by the statement); ``outcome``: whether its action happened (``not_done``,
     ``unconfirmed``, or ``done`` when a step after it failed); ``step``: the step it failed at, recorded
-    as its ``current_step`` (a step without side effect records nothing at its gate)."""
+    as its ``current_step`` (a step without side effect records nothing at its gate); ``attempt``: the
+    failed run's entry (a link's), added to ``link_attempts``."""
     where = [ToolCall.committed_at.is_(None)] if uncommitted_only else []
     if at_step is not None:
         where.append(ToolCall.current_step == at_step)
@@ -697,6 +727,7 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
     if quiet_s is not None:
         where.append(quiet_for(quiet_s))
     values = {"current_step": step} if step is not None else {}
+    values.update(_attempt_added(attempt, built_once=False))
     return _transition(
         s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
         extra_where=where, outcome=outcome, **values,

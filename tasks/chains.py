@@ -28,7 +28,9 @@ recorded after the chain's next link has been sent (:meth:`Link.after_return`).
 
 Transient errors retry with backoff (Celery's retry), counted in the database
 (``step_attempts``, ``effect_attempts``) so the bound holds even when the broker refuses the
-retry's publish; permanent ones fail the call. A side effect's failure is "not done" only when
+retry's publish; permanent ones fail the call. Each run that records anything records itself too
+(``link_attempts``: its start, time, outcome and reason), in the same statement, except a retried
+run of a step without side effect, which learns it is retried only from its count: one statement more. A side effect's failure is "not done" only when
 no earlier attempt of it can have acted; otherwise its outcome is unconfirmed.
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ from redis.exceptions import RedisError
 
 from models import logs
 from celeryconfig import queue
-from models import db, events, lifecycle, queries
+from models import db, events, lifecycle, link_attempts, queries
 from models.calls import NOT_DONE, UNCONFIRMED, ToolCall
 from tasks import base, tools
 from tasks.effect_claims import claim_token, holder_gone
@@ -100,9 +102,27 @@ class Link(base.Task):
     def begun(self) -> None:
         if self.index == 0 and not self.request.retries:  # the chain's first link, first run
             metrics.call_started(self.tool.name)
+        self.request.link_began = (time.time(), time.perf_counter())
+        self.request.link_took_s = None
 
     def ran(self, seconds: float) -> None:
-        metrics.step_ran(self.tool.name, self.step.name, seconds)
+        """The step's histogram takes the time the run recorded on its call (:meth:`_attempt`), the very
+        figure the console reads; a run that recorded none (it stopped at its gate, found its step
+        done, waited for a claim) is counted by ``voice_tools_tasks_total`` only."""
+        took = getattr(self.request, "link_took_s", None)
+        if took is not None:
+            metrics.step_ran(self.tool.name, self.step.name, took)
+
+    def _attempt(self, outcome: str, error: BaseException | str | None = None) -> dict[str, Any] | None:
+        """This run's entry for the call's ``link_attempts``, timed from its start to now (the statement
+        that records it); None once the run has one (a link that also does the next step records one
+        run), or when no worker ran it (called directly)."""
+        began = getattr(self.request, "link_began", None)
+        if began is None or getattr(self.request, "link_took_s", None) is not None:
+            return None
+        entry = link_attempts.entry(self.step.name, began[0], time.perf_counter() - began[1], outcome, error)
+        self.request.link_took_s = entry["took_ms"] / 1000
+        return entry
 
     def drive(self, tool_call_id: str, chain_id: str | None = None) -> None:  # noqa: C901  (the one place the steps are driven)
         tool, step = self.tool, self.step
@@ -152,15 +172,16 @@ class Link(base.Task):
         except SoftTimeLimitExceeded:
             return self._retry_or_fail(tool_call_id, given, TransientError(f"step {step.name} timed out"), attempt)
         except backends.Unconfirmed as exc:  # the service's answers leave the effect unknown
-            return self._fail(tool_call_id, given, str(exc).rstrip("."), unconfirmed=True)
+            return self._fail(tool_call_id, given, str(exc).rstrip("."), unconfirmed=True, cause=exc)
         except (PermanentError, backends.Refused) as exc:  # the service (or the step) said no
             # "not done" only if no earlier attempt of a side effect can have acted
-            return self._fail(tool_call_id, given, str(exc).rstrip("."), refused=not given.earlier_attempt)
+            return self._fail(tool_call_id, given, str(exc).rstrip("."), refused=not given.earlier_attempt, cause=exc)
         except Exception as exc:  # classify it; an unforeseen error fails the call, never leaves it hanging
             if tools.is_transient(exc):
                 return self._retry_or_fail(tool_call_id, given, exc, attempt)
             log.exception("step %s of %s failed", step.name, tool_call_id)
-            return self._fail(tool_call_id, given, f"Unexpected error in {step.name}: {type(exc).__name__}")
+            return self._fail(tool_call_id, given, f"Unexpected error in {step.name}: {type(exc).__name__}",
+                              cause=type(exc).__name__)  # an unforeseen message may carry anything
 
         if self.index == len(tool.steps) - 1:
             return self._complete(tool_call_id, given, step.name, output)
@@ -169,7 +190,8 @@ class Link(base.Task):
                              message=tool.say(step.message, given.parameters), inline=True)
         with db.statement() as s:
             call = lifecycle.record_step(s, tool_call_id, step.name, output, progress_done, event=event,
-                                         chain=chain_id, token=token)
+                                         chain=chain_id, token=token,  # a link doing the next step records its run with it
+                                         attempt=self._attempt(link_attempts.DONE) if self.absorbs is None else None)
         if call is None:
             return self._stop()
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
@@ -274,7 +296,8 @@ class Link(base.Task):
                              message=tool.say(step.message, given.parameters), requires_confirmation=True,
                              preview=preview, inline=True)
         with db.statement() as s:
-            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event)
+            call = lifecycle.checkpoint(s, given.tool_call_id, step.name, progress, output=preview or {}, event=event,
+                                        attempt=self._attempt(link_attempts.DONE))
         if call is None:
             return self._stop()
         attempts.deliver_inline(events.delivery_of(call), later=self._after)
@@ -293,7 +316,8 @@ class Link(base.Task):
         event = events.event("completed", step=step_name, gate=index + 1, progress=1.0, message=voice,
                                 context_key=context_key, inline=True)
         with db.statement() as s:
-            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event)
+            call = lifecycle.complete(s, tool_call_id, result, voice, context_key=context_key, event=event,
+                                      attempt=self._attempt(link_attempts.DONE))
         if call is None:
             return self._stop()
         metrics.call_ended(tool.name, call.status)  # its statement has committed (autocommit)
@@ -301,14 +325,14 @@ class Link(base.Task):
         return None
 
     def _fail(self, tool_call_id: str, given: StepInput, error: str, refused: bool = False,
-              unconfirmed: bool = False) -> None:
+              unconfirmed: bool = False, cause: BaseException | str | None = None) -> None:
         if unconfirmed:
             sentence, outcome = self.tool.unconfirmed_response, UNCONFIRMED
         else:
             sentence = self.tool.failure_sentence(self.step, given.outputs, refused)
             outcome = self.tool.failure_outcome(self.step, given.outputs, refused)
         fail_call(self.tool, tool_call_id, error, given.parameters, step=self.step.name, gate=self.index + 1,
-                  sentence=sentence, outcome=outcome)
+                  sentence=sentence, outcome=outcome, attempt=self._attempt(link_attempts.FAILED, cause))
         return self._stop()
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
@@ -359,10 +383,14 @@ class Link(base.Task):
         retries = runs - 1
         if retries >= self.tool.max_retries:  # the call's one traceback of these runs
             log.warning("%s of %s gave up after %d retries", self.step.name, tool_call_id, retries, exc_info=exc)
-            return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)")
+            return self._fail(tool_call_id, given, f"{exc} (gave up after {retries} retries)", cause=exc)
+        retried = self._attempt(link_attempts.RETRIED, exc)
         if attempt.token is not None:  # the retry claims the effect again, knowing this attempt may have acted
             with db.statement() as s:
-                lifecycle.release_claim(s, tool_call_id, attempt.token)
+                lifecycle.release_claim(s, tool_call_id, attempt.token, attempt=retried)
+        elif retried is not None:  # known only now that the run is retried, not failed: a statement of its own
+            with db.statement() as s:
+                lifecycle.add_attempt(s, tool_call_id, retried)
         raise self.retry(exc=exc, countdown=min(2 ** retries, 30), max_retries=RETRIES_UNBOUNDED_HERE)
 
 
@@ -501,10 +529,11 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
               gate: int | None = None, from_statuses: tuple[str, ...] = ("EXECUTING",),
               uncommitted_only: bool = False, sentence: Message | None = None,
               only_at_step: bool = False, outcome: str = NOT_DONE, quiet_s: int | None = None,
-              unrecorded: tuple[str, str | None] | None = None) -> ToolCall | None:
+              unrecorded: tuple[str, str | None] | None = None, attempt: dict[str, Any] | None = None) -> ToolCall | None:
     """Fail the call (only if still in ``from_statuses``) and announce it; ``only_at_step``: only while
     it is at ``step``; ``unrecorded``: only while ``(step, chain)``'s step is not recorded and, given
-    the chain, that chain is the call's (a step without side effect, whose gate recorded nothing)."""
+    the chain, that chain is the call's (a step without side effect, whose gate recorded nothing);
+    ``attempt``: the failed link run's entry for ``link_attempts``."""
     voice = tool.say(tool.failure_response if sentence is None else sentence, parameters,
                      error=error.rstrip("."), tool=tool.spoken_name)
     with db.session() as s:
@@ -512,7 +541,7 @@ def fail_call(tool: Tool, tool_call_id: str, error: str, parameters: Any, *, ste
                               uncommitted_only=uncommitted_only, at_step=step if only_at_step else None,
                               outcome=outcome, quiet_s=quiet_s,
                               unrecorded_step=unrecorded[0] if unrecorded else None,
-                              chain=unrecorded[1] if unrecorded else None, step=step)
+                              chain=unrecorded[1] if unrecorded else None, step=step, attempt=attempt)
         if call is None:
             return None
         delivery = record(s, call, "failed", step=step, gate=gate, message=voice, inline=True)

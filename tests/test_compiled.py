@@ -82,16 +82,20 @@ def test_the_apis_reads_return_the_rows_sqlalchemy_returns():
         ([tool_call_id], [ended.tool_call_id])
 
 
-def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns():
+@pytest.mark.parametrize("attempt", [None, {"step": "SENDING", "started_at": "2026-01-01T00:00:00+00:00",
+                                             "took_ms": 12.5, "outcome": "done", "reason": None}])
+def test_a_step_record_with_its_event_returns_what_sqlalchemy_returns(attempt):
     tool_call_id = executing_call()
     event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", inline=True)
     with db.session() as s:
         with s.begin_nested() as sp:
-            assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event) is not None
+            assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event,
+                                         attempt=attempt) is not None
             sp.rollback()
-    built = lifecycle._BUILT[(("record_step", False, False), event.shape, False)]  # in a session: not numbered
+    # in a session: not numbered
+    built = lifecycle._BUILT[(("record_step", False, False, attempt is not None), event.shape, False)]
     params = {"p_id": tool_call_id, "p_step": "SENDING", "p_progress": 0.5, "p_output": {"id": "m1"},
-              "p_chain": None, "p_token": None, **event.params}
+              "p_chain": None, "p_token": None, "p_attempt": attempt, **event.params}
     by_sqlalchemy, by_cursor = both_ways(built, params)
     assert_same(by_sqlalchemy, by_cursor)
     assert by_cursor["delivery_payload"]["step"] == "SENDING" and by_cursor["step_outputs"]["SENDING"] == {"id": "m1"}

@@ -4,7 +4,7 @@ system's chromedriver (``/usr/bin/chromedriver``: Selenium Manager is never aske
 One browser and one API server (werkzeug, threaded: its event streams go to the stream loop as
 under gunicorn) for the module; each test signs in with its own token. After each test, every request
 the page made went to the API's origin and the browser's log holds no error. The screenshots of the
-list, a call and the tools view go to the test's folder; with ``VOICE_TOOLS_SCREENSHOTS=<folder>``
+list, a call, a call's retried run and the tools view go to the test's folder; with ``VOICE_TOOLS_SCREENSHOTS=<folder>``
 (``docs/console`` for the operator guide's) they are copied there too.
 
 Skipped where Chromium or its driver is not installed (``apt-get install chromium chromium-driver``;
@@ -12,6 +12,7 @@ Skipped where Chromium or its driver is not installed (``apt-get install chromiu
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -21,14 +22,20 @@ from typing import Any, Callable
 
 import pytest
 import requests
+from sqlalchemy import text
 
 from tests.api_fixtures import GUIDE_EMAIL, served_api
+from models import db
 from tests.conftest import API_TOKEN, AUTH
-from tests.helpers import deliveries
+from tasks.calls import actions
+from tasks.tools import Step, TransientError
+from tests.helpers import deliveries, make_call
+from tests.test_chains import make_tool, register  # noqa: F401  (a fixture: a tool the running worker takes)
 
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM = Path("/usr/bin/chromium")
-TOKENS = f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin"
+TOKENS = f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin,cpu:cpu-token"
+CPU = {"Authorization": "Bearer cpu-token"}
 BOB = {"Authorization": "Bearer bob-token"}
 OPS_TOKEN = "ops-token"
 
@@ -313,3 +320,95 @@ def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path)
     assert "1 PENDING" in email.text
     assert every_control_named(page) == []
     screenshot(page, tmp_path, "tools")
+
+
+def test_a_link_retried_once_shows_both_its_runs_and_why_on_the_call_page(page, origin, register, relay, tmp_path):
+    tries = itertools.count(1)
+
+    def busy_once(step):
+        if next(tries) == 1:
+            raise TransientError("HTTP 503 from the service")
+        return {"found": True}
+
+    tool = register(make_tool("console_once", (Step("FETCH", run=busy_once), Step("COMPLETED"))))
+    call = make_call(tool.name, {"what": "lookup"}, callback_url=relay.url)
+    actions.confirm(call.tool_call_id)
+    relay.wait_for(call.tool_call_id, "completed")
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{call.tool_call_id}")
+    until(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#call-links tbody tr.run")) == 2, what="two runs")
+    runs = [[cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+            for row in page.find_elements(By.CSS_SELECTOR, "#call-links tbody tr")]
+    assert [(r[0], r[3], r[4]) for r in runs] == [("FETCH", "retried", "TransientError: HTTP 503 from the service"),
+                                                  ("FETCH", "done", "")]
+    assert all(r[1] and r[2].endswith(" ms") for r in runs)  # when each began, how long it took
+    assert runs[0][1] < runs[1][1]
+    screenshot(page, tmp_path, "runs")
+
+
+# -- the tab's CPU with a long list ------------------------------------------------------------
+
+HELD = 10_000
+BUSY_BOUND = 0.03  # of one CPU: "a few percent"
+
+_MANY_CALLS = text("""
+    INSERT INTO tool_calls (tool_call_id, session_id, function_name, action_level, parameters, status, caller,
+                            created_at)
+    SELECT 'tc_held_' || lpad(i::text, 6, '0'), 'sess_held_' || (i % 50), 'send_email', 'write', '{}'::jsonb,
+           CASE WHEN i % 3 = 0 THEN 'COMPLETED' ELSE 'CANCELLED' END, :caller, now() - make_interval(secs => i * 7)
+    FROM generate_series(1, :count) AS i
+""")
+
+
+def held(driver) -> int:
+    """How many calls the page's list holds (on screen or not)."""
+    return driver.execute_script("return Number(document.getElementById('calls').dataset.held || 0)")
+
+
+def main_thread_busy(driver, seconds: float, each_second: Callable[[int], None] = lambda n: None) -> float:
+    """The share of ``seconds`` of wall time the tab's main thread spent running tasks (script, style,
+    layout, paint: CDP's ``TaskDuration`` in the thread's own CPU time, so a busy machine does not stretch
+    it), calling ``each_second`` once a second meanwhile."""
+    def task_s() -> float:
+        return {m["name"]: m["value"] for m in driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}[
+            "TaskDuration"]
+
+    driver.execute_cdp_cmd("Performance.enable", {"timeDomain": "threadTicks"})
+    begun, tasks = time.monotonic(), task_s()
+    for n in range(int(seconds)):
+        each_second(n)
+        time.sleep(max(0.0, begun + n + 1 - time.monotonic()))
+    return (task_s() - tasks) / (time.monotonic() - begun)
+
+
+def test_a_list_of_10000_calls_taking_a_change_a_second_keeps_the_tab_a_few_percent_busy(page, origin):
+    with db.session() as s:
+        s.execute(_MANY_CALLS, {"caller": "cpu", "count": HELD})
+    sign_in(page, origin, "cpu-token")
+    until(page, lambda d: d.find_element(By.ID, "live-state").text == "live", what="the live list")
+    until(page, lambda d: held(d) == 50, what="the first page")
+    older = page.find_element(By.ID, "older")
+    while held(page) < HELD:  # Older calls, until the list holds every one
+        before = held(page)
+        older.click()
+        until(page, lambda d: held(d) != before, timeout=20.0, what="the next page of calls")
+    assert held(page) == HELD
+    page.execute_script("scrollTo(0, 0)")  # back to the newest (the button scrolled the page to the bottom)
+    time.sleep(3)  # the last page drawn
+
+    idle = main_thread_busy(page, 10)
+    recorded: list[str] = []
+
+    def change(n: int) -> None:  # a new call one second, a change of status the next
+        if n % 2 == 0 or not recorded:
+            recorded.append(record(origin, headers=CPU, session_id="sess_cpu"))
+        else:
+            assert requests.delete(f"{origin}/voice-tools/cancel/{recorded[-1]}", headers=CPU, timeout=10).ok
+
+    busy = main_thread_busy(page, 24, change)
+    print(f"\nthe tab's main thread, {HELD} calls held: {idle:.1%} busy idle, {busy:.1%} busy with a change a second"
+          f" (load average {os.getloadavg()[0]:.2f})")
+    until(page, lambda d: status_in_row(d, recorded[-1]) == "CANCELLED", timeout=3.0, what="the last change")
+    assert rows(page)[: len(recorded)] == recorded[::-1]  # each new call on top, newest first
+    assert held(page) == HELD + len(recorded)
+    assert busy <= BUSY_BOUND, f"{busy:.1%} busy with a change a second ({idle:.1%} idle)"
+    assert idle <= BUSY_BOUND, f"{idle:.1%} busy idle"

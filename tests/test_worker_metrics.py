@@ -229,3 +229,47 @@ def test_enqueueing_inside_a_transaction_waits_for_its_commit():
         assert len(published) == 2
     finally:
         before_task_publish.disconnect(seen)
+
+
+def test_the_consoles_step_figures_and_link_runs_are_the_runs_metrics_exports(metered, relay, tmp_path):
+    """A real prefork worker runs ``metered_ok`` three times and ``metered_once`` (busy at its first try,
+    then done). The console's tools view gives each step's runs and p50 / p99 as PromQL's
+    ``histogram_quantile`` reads them from the exporter's ``voice_tools_step_duration_seconds``; the
+    console's call page lists ``metered_once``'s two runs, the first retried, with its reason."""
+    from tasks.calls import browse
+    from tasks.calls.callers import Caller
+    from tasks.worker.metrics import histogram_quantile
+
+    folder = tmp_path / "worker-metrics"
+    folder.mkdir()
+    queues = [tool.queue for tool in metered.TOOLS]
+    oks = [make_call("metered_ok", {"what": f"thing {i}"}, callback_url=relay.url) for i in range(3)]
+    once = make_call("metered_once", {"what": str(tmp_path / "busy-once")}, callback_url=relay.url)
+    with queues_taken_from_others(app, queues):
+        with WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=tmp_path, name="metered",
+                           include=["tests.metered_tools"], env={"PROMETHEUS_MULTIPROC_DIR": str(folder)}):
+            for call in (*oks, once):
+                actions.confirm(call.tool_call_id)
+            for call in (*oks, once):
+                relay.wait_for(call.tool_call_id, "completed", timeout=60)
+            found = samples(scrape_exporter(folder))
+
+    shown, status = browse.call(once.tool_call_id, Caller("ops", admin=True))
+    assert status == 200
+    runs = shown["attempts"]
+    assert [(r["step"], r["outcome"], r["reason"]) for r in runs] == [
+        ("TRY", "retried", "TransientError: the service is busy this once"), ("TRY", "done", None)]
+    assert runs[0]["started_at"] < runs[1]["started_at"] and all(r["took_ms"] > 0 for r in runs)
+
+    figures, status = browse.tool_figures(Caller("ops", admin=True))
+    steps = {(tool["tool"], step["step"]): step for tool in figures["tools"] for step in tool["steps"]}
+    assert set(steps) == {("metered_ok", "FETCH"), ("metered_once", "TRY")}
+    for (tool, step), shown_step in steps.items():
+        exported = by(found, "voice_tools_step_duration_seconds_bucket", "le", tool=tool, step=step)
+        buckets = sorted((float(le), count) for le, count in exported.items())
+        assert shown_step["runs"] == value(found, "voice_tools_step_duration_seconds_count", tool=tool, step=step)
+        for q, name in ((0.5, "p50_ms"), (0.99, "p99_ms")):
+            assert shown_step[name] == round(histogram_quantile(q, buckets) * 1000, 1), (tool, step, name)
+    assert steps[("metered_ok", "FETCH")]["runs"] == 3 and steps[("metered_once", "TRY")]["runs"] == 2
+    exported_s = value(found, "voice_tools_step_duration_seconds_sum", tool="metered_once", step="TRY")
+    assert abs(exported_s - sum(r["took_ms"] for r in runs) / 1000) < 1e-6  # the very figures, not alike ones

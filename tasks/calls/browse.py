@@ -20,6 +20,7 @@ from tasks.calls import admin, schemas
 from tasks.calls.callers import Caller, scope_of
 from tasks.calls.errors import ApiError
 from tasks.celery_app import app as celery_app
+from tasks.worker import metrics
 from tasks.worker.metrics_page import QueueDepth
 
 Answer = tuple[dict[str, Any], int]
@@ -92,25 +93,9 @@ def _event(delivery: CallbackDelivery) -> dict[str, Any]:
     }
 
 
-def _links(call: Any, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each step a link recorded: when its event was recorded and how long since the one before
-    (the confirmation, for the first)."""
-    links = []
-    previous = call.confirmed_at
-    for item in events:
-        if item["step"] is None:
-            continue
-        at = datetime.fromisoformat(item["created_at"])
-        took = round((at - previous).total_seconds() * 1000) if previous is not None else None
-        links.append({"step": item["step"], "event": item["event"], "recorded_at": item["created_at"],
-                      "took_ms": took})
-        previous = at
-    return links
-
-
 def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     """One call's whole record (as ``GET /voice-tools/status`` answers it), its events with their
-    delivery attempts, and its links."""
+    delivery attempts, and the latest runs of its links (``models/link_attempts.py``)."""
     tool_call_id = schemas.load(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     with db.session() as s:
         row = queries.get(s, tool_call_id, caller=scope_of(caller))
@@ -118,7 +103,7 @@ def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     record = schemas.instance(schemas.CallRecord).dump(row)
     counters = {"attempts": row.attempts, "step_attempts": row.step_attempts,
                 "effect_attempts": row.effect_attempts, "redrives": row.redrives}
-    return {"record": record, "events": events, "links": _links(row, events), "counters": counters}, 200
+    return {"record": record, "events": events, "attempts": row.link_attempts, "counters": counters}, 200
 
 
 def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer:
@@ -134,10 +119,20 @@ def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer
     return {"queued": [d.event_id for d in queued]}, 202
 
 
+def _step_figures(step: dict[str, Any]) -> dict[str, Any]:
+    """A step's runs, its p50 and p99 (ms) as PromQL's ``histogram_quantile`` reads them from
+    ``voice_tools_step_duration_seconds``: the same runs (each observed with the time its link
+    recorded on its call), counted into the same buckets."""
+    buckets = metrics.cumulative_buckets(ms / 1000 for ms in step["took_ms"])
+    quantile = lambda q: round(metrics.histogram_quantile(q, buckets) * 1000, 1)  # noqa: E731
+    return {"step": step["step"], "runs": len(step["took_ms"]), "p50_ms": quantile(0.5), "p99_ms": quantile(0.99)}
+
+
 def tool_figures(caller: Caller) -> Answer:
     """Per tool: its queue's depth (read from the broker by the collector of the workers' ``/metrics``), the
     calls open now, calls and failures per minute over the last hour (``calls_per_minute``: over the last
-    five), each step's p50/p99. An admin's only: the figures are every caller's."""
+    five), each step's runs and p50/p99 (:func:`_step_figures`). An admin's only: the figures are every
+    caller's."""
     if not caller.admin:
         raise ApiError(403, "forbidden", "The tools' figures are every caller's: an admin token sees them.", {})
     depths = {}
@@ -156,5 +151,6 @@ def tool_figures(caller: Caller) -> Answer:
             "open": {status: count for (t, status), count in open_now.items() if t == name},
             "calls_last_hour": sum(figures["per_minute"]), "failed_last_hour": sum(figures["failed_per_minute"]),
             "calls_per_minute": round(sum(figures["per_minute"][:5]) / 5, 2), **figures,
+            "steps": [_step_figures(step) for step in figures["steps"]],
         })
     return {"tools": answer}, 200

@@ -169,9 +169,20 @@
   }
 
   // -- the calls -------------------------------------------------------------------------
+  // Every call read is held as data (10,000 and more); only the rows on screen, and a few either
+  // side, are in the document, in a space as tall as every row held. A change to a call off screen
+  // costs its entry only; changes are drawn at the next frame, many in a frame drawn once, and a
+  // drawn row is patched in place (never redrawn, so the keyboard's focus stays where it is).
+  const SPARE_ROWS = 12; // drawn above and below the screen
+  const AGES_EVERY_MS = 10000; // the rows on screen: an age in minutes needs no faster clock
   function callsView() {
-    const rows = new Map();
-    const list = $("calls-rows"); // a grid of rows, not a <table>: a changed row lays out alone
+    const table = $("calls");
+    const space = $("calls-space"); // as tall as every row held
+    const list = $("calls-rows"); // the rows drawn, moved down to where they belong
+    let calls = []; // every call held, newest first
+    let byId = new Map(); // tool_call_id -> call
+    let drawn = new Map(); // tool_call_id -> {row, status, age, call}
+    let rowPx = 29, measured = false, shownFrom = 0, height = -1, frame = 0;
     let filters = {};
     let next = null;
 
@@ -182,46 +193,122 @@
     }
     const matches = (call) => Object.entries(filters).every(([name, value]) =>
       (name === "tool" ? call.function_name : name === "status" ? call.status : call[name]) === value);
+    const newer = (a, b) => a.created_at > b.created_at ||
+      (a.created_at === b.created_at && a.tool_call_id > b.tool_call_id);
+    function place(call) { // where ``call`` is, or goes, newest first (by halving)
+      let low = 0, high = calls.length;
+      while (low < high) {
+        const middle = (low + high) >> 1;
+        if (newer(calls[middle], call)) low = middle + 1;
+        else high = middle;
+      }
+      return low;
+    }
     function rowOf(call) {
       const cell = (...content) => el("span", {role: "cell"}, ...content);
       const status = cell(statusBadge(call.status));
-      const ageCell = el("span", {role: "cell", "data-at": call.created_at}, age(call.created_at));
-      const row = el("div", {role: "row", class: "row", "data-id": call.tool_call_id, "data-at": call.created_at},
+      const ageCell = cell(age(call.created_at));
+      const row = el("div", {role: "row", class: "row", "data-id": call.tool_call_id},
         cell(el("a", {href: `/console/calls/${encodeURIComponent(call.tool_call_id)}`}, call.tool_call_id)),
         cell(call.function_name), status,
         cell(el("a", {href: `/console/sessions/${encodeURIComponent(call.session_id)}`}, call.session_id)),
         cell(call.caller || ""), ageCell);
-      rows.set(call.tool_call_id, {row, status, call});
-      return row;
+      return {row, status, age: ageCell, call};
+    }
+    function draw() {
+      frame = 0;
+      const top = space.getBoundingClientRect().top; // the one read, before any write
+      const from = Math.max(0, Math.floor(-top / rowPx) - SPARE_ROWS);
+      const to = Math.min(calls.length, Math.ceil((innerHeight - top) / rowPx) + SPARE_ROWS);
+      const kept = new Map();
+      const nodes = [];
+      for (let i = from; i < to; i += 1) {
+        const call = calls[i];
+        let shown = drawn.get(call.tool_call_id);
+        if (!shown) shown = rowOf(call);
+        else if (shown.call !== call) {
+          if (shown.call.status !== call.status) shown.status.replaceChildren(statusBadge(call.status));
+          shown.call = call;
+        }
+        const index = String(i + 2); // the header is row 1
+        if (shown.row.getAttribute("aria-rowindex") !== index) shown.row.setAttribute("aria-rowindex", index);
+        kept.set(call.tool_call_id, shown);
+        nodes.push(shown.row);
+      }
+      for (const [id, shown] of drawn) if (!kept.has(id)) shown.row.remove();
+      drawn = kept;
+      let at = list.firstChild; // in order, moving nothing that is already in place
+      for (const node of nodes) {
+        if (at === node) at = at.nextSibling;
+        else list.insertBefore(node, at);
+      }
+      if (from !== shownFrom) {
+        shownFrom = from;
+        list.style.transform = `translateY(${from * rowPx}px)`; // CSSOM: allowed by the policy
+      }
+      if (calls.length * rowPx !== height) {
+        height = calls.length * rowPx;
+        space.style.height = `${height}px`;
+        table.setAttribute("aria-rowcount", String(calls.length + 1));
+        table.dataset.held = String(calls.length);
+        $("calls-empty").hidden = calls.length > 0;
+      }
+      if (!measured && list.firstElementChild) { // once: the style sheet's row height
+        measured = true;
+        const px = list.firstElementChild.getBoundingClientRect().height;
+        if (px > 0 && Math.abs(px - rowPx) > 0.5) {
+          rowPx = px;
+          shownFrom = -1;
+          height = -1;
+          soon();
+        }
+      }
+    }
+    function soon() {
+      if (!frame) frame = requestAnimationFrame(draw);
+    }
+    function hold(page, more) {
+      if (!more) {
+        calls = [];
+        byId = new Map();
+      }
+      for (const call of page.calls) {
+        if (byId.has(call.tool_call_id)) continue;
+        byId.set(call.tool_call_id, call);
+        calls.push(call);
+      }
+      next = page.next;
+      $("older").hidden = !next;
+      soon();
     }
     function query(extra) {
       const params = new URLSearchParams({...filters, ...extra});
       return `/console/api/calls?${params}`;
     }
     const load = coalesced(async () => {
-      const page = await api(query({limit: 50}));
-      rows.clear();
-      list.replaceChildren(...page.calls.map(rowOf));
-      next = page.next;
-      $("older").hidden = !next;
-      $("calls-empty").hidden = page.calls.length > 0;
+      hold(await api(query({limit: 50})), false);
       problem("");
     });
-    function changed(calls) {
-      for (const call of calls) {
-        const known = rows.get(call.tool_call_id);
+    function changed(given) {
+      for (const call of given) {
+        const known = byId.get(call.tool_call_id);
         if (known) {
-          if (known.call.status !== call.status) {
-            known.call = call;
-            known.status.replaceChildren(statusBadge(call.status));
+          if (known.status !== call.status) {
+            calls[place(known)] = call;
+            byId.set(call.tool_call_id, call);
+            if (drawn.has(call.tool_call_id)) soon();
           }
           continue;
         }
         if (!matches(call)) continue;
-        const first = list.firstElementChild;
-        if (first && first.dataset.at > call.created_at) continue; // older than the top: in a later page
-        list.prepend(rowOf(call));
-        $("calls-empty").hidden = true;
+        const at = place(call);
+        if (at === calls.length && next) continue; // older than every call held: in a later page
+        calls.splice(at, 0, call);
+        byId.set(call.tool_call_id, call);
+        if (at < shownFrom + SPARE_ROWS && space.getBoundingClientRect().top < 0) {
+          scrollBy(0, rowPx); // scrolled down: the rows being read stay where they are
+        }
+        soon();
       }
     }
     $("filters").addEventListener("submit", (event) => {
@@ -236,41 +323,20 @@
     $("older").addEventListener("click", async () => {
       if (!next) return;
       try {
-        const page = await api(query({limit: 50, ...next}));
-        list.append(...page.calls.filter((c) => !rows.has(c.tool_call_id)).map(rowOf));
-        next = page.next;
-        $("older").hidden = !next;
+        hold(await api(query({limit: 200, ...next})), true);
       } catch (error) {
         problem(error.message);
       }
     });
-    // ages: only the rows on screen are kept current (found by halving: the rows are in page order), and
-    // those scrolled into view are brought up to date, so 10,000 rows cost no more each tick than a screenful
-    function ageOnScreen() {
-      const shown = list.children;
-      let low = 0, high = shown.length;
-      while (low < high) {
-        const middle = (low + high) >> 1;
-        if (shown[middle].getBoundingClientRect().bottom < 0) low = middle + 1;
-        else high = middle;
+    addEventListener("scroll", soon, {passive: true});
+    addEventListener("resize", soon, {passive: true});
+    setInterval(() => { // only the rows drawn, and only a text that changed
+      if (document.hidden) return;
+      for (const shown of drawn.values()) {
+        const text = age(shown.call.created_at);
+        if (shown.age.textContent !== text) shown.age.textContent = text;
       }
-      let end = low;
-      while (end < shown.length && shown[end].getBoundingClientRect().top < innerHeight) end += 1;
-      for (let i = low; i < end; i += 1) { // every read first, then the writes: one layout, not one a row
-        const cell = shown[i].lastElementChild;
-        cell.textContent = age(cell.dataset.at);
-      }
-    }
-    let scrolled = null;
-    addEventListener("scroll", () => {
-      if (scrolled === null) scrolled = setTimeout(() => {
-        scrolled = null;
-        ageOnScreen();
-      }, 200);
-    }, {passive: true});
-    setInterval(() => {
-      if (!document.hidden) ageOnScreen();
-    }, 5000);
+    }, AGES_EVERY_MS);
     live(changed, load); // the stream's first frame says "read": the list is read once it listens
   }
 
@@ -309,7 +375,7 @@
     const resume = (action) => api(`/voice-tools/resume/${encodeURIComponent(id)}`, {method: "POST",
       json: action === "cancel" ? {action, reason: "Cancelled from the console"} : {action}});
 
-    function render({record, events, links, counters}) {
+    function render({record, events, attempts, counters}) {
       $("call-status").replaceChildren(statusBadge(record.status));
       $("call-summary").replaceChildren(`${record.function_name} · session `,
         el("a", {href: `/console/sessions/${encodeURIComponent(record.session_id)}`}, record.session_id),
@@ -337,9 +403,10 @@
       $("call-timeline").replaceChildren(...(record.status_history || []).map((entry) =>
         el("li", {}, el("time", {datetime: entry.at}, time(entry.at)), " ", statusBadge(entry.status),
           entry.reason ? ` ${entry.reason}` : "")));
-      $("call-links").tBodies[0].replaceChildren(...links.map((link) =>
-        el("tr", {}, el("td", {}, link.step), el("td", {}, time(link.recorded_at)),
-          el("td", {}, link.took_ms === null ? "" : `${link.took_ms} ms`))));
+      $("call-links").tBodies[0].replaceChildren(...(attempts.length ? attempts.map((run) =>
+        el("tr", {class: `run r-${run.outcome}`}, el("td", {}, run.step), el("td", {}, time(run.started_at)),
+          el("td", {}, `${Math.round(run.took_ms)} ms`), el("td", {}, run.outcome), el("td", {}, run.reason || ""))) :
+        [el("tr", {}, el("td", {colspan: 5}, "No run of a link recorded yet."))]));
       $("call-counters").textContent = `Link runs: ${counters.attempts} in all, ${counters.step_attempts} of the ` +
         `current step; claims of the side effect: ${counters.effect_attempts}; chain run again by the ` +
         `stuck-call sweep: ${counters.redrives}.`;
@@ -434,7 +501,7 @@
         el("td", {}, tool.calls_per_minute), el("td", {}, tool.failed_last_hour),
         el("td", {}, tool.callbacks_failed),
         el("td", {}, el("ul", {class: "steps"}, ...tool.steps.map((step) =>
-          el("li", {}, `${step.step}: ${step.p50_ms} / ${step.p99_ms} ms`)))),
+          el("li", {}, `${step.step}: ${step.p50_ms} / ${step.p99_ms} ms (${step.runs} runs)`)))),
         el("td", {}, chart(tool)))));
     });
     $("tools-refresh").addEventListener("click", load);
