@@ -74,8 +74,11 @@ def start_web(port: int, log_dir: Path, **env: str) -> subprocess.Popen:
                "PROMETHEUS_MULTIPROC_DIR": str(metrics), "PYTHONPATH": str(ROOT),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
     log = open(log_dir / "web.log", "wb")
+    # a session of its own, as the worker's (support/worker_process.py) and as a deployment's service: with the
+    # kernel's autogroup scheduling, a session's processes share one CPU share, and the API's must not share
+    # the bench's own (its relay, its stream client and its commit listener)
     proc = subprocess.Popen(["sh", "-c", f"exec {web_line()}"], cwd=ROOT, env=environ, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
