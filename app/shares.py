@@ -63,12 +63,16 @@ redis.call('ZADD', KEYS[1], t + tonumber(ARGV[2]), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
 return held + 1
 """
+# Renew the caller's slots ARGV[2..] (those still held) for ARGV[1] seconds: every slot of a caller in one
+# command, so that renewing a thousand costs the process one command's work, not a thousand.
 _RENEW = """
 local now = redis.call('TIME')
-local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
-redis.call('ZADD', KEYS[1], 'XX', t + tonumber(ARGV[1]), ARGV[2])
+local until_t = tonumber(now[1]) + tonumber(now[2]) / 1000000 + tonumber(ARGV[1])
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', until_t, ARGV[i])
+end
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000))
-return 1
+return #ARGV - 1
 """
 
 
@@ -366,7 +370,7 @@ def _renew_forever() -> None:
 
 
 def renew_all() -> None:
-    """Renew every slot this process holds (one round trip to Redis for all)."""
+    """Renew every slot this process holds (one round trip to Redis for all, one command per caller)."""
     with _held_lock:
         slots = list(_held)
     _renew(slots)
@@ -386,9 +390,12 @@ def _renew(slots: list[Slot]) -> None:
                 slot.renewed = now
         return
     try:
-        pipe = where.client.pipeline(transaction=False)
+        by_caller: dict[tuple[str, float], list[str]] = {}
         for slot in slots:
-            where.renew(keys=[_open_key(slot.caller)], args=[slot.lease_s, slot.member], client=pipe)
+            by_caller.setdefault((slot.caller, slot.lease_s), []).append(slot.member)
+        pipe = where.client.pipeline(transaction=False)
+        for (caller, lease_s), members in by_caller.items():  # one command per caller (and lease)
+            where.renew(keys=[_open_key(caller)], args=[lease_s, *members], client=pipe)
         pipe.execute()
         for slot in slots:
             slot.renewed = now

@@ -7,7 +7,8 @@ seconds (``models.settings.send_timeout_s``) is closed (reset: the kernel keeps 
 ends, its listener subscription is removed and its slot given back. A task's data counts as taken when
 the client's TCP stack has acknowledged it: what was written less what is still in the transport's
 buffer and in the kernel's send queue (``TIOCOUTQ``). The process's one watch task looks at every
-connection about once a second.
+connection about once a second, a slice of them at a time between the loop's other work (the kernel is
+asked only about a connection that had data waiting at the last look, or was written to since).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 _open = 0  # streams this process serves now
 _waits = 0  # waits this process holds now
 WATCH_EVERY_S = 1.0  # at most; a shorter send timeout is watched four times per period
+WATCH_SLICE = 50  # connections the watch looks at before it hands the loop back for a turn
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -78,6 +80,9 @@ class Connection:
 
     def check(self, now: float, timeout: float) -> bool:
         """Is the client past the bound (data waiting for it, none taken, for ``timeout`` seconds)?"""
+        if self.written == self.taken:  # it had taken everything at the last look, and nothing was written since
+            self.since = now
+            return False
         untaken = self.untaken()
         taken = self.written - untaken
         if untaken == 0 or taken > self.taken:
@@ -111,8 +116,12 @@ async def _watch_forever() -> None:
     while True:
         timeout = settings.send_timeout_s()
         await asyncio.sleep(min(WATCH_EVERY_S, timeout / 4))
-        now = time.monotonic()
-        for connection in list(_connections):
+        for k, connection in enumerate(list(_connections)):
+            if k % WATCH_SLICE == 0:  # the loop's other work (an event for the streams) waits a slice at most
+                await asyncio.sleep(0)
+                now = time.monotonic()
+            if connection not in _connections:  # closed meanwhile: its descriptor may be another's now
+                continue
             try:
                 if connection.check(now, timeout):
                     log.info("a client took nothing for %g s: its connection is closed", timeout)

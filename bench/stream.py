@@ -1,7 +1,7 @@
 """``python -m bench.stream``: 1,000 event streams open at once on one API process, then 200 waits held
 beside them, measured in one run.
 
-    .venv/bin/python -m bench.stream [--streams 1000] [--callers 4] [--waits 200] [--requests 300]
+    .venv/bin/python -m bench.stream [--streams 1000] [--callers 4] [--waits 200] [--requests 300] [--rounds 2]
 
 The Procfile's ``web`` line (gunicorn, one worker: the one process that serves every stream) and a
 ``celery -A tasks worker --pool prefork -c 2`` subprocess, on one database and one broker:
@@ -12,14 +12,15 @@ The Procfile's ``web`` line (gunicorn, one worker: the one process that serves e
    callers on the default shares, five streams per session; the worker process's PSS and RSS before and
    after, idle: the memory of an idle stream;
 3. the same REST p50 with every stream open (goal: at most 1.2x the first);
-4. one ``search_contacts`` call per session (``/voice-tools/execute`` with a callback URL): each event's
-   delay from its commit (its NOTIFY's arrival at a LISTEN connection, in a third process) to its arrival
-   on each of its session's streams and at the callback receiver (goals, in the same run: stream p50 at
-   most the callback's p50, stream p99 at most the callback's p99);
+4. ``--rounds`` ``search_contacts`` calls per session, one after the other (``/voice-tools/execute`` with a
+   callback URL): each event's delay from its commit (its NOTIFY's arrival at a LISTEN connection, in a
+   third process) to its arrival on each of its session's streams and at the callback receiver, each
+   stamped when its bytes were read (goals, in the same run: stream p50 at most the callback's p50,
+   stream p99 at most the callback's p99, over every arrival);
 5. ``--waits`` ``?wait`` requests held at once by one more caller, beside the streams (each a replay of
    an ``execute`` whose call no worker moves, asked again as soon as it is answered: asyncio sockets in
-   a process of their own): none refused; REST p50 again (goal: at most 1.2x the first), and one more
-   call per session, its events' delays to the streams against the callbacks' (the same goals).
+   a process of their own): none refused; REST p50 again (goal: at most 1.2x the first), and ``--rounds``
+   more calls per session, their events' delays to the streams against the callbacks' (the same goals).
 Every stream must get exactly its session's events, in their order, none missed, none twice.
 
 Results are printed and written to ``bench/STREAM.md``, and their summary to the "Event streams"
@@ -73,8 +74,11 @@ def start_web(port: int, log_dir: Path, **env: str) -> subprocess.Popen:
                "PROMETHEUS_MULTIPROC_DIR": str(metrics), "PYTHONPATH": str(ROOT),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env}
     log = open(log_dir / "web.log", "wb")
+    # a session of its own, as the worker's (support/worker_process.py) and as a deployment's service: with the
+    # kernel's autogroup scheduling, a session's processes share one CPU share, and the API's must not share
+    # the bench's own (its relay, its stream client and its commit listener)
     proc = subprocess.Popen(["sh", "-c", f"exec {web_line()}"], cwd=ROOT, env=environ, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -99,9 +103,74 @@ def memory_kb(pid: int) -> tuple[int, int]:
     return int(fields["Pss"].split()[0]), int(fields["Rss"].split()[0])
 
 
-# -- the streams' client: asyncio sockets in a thread of this process ----------------------------------
+# -- the clients: asyncio sockets in a thread of their process ------------------------------------------
 
-class Streams:
+class OwnLoop:
+    """A client's asyncio loop, run by a thread of its own; :meth:`close` cancels its tasks and stops it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class Follower(asyncio.Protocol):
+    """One stream's connection: its answer's status, then each event's id with the instant its bytes were
+    read from the socket (``data_received``, before any parsing: as the relay's body is stamped when read)."""
+
+    def __init__(self, streams: "Streams", i: int) -> None:
+        self.streams, self.i = streams, i
+        self.data = b""  # read, not parsed yet
+        self.text = ""  # the frames' text, not yet a whole block
+        self.head = True
+        self.done = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        now = time.time()
+        self.data += data
+        if self.head:
+            if b"\r\n\r\n" not in self.data:
+                return
+            head, self.data = self.data.split(b"\r\n\r\n", 1)
+            self.head = False
+            self.streams.statuses[self.i] = int(head.split()[1])
+            if b"transfer-encoding: chunked" not in head.lower() and not self.done.done():
+                self.done.set_exception(AssertionError(head))
+        while b"\r\n" in self.data:
+            line, rest = self.data.split(b"\r\n", 1)
+            size = int(line.strip() or b"0", 16)
+            if size == 0:
+                if not self.done.done():
+                    self.done.set_result(None)
+                return
+            if len(rest) < size + 2:
+                return
+            self.text += rest[:size].decode()
+            self.data = rest[size + 2:]
+        while "\n\n" in self.text:
+            block, self.text = self.text.split("\n\n", 1)
+            if block.startswith(": voice-tools event stream"):
+                self.streams.opened += 1
+            for line in block.splitlines():
+                if line.startswith("id: "):
+                    self.streams.got[self.i].append((line[4:], now))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class Streams(OwnLoop):
     """``count`` SSE connections read by one asyncio loop: per stream, the events' ids and arrival times."""
 
     def __init__(self, port: int, plan: list[tuple[str, str]]):
@@ -109,10 +178,8 @@ class Streams:
         self.statuses: list[int | None] = [None] * len(plan)
         self.opened = 0
         self.got: list[list[tuple[str, float]]] = [[] for _ in plan]
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         self.tasks: list[Any] = []
+        super().__init__()
 
     def open(self, timeout: float = 120.0) -> float:
         started = time.monotonic()
@@ -126,25 +193,13 @@ class Streams:
 
     async def _follow(self, i: int) -> None:
         token, session_id = self.plan[i]
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 20)
-        writer.write(f"GET /voice-tools/events/{session_id} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                     f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n".encode())
-        head = await reader.readuntil(b"\r\n\r\n")
-        self.statuses[i] = int(head.split()[1])
-        assert b"transfer-encoding: chunked" in head.lower(), head
-        buffer = ""
-        while True:
-            size = int((await reader.readline()).strip() or b"0", 16)
-            if size == 0:
-                return
-            buffer += (await reader.readexactly(size + 2))[:-2].decode()
-            while "\n\n" in buffer:
-                block, buffer = buffer.split("\n\n", 1)
-                if block.startswith(": voice-tools event stream"):
-                    self.opened += 1
-                for line in block.splitlines():
-                    if line.startswith("id: "):
-                        self.got[i].append((line[4:], time.time()))
+        transport, follower = await self.loop.create_connection(lambda: Follower(self, i), "127.0.0.1", self.port)
+        try:
+            transport.write(f"GET /voice-tools/events/{session_id} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                            f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n".encode())
+            await follower.done
+        finally:
+            transport.close()
 
     def arrivals(self) -> list[list[tuple[str, float]]]:
         return self.got
@@ -155,18 +210,8 @@ class Streams:
     def counts(self) -> list[int]:
         return [len(got) for got in self.got]
 
-    def close(self) -> None:
-        async def cancel() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-class Waits:
+class Waits(OwnLoop):
     """``count`` ``?wait`` requests held at once, each asked again as soon as it is answered (the connection
     closes after each answer): how many were answered, by HTTP status, and how many are held now."""
 
@@ -175,9 +220,7 @@ class Waits:
         self.statuses: dict[int, int] = defaultdict(int)
         self.held = 0
         self.running = True
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
         self.tasks = [asyncio.run_coroutine_threadsafe(self._hold(body), self.loop) for body in bodies]
 
     async def _hold(self, body: bytes) -> None:
@@ -204,15 +247,7 @@ class Waits:
 
     def close(self) -> None:
         self.running = False
-
-        async def cancel() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        super().close()
 
 
 # -- the measurements -----------------------------------------------------------------------------------
@@ -233,11 +268,12 @@ def pending_ms(api: str, token: str, n: int) -> list[float]:
     return ms
 
 
-def run_calls(api: str, plan: list[tuple[str, str]], relay: Any) -> None:
+def run_calls(api: str, plan: list[tuple[str, str]], relay: Any, rounds: int) -> None:
+    """``rounds`` calls per session, each once the previous one's ``completed`` callback came."""
     import requests
 
     http = requests.Session()
-    for token, session_id in sorted(set(plan)):
+    for token, session_id in sorted(set(plan)) * rounds:
         started = http.post(f"{api}/voice-tools/execute", headers={"Authorization": f"Bearer {token}"}, json={
             "session_id": session_id, "function": "search_contacts", "parameters": {"query": "Ann"},
             "callback_url": relay.url})
@@ -342,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--callers", type=int, default=4)
     parser.add_argument("--waits", type=int, default=200, help="?wait requests held at once by one more caller")
     parser.add_argument("--requests", type=int, default=300, help="REST pendings timed, each time (default 300)")
+    parser.add_argument("--rounds", type=int, default=2, help="calls per session, each time events are measured")
     parser.add_argument("--output", default=str(ROOT / "bench" / "STREAM.md"))
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -374,11 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         api = f"http://127.0.0.1:{port}"
         log_dir = Path(tempfile.mkdtemp(prefix="voice-tools-bench-stream-web-"))
         web = start_web(port, log_dir)
-        arrived_cb: dict[str, float] = {}
         try:
             with WorkerProcess(app, queues, pool="prefork", concurrency=2, log_dir=data_dir, name="bench-stream"), \
                     Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay:
-                relay.answer(lambda event: arrived_cb.setdefault(event["event_id"], time.time()) and None)
                 worker = the_worker(web.pid)
                 token = callers[0][1]
                 pending_ms(api, token, 50)  # warm-up
@@ -402,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                 from models import db
 
                 commits, commits_process = apart(Commits, db.listen_url())
-                run_calls(api, plan, relay)
+                run_calls(api, plan, relay, args.rounds)
                 first = wait_for_events(streams, plan)
                 first_ids = {event_id for events in first.values() for event_id, _ in events}
                 print(f"holding {args.waits} waits from one caller ...", flush=True)
@@ -416,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"REST pending, {args.streams} streams open and {held} waits held ...", flush=True)
                 loaded_waits = pending_ms(api, token, args.requests)
                 print(f"events again, {held} waits held ...", flush=True)
-                run_calls(api, plan, relay)
+                run_calls(api, plan, relay, args.rounds)
                 expected = wait_for_events(streams, plan)
                 held_after = waits.holding()
                 answered = waits.answered()
@@ -431,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
                 print(f"REST pending, the streams closed ({args.requests}) ...", flush=True)
                 alone += pending_ms(api, token, args.requests)
+                arrived_cb: dict[str, float] = {}
+                for event, read_at in zip(relay.events, relay.arrived):
+                    arrived_cb.setdefault(event["event_id"], read_at)
         finally:
             stop_process(web)
         held_waits = (held, held_after, answered)
@@ -521,7 +559,8 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         "# voice-tools event stream benchmark",
         "",
         f"- measured on {datetime.now(timezone.utc).strftime('%Y-%m-%d')} with `.venv/bin/python -m bench.stream "
-        f"--streams {n} --callers {args.callers} --waits {args.waits} --requests {args.requests}`",
+        f"--streams {n} --callers {args.callers} --waits {args.waits} --requests {args.requests} "
+        f"--rounds {args.rounds}`",
         f"- machine: {info['cpu']}; {info['os']}; Python {info['python']}",
         f"- {info['versions']}; servers {info['servers']}",
         f"- {info['load']}",
@@ -553,7 +592,9 @@ def report(args: argparse.Namespace, alone: list[float], loaded: list[float], be
         *against_callback(stream_w, callback_w, f"{held} waits held"),
         "",
         "An event's commit is when a LISTEN connection of the bench received its NOTIFY (PostgreSQL delivers "
-        "it at the commit); the callback is posted by the link right after its commit; a stream gets the "
+        f"it at the commit); {args.rounds} calls per session each time, one after the other; an arrival is "
+        "stamped when its bytes were read, on a stream as at the callback receiver; the callback is posted by "
+        "the link right after its commit; a stream gets the "
         "event from the NOTIFY the API's own listener hears at the commit (it reads the table only for an event "
         "too large for a notification). From the row's `created_at` (the start of "
         "the recording transaction), both delays also carry that transaction's own time. The waits are replays "

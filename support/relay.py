@@ -2,8 +2,8 @@
 
 It checks every request's signature (``tasks.delivery.signing.verify``, and
 ``verify_standard`` too when it is given ``webhook_secrets``: a bad one is answered 401 and
-counted in ``bad_signatures``), records the events in order, and
-answers as programmed: ``relay.answer(lambda event: {...})`` returns the JSON to send
+counted in ``bad_signatures``), records the events in order with when each one's body was read
+(``arrived``), and answers as programmed: ``relay.answer(lambda event: {...})`` returns the JSON to send
 back (or an int status, or ``None`` for ``{"received": true}``); ``relay.delay`` makes it
 slow; ``relay.down()`` closes its port (a connection is refused) and ``relay.up()``
 listens on it again.
@@ -30,6 +30,7 @@ class Relay:
         self.headers: list[dict[str, str]] = []
         self.bodies: list[bytes] = []  # the raw body of each event, beside ``events`` (what was signed)
         self.paths: list[str] = []  # the path each event was posted to, beside ``events``
+        self.arrived: list[float] = []  # when each event's body was read (``time.time()``), beside ``events``
         self.bad_signatures = 0
         self.delay = 0.0
         self._answer: Callable[[dict[str, Any]], Any] = lambda event: None
@@ -42,6 +43,7 @@ class Relay:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                read_at = time.time()
                 if not verify(relay.secret, self.headers, body) or (
                         relay.webhook_secrets and not verify_standard(relay.webhook_secrets, self.headers, body)):
                     with relay._lock:
@@ -57,6 +59,7 @@ class Relay:
                     relay.headers.append(dict(self.headers))
                     relay.bodies.append(body)
                     relay.paths.append(self.path)
+                    relay.arrived.append(read_at)
                     relay._lock.notify_all()
                 if isinstance(answer, int):
                     self._reply(answer, {"error": "programmed failure"})

@@ -391,3 +391,36 @@ def test_a_held_slot_is_renewed_by_its_process_and_outlasts_its_lease():
     finally:
         held.release()
     shares.take_slot(name, "stream", limit=1, holds_thread=False).release()
+
+
+def test_renewing_hundreds_of_slots_sends_redis_one_command_per_caller():
+    """The process's renewer renews every slot it holds in one command per caller (and lease), not one per
+    slot: a command costs the process's interpreter about 20 µs to send and read, and a thousand of them
+    every renewal held off the stream loop's writes for tens of milliseconds (``python -m bench.stream``)."""
+    from app import shares
+
+    client = shares.counts().client
+    assert client is not None, "the tests' API counts in Redis"
+    names = [f"share-{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    held = [shares.take_slot(name, "stream", limit=300, lease_s=2.0, holds_thread=False)
+            for name in names for _ in range(200)]
+
+    def scripts_run() -> int:
+        stats = client.info("commandstats")
+        return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+
+    try:
+        before = scripts_run()
+        shares.renew_all()
+        sent = scripts_run() - before
+        assert sent < 20, f"{sent} commands to renew {len(held)} slots of {len(names)} callers"
+        time.sleep(1.0)
+        shares.renew_all()
+        time.sleep(1.5)  # past the lease each slot had before the last renewal
+        for name in names:
+            with pytest.raises(shares.ApiError) as refused:  # every one of the 200 renewed: still held
+                shares.take_slot(name, "stream", limit=200, holds_thread=False)
+            assert refused.value.error == "too_many_open" and refused.value.details["open"] == 200, refused.value.details
+    finally:
+        for slot in held:
+            slot.release()

@@ -106,3 +106,48 @@ def test_a_client_that_stops_reading_is_closed_after_the_bound_and_resumes_losin
         assert [resumed.next_event()[0] for _ in rest] == rest  # every event after the last one taken, in order
     finally:
         resumed.close()
+
+
+def test_the_watch_lets_the_loop_turn_while_it_looks_at_a_thousand_connections(monkeypatch):
+    """The watch looks at every connection of the loop about once a second; with a thousand open, it hands
+    the loop back between slices of them, so a stream's event waits for a slice at most, never for the
+    whole look (``python -m bench.stream``: a look at 1,200 connections held the loop for 5 ms and more)."""
+    import asyncio
+
+    from app import stream_loop
+
+    count = 1000
+    monkeypatch.setattr(stream_loop, "WATCH_EVERY_S", 0.05)
+    monkeypatch.setattr(stream_loop, "_connections", set())
+    seen_partway: list[int] = []
+
+    async def look() -> None:
+        pairs = [socket.socketpair() for _ in range(count)]
+        connections = []
+        try:
+            for ours, _ in pairs:
+                _, writer = await asyncio.open_connection(sock=ours)
+                connection = stream_loop.Connection(writer, asyncio.current_task())
+                connection.since = 0.0  # not looked at yet
+                connections.append(connection)
+            stream_loop._connections.update(connections)
+            watch = asyncio.get_running_loop().create_task(stream_loop._watch_forever())
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # a turn of the loop: how many has the watch looked at?
+                looked = sum(1 for connection in connections if connection.since > 0.0)
+                if looked == count:
+                    break
+                if looked:
+                    seen_partway.append(looked)
+                await asyncio.sleep(0)
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            assert looked == count, f"the watch looked at {looked} of {count} connections"
+        finally:
+            for connection in connections:
+                connection.writer.close()
+            for _, theirs in pairs:
+                theirs.close()
+
+    asyncio.run(look())
+    assert seen_partway, "the loop never turned while the watch looked at its connections"
