@@ -259,6 +259,7 @@ def test_off_without_the_variables_nothing_of_it_is_loaded(tmp_path, own_queues)
 
 NO_SDK_PROBE = textwrap.dedent("""
     import json, sys
+    {first}
     from app import create_app
     from tasks import app
     create_app()
@@ -269,12 +270,16 @@ NO_SDK_PROBE = textwrap.dedent("""
 """)
 
 
-def test_off_the_sdk_is_not_imported_by_redis_either():
+@pytest.mark.parametrize("first", [
+    "pass",  # the app factory, then the Celery app
+    "import app.gunicorn_conf; from app import shares",  # a gunicorn worker: its config, its post_fork, then the app
+])
+def test_off_the_sdk_is_not_imported_by_redis_either(first):
     """No OTLP endpoint: a process that makes the API app and the Celery app and talks to Redis has not
     imported OpenTelemetry's SDK (redis-py imports its metrics module whenever the SDK is installed)."""
     env = {k: v for k, v in os.environ.items() if k not in OTEL_VARIABLES}
-    ran = subprocess.run([sys.executable, "-c", NO_SDK_PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    ran = subprocess.run([sys.executable, "-c", NO_SDK_PROBE.format(first=first)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr[-3000:]
     loaded = json.loads(ran.stdout.strip().splitlines()[-1])
     assert [m for m in loaded if m.startswith("opentelemetry.sdk")] == [], loaded

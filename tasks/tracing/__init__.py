@@ -15,8 +15,9 @@ MCP face), and its hooks make the spans:
 
 This module is ground floor and imports nothing of ours; the hooks import OpenTelemetry only
 when they are called with tracing on. With tracing off, importing it also keeps redis-py from
-loading the SDK's metrics (:func:`keep_the_sdk_out`): the app factory and the Celery app import it
-before anything that imports redis.
+loading the SDK's metrics (:func:`keep_the_sdk_out`): gunicorn's config, the app factory, the Celery
+app and the ``voice-tools`` command import it before anything that imports redis (a ``celery`` command
+loads its plug-ins first, Flower's among them, which imports redis: there it comes too late).
 """
 from __future__ import annotations
 
