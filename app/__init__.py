@@ -18,10 +18,10 @@ N8N_PREFIX = "/webhook"
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
+    from tasks.tracing import web as tracing  # first: with tracing off, redis-py will not load the SDK (tasks/tracing/)
     from flask import Flask
 
     from app import api, auth, console, errors, health, inputs, metrics, request_log, share_hooks, stream
-    from tasks.tracing import web as tracing
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods

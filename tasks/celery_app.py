@@ -7,6 +7,7 @@ plain ``celery -A tasks worker`` consumes them all.
 """
 import gc
 
+from tasks.tracing import links as tracing  # first: with tracing off, redis-py will not load the SDK (tasks/tracing/)
 from celery import Celery
 from celery.signals import worker_before_create_process, worker_process_init
 
@@ -18,7 +19,6 @@ from tasks.worker import beat_thread
 from tasks.worker import log_context
 from tasks.worker import metrics_thread
 from tasks.worker import groups
-from tasks.tracing import links as tracing
 
 app = Celery("tasks", task_cls=base.Task,  # every task's base class (tasks/base.py)
              events="tasks.worker.task_events:Events")  # task events published off the loop (tasks/worker/task_events.py)

@@ -257,6 +257,34 @@ def test_off_without_the_variables_nothing_of_it_is_loaded(tmp_path, own_queues)
     assert not [t for t in ran["threads"] if "otel" in t.lower()], ran["threads"]
 
 
+NO_SDK_PROBE = textwrap.dedent("""
+    import json, sys
+    {first}
+    from app import create_app
+    from tasks import app
+    create_app()
+    with app.connection_for_write() as conn:
+        assert conn.default_channel.client.ping()
+    print(json.dumps(sorted(name for name, module in sys.modules.items()
+                            if name.startswith("opentelemetry") and module is not None)))  # None: marked absent
+""")
+
+
+@pytest.mark.parametrize("first", [
+    "pass",  # the app factory, then the Celery app
+    "import app.gunicorn_conf; from app import shares",  # a gunicorn worker: its config, its post_fork, then the app
+])
+def test_off_the_sdk_is_not_imported_by_redis_either(first):
+    """No OTLP endpoint: a process that makes the API app and the Celery app and talks to Redis has not
+    imported OpenTelemetry's SDK (redis-py imports its metrics module whenever the SDK is installed)."""
+    env = {k: v for k, v in os.environ.items() if k not in OTEL_VARIABLES}
+    ran = subprocess.run([sys.executable, "-c", NO_SDK_PROBE.format(first=first)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    loaded = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert [m for m in loaded if m.startswith("opentelemetry.sdk")] == [], loaded
+
+
 @contextmanager
 def mcp_face(env: dict[str, str]) -> Iterator[str]:
     """``voice-tools mcp`` in a process of its own with ``env``; its /mcp URL once /healthz answers."""

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import tasks.tracing  # noqa: F401  (first: with tracing off, redis-py will not load the SDK; tasks/tracing/)
 from models import logs, settings
 from voice_tools import ports
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,

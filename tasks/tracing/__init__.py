@@ -14,17 +14,22 @@ MCP face), and its hooks make the spans:
   (``traceparent``, ``tracestate``).
 
 This module is ground floor and imports nothing of ours; the hooks import OpenTelemetry only
-when they are called with tracing on.
+when they are called with tracing on. With tracing off, importing it also keeps redis-py from
+loading the SDK's metrics (:func:`keep_the_sdk_out`): gunicorn's config, the app factory, the Celery
+app and the ``voice-tools`` command import it before anything that imports redis (a ``celery`` command
+loads its plug-ins first, Flower's among them, which imports redis: there it comes too late).
 """
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Mapping
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER = "voice_tools"
 
 _started = False  # set by tasks.tracing.sdk.start in the process that started the SDK
+_tracer: Any = None  # this process's tracer, made at its first use
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -33,6 +38,20 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     return any(env.get(name, "").strip() for name in ENDPOINT_VARIABLES)
+
+
+def keep_the_sdk_out() -> None:
+    """With tracing off, mark ``opentelemetry.sdk.metrics`` as absent for this process, unless already loaded.
+
+    redis-py 8 (``redis/observability/providers.py``, imported by ``redis.connection``) runs
+    ``from opentelemetry.sdk.metrics import MeterProvider`` at its own import whenever the SDK is
+    installed, and only uses it when its own OpenTelemetry metrics are switched on (we never do): about
+    3 MB in every process that imports redis. ``None`` in ``sys.modules`` is Python's own way of saying
+    a module cannot be imported: that import raises ``ImportError``, which redis-py catches (its
+    metrics are then unavailable) before ``opentelemetry.sdk`` is loaded. With tracing on, nothing is
+    marked: the SDK is loaded anyway."""
+    if not enabled():
+        sys.modules.setdefault("opentelemetry.sdk.metrics", None)  # type: ignore[arg-type]
 
 
 def active() -> bool:
@@ -64,6 +83,14 @@ def traceparent() -> str | None:
 
 
 def tracer() -> Any:
-    from opentelemetry import trace
+    """The one tracer of our own spans in this process (the SDK's ``get_tracer`` builds its scope and
+    resets the warnings filters at each call: made once)."""
+    global _tracer
+    if _tracer is None:
+        from opentelemetry import trace
 
-    return trace.get_tracer(TRACER)
+        _tracer = trace.get_tracer(TRACER)
+    return _tracer
+
+
+keep_the_sdk_out()

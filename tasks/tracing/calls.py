@@ -2,10 +2,15 @@
 ``traceparent`` of the span that recorded it, read again by a later request about the call."""
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 
 from models import db
 from models.calls import ToolCall
+from models.compiled import Compiled
+
+# one statement in autocommit, prepared on the server (models/compiled.py): a request about a call
+# reads it before its own work, on the request's path
+_KEPT = Compiled(select(ToolCall.trace_context).where(ToolCall.tool_call_id == bindparam("p_id")))
 
 
 def kept_context(tool_call_id: str) -> str | None:
@@ -13,5 +18,6 @@ def kept_context(tool_call_id: str) -> str | None:
     Read with the instrumentations suppressed: the read is not a span of a trace of its own."""
     from opentelemetry.instrumentation.utils import suppress_instrumentation
 
-    with suppress_instrumentation(), db.session() as s:
-        return s.scalar(select(ToolCall.trace_context).where(ToolCall.tool_call_id == tool_call_id))
+    with suppress_instrumentation(), db.statement() as conn:
+        row = _KEPT.one_or_none(conn, {"p_id": tool_call_id})
+    return row[0] if row is not None else None

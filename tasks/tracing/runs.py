@@ -8,9 +8,15 @@ that sent it (``task_prerun`` .. ``task_postrun``). A chain's next link is sent 
 link's span is current, so the links of a chain are one line of parents and children, and the
 time between a link's publish and its run is the queue's wait. It needs nothing of the one base
 Task (``tasks/base.py``): only Celery's signals and the message's headers.
+
+The publish's own Redis command (the ``LPUSH`` of the message) is not a span of its own: the
+``apply_async/<task>`` span is that publish, from the same call to its return, and the Redis
+instrumentation is suppressed inside it (its span would repeat it, with the message's body as its
+statement, and cost a span on every link's path).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from celery import signals
@@ -20,14 +26,18 @@ from models import logs
 
 PREFIX = "voice_tools."
 
+_publishing = threading.local()  # .token: the suppression attached for the publish under way on this thread
+
 
 def instrument() -> None:
     """Celery's instrumentation, with the span of each run named and described here (``sdk.start``)."""
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
     signals.task_postrun.connect(_ended, weak=False)  # before the instrumentation's own, which ends the span
+    signals.after_task_publish.connect(_published, weak=False)  # before its own: contexts detached in order
     CeleryInstrumentor().instrument()
     signals.task_prerun.connect(_begun, weak=False)  # after it: its span is the current one
+    signals.before_task_publish.connect(_publish_begun, weak=False)  # after its own, which starts the span
 
 
 def attributes(task: Any, args: Any, retries: int, redelivered: bool) -> dict[str, Any]:
@@ -55,6 +65,24 @@ def _begun(sender: Any = None, task: Any = None, args: Any = None, **_: Any) -> 
     span.update_name(task.name)
     span.set_attributes(attributes(task, args, request.retries, redelivered))
     logs.add(**tracing.current_ids())  # undone with the task's log context (tasks/worker/log_context.py)
+
+
+def _publish_begun(**_: Any) -> None:
+    """The publish's span is current: no span for the Redis command that sends the message."""
+    from opentelemetry import context
+    from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY
+
+    _publishing.token = context.attach(context.set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+
+
+def _published(**_: Any) -> None:
+    """Sent: the Redis instrumentation on again (a publish that raised is undone with its task's or
+    request's context, which the Celery instrumentation and ``tasks.tracing.web`` detach)."""
+    from opentelemetry import context
+
+    token, _publishing.token = getattr(_publishing, "token", None), None
+    if token is not None:
+        context.detach(token)
 
 
 def _ended(sender: Any = None, state: str | None = None, **_: Any) -> None:
