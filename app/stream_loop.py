@@ -112,15 +112,17 @@ def _watch(running: asyncio.AbstractEventLoop) -> None:
         _watching[running] = running.create_task(_watch_forever())
 
 
-async def _watch_forever() -> None:
+async def _watch_forever(connections: set[Connection] | None = None) -> None:
+    """Look at ``connections`` (the loop's own: ``_connections``) about every ``WATCH_EVERY_S``."""
+    watched = _connections if connections is None else connections
     while True:
         timeout = settings.send_timeout_s()
         await asyncio.sleep(min(WATCH_EVERY_S, timeout / 4))
-        for k, connection in enumerate(list(_connections)):
+        for k, connection in enumerate(list(watched)):
             if k % WATCH_SLICE == 0:  # the loop's other work (an event for the streams) waits a slice at most
                 await asyncio.sleep(0)
                 now = time.monotonic()
-            if connection not in _connections:  # closed meanwhile: its descriptor may be another's now
+            if connection not in watched:  # closed meanwhile: its descriptor may be another's now
                 continue
             try:
                 if connection.check(now, timeout):

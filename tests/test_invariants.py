@@ -166,12 +166,16 @@ def test_events_missing_repeated_or_undelivered_at_the_relay_are_named(relay):
     assert check(relay, once_at_relay=True).problems == [f"1 events received more than once, e.g. {[first.event_id]}"]
 
 
-def test_an_event_received_twice_is_named_unless_its_first_copy_came_during_a_fault():
+def test_an_event_received_twice_is_named_unless_its_first_copy_came_during_a_fault_or_its_row_records_a_failure():
     from types import SimpleNamespace
 
     from tests.multihost_traffic import HostsTraffic
 
     traffic = HostsTraffic(["http://a", "http://b"], {}, SimpleNamespace(answer=lambda fn: None), ops=1, seed=0)
-    traffic.arrivals.update({"once": [5.0], "in_fault": [10.5, 30.0], "outside": [20.0, 21.0]})
-    assert traffic.duplicate_problems([(10.0, 12.0)]) == [
-        "event outside received 2 times, its first copy outside every fault"]
+    traffic.arrivals.update({"once": [5.0], "in_fault": [10.5, 30.0], "outside": [20.0, 21.0],
+                             "retried": [40.0, 41.0], "thrice": [50.0, 51.0, 52.0]})
+    # a copy again is excused only by a failed attempt its row records, one for each copy again
+    assert traffic.duplicate_problems([(10.0, 12.0)], {"retried": 1, "thrice": 1}) == [
+        "event outside received 2 times, its first copy outside every fault, 0 failed attempts recorded",
+        "event thrice received 3 times, its first copy outside every fault, 1 failed attempts recorded"]
+    assert traffic.resent({"retried": 1, "thrice": 1}) == 2
