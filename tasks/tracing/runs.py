@@ -26,7 +26,7 @@ from models import logs
 
 PREFIX = "voice_tools."
 
-_publishing = threading.local()  # .token: the suppression attached for the publish under way on this thread
+_publishing = threading.local()  # .suppressed: the suppression entered for the publish under way on this thread
 
 
 def instrument() -> None:
@@ -68,21 +68,21 @@ def _begun(sender: Any = None, task: Any = None, args: Any = None, **_: Any) -> 
 
 
 def _publish_begun(**_: Any) -> None:
-    """The publish's span is current: no span for the Redis command that sends the message."""
-    from opentelemetry import context
-    from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY
+    """The publish's span is current: no span for the Redis commands that send the message (the
+    instrumentations' own ``suppress_instrumentation``, entered here and left at :func:`_published`)."""
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
 
-    _publishing.token = context.attach(context.set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+    suppressed = suppress_instrumentation()
+    suppressed.__enter__()
+    _publishing.suppressed = suppressed
 
 
 def _published(**_: Any) -> None:
     """Sent: the Redis instrumentation on again (a publish that raised is undone with its task's or
     request's context, which the Celery instrumentation and ``tasks.tracing.web`` detach)."""
-    from opentelemetry import context
-
-    token, _publishing.token = getattr(_publishing, "token", None), None
-    if token is not None:
-        context.detach(token)
+    suppressed, _publishing.suppressed = getattr(_publishing, "suppressed", None), None
+    if suppressed is not None:
+        suppressed.__exit__(None, None, None)
 
 
 def _ended(sender: Any = None, state: str | None = None, **_: Any) -> None:
