@@ -184,20 +184,46 @@ def serve(sock: socket.socket, session_id: str, after: int, caller: str | None, 
     call now owns): its events after ``after`` (``models/listen.py``), chunk-framed if ``chunked``, with
     keep-alives, until the client goes, takes nothing for the send timeout, or the database is away; then
     ``slot`` is released."""
-    serve_frames(sock, lambda: session_frames(session_id, after, caller, keepalive_s), slot, chunked,
-                 f"event stream of {session_id}")
+    def frames(connection: Connection) -> AsyncIterator[str]:
+        return session_frames(session_id, after, caller, keepalive_s, _writer_of(connection, chunked))
+
+    asyncio.run_coroutine_threadsafe(_serve(sock, frames, slot, chunked, f"event stream of {session_id}"), loop())
 
 
 def serve_frames(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
                  chunked: bool, what: str) -> None:
     """As :func:`serve`, for any stream of frames (``frames()``: made and run on the loop), such as the
     console's live list (``app/console/live.py``)."""
-    asyncio.run_coroutine_threadsafe(_serve(sock, frames, slot, chunked, what), loop())
+    asyncio.run_coroutine_threadsafe(_serve(sock, lambda _: frames(), slot, chunked, what), loop())
 
 
-async def session_frames(session_id: str, after: int, caller: str | None, keepalive_s: float) -> AsyncIterator[str]:
-    """The session's events after ``after`` as frames, with keep-alives (``models/listen.py``)."""
-    events: Any = listen.session_events_async(session_id, after, keepalive_s, caller)
+_last_frame: tuple[Any, bool, bytes] | None = None  # the notice whose frame was made last: one per notice
+
+
+def _writer_of(connection: Connection, chunked: bool) -> Callable[[listen.Notice], bool]:
+    """What writes a notice to ``connection`` at once, from the listener's callback (``models/listen.py``):
+    the streams of a session get it in one turn of the loop, its frame made once for them all. It declines
+    (the stream's task writes the notice then) while the client has not taken what was written before."""
+    transport = connection.writer.transport
+
+    def write(notice: listen.Notice) -> bool:
+        global _last_frame
+        if transport.is_closing() or transport.get_write_buffer_size():
+            return False
+        if _last_frame is None or _last_frame[0] is not notice or _last_frame[1] != chunked:
+            assert notice.event_id is not None and notice.payload is not None
+            _last_frame = (notice, chunked, _chunk(sse.frame(notice.event_id, notice.payload), chunked))
+        connection.write(_last_frame[2])
+        return True
+
+    return write
+
+
+async def session_frames(session_id: str, after: int, caller: str | None, keepalive_s: float,
+                         direct: Callable[[listen.Notice], bool] | None = None) -> AsyncIterator[str]:
+    """The session's events after ``after`` as frames, with keep-alives (``models/listen.py``); ``direct``
+    writes a notice at once while the stream waits (:func:`_writer_of`)."""
+    events: Any = listen.session_events_async(session_id, after, keepalive_s, caller, direct)
     try:
         async for event in events:
             yield sse.KEEPALIVE if event is None else sse.frame(event.event_id, event.payload)
@@ -210,14 +236,14 @@ def _chunk(text: str, chunked: bool) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
 
 
-async def _serve(sock: socket.socket, frames: Callable[[], AsyncIterator[str]], slot: shares.Slot,
+async def _serve(sock: socket.socket, frames: Callable[[Connection], AsyncIterator[str]], slot: shares.Slot,
                  chunked: bool, what: str) -> None:
     global _open
     _open += 1
     stream_gauges.STREAMS_OPEN.inc()
 
     async def pump(connection: Connection) -> bool:
-        texts: Any = frames()
+        texts: Any = frames(connection)
         try:
             async for text in texts:
                 connection.write(_chunk(text, chunked))

@@ -218,6 +218,7 @@ class Waits(OwnLoop):
     def __init__(self, port: int, token: str, bodies: list[bytes], wait_s: float):
         self.port, self.token, self.bodies, self.wait_s = port, token, bodies, wait_s
         self.statuses: dict[int, int] = defaultdict(int)
+        self.answered_at: list[float] = []  # when each answer was read (for a closer look: VOICE_TOOLS_BENCH_RAW)
         self.held = 0
         self.running = True
         super().__init__()
@@ -235,6 +236,7 @@ class Waits(OwnLoop):
             finally:
                 self.held -= 1
                 writer.close()
+            self.answered_at.append(time.time())
             self.statuses[int(answer.split()[1]) if answer[:5] == b"HTTP/" else 0] += 1
             if answer[:5] == b"HTTP/" and int(answer.split()[1]) == 429:
                 await asyncio.sleep(1.0)
@@ -244,6 +246,9 @@ class Waits(OwnLoop):
 
     def answered(self) -> dict[int, int]:
         return dict(self.statuses)
+
+    def answer_times(self) -> list[float]:
+        return list(self.answered_at)
 
     def close(self) -> None:
         self.running = False
@@ -455,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                 expected = wait_for_events(streams, plan)
                 held_after = waits.holding()
                 answered = waits.answered()
+                if os.environ.get("VOICE_TOOLS_BENCH_RAW"):  # when each wait was answered, for a closer look
+                    Path(os.environ["VOICE_TOOLS_BENCH_RAW"] + ".waits").write_text(
+                        "\n".join(f"{at:.6f}" for at in waits.answer_times()))
                 waits.close()
                 waits_process.shutdown()
                 got = streams.arrivals()

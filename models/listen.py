@@ -37,7 +37,10 @@ no hop between threads.
 An asyncio stream (:func:`session_events_async`, the API's streams: ``app/stream_loop.py``)
 reads the table once when it starts, then writes each notice as it arrives, with no read: it
 subscribed before that read, so every event the read did not see reaches it as a notice, in
-order, and a notice it has already read is skipped by its number. It reads again only when a
+order, and a notice it has already read is skipped by its number. A stream that waits with
+nothing in its inbox is written to by the listener itself, in the callback that read the
+notification (its ``direct`` writer): the streams of a session get an event one after the other
+in one turn of the loop, without a task woken for each. It reads again only when a
 notice has no payload, when its inbox overflows (a client slower than its events), and when the
 listener (re)connects (notices may have been lost meanwhile), each time from its own last
 number; the streams of one session that read together share one read, in the loop's executor.
@@ -58,7 +61,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Protocol
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol
 
 from sqlalchemy import Row, text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -209,11 +212,20 @@ class LoopEvent:
         self.loop = loop
         self.event = asyncio.Event()
         self.inbox: deque[Any] = deque([READ])
+        self.waiting = False  # its stream waits on ``event`` (it is not reading, nor writing)
+        self.direct: Callable[[Notice], bool] | None = None  # takes a notice at once, if it can (True)
 
     def set(self) -> None:
         self._send(READ)
 
     def take(self, notice: Notice) -> None:
+        if self.direct is not None and self.waiting and not self.inbox and notice.payload is not None \
+                and notice.commit_seq is not None and _running_loop() is self.loop:
+            try:
+                if self.direct(notice):
+                    return
+            except Exception:  # the stream's own task meets the same trouble and ends the stream
+                log.debug("a notice not written at once", exc_info=True)
         self._send(notice)
 
     def _send(self, item: Any) -> None:
@@ -506,23 +518,48 @@ def session_events(session_id: str, after: int, keepalive_s: float,
         LISTENER.unsubscribe(session_id, woken)
 
 
-async def session_events_async(session_id: str, after: int, keepalive_s: float,
-                               caller: str | None = None) -> AsyncIterator[Row | Notice | None]:
+async def session_events_async(session_id: str, after: int, keepalive_s: float, caller: str | None = None,
+                               direct: Callable[[Notice], bool] | None = None) -> AsyncIterator[Row | Notice | None]:
     """:func:`session_events` for an asyncio task: the same events in the same order (rows read from the
     table, then :class:`Notice` s as they arrive, each with ``event_id``, ``payload`` and ``commit_seq``),
     the same keep-alive Nones. It reads the table when it starts and then only when its inbox says so
     (module docstring); it waits on its loop (no thread), and a keep-alive reads nothing, so a thousand
-    idle streams do not read a thousand times every interval."""
+    idle streams do not read a thousand times every interval.
+
+    ``direct``, when given, writes a notice to the stream's client at once (True) or declines (False:
+    the notice is queued and yielded as usual). It is called by the listener, on the loop, only while
+    this generator waits with an empty inbox, for a notice that is new to this stream and its caller's:
+    what it writes is not yielded."""
     loop = asyncio.get_running_loop()
     inbox = LISTENER.subscribe_loop(session_id, loop)
+
+    def deliver(notice: Notice) -> bool:
+        """A notice taken while this stream waits: written by ``direct`` at once (True), else queued."""
+        nonlocal after
+        assert notice.commit_seq is not None
+        if notice.commit_seq <= after or (caller is not None and notice.caller != caller):
+            return True  # read already, or not this caller's
+        if direct is None or not direct(notice):
+            return False
+        after = notice.commit_seq
+        return True
+
+    if direct is not None:
+        inbox.direct = deliver
     try:
         while True:
             if not inbox.inbox:
                 inbox.event.clear()
+                inbox.waiting = True
                 try:  # asyncio.timeout: no task made for each wait (wait_for's), half the cost of a wake
                     async with asyncio.timeout(keepalive_s):
                         await inbox.event.wait()
+                    idle = False
                 except TimeoutError:
+                    idle = True
+                finally:
+                    inbox.waiting = False
+                if idle:
                     yield None
                 continue
             item = inbox.inbox.popleft()

@@ -483,6 +483,54 @@ def test_a_stream_whose_inbox_overflows_reads_the_table_and_misses_nothing():
     assert reads >= 1  # what the inbox dropped came from the table
 
 
+def test_a_waiting_stream_is_written_by_the_listener_itself_in_order():
+    """On the listener's own loop (the API's streams), a stream that waits with nothing queued is given each
+    new notice by the listener's callback itself (its ``direct`` writer), and does not yield it again; a
+    notice the writer declines is queued and yielded by the stream, and so is every one behind it: each
+    event once, in order."""
+    import asyncio
+
+    from models import listen
+
+    first = record_progress("sess_direct")
+    loop = listen.LISTENER.loop()
+    time.sleep(1.0)  # the listener connected: its first wake of everyone is behind us
+    taken: list[str] = []
+
+    def direct(notice: listen.Notice) -> bool:
+        assert asyncio.get_running_loop() is loop  # from the listener's callback, on its loop
+        if len(taken) == 2:
+            return False  # a client that has not taken what it was sent: the stream writes the rest
+        taken.append(notice.event_id)
+        return True
+
+    async def follow() -> tuple[list[str], list[str]]:
+        stream = listen.session_events_async("sess_direct", 0, 30.0, None, direct)
+        got: list[str] = []
+
+        async def read() -> None:  # as a stream's task: it asks for the next event as soon as it has one
+            async for event in stream:
+                if event is not None:
+                    got.append(event.event_id)
+
+        reading = asyncio.ensure_future(read())
+        while not got:  # the table's read
+            await asyncio.sleep(0.05)
+        recorded = [await loop.run_in_executor(None, record_progress, "sess_direct") for _ in range(4)]
+        deadline = time.monotonic() + 5
+        while len(taken) + len(got) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # nothing more comes
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        await stream.aclose()
+        return got, recorded
+
+    got, recorded = asyncio.run_coroutine_threadsafe(follow(), loop).result(timeout=30)
+    assert got[0] == first
+    assert taken == recorded[:2] and got[1:] == recorded[2:]
+
+
 @pytest.mark.slow
 def test_the_listener_hears_notify_after_two_database_restarts_in_a_row():
     """Each outage closes the listening connection, often after libpq has closed its socket itself; the
