@@ -17,7 +17,8 @@ swapped at every pair, ``--pairs`` times after ``--warmup`` chains of each: the 
 which moves from one minute to the next on a shared machine, is the same for both sides of a pair.
 It prints the p50 and p99 of each side, the ratio of the p50s (on / off) and the median of the
 pairs' ratios (the goal: at most 1.10), the CPU time (user + system) the processes of each stack
-spent over the pairs per chain and their ratio, the spans received per chain, and the load average.
+spent over the pairs per chain (and by process) and their ratio, the spans received per chain, and
+the load average.
 
 ``--blocks N`` runs the former way instead: one stack at a time, ``--runs`` chains per block,
 ``N`` blocks of each side, their order swapped at every block; each pair of blocks gives a p50 ratio.
@@ -108,11 +109,11 @@ def blocks(data_dir: Any, relay: Any, sink: "Sink", on: dict[str, str], args: ar
           f"(blocks {', '.join(f'{r:.3f}' for r in ratios)}); {sink.spans} spans received; goal <= 1.10")
 
 
-def stack_cpu(stack: Any) -> float:
-    """CPU seconds (user + system) so far of the stack's processes and their children."""
+def stack_cpu(stack: Any) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each of the stack's processes with its children, by name."""
     from bench.cpu import _cpu, _family
 
-    return sum(_cpu(process) for proc in stack.procs.values() for process in _family(proc.pid))
+    return {name: sum(_cpu(process) for process in _family(proc.pid)) for name, proc in stack.procs.items()}
 
 
 def settled(sink: "Sink", quiet: float = 6.0, timeout: float = 30.0) -> int:
@@ -155,7 +156,9 @@ def interleaved(data_dir: Any, relay: Any, sink: "Sink", on: dict[str, str], arg
             for side in ((OFF, ON) if i % 2 == 0 else (ON, OFF)):
                 taken[side].append(chains[side].engine_once())
             ratios.append(taken[ON][-1] / taken[OFF][-1])
-        cpu = {side: (stack_cpu(stack) - cpu_before[side]) * 1000 / args.pairs for side, stack in stacks.items()}
+        cpu_by = {side: {name: (seconds - cpu_before[side].get(name, 0.0)) * 1000 / args.pairs
+                         for name, seconds in stack_cpu(stack).items()} for side, stack in stacks.items()}
+        cpu = {side: sum(by_name.values()) for side, by_name in cpu_by.items()}
         load_after = os.getloadavg()
         spans = settled(sink) - spans_before
     finally:
@@ -167,6 +170,8 @@ def interleaved(data_dir: Any, relay: Any, sink: "Sink", on: dict[str, str], arg
           f"on p50 {got[ON]['p50']:.1f} ms p99 {got[ON]['p99']:.1f} ms")
     print(f"  CPU per chain (the stack's web, writes, reads, callbacks): off {cpu[OFF]:.1f} ms | on {cpu[ON]:.1f} ms"
           f" | on/off {cpu[ON] / cpu[OFF]:.3f}")
+    print("    by process, off / on: " + ", ".join(f"{name} {cpu_by[OFF][name]:.1f} / {cpu_by[ON][name]:.1f} ms"
+                                                 for name in cpu_by[OFF]))
     print(f"  {spans / args.pairs:.1f} spans received per chain; load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
     print(f"4-link chain, tracing on / off, interleaved, {args.pairs} pairs: p50 ratio {ratio:.3f}, "
           f"median of the pairs' ratios {statistics.median(ratios):.3f}, CPU ratio {cpu[ON] / cpu[OFF]:.3f}; goal <= 1.10")
