@@ -259,6 +259,41 @@ def test_off_without_the_variables_nothing_of_it_is_loaded(tmp_path, own_queues)
     assert not [t for t in ran["threads"] if "otel" in t.lower()], ran["threads"]
 
 
+def test_a_call_recorded_here_is_joined_without_reading_its_row(monkeypatch):
+    """A request about a call this process recorded lately takes the call's trace context from memory (no
+    statement on its path); a call recorded elsewhere is read; memory forgets after a while and beyond its size."""
+    from collections import OrderedDict
+
+    import tasks.tracing as tracing
+    from tasks.tracing import calls
+
+    monkeypatch.setattr(tracing, "_started", True)
+    monkeypatch.setattr(tracing, "_kept_here", OrderedDict())
+    read: list[str] = []
+    elsewhere = f"00-{'c' * 32}-{'d' * 16}-01"
+
+    class Kept:
+        def one_or_none(self, _conn, params):
+            read.append(params["p_id"])
+            return (elsewhere,)
+
+    monkeypatch.setattr(calls, "_KEPT", Kept())
+    here = f"00-{'a' * 32}-{'b' * 16}-01"
+    tracing.remember("tc_here", here)
+    assert calls.kept_context("tc_here") == here and read == []
+    assert calls.kept_context("tc_elsewhere") == elsewhere and read == ["tc_elsewhere"]
+    now = time.monotonic()
+    monkeypatch.setattr(tracing.time, "monotonic", lambda: now + tracing.KEPT_HERE_S + 1)
+    assert calls.kept_context("tc_here") == elsewhere and read[-1] == "tc_here"  # forgotten: read again
+    monkeypatch.setattr(tracing, "KEPT_HERE_MAX", 2)
+    for n in range(3):
+        tracing.remember(f"tc_{n}", here)
+    assert [tracing.remembered(f"tc_{n}") for n in range(3)] == [None, here, here]
+    monkeypatch.setattr(tracing, "_started", False)  # tracing off: nothing kept
+    tracing.remember("tc_off", here)
+    assert tracing.remembered("tc_off") is None
+
+
 NO_SDK_PROBE = textwrap.dedent("""
     import json, sys
     {first}
