@@ -8,8 +8,9 @@ MCP face), and its hooks make the spans:
 
 - ``tasks.tracing.web``: a server span per HTTP request (Flask, and the MCP face's ASGI app), whose
   parent is the relay's ``traceparent``, or the trace kept with the call the request is about;
-- ``tasks.tracing.links``: a span per link (Celery's instrumentation, named after the task, with
-  the call, tool, step, attempt and outcome), and the attempt a killed pool child lost;
+- ``tasks.tracing.runs``: a span per task run (named after the task, with the call, tool, step,
+  attempt and outcome) and per publish, from Celery's signals; ``tasks.tracing.links``: the attempt a
+  killed pool child lost;
 - ``tasks.tracing.callbacks``: the span of a callback's POST, whose context it sends
   (``traceparent``, ``tracestate``).
 
