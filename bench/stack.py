@@ -9,6 +9,10 @@ process group, its output in a file of the data folder:
 - ``writes``, ``reads``, ``callbacks``: the worker lines, as written;
 - ``bare``: the ``reads`` line running the plain Celery app of ``bench.noop`` in place of the
   product's app (same pool, same concurrency), for the bare chains.
+
+A stack may start some of them only (``names``), and may keep its broker on a Redis database of
+its own (``broker_db``: the broker's and the API's shared counts' database), so two stacks can run
+side by side on the same servers without taking each other's messages.
 """
 from __future__ import annotations
 
@@ -24,6 +28,21 @@ from support.procs import ROOT, free_port, kill_group, process_family
 from support.system import procfile_lines
 
 WORKERS = ("writes", "reads", "callbacks", "bare")
+PRODUCT = ("web", "writes", "reads", "callbacks")  # the product's processes (no floor)
+
+
+def on_database(url: str, db: int) -> tuple[str, str]:
+    """A Redis URL moved to database ``db``: as Celery's broker URL (kombu's ``virtual_host``), and as
+    ``REDIS_URL`` (redis-py's, read by the API's shared counts)."""
+    if url.startswith("redis+socket://"):
+        path = url[len("redis+socket://"):].split("?", 1)[0]
+        return f"redis+socket://{path}?virtual_host={db}", f"unix://{path}?db={db}"
+    if url.startswith(("redis://", "rediss://")):
+        base = url.split("?", 1)[0]
+        scheme, rest = base.split("://", 1)
+        moved = f"{scheme}://{rest.split('/', 1)[0]}/{db}"
+        return moved, moved
+    raise ValueError(f"not a Redis broker: {url.split('://', 1)[0]}://...")
 
 
 def commands() -> dict[str, str]:
@@ -40,15 +59,20 @@ def commands() -> dict[str, str]:
 class Stack:
     """Start with :meth:`start` (waits until every web answers and every worker pings), stop with :meth:`stop`."""
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, names: tuple[str, ...] | None = None, broker_db: int | None = None):
         from voice_tools.launcher import run_environment
 
         self.dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
         self.env, _filled = run_environment(data_dir / "data")
         self.env["PYTHONPATH"] = str(ROOT)  # this checkout's code (and bench/) in every process
+        self.broker_db = broker_db
+        if broker_db is not None:
+            self.env["CELERY_BROKER_URL"], self.env["REDIS_URL"] = on_database(
+                self.env.get("CELERY_BROKER_URL") or self.env["REDIS_URL"], broker_db)
         self.ports = {"web": free_port(), "bare_web": free_port()}
         self.urls = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
-        self.commands = commands()
+        self.commands = {name: line for name, line in commands().items() if names is None or name in names}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, timeout: float = 120.0) -> "Stack":
@@ -67,12 +91,17 @@ class Stack:
 
         deadline = time.monotonic() + timeout
         for name in ("web", "bare_web"):
-            self._until(lambda: self._answers(self.urls[name]), name, deadline)
-        silent = set(WORKERS)
+            if name in self.commands:
+                self._until(lambda: self._answers(self.urls[name]), name, deadline)
+        silent = set(WORKERS) & set(self.commands)
 
         def pinged() -> bool:
-            silent.difference_update(host.split("@")[0] for reply in app.control.ping(timeout=1.0) or []
-                                     for host in reply)
+            if self.broker_db is None:
+                replies = app.control.ping(timeout=1.0) or []
+                silent.difference_update(host.split("@")[0] for reply in replies for host in reply)
+            else:  # a broker database of its own: the bench's app pings on its own; the worker's word
+                silent.difference_update([name for name in silent if f'"{name}@' in self.log(name)
+                                          and ' ready."' in self.log(name)])
             return not silent
 
         self._until(pinged, "the workers", deadline)

@@ -330,6 +330,7 @@ def create(
     call = _CREATE.one_or_none(s, {"p_history": _entry(PENDING, reason),
                                    **{f"c_{name}": value for name, value in values.items()}})
     if call is not None:
+        tracing.remember(tool_call_id, values["trace_context"])  # a later request about it here reads no row
         return call, True
     clauses = [ToolCall.tool_call_id == tool_call_id]
     if idempotency_key:

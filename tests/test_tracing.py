@@ -214,6 +214,80 @@ def test_a_redelivered_link_shows_both_attempts(tmp_path, relay, receiver, own_q
     assert lost.end_ns <= again.start_ns
 
 
+RUNS_PROBE = textwrap.dedent("""
+    import json
+    from celery import Celery, signals
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    import tasks.tracing as tracing
+    from tasks.tracing import runs
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    trace.set_tracer_provider(provider)
+    tracing._started = True
+    parent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+
+    @signals.task_prerun.connect(weak=False)
+    def carried(task=None, **_):  # as a worker's request has the message's headers: its attributes
+        task.request.traceparent = parent
+
+    runs.instrument()
+    probe = Celery("probe", broker="memory://")
+
+    class Expected(Exception):
+        pass
+
+    @probe.task(name="probe.ok")
+    def ok(x):
+        return x
+
+    @probe.task(name="probe.fails")
+    def fails(x):
+        raise ValueError("no luck")
+
+    @probe.task(name="probe.refuses", throws=(Expected,))
+    def refuses(x):
+        raise Expected("as planned")
+
+    for task in (ok, fails, refuses):
+        task.apply(("tc_probe",), task_id=task.name + "-id")
+    sent = probe.send_task("probe.ok", ("tc_probe",))
+    message = probe.connection_for_write().default_channel.basic_get("celery")
+    seen = [{"name": s.name, "kind": s.kind.name, "parent": s.parent and format(s.parent.span_id, "016x"),
+             "trace": format(s.context.trace_id, "032x"), "span": format(s.context.span_id, "016x"),
+             "status": s.status.status_code.name, "events": [e.name for e in s.events],
+             "attributes": dict(s.attributes)} for s in exported.get_finished_spans()]
+    print(json.dumps({"spans": seen, "traceparent": message.headers.get("traceparent")}))
+""")
+
+
+def test_runs_and_publishes_are_spans_with_our_attributes_alone():
+    """A run is a consumer span named after its task, child of the message's ``traceparent``, with the
+    voice_tools attributes only (no copy of Celery's request fields); a failure is an ERROR with the
+    exception, unless the task ``throws`` it; a publish is a producer span whose context the message carries."""
+    env = {k: v for k, v in os.environ.items() if k not in OTEL_VARIABLES}
+    ran = subprocess.run([sys.executable, "-c", RUNS_PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    seen = json.loads(ran.stdout.strip().splitlines()[-1])
+    by_name = {s["name"]: s for s in seen["spans"]}
+    assert set(by_name) == {"probe.ok", "probe.fails", "probe.refuses", "apply_async/probe.ok"}, seen
+    for name, outcome, status in (("probe.ok", "success", "UNSET"), ("probe.fails", "failure", "ERROR"),
+                                  ("probe.refuses", "failure", "UNSET")):
+        run = by_name[name]
+        assert (run["kind"], run["trace"], run["parent"]) == ("CONSUMER", "a" * 32, "b" * 16), run
+        assert run["attributes"] == {"voice_tools.task": name, "voice_tools.attempt": 1,
+                                     "voice_tools.outcome": outcome}, run
+        assert run["status"] == status and run["events"] == (["exception"] if status == "ERROR" else []), run
+    published = by_name["apply_async/probe.ok"]
+    assert published["kind"] == "PRODUCER" and published["parent"] is None
+    assert seen["traceparent"].split("-")[:3] == ["00", published["trace"], published["span"]]
+
+
 PROBE = textwrap.dedent("""
     import json, sys, threading
     from app import create_app
@@ -257,6 +331,41 @@ def test_off_without_the_variables_nothing_of_it_is_loaded(tmp_path, own_queues)
         ran = json.loads(answer.read_text())
     assert loaded_for_tracing(ran["modules"]) == []
     assert not [t for t in ran["threads"] if "otel" in t.lower()], ran["threads"]
+
+
+def test_a_call_recorded_here_is_joined_without_reading_its_row(monkeypatch):
+    """A request about a call this process recorded lately takes the call's trace context from memory (no
+    statement on its path); a call recorded elsewhere is read; memory forgets after a while and beyond its size."""
+    from collections import OrderedDict
+
+    import tasks.tracing as tracing
+    from tasks.tracing import calls
+
+    monkeypatch.setattr(tracing, "_started", True)
+    monkeypatch.setattr(tracing, "_kept_here", OrderedDict())
+    read: list[str] = []
+    elsewhere = f"00-{'c' * 32}-{'d' * 16}-01"
+
+    class Kept:
+        def one_or_none(self, _conn, params):
+            read.append(params["p_id"])
+            return (elsewhere,)
+
+    monkeypatch.setattr(calls, "_KEPT", Kept())
+    here = f"00-{'a' * 32}-{'b' * 16}-01"
+    tracing.remember("tc_here", here)
+    assert calls.kept_context("tc_here") == here and read == []
+    assert calls.kept_context("tc_elsewhere") == elsewhere and read == ["tc_elsewhere"]
+    now = time.monotonic()
+    monkeypatch.setattr(tracing.time, "monotonic", lambda: now + tracing.KEPT_HERE_S + 1)
+    assert calls.kept_context("tc_here") == elsewhere and read[-1] == "tc_here"  # forgotten: read again
+    monkeypatch.setattr(tracing, "KEPT_HERE_MAX", 2)
+    for n in range(3):
+        tracing.remember(f"tc_{n}", here)
+    assert [tracing.remembered(f"tc_{n}") for n in range(3)] == [None, here, here]
+    monkeypatch.setattr(tracing, "_started", False)  # tracing off: nothing kept
+    tracing.remember("tc_off", here)
+    assert tracing.remembered("tc_off") is None
 
 
 NO_SDK_PROBE = textwrap.dedent("""

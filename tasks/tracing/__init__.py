@@ -8,8 +8,9 @@ MCP face), and its hooks make the spans:
 
 - ``tasks.tracing.web``: a server span per HTTP request (Flask, and the MCP face's ASGI app), whose
   parent is the relay's ``traceparent``, or the trace kept with the call the request is about;
-- ``tasks.tracing.links``: a span per link (Celery's instrumentation, named after the task, with
-  the call, tool, step, attempt and outcome), and the attempt a killed pool child lost;
+- ``tasks.tracing.runs``: a span per task run (named after the task, with the call, tool, step,
+  attempt and outcome) and per publish, from Celery's signals; ``tasks.tracing.links``: the attempt a
+  killed pool child lost;
 - ``tasks.tracing.callbacks``: the span of a callback's POST, whose context it sends
   (``traceparent``, ``tracestate``).
 
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
+from collections import OrderedDict
 from typing import Any, Mapping
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -30,6 +34,15 @@ TRACER = "voice_tools"
 
 _started = False  # set by tasks.tracing.sdk.start in the process that started the SDK
 _tracer: Any = None  # this process's tracer, made at its first use
+
+# The trace contexts of the calls this process recorded lately: a call keeps the one it was recorded
+# with for its whole life, so a later request about it on this process (the relay's keep-alive
+# connection) joins it without reading it again (tasks.tracing.calls). Bounded in size and in time
+# (a call id used again after its call was deleted is not found here).
+KEPT_HERE_S = 600.0
+KEPT_HERE_MAX = 4096
+_kept_here: OrderedDict[str, tuple[float, str]] = OrderedDict()
+_kept_lock = threading.Lock()
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -80,6 +93,29 @@ def traceparent() -> str | None:
 
     flags = int(trace.get_current_span().get_span_context().trace_flags)
     return f"00-{ids['trace_id']}-{ids['span_id']}-{flags:02x}"
+
+
+def remember(tool_call_id: str, kept: str | None) -> None:
+    """The context a call was just recorded with here (nothing with tracing off)."""
+    if not _started or not kept:
+        return
+    with _kept_lock:
+        _kept_here[tool_call_id] = (time.monotonic() + KEPT_HERE_S, kept)
+        _kept_here.move_to_end(tool_call_id)
+        while len(_kept_here) > KEPT_HERE_MAX:
+            _kept_here.popitem(last=False)
+
+
+def remembered(tool_call_id: str) -> str | None:
+    """The context this process recorded the call with, lately; None if not known here."""
+    with _kept_lock:
+        found = _kept_here.get(tool_call_id)
+        if found is None:
+            return None
+        if found[0] < time.monotonic():
+            del _kept_here[tool_call_id]
+            return None
+        return found[1]
 
 
 def tracer() -> Any:

@@ -1,18 +1,21 @@
-"""The span of each task run: Celery's instrumentation, each run's span named after its task
-(``tools.send_email.PREPARING``) and given the call, tool, step, attempt and outcome.
+"""The span of each task run and of each publish, made here with Celery's signals only.
 
-Celery's own instrumentation (``opentelemetry-instrumentation-celery``) carries the context in each
-message's headers (``before_task_publish``: an ``apply_async/<task>`` producer span, its
-``traceparent`` in the headers) and runs each task under a consumer span whose parent is the span
-that sent it (``task_prerun`` .. ``task_postrun``). A chain's next link is sent by Celery while the
-link's span is current, so the links of a chain are one line of parents and children, and the
-time between a link's publish and its run is the queue's wait. It needs nothing of the one base
-Task (``tasks/base.py``): only Celery's signals and the message's headers.
+A publish (``before_task_publish`` .. ``after_task_publish``, in the API or in a worker) is a producer
+span ``apply_async/<task>``, current while the message is sent, whose ``traceparent`` goes in the
+message's headers. A run (``task_prerun`` .. ``task_postrun``) is a consumer span named after its task
+(``tools.send_email.PREPARING``), child of the span that sent it, with the call, tool, step, attempt
+and outcome. A chain's next link is sent while the link's span is current, so the links of a chain
+are one line of parents and children, and the time between a link's publish and its run is the
+queue's wait. It needs nothing of the one base Task (``tasks/base.py``): only the signals and the
+message's headers.
 
-The publish's own Redis command (the ``LPUSH`` of the message) is not a span of its own: the
+This is what ``opentelemetry-instrumentation-celery`` does, less what a link does not need: its copy of
+Celery's request fields into ``celery.*`` attributes (a dozen on each run and publish, each one
+validated, kept and exported), its per-task bookkeeping and its task-duration metric.
+
+The publish's own Redis commands (the ``LPUSH`` of the message) are not spans of their own: the
 ``apply_async/<task>`` span is that publish, from the same call to its return, and the Redis
-instrumentation is suppressed inside it (its span would repeat it, with the message's body as its
-statement, and cost a span on every link's path).
+instrumentation is suppressed inside it (the instrumentations' own ``suppress_instrumentation``).
 """
 from __future__ import annotations
 
@@ -26,18 +29,30 @@ from models import logs
 
 PREFIX = "voice_tools."
 
-_publishing = threading.local()  # .suppressed: the suppression entered for the publish under way on this thread
+_publishing = threading.local()  # .under_way: the publish span under way on this thread, and what it attached
+_running: dict[str, tuple[Any, Any]] = {}  # task id -> the run's span and its context token
+
+
+class _Headers:
+    """The W3C propagator's getter on a task's request: the message's headers are its attributes."""
+
+    @staticmethod
+    def get(carrier: Any, key: str) -> list[str] | None:
+        value = getattr(carrier, key, None)
+        return [value] if isinstance(value, str) else None
+
+    @staticmethod
+    def keys(_carrier: Any) -> list[str]:
+        return []
 
 
 def instrument() -> None:
-    """Celery's instrumentation, with the span of each run named and described here (``sdk.start``)."""
-    from opentelemetry.instrumentation.celery import CeleryInstrumentor
-
-    signals.task_postrun.connect(_ended, weak=False)  # before the instrumentation's own, which ends the span
-    signals.after_task_publish.connect(_published, weak=False)  # before its own: contexts detached in order
-    CeleryInstrumentor().instrument()
-    signals.task_prerun.connect(_begun, weak=False)  # after it: its span is the current one
-    signals.before_task_publish.connect(_publish_begun, weak=False)  # after its own, which starts the span
+    """The spans of runs and publishes in this process (``sdk.start``)."""
+    signals.task_prerun.connect(_begun, weak=False)
+    signals.task_postrun.connect(_ended, weak=False)
+    signals.task_failure.connect(_failed, weak=False)
+    signals.before_task_publish.connect(_publish_begun, weak=False)
+    signals.after_task_publish.connect(_published, weak=False)
 
 
 def attributes(task: Any, args: Any, retries: int, redelivered: bool) -> dict[str, Any]:
@@ -53,43 +68,73 @@ def attributes(task: Any, args: Any, retries: int, redelivered: bool) -> dict[st
     return found
 
 
-def _begun(sender: Any = None, task: Any = None, args: Any = None, **_: Any) -> None:
-    from opentelemetry import trace
+def _begun(sender: Any = None, task_id: str | None = None, task: Any = None, args: Any = None, **_: Any) -> None:
+    from opentelemetry import context, propagate, trace
+    from opentelemetry.trace import SpanKind
 
     task = task or sender
-    span = trace.get_current_span()
-    if task is None or not span.is_recording():
+    if task is None or task_id is None:
         return
     request = task.request
+    parent = propagate.extract(request, getter=_Headers)
     redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
-    span.update_name(task.name)
-    span.set_attributes(attributes(task, args, request.retries, redelivered))
+    span = tracing.tracer().start_span(task.name, context=parent, kind=SpanKind.CONSUMER,
+                                       attributes=attributes(task, args, request.retries, redelivered))
+    _running[task_id] = (span, context.attach(trace.set_span_in_context(span, parent)))
     logs.add(**tracing.current_ids())  # undone with the task's log context (tasks/worker/log_context.py)
 
 
-def _publish_begun(**_: Any) -> None:
-    """The publish's span is current: no span for the Redis commands that send the message (the
-    instrumentations' own ``suppress_instrumentation``, entered here and left at :func:`_published`)."""
-    from opentelemetry.instrumentation.utils import suppress_instrumentation
+def _ended(task_id: str | None = None, state: str | None = None, **_: Any) -> None:
+    from opentelemetry import context
 
+    span, token = _running.pop(task_id, (None, None)) if task_id else (None, None)
+    if span is None:
+        return
+    if state:
+        span.set_attribute(PREFIX + "outcome", state.lower())
+    span.end()
+    context.detach(token)
+
+
+def _failed(task_id: str | None = None, exception: BaseException | None = None, sender: Any = None, **_: Any) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span, _token = _running.get(task_id, (None, None)) if task_id else (None, None)
+    if span is None or exception is None:
+        return
+    exc = getattr(exception, "exc", exception)  # billiard's ExceptionWithTraceback
+    if isinstance(exc, tuple(getattr(sender, "throws", ()) or ())):
+        return  # an expected error (the task's ``throws``): no error status
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:300]))
+
+
+def _publish_begun(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """The publish's span, current while the message is sent (its context in the message's headers), and
+    no span for the Redis commands that send it."""
+    from opentelemetry import context, propagate, trace
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+    from opentelemetry.trace import SpanKind
+
+    name = sender if isinstance(sender, str) else getattr(sender, "name", "unknown")
+    span = tracing.tracer().start_span(f"apply_async/{name}", kind=SpanKind.PRODUCER)
+    token = context.attach(trace.set_span_in_context(span))
+    if headers is not None:
+        propagate.inject(headers)
     suppressed = suppress_instrumentation()
     suppressed.__enter__()
-    _publishing.suppressed = suppressed
+    _publishing.under_way = (span, token, suppressed)
 
 
 def _published(**_: Any) -> None:
-    """Sent: the Redis instrumentation on again (a publish that raised is undone with its task's or
-    request's context, which the Celery instrumentation and ``tasks.tracing.web`` detach)."""
-    suppressed, _publishing.suppressed = getattr(_publishing, "suppressed", None), None
-    if suppressed is not None:
-        suppressed.__exit__(None, None, None)
+    """Sent: the span ends, the Redis instrumentation is on again (a publish that raised is undone with its
+    task's or request's context, which :func:`_ended` and ``tasks.tracing.web`` detach)."""
+    from opentelemetry import context
 
-
-def _ended(sender: Any = None, state: str | None = None, **_: Any) -> None:
-    from opentelemetry import trace
-
-    span = trace.get_current_span()
-    if span.is_recording() and state:
-        span.set_attribute(PREFIX + "outcome", state.lower())
-
-
+    under_way, _publishing.under_way = getattr(_publishing, "under_way", None), None
+    if under_way is None:
+        return
+    span, token, suppressed = under_way
+    suppressed.__exit__(None, None, None)
+    span.end()
+    context.detach(token)

@@ -7,8 +7,8 @@ and the batch processor (``OTEL_BSP_SCHEDULE_DELAY``, ...). ``OTEL_EXPORTER_OTLP
 chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no service name given,
 the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
 
-Then the libraries' own instrumentations: psycopg2 (each statement), redis (each command, the
-broker's publishes included) and Celery (``tasks.tracing.runs``). The batch processor's thread
+Then the libraries' own instrumentations, psycopg2 (each statement) and redis (each command),
+and the spans of Celery's task runs and publishes (``tasks.tracing.runs``). The batch processor's thread
 is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 """
 from __future__ import annotations
