@@ -38,6 +38,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import shutil
 import tempfile
 import threading
@@ -165,6 +166,33 @@ def resume_url_problems(relay: Any, hosts: MultiHost) -> list[str]:
     if not urls:
         return ["no event carried a resume URL"]
     return [f"a resume URL off the API: {url}" for url in urls if not url.startswith(f"{public}/voice-tools/")]
+
+
+def open_calls(hosts: MultiHost) -> list[str]:
+    """Each call left EXECUTING: its step, history, timestamps and link attempts, and every log line of
+    every process that names it (what to follow it by when the settle did not end it)."""
+    from models import db
+    from models.calls import ToolCall
+
+    with db.session() as s:
+        calls = list(s.scalars(select(ToolCall).where(ToolCall.status == "EXECUTING")))
+        found = [(c.tool_call_id, f"{c.tool_call_id} {c.function_name} at {c.current_step} (outputs "
+                  f"{sorted(c.step_outputs)}, confirmed {c.confirmed_at}, step started {c.step_started_at}, "
+                  f"committed {c.committed_at}, chain {c.workflow_id}): "
+                  + " -> ".join(f"{h['status']} {h['at'][11:23]} {h.get('reason', '')}" for h in c.status_history)
+                  + f"; attempts {c.link_attempts}") for c in calls]
+    logs = {log.name: log.read_text(errors="replace").splitlines() for log in sorted(hosts.dir.glob("*.log"))}
+    lines = []
+    for tool_call_id, about in found:
+        lines.append(about)
+        tasks = {task for text in logs.values() for line in text if tool_call_id in line
+                 for task in re.findall(r'"task_id": "([0-9a-f-]{36})"', line)}
+        for name, text in logs.items():
+            lines += [f"    {name}: {line[:400]}" for line in text
+                      if tool_call_id in line or any(task in line for task in tasks)][:40]
+    lines += [f"    {name}: {line[:400]}" for name, text in logs.items() for line in text
+              if "stuck-call" in line][:40] if found else []
+    return lines
 
 
 def failed_calls() -> list[str]:
@@ -299,6 +327,7 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
             marks = fault_marks()
             statuses = call_statuses()
             failed = failed_calls()
+            left_open = open_calls(hosts)
             attempts_failed = failed_attempts()
     finally:
         followers.stop()
@@ -314,7 +343,8 @@ def test_every_guarantee_holds_across_hosts(hosts: MultiHost):
           f"{len(faults)} faults, {len(problems)} problems; {verdict.summary()}; {traffic.summary()}; "
           f"{marks}; {traffic.resent(attempts_failed)} copies received again after a failed attempt; "
           f"longest EXECUTING {longest:.0f} s; traffic {traffic_s:.0f} s, settled in {settle_s:.0f} s\n  faults: "
-          + "; ".join(faults) + "".join(f"\n  FAILED {line}" for line in failed))
+          + "; ".join(faults) + "".join(f"\n  FAILED {line}" for line in failed)
+              + "".join(f"\n  OPEN {line}" for line in left_open))
     assert problems == [], problems[:20]
     # each fault did what it says: the relays went over to api-2, and every tool ran
     assert traffic.failovers > failovers and followers.resumed > resumed, (traffic.failovers, followers.resumed)
