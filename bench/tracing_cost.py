@@ -1,6 +1,6 @@
 """What tracing costs a chain: confirm → ``completed`` of the 4-step read tool, tracing off against on.
 
-    .venv/bin/python -m bench.tracing_cost [--pairs 60] [--warmup 5]
+    .venv/bin/python -m bench.tracing_cost [--pairs 60] [--warmup 5] [--disable psycopg2]
     .venv/bin/python -m bench.tracing_cost --blocks 3 [--runs 30]
 
 The chain is the one ``python -m bench`` times: the 4-step read tool's confirm → ``completed``
@@ -19,6 +19,9 @@ It prints the p50 and p99 of each side, the ratio of the p50s (on / off) and the
 pairs' ratios (the goal: at most 1.10), the CPU time (user + system) the processes of each stack
 spent over the pairs per chain (and by process) and their ratio, the spans received per chain, and
 the load average.
+
+``--disable`` sets ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` on the traced side (``psycopg2``: no span per
+statement), to measure what tracing costs without those spans.
 
 ``--blocks N`` runs the former way instead: one stack at a time, ``--runs`` chains per block,
 ``N`` blocks of each side, their order swapped at every block; each pair of blocks gives a p50 ratio.
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=0,
                         help="run block by block instead: this many blocks of each side, one stack at a time")
     parser.add_argument("--runs", type=int, default=30, help="timed chains per block, with --blocks (default 30)")
+    parser.add_argument("--disable", default="", metavar="NAMES",
+                        help="OTEL_PYTHON_DISABLED_INSTRUMENTATIONS of the traced side (psycopg2, redis; comma separated)")
     args = parser.parse_args(argv)
     with bench_servers("voice-tools-bench-tracing-") as data_dir:
         from voice_tools.backends import load_demo
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
         load_demo()
         sink = Sink()
-        on = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_SERVICE_NAME": "voice-tools-bench"}
+        on = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_SERVICE_NAME": "voice-tools-bench",
+              **({"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": args.disable} if args.disable else {})}
         with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay:
             if args.blocks:
                 blocks(data_dir, relay, sink, on, args)

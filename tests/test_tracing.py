@@ -288,6 +288,44 @@ def test_runs_and_publishes_are_spans_with_our_attributes_alone():
     assert seen["traceparent"].split("-")[:3] == ["00", published["trace"], published["span"]]
 
 
+INSTRUMENTATIONS_PROBE = textwrap.dedent("""
+    import redis
+    from opentelemetry import trace
+    from sqlalchemy import text
+    from models import db, settings
+    import tasks.tracing as tracing
+    from tasks.tracing import sdk
+
+    assert sdk.start("probe")
+    with tracing.tracer().start_as_current_span("probe"):
+        with db.session() as s:
+            s.execute(text("SELECT 41 + 1"))
+        redis.Redis.from_url(settings.redis_url().replace("redis+socket://", "unix://")).ping()
+    trace.get_tracer_provider().force_flush()
+""")
+
+
+@pytest.mark.parametrize("disabled, statements, commands", [
+    ("", True, True),
+    ("psycopg2", False, True),
+    (" redis , psycopg2", False, False),
+])
+def test_the_standard_variable_turns_off_an_instrumentation(receiver, disabled, statements, commands):
+    """``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` (the names of opentelemetry-python's entry points, comma
+    separated) leaves out the statements' or Redis commands' spans; our own spans stay."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(traced(receiver), OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=disabled)
+    ran = subprocess.run([sys.executable, "-c", INSTRUMENTATIONS_PROBE], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    receiver.wait(lambda got: any(s.name == "probe" for s in got))
+    time.sleep(0.5)  # nothing more comes: force_flush sent every span before the probe ended
+    names = {s.name for s in receiver.spans}
+    assert ("SELECT" in names, "PING" in names) == (statements, commands), tree(receiver.spans)
+    assert names <= {"probe", "PING", "SELECT", "select", "show"}, tree(receiver.spans)  # the first connection's
+    assert len({s.trace_id for s in receiver.spans}) == 1
+
+
 PROBE = textwrap.dedent("""
     import json, sys, threading
     from app import create_app

@@ -7,8 +7,9 @@ and the batch processor (``OTEL_BSP_SCHEDULE_DELAY``, ...). ``OTEL_EXPORTER_OTLP
 chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no service name given,
 the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
 
-Then the libraries' own instrumentations, psycopg2 (each statement) and redis (each command),
-and the spans of Celery's task runs and publishes (``tasks.tracing.runs``). The batch processor's thread
+Then the libraries' own instrumentations, psycopg2 (each statement) and redis (each command), unless
+``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them, and the spans of Celery's task runs and
+publishes (``tasks.tracing.runs``), always. The batch processor's thread
 is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 """
 from __future__ import annotations
@@ -68,12 +69,24 @@ def start(role: str) -> bool:
         return True
 
 
-def _instrument(children: Any) -> None:
-    from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
-    from opentelemetry.instrumentation.redis import RedisInstrumentor
+def disabled_instrumentations() -> set[str]:
+    """The libraries' instrumentations left out (``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``: their entry
+    points' names, ``psycopg2``, ``redis``, comma separated; ``*``: all), as opentelemetry-python's
+    own auto-instrumentation reads it."""
+    return {name.strip() for name in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")
+            if name.strip()}
 
+
+def _instrument(children: Any) -> None:
     from tasks.tracing import runs
 
-    Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
-    RedisInstrumentor().instrument(tracer_provider=children)
-    runs.instrument()
+    left_out = disabled_instrumentations()
+    if not {"psycopg2", "*"} & left_out:
+        from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
+
+        Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
+    if not {"redis", "*"} & left_out:
+        from opentelemetry.instrumentation.redis import RedisInstrumentor
+
+        RedisInstrumentor().instrument(tracer_provider=children)
+    runs.instrument()  # the runs and publishes: voice-tools' own spans, the trace's spine
