@@ -190,8 +190,11 @@ def open_calls(hosts: MultiHost) -> list[str]:
         for name, text in logs.items():
             lines += [f"    {name}: {line[:400]}" for line in text
                       if tool_call_id in line or any(task in line for task in tasks)][:40]
-    lines += [f"    {name}: {line[:400]}" for name, text in logs.items() for line in text
-              if "stuck-call" in line][:40] if found else []
+    if found:  # every error logged, and what the stuck-call sweeps saw and did (the last of them)
+        lines += [f"    {name}: {line[:400]}" for name, text in logs.items() for line in text
+                  if '"level": "ERROR"' in line][:30]
+        lines += [f"    {name}: {line[:300]}" for name, text in logs.items() for line in text
+                  if "stuck-call" in line or "fail_stuck" in line and "received" not in line][-30:]
     return lines
 
 
