@@ -61,7 +61,41 @@ def _new_engine(pool_size: int, **connect_args: Any) -> Engine:
     made = create_engine(database_url(), pool_size=pool_size, max_overflow=20, pool_recycle=1800,
                          connect_args=connect_args)
     _ping_when_idle(made)
+    _given_up_when_gone(made)
     return made
+
+
+DEAD_CLIENT_S = 60  # VOICE_TOOLS_DB_DEAD_CLIENT_S's default
+
+
+def dead_client_settings(after_s: int) -> dict[str, int]:
+    """The server's settings for this session that make it give up a client it has not heard from for
+    about ``after_s`` seconds: TCP keepalives (the first probe after half of it idle, then three probes
+    a sixth of it apart) and ``tcp_user_timeout`` (data it sent unacknowledged that long)."""
+    return {"tcp_keepalives_idle": max(1, after_s // 2), "tcp_keepalives_interval": max(1, after_s // 6),
+            "tcp_keepalives_count": 3, "tcp_user_timeout": after_s * 1000}
+
+
+def _given_up_when_gone(engine: Engine) -> None:
+    """Each new connection asks the server to give up this client once it stops answering
+    (``VOICE_TOOLS_DB_DEAD_CLIENT_S``, 60; 0: the server's own settings). A host that vanishes in the
+    middle of a transaction (its link down, its power gone) sends no FIN and no RST: without this, its
+    backend keeps the transaction open, and the rows it locked, until the kernel gives the connection up
+    (two hours and more by default), and every statement that needs those rows (a link's next run, the
+    stuck-call sweep) waits as long. A live client is never given up however long its transaction stays
+    quiet: its host answers the keepalives. One round trip per connection the pool opens; on a Unix
+    socket the server ignores them."""
+    after_s = int(os.environ.get("VOICE_TOOLS_DB_DEAD_CLIENT_S", str(DEAD_CLIENT_S)))
+    if after_s <= 0:
+        return
+    statement = "; ".join(f"SET {name} = {value}" for name, value in dead_client_settings(after_s).items())
+
+    @event.listens_for(engine, "connect")
+    def _connected(dbapi_connection: Any, record: Any) -> None:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(statement)
+        if not dbapi_connection.autocommit:
+            dbapi_connection.commit()  # psycopg2 opened a transaction for the SETs: end it (they stay)
 
 
 IDLE_PING_S = 2.0
