@@ -276,4 +276,9 @@ def stuck(app: Any, fallback_s: int) -> list[Stuck]:
             found.append(Stuck(c.call, c.tool, c.limit_s))
         elif False not in verdicts and c.past_generous:
             found.append(Stuck(c.call, c.tool, c.generous_s))
+        else:  # why an overdue call is left alone: where its link was seen, or that the facts could not tell
+            seen = sorted({where for f in facts for where in f.seen.get(c.call.tool_call_id, ())})
+            log.info("stuck-call facts: %s (%s at %s) is quiet past its links' time limit and left alone: %s",
+                     c.call.tool_call_id, c.tool.name, c.call.current_step,
+                     f"its link is {', '.join(seen)}" if seen else f"queue {c.tool.queue} cannot be read whole")
     return found

@@ -1,6 +1,7 @@
 """Beat sweeps on the maintenance queue (docs/promises.md: expiry, stuck calls), run by the real worker."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -155,9 +156,9 @@ def waiting(queue_name: str) -> int:
 
 
 @pytest.mark.slow
-def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_log):
+def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_log, caplog):
     """A call whose next link waits in its queue (a backlog: no worker takes it yet) is not
-    stuck however long it waits."""
+    stuck however long it waits; the log says why it is left alone."""
     call = make_call(callback_url=relay.url)
     with queues_taken_from_others(app, [QUEUE]):
         actions.confirm(call.tool_call_id)
@@ -170,6 +171,10 @@ def test_fail_stuck_leaves_a_call_waiting_behind_a_backlog(worker, relay, task_l
         assert waits.status == "EXECUTING" and waits.error_message is None and waits.redrives == 0
         assert deliveries(call.tool_call_id) == []
         assert waiting(QUEUE) == 1
+        with caplog.at_level(logging.INFO, logger="tasks.liveness"):
+            assert liveness.stuck(app, 900) == []
+        assert (f"{call.tool_call_id} (send_email at None) is quiet past its links' time limit and left alone: "
+                f"its link is queued") in caplog.text
     prepared = wait_status(call.tool_call_id, "PREPARED")  # taken from the backlog at last, it runs
     assert prepared.current_step == "READY_TO_SEND"
     relay.wait_for(call.tool_call_id, "checkpoint")
