@@ -38,7 +38,7 @@ PREFIX = "vtvc"
 SUBNET = "10.213.9"
 PORT = 5439
 PG_USER = "embedded_postgres"
-DEAD_CLIENT_S = 6
+DEAD_CLIENT_S = 4
 
 HOLD = textwrap.dedent("""
     import sys, time
