@@ -539,7 +539,7 @@ async def session_events_async(session_id: str, after: int, keepalive_s: float, 
         assert notice.commit_seq is not None
         if notice.commit_seq <= after or (caller is not None and notice.caller != caller):
             return True  # read already, or not this caller's
-        if direct is None or not direct(notice):
+        if not direct(notice):
             return False
         after = notice.commit_seq
         return True

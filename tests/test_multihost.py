@@ -185,21 +185,21 @@ def open_calls(hosts: MultiHost) -> list[str]:
     lines = []
     for tool_call_id, about in found:
         lines.append(about)
-        tasks = {task for text in logs.values() for line in text if tool_call_id in line
+        tasks = {task for log in logs.values() for line in log if tool_call_id in line
                  for task in re.findall(r'"task_id": "([0-9a-f-]{36})"', line)}
-        for name, text in logs.items():
-            lines += [f"    {name}: {line[:400]}" for line in text
+        for name, log in logs.items():
+            lines += [f"    {name}: {line[:400]}" for line in log
                       if tool_call_id in line or any(task in line for task in tasks)][:40]
-    if found:  # the database's sessions in a transaction or waiting (a lock held by a lost host's?)
+    if found:  # the database's sessions in a transaction or waiting (a lock held by a lost host's?), every
+        # error logged, and what the stuck-call sweeps saw and did (the last of them)
         with db.session() as s:
             lines += [f"    session {row}" for row in s.execute(text(
                 "SELECT pid, client_addr, state, wait_event_type, wait_event, now() - xact_start AS xact_age, "
                 "left(query, 120) FROM pg_stat_activity WHERE datname = current_database() "
                 "AND pid <> pg_backend_pid() AND state <> 'idle'")).all()]
-    if found:  # every error logged, and what the stuck-call sweeps saw and did (the last of them)
-        lines += [f"    {name}: {line[:400]}" for name, text in logs.items() for line in text
+        lines += [f"    {name}: {line[:400]}" for name, log in logs.items() for line in log
                   if '"level": "ERROR"' in line][:30]
-        lines += [f"    {name}: {line[:300]}" for name, text in logs.items() for line in text
+        lines += [f"    {name}: {line[:300]}" for name, log in logs.items() for line in log
                   if "stuck-call" in line or "fail_stuck" in line and "received" not in line][-30:]
     return lines
 

@@ -81,11 +81,12 @@ def _instrument(children: Any) -> None:
     from tasks.tracing import runs
 
     left_out = disabled_instrumentations()
-    if not {"psycopg2", "*"} & left_out:
+    wanted = lambda name: not {name, "*"} & left_out  # noqa: E731
+    if wanted("psycopg2"):
         from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
 
         Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
-    if not {"redis", "*"} & left_out:
+    if wanted("redis"):
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
         RedisInstrumentor().instrument(tracer_provider=children)
