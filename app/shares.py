@@ -40,6 +40,7 @@ from limits import parse
 from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import SlidingWindowCounterRateLimiter
 
+import tasks.tracing as tracing
 from models import settings
 from tasks.calls.errors import ApiError
 
@@ -116,7 +117,7 @@ class _Counts:
         self._threads = threading.local()  # with Redis: this thread's limiter, on a connection of its own
         if url:
             url = url.replace("redis+socket://", "unix://", 1)
-            self.client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+            self.client = tracing.redis_client(redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2))
             self.take = self.client.register_script(_TAKE)
             self.renew = self.client.register_script(_RENEW)
         else:
@@ -136,6 +137,7 @@ class _Counts:
         if limiter is None:
             storage = RedisStorage("redis://", connection_pool=self.client.connection_pool,
                                    key_prefix=f"{KEY_PREFIX}:rate", single_connection_client=True)
+            tracing.redis_client(storage.storage)  # the client the storage made on the pool
             limiter = self._threads.limiter = SlidingWindowCounterRateLimiter(storage)
         return limiter
 

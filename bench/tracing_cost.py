@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=30, help="timed chains per block, with --blocks (default 30)")
     parser.add_argument("--disable", default="", metavar="NAMES",
                         help="OTEL_PYTHON_DISABLED_INSTRUMENTATIONS of the traced side (psycopg2, redis; comma separated)")
+    parser.add_argument("--set", action="append", default=[], metavar="OTEL_NAME=VALUE",
+                        help="another variable of the traced side (OTEL_TRACES_SAMPLER=always_off, ...); repeatable")
     args = parser.parse_args(argv)
     with bench_servers("voice-tools-bench-tracing-") as data_dir:
         from voice_tools.backends import load_demo
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         load_demo()
         sink = Sink()
         on = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_SERVICE_NAME": "voice-tools-bench",
-              **({"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": args.disable} if args.disable else {})}
+              **({"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": args.disable} if args.disable else {}),
+              **dict(setting.split("=", 1) for setting in args.set)}
         with Relay(secret=os.environ["VOICE_TOOLS_CALLBACK_SECRET"]) as relay:
             if args.blocks:
                 blocks(data_dir, relay, sink, on, args)

@@ -147,8 +147,10 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
         assert sender.name == f"apply_async/{link.name}" and sender.kind == 4  # PRODUCER
         assert by_id[sender.parent_id] is servers[f"POST /voice-tools/{request}/<tool_call_id>"]
         assert sender.end_ns <= link.start_ns or sender.start_ns <= link.start_ns  # the queue's wait is visible
-    # a publish is its apply_async span alone: the Redis commands that send the message make none
-    assert not [s for s in spans if s.name.split()[0] in ("LPUSH", "SADD")], tree(spans)
+    # a publish is its apply_async span alone: the Redis commands that send the message make none, nor
+    # does any other command of the broker's connection; the fair share's count, on our own client, does
+    assert not [s for s in spans if s.name.split()[0] in ("LPUSH", "SADD", "PING")], tree(spans)
+    assert [s for s in spans if s.name == "EVALSHA" and s.parent_id == pending.span_id], tree(spans)
     # the person's pause between the checkpoint and the resume is a gap: no span is open in the middle of it
     middle = (asked + answered) // 2
     assert named(spans, "callback checkpoint")[0].end_ns < middle < servers[
@@ -289,18 +291,22 @@ def test_runs_and_publishes_are_spans_with_our_attributes_alone():
 
 
 INSTRUMENTATIONS_PROBE = textwrap.dedent("""
-    import redis
     from opentelemetry import trace
     from sqlalchemy import text
-    from models import db, settings
+    from app import shares
+    from models import db
+    from tasks.celery_app import app
     import tasks.tracing as tracing
     from tasks.tracing import sdk
 
     assert sdk.start("probe")
-    with tracing.tracer().start_as_current_span("probe"):
-        with db.session() as s:
-            s.execute(text("SELECT 41 + 1"))
-        redis.Redis.from_url(settings.redis_url().replace("redis+socket://", "unix://")).ping()
+    with app.connection_for_write() as broker:
+        assert broker.transport.driver_type == "redis", broker.transport.driver_type
+        with tracing.tracer().start_as_current_span("probe"):
+            with db.session() as s:
+                s.execute(text("SELECT 41 + 1"))
+            shares.counts().client.ping()  # our own Redis client: a span
+            broker.default_channel.client.echo("the broker's")  # the broker's own traffic: none
     trace.get_tracer_provider().force_flush()
 """)
 
@@ -312,7 +318,8 @@ INSTRUMENTATIONS_PROBE = textwrap.dedent("""
 ])
 def test_the_standard_variable_turns_off_an_instrumentation(receiver, disabled, statements, commands):
     """``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` (the names of opentelemetry-python's entry points, comma
-    separated) leaves out the statements' or Redis commands' spans; our own spans stay."""
+    separated) leaves out the statements' or our Redis clients' commands' spans; our own spans stay. The
+    broker's connection is never instrumented: its commands make no span, even inside a trace."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(traced(receiver), OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=disabled)
     ran = subprocess.run([sys.executable, "-c", INSTRUMENTATIONS_PROBE], env=env, cwd=ROOT, capture_output=True,

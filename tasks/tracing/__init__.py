@@ -34,6 +34,7 @@ TRACER = "voice_tools"
 
 _started = False  # set by tasks.tracing.sdk.start in the process that started the SDK
 _tracer: Any = None  # this process's tracer, made at its first use
+_instrument_redis: Any = None  # set by tasks.tracing.sdk.start unless Redis's instrumentation is left out
 
 # The trace contexts of the calls this process recorded lately: a call keeps the one it was recorded
 # with for its whole life, so a later request about it on this process (the relay's keep-alive
@@ -116,6 +117,17 @@ def remembered(tool_call_id: str) -> str | None:
             del _kept_here[tool_call_id]
             return None
         return found[1]
+
+
+def redis_client(client: Any) -> Any:
+    """One of our own Redis clients (the fair shares' counts): with tracing on, each of its commands
+    inside a trace is a span (opentelemetry's Redis instrumentation, on this client alone). The broker's
+    connection is never instrumented: a publish is its ``apply_async/<task>`` span, and its polls,
+    acknowledgements and heartbeats belong to no trace (instrumented, each cost a worker's consumer the
+    making of a span that was never recorded). Returns ``client``."""
+    if _instrument_redis is not None:
+        _instrument_redis(client)
+    return client
 
 
 def tracer() -> Any:

@@ -7,13 +7,14 @@ and the batch processor (``OTEL_BSP_SCHEDULE_DELAY``, ...). ``OTEL_EXPORTER_OTLP
 chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no service name given,
 the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
 
-Then the libraries' own instrumentations, psycopg2 (each statement) and redis (each command), unless
-``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them, and the spans of Celery's task runs and
-publishes (``tasks.tracing.runs``), always. The batch processor's thread
+Then the libraries' own instrumentations, psycopg2 (each statement) and redis (each command of our own
+Redis clients, ``tasks.tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names
+them, and the spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. The batch processor's thread
 is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -86,8 +87,8 @@ def _instrument(children: Any) -> None:
         from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
 
         Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
-    if wanted("redis"):
+    if wanted("redis"):  # our own clients only, as they are made (the broker's: never)
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
-        RedisInstrumentor().instrument(tracer_provider=children)
+        tracing._instrument_redis = functools.partial(RedisInstrumentor.instrument_client, tracer_provider=children)
     runs.instrument()  # the runs and publishes: voice-tools' own spans, the trace's spine
