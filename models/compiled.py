@@ -23,6 +23,10 @@ and that statement runs again as text (in autocommit the failed one did nothing)
 named by a hash of its text and types, so a statement of its name on any server connection is
 this very one.
 
+With tracing on, each run is a span named by what the statement does (``UPDATE tool_calls``), with its
+SQL (``tasks/tracing/statements.py``), made on the driver's plain cursor: psycopg2's instrumentation
+would name it ``EXECUTE`` and show ``EXECUTE voice_tools_<hash>(...)``.
+
 An error goes through SQLAlchemy's own handling (a lost connection invalidates the pool and raises
 ``sqlalchemy.exc.OperationalError``, as an execution through SQLAlchemy does). A statement whose
 compiled form needs work at every execution (an expanding ``IN`` list, a value rendered into the SQL)
@@ -39,6 +43,9 @@ from typing import Any
 
 from sqlalchemy import Connection, exc
 from sqlalchemy.orm import Session
+
+import tasks.tracing as tracing
+from tasks.tracing import statements
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +73,11 @@ def _row_class(names: tuple[str, ...]) -> type:
 class _Plan:
     """The statement compiled for one dialect: its SQL, how to make its parameters, and its prepared form."""
 
-    __slots__ = ("sql", "binds", "rows", "name", "prepare", "execute")
+    __slots__ = ("sql", "summary", "binds", "rows", "name", "prepare", "execute")
 
-    def __init__(self, sql: str, binds: list[tuple[str, str, Any, Any]], types: dict[str, str] | None):
+    def __init__(self, sql: str, summary: str, binds: list[tuple[str, str, Any, Any]], types: dict[str, str] | None):
         self.sql = sql
+        self.summary = summary  # what it does, its span's name with tracing on: "UPDATE tool_calls"
         self.binds = binds  # (name in the SQL, key given by the caller, processed constant or _MISSING, processor)
         self.rows: dict[tuple[str, ...], type] = {}
         self.name = self.prepare = self.execute = None
@@ -126,7 +134,20 @@ def _plan(stmt: Any, dialect: Any) -> _Plan | None:
         else:
             constant = bindparam.value if process is None else process(bindparam.value)
         binds.append((name, bindparam.key, constant, process))
-    return _Plan(compiled.string, binds, types)
+    return _Plan(compiled.string, _summary(stmt, compiled.string), binds, types)
+
+
+def _summary(stmt: Any, sql: str) -> str:
+    """The operation and its table (``UPDATE tool_calls``, ``SELECT tool_calls``), else the SQL's first word."""
+    verb = ("INSERT" if stmt.is_insert else "UPDATE" if stmt.is_update else "DELETE" if stmt.is_delete
+            else "SELECT" if stmt.is_select else None)
+    table = getattr(stmt, "table", None)
+    if table is None and verb == "SELECT":
+        table = next(iter(stmt.get_final_froms()), None)
+    name = getattr(table, "name", None)
+    if verb and isinstance(name, str):
+        return f"{verb} {name}"
+    return (sql.split(None, 1) or ["statement"])[0]
 
 
 class Compiled:
@@ -160,11 +181,15 @@ class Compiled:
             result = conn.execute(self.stmt, params)
             return None if fetch is None else result.one_or_none() if fetch == "one" else list(result)
         values = plan.parameters(params)
-        cursor = None
+        cursor = span = None
         try:
             pooled = conn.connection
             dbapi = pooled.dbapi_connection
-            cursor = dbapi.cursor()
+            if tracing.statement_spans():  # its span is ours, on the driver's own cursor (tasks/tracing/statements.py)
+                cursor = dbapi.cursor(cursor_factory=dialect.loaded_dbapi.extensions.cursor)
+                span = statements.begun(plan.summary, plan.sql, dbapi, pooled.info)
+            else:
+                cursor = dbapi.cursor()
             if not (_preparing and plan.name and dbapi.autocommit
                     and _run_prepared(plan, pooled.info, cursor, values, dialect.loaded_dbapi)):
                 cursor.execute(plan.sql, values)
@@ -175,10 +200,14 @@ class Compiled:
                 raise exc.MultipleResultsFound("the statement returned more than one row")
             names = tuple(column[0] for column in cursor.description)
         except conn.dialect.loaded_dbapi.Error as error:
+            statements.ended(span, error)
+            span = None
             conn._handle_dbapi_exception(error, plan.sql, values, cursor, None)
         finally:
             if cursor is not None:
                 cursor.close()
+            if span is not None:
+                statements.ended(span)
         row = plan.rows.get(names)
         if row is None:
             row = plan.rows[names] = _row_class(names)

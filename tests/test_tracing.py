@@ -156,9 +156,13 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
     assert named(spans, "callback checkpoint")[0].end_ns < middle < servers[
         "POST /voice-tools/resume/<tool_call_id>"].start_ns
     assert not [s for s in spans if s.start_ns < middle < s.end_ns], tree(spans)
-    # the database statements are children in the trace
-    assert any(s.attributes.get("db.system") == "postgresql" or s.attributes.get("db.system.name") == "postgresql"
-               for s in spans if s.parent_id == named(links, SENDING)[0].span_id), tree(spans)
+    # the database statements are children in the trace, named by what they do and with their SQL, prepared
+    # on the server or not (no "EXECUTE voice_tools_...")
+    statements = [s for s in spans if s.parent_id == named(links, SENDING)[0].span_id
+                  and s.attributes.get("db.system") == "postgresql"]
+    assert "UPDATE tool_calls" in {s.name for s in statements}, tree(spans)
+    assert all("tool_calls" in s.attributes["db.statement"] for s in named(statements, "UPDATE tool_calls"))
+    assert not [s for s in spans if s.name in ("EXECUTE", "PREPARE")], tree(spans)
     # each callback names its own span; the event's JSON names the span that made it
     events = relay.events_for(call_id)
     assert [e["event"] for e in events] == ["progress", "checkpoint", "progress", "completed"]

@@ -35,6 +35,7 @@ TRACER = "voice_tools"
 _started = False  # set by tasks.tracing.sdk.start in the process that started the SDK
 _tracer: Any = None  # this process's tracer, made at its first use
 _instrument_redis: Any = None  # set by tasks.tracing.sdk.start unless Redis's instrumentation is left out
+_statements = False  # set by tasks.tracing.sdk.start unless psycopg2's statements are left out
 
 # The trace contexts of the calls this process recorded lately: a call keeps the one it was recorded
 # with for its whole life, so a later request about it on this process (the relay's keep-alive
@@ -117,6 +118,12 @@ def remembered(tool_call_id: str) -> str | None:
             del _kept_here[tool_call_id]
             return None
         return found[1]
+
+
+def statement_spans() -> bool:
+    """Are the statements of ``models/compiled.py`` spans of ours in this process
+    (``tasks.tracing.statements``)? False with tracing off, or psycopg2's statements left out."""
+    return _statements
 
 
 def redis_client(client: Any) -> Any:

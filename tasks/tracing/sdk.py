@@ -7,7 +7,8 @@ and the batch processor (``OTEL_BSP_SCHEDULE_DELAY``, ...). ``OTEL_EXPORTER_OTLP
 chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no service name given,
 the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
 
-Then the libraries' own instrumentations, psycopg2 (each statement) and redis (each command of our own
+Then the libraries' own instrumentations, psycopg2 (each statement, but those of ``models/compiled.py``:
+``tasks.tracing.statements``) and redis (each command of our own
 Redis clients, ``tasks.tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names
 them, and the spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. The batch processor's thread
 is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
@@ -87,6 +88,7 @@ def _instrument(children: Any) -> None:
         from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
 
         Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
+        tracing._statements = True  # and models/compiled.py's, spans of ours (tasks.tracing.statements)
     if wanted("redis"):  # our own clients only, as they are made (the broker's: never)
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
