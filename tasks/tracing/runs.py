@@ -1,7 +1,7 @@
 """The span of each task run and of each publish, made here with Celery's signals only.
 
 A publish (``before_task_publish`` .. ``after_task_publish``, in the API or in a worker) is a producer
-span ``apply_async/<task>``, current while the message is sent, whose ``traceparent`` goes in the
+span ``apply_async/<task>``, from the message's making to its sending, whose ``traceparent`` goes in the
 message's headers. A run (``task_prerun`` .. ``task_postrun``) is a consumer span named after its task
 (``tools.send_email.PREPARING``), child of the span that sent it, with the call, tool, step, attempt
 and outcome. A chain's next link is sent while the link's span is current, so the links of a chain
@@ -14,8 +14,8 @@ Celery's request fields into ``celery.*`` attributes (a dozen on each run and pu
 validated, kept and exported), its per-task bookkeeping and its task-duration metric.
 
 The publish's own Redis commands (the ``LPUSH`` of the message) are not spans of their own: the
-``apply_async/<task>`` span is that publish, from the same call to its return, and the Redis
-instrumentation is suppressed inside it (the instrumentations' own ``suppress_instrumentation``).
+``apply_async/<task>`` span is that publish, from the same call to its return, and the broker's
+connection is never instrumented (``tasks.tracing.redis_client``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from models import logs
 
 PREFIX = "voice_tools."
 
-_publishing = threading.local()  # .under_way: the publish span under way on this thread, and what it attached
+_publishing = threading.local()  # .under_way: the publish span under way on this thread
 _running: dict[str, tuple[Any, Any]] = {}  # task id -> the run's span and its context token
 
 
@@ -110,31 +110,20 @@ def _failed(task_id: str | None = None, exception: BaseException | None = None, 
 
 
 def _publish_begun(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """The publish's span, current while the message is sent (its context in the message's headers), and
-    no span for the Redis commands that send it."""
-    from opentelemetry import context, propagate, trace
-    from opentelemetry.instrumentation.utils import suppress_instrumentation
+    """The publish's span, its context in the message's headers. It is not made current: nothing the send
+    does is a span (the broker's connection is not instrumented, ``tasks.tracing.redis_client``)."""
+    from opentelemetry import propagate, trace
     from opentelemetry.trace import SpanKind
 
     name = sender if isinstance(sender, str) else getattr(sender, "name", "unknown")
     span = tracing.tracer().start_span(f"apply_async/{name}", kind=SpanKind.PRODUCER)
-    token = context.attach(trace.set_span_in_context(span))
     if headers is not None:
-        propagate.inject(headers)
-    suppressed = suppress_instrumentation()
-    suppressed.__enter__()
-    _publishing.under_way = (span, token, suppressed)
+        propagate.inject(headers, context=trace.set_span_in_context(span))
+    _publishing.under_way = span
 
 
 def _published(**_: Any) -> None:
-    """Sent: the span ends, the Redis instrumentation is on again (a publish that raised is undone with its
-    task's or request's context, which :func:`_ended` and ``tasks.tracing.web`` detach)."""
-    from opentelemetry import context
-
-    under_way, _publishing.under_way = getattr(_publishing, "under_way", None), None
-    if under_way is None:
-        return
-    span, token, suppressed = under_way
-    suppressed.__exit__(None, None, None)
-    span.end()
-    context.detach(token)
+    """Sent: the span ends (a publish that raised leaves its span unended, and unexported)."""
+    span, _publishing.under_way = getattr(_publishing, "under_way", None), None
+    if span is not None:
+        span.end()
