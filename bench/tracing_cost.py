@@ -1,6 +1,6 @@
 """What tracing costs a chain: confirm → ``completed`` of the 4-step read tool, tracing off against on.
 
-    .venv/bin/python -m bench.tracing_cost [--pairs 60] [--warmup 5] [--disable psycopg2]
+    .venv/bin/python -m bench.tracing_cost [--pairs 60] [--warmup 5] [--disable psycopg2] [--set NAME=VALUE]
     .venv/bin/python -m bench.tracing_cost --blocks 3 [--runs 30]
 
 The chain is the one ``python -m bench`` times: the 4-step read tool's confirm → ``completed``
@@ -21,7 +21,9 @@ spent over the pairs per chain (and by process) and their ratio, the spans recei
 the load average.
 
 ``--disable`` sets ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` on the traced side (``psycopg2``: no span per
-statement), to measure what tracing costs without those spans.
+statement), to measure what tracing costs without those spans. ``--set`` sets any other variable there:
+``OTEL_TRACES_SAMPLER=always_off`` (every hook runs, no span is recorded: what tracing costs before its
+spans), ``OTEL_SDK_DISABLED=true`` (both sides off: the measurement's own bias, about 1 %).
 
 ``--blocks N`` runs the former way instead: one stack at a time, ``--runs`` chains per block,
 ``N`` blocks of each side, their order swapped at every block; each pair of blocks gives a p50 ratio.
