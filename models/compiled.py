@@ -137,16 +137,25 @@ def _plan(stmt: Any, dialect: Any) -> _Plan | None:
     return _Plan(compiled.string, _summary(stmt, compiled.string), binds, types)
 
 
+_CHANGES = re.compile(r"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+\"?(\w+)", re.IGNORECASE)
+_READS = re.compile(r"\bFROM\s+\"?(\w+)", re.IGNORECASE)
+_LOCKS = re.compile(r"\bFOR\s+(NO\s+KEY\s+)?(UPDATE|SHARE)\b", re.IGNORECASE)  # a read's row locks
+
+
 def _summary(stmt: Any, sql: str) -> str:
-    """The operation and its table (``UPDATE tool_calls``, ``SELECT tool_calls``), else the SQL's first word."""
+    """The operation and its table (``UPDATE tool_calls``, ``SELECT tool_calls``): a data-modifying CTE's
+    is its first change; else the SQL's first word."""
     verb = ("INSERT" if stmt.is_insert else "UPDATE" if stmt.is_update else "DELETE" if stmt.is_delete
-            else "SELECT" if stmt.is_select else None)
-    table = getattr(stmt, "table", None)
-    if table is None and verb == "SELECT":
-        table = next(iter(stmt.get_final_froms()), None)
-    name = getattr(table, "name", None)
+            else None)
+    name = getattr(getattr(stmt, "table", None), "name", None)
     if verb and isinstance(name, str):
         return f"{verb} {name}"
+    changes = _CHANGES.search(_LOCKS.sub("", sql))
+    if changes:
+        return f"{changes.group(1).split()[0].upper()} {changes.group(2)}"
+    reads = _READS.search(sql)
+    if reads and sql.lstrip().upper().startswith(("SELECT", "WITH")):
+        return f"SELECT {reads.group(1)}"
     return (sql.split(None, 1) or ["statement"])[0]
 
 

@@ -261,3 +261,32 @@ def test_rows_of_a_statement_are_sqlalchemys_rows():
     assert [tuple(r) for r in by_cursor] == [tuple(r) for r in by_sqlalchemy] and len(by_cursor) == 2
     assert [r.title for r in by_cursor] == ["t1", "t3"]
     assert calendar.LocalCalendar().busy(start, start + timedelta(hours=8), "tests")[0]["title"] == "t1"
+
+
+
+def test_each_hot_statement_is_named_by_what_it_does():
+    """With tracing on a hot statement's span is named by its operation and table: a data-modifying CTE by
+    the first row it changes (``UPDATE tool_calls``), never by its first word (``WITH``)."""
+    import re
+
+    from sqlalchemy.dialects.postgresql import psycopg2
+
+    from tasks.delivery import delivered
+    from tasks.tracing import calls
+
+    tool_call_id = executing_call()  # builds the transitions' statements of their shapes
+    event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", inline=True)
+    with db.session() as s:
+        assert lifecycle.gate(s, tool_call_id) is not None
+        assert lifecycle.record_step(s, tool_call_id, "SENDING", {"id": "m1"}, 0.5, event=event) is not None
+    found: list[Compiled] = []
+    for module in (queries, lifecycle, attempts, delivered, calls):
+        for value in vars(module).values():
+            found += [value] if isinstance(value, Compiled) else \
+                [v for v in value.values() if isinstance(v, Compiled)] if isinstance(value, dict) else []
+    dialect = psycopg2.dialect()
+    plans = [plan for plan in (compiled._plan(each.stmt, dialect) for each in found) if plan is not None]
+    assert len(plans) >= 8, len(plans)
+    assert [plan.summary for plan in plans if not re.fullmatch(r"(SELECT|INSERT|UPDATE|DELETE) \w+", plan.summary)] == []
+    assert [plan for plan in plans if plan.sql.lstrip().upper().startswith("WITH")], \
+        "no data-modifying CTE among them: the test no longer shows what it is about"
