@@ -130,8 +130,8 @@ def redis_client(client: Any) -> Any:
     """One of our own Redis clients (the fair shares' counts): with tracing on, each of its commands
     inside a trace is a span (opentelemetry's Redis instrumentation, on this client alone). The broker's
     connection is never instrumented: a publish is its ``apply_async/<task>`` span, and its polls,
-    acknowledgements and heartbeats belong to no trace (instrumented, each cost a worker's consumer the
-    making of a span that was never recorded). Returns ``client``."""
+    acknowledgements and heartbeats belong to no trace (each would cost a worker's consumer a span that is
+    never recorded). Returns ``client``."""
     if _instrument_redis is not None:
         _instrument_redis(client)
     return client

@@ -8,10 +8,10 @@ chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no servi
 the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
 
 Then the libraries' own instrumentations, psycopg2 (each statement, but those of ``models/compiled.py``:
-``tasks.tracing.statements``) and redis (each command of our own
-Redis clients, ``tasks.tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names
-them, and the spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. The batch processor's thread
-is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
+``tasks.tracing.statements``) and redis (each command of our own Redis clients,
+``tasks.tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them, and the
+spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. The batch processor's
+thread is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 """
 from __future__ import annotations
 
