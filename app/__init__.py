@@ -21,7 +21,8 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     from tasks.tracing import web as tracing  # first: with tracing off, redis-py will not load the SDK (tasks/tracing/)
     from flask import Flask
 
-    from app import api, auth, console, errors, health, inputs, metrics, request_log, share_hooks, stream
+    from app import (api, auth, console, errors, health, inputs, metrics, request_log, schema_gate, share_hooks,
+                     stream)
 
     app = Flask(__name__, static_folder=None)
     # no automatic OPTIONS answer (an empty text/html 200): OPTIONS is a JSON 405 naming the methods
@@ -32,6 +33,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     tracing.register(app)  # a server span per request, with OTEL_EXPORTER_OTLP_ENDPOINT set (tasks/tracing/)
     metrics.register(app)  # then, so refused requests are counted and timed too
     auth.register(app)
+    schema_gate.register(app)  # after the token: on a schema too old for this release, a 503 naming it
     share_hooks.register(app)  # after the token: each caller's rate and open share (app/shares.py)
     errors.register(app)
     inputs.register(app)  # an answer that leaves the body unread closes the connection

@@ -7,7 +7,7 @@ from sqlalchemy import text
 from app import metrics, openapi
 from tasks.calls import schemas
 from app.openapi import doc
-from models import db
+from models import db, release, schema
 from tasks.celery_app import app as celery_app  # the broker: no task module, nor the workers' callbacks' HTTP
 
 bp = Blueprint("ops", __name__)
@@ -34,13 +34,23 @@ def broker_error() -> str | None:
 @bp.get("/healthz")
 @doc("Liveness (no token needed)", tag="meta", responses={200: schemas.HealthAnswer}, public=True)
 def healthz():
-    return schemas.HealthAnswer().dump({"status": "ok"}), 200
+    return schemas.HealthAnswer().dump({"status": "ok", "version": release.VERSION}), 200
 
 
 @bp.get("/readyz")
 @doc("Readiness: the database and the broker answer", tag="meta", responses={200: schemas.ReadyAnswer})
 def readyz():
     problems = {name: error for name, error in (("database", database_error()), ("broker", broker_error())) if error}
+    if "database" not in problems:
+        try:
+            found = schema.GATE.verdict()
+        except Exception as exc:  # the database went away since
+            problems["database"] = f"{type(exc).__name__}: {exc}"[:300]
+        else:
+            if found is not None:
+                return jsonify(error="unavailable", message=f"Not ready: {found.line()}.",
+                               details={"down": ["database"], "reasons": {"database": "schema"},
+                                        "schema": {"found": found.found, "needed": schema.OLDEST}}), 503
     if problems:
         down = " and ".join(sorted(problems))
         return jsonify(error="unavailable", message=f"Not ready: the {down} is unavailable.",

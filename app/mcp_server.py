@@ -43,7 +43,6 @@ import socket
 from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass
 from functools import cache
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Mapping
 
 import anyio
@@ -63,7 +62,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import json_depth, json_keys, shares, stream_loop
 from app.limits import MAX_BODY_BYTES
-from models import listen, logs
+from models import listen, logs, release, schema
 from tasks import tools
 from tasks.calls import callers, errors, operations, schemas, toolspec
 from tasks.calls.callers import Caller
@@ -75,7 +74,6 @@ log = logging.getLogger(__name__)
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/healthz"  # the one path open without a token
 SERVER_NAME = "voice-tools"
-PACKAGE = "voice-tools"  # the distribution whose version the server reports
 INSTRUCTIONS = (
     "Runs a voice assistant's tool calls. Call list_tools for the tools and their parameters. "
     "request_tool records a call as PENDING and answers the sentence to read back; modify_tool changes it; "
@@ -242,6 +240,8 @@ def call(face: Face, arguments: Arguments, caller: Caller, hand_over: bool = Fal
     the REST operation's answer, or its error JSON with ``is_error``. With ``hand_over``, a ``wait`` is
     not waited here: a :class:`Held` is returned for :func:`waited`."""
     try:
+        if not schema.GATE.passed:
+            schema.GATE.require()  # a schema too old for this release: a 503 naming it, as REST answers
         bad = _bad_arguments(arguments)
         if bad is not None:
             raise bad
@@ -364,10 +364,7 @@ async def call_tool(ctx: ServerRequestContext[Any, Any], params: CallToolRequest
 
 
 def server_version() -> str:
-    try:
-        return version(PACKAGE)
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "0+unknown"
+    return release.VERSION
 
 
 def create_mcp_server() -> Server[Any]:

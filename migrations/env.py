@@ -1,4 +1,12 @@
-"""Alembic environment: migrates the database in DATABASE_URL."""
+"""Alembic environment: migrates the database in DATABASE_URL.
+
+Each migration is its own transaction, and waits at most ``VOICE_TOOLS_MIGRATION_LOCK_TIMEOUT_MS``
+(2000) for a lock (``lock_timeout``): a migration never queues behind the hot path's row locks while
+every statement of the running processes queues behind it. One that times out is rolled back, and
+``voice-tools migrate`` runs it again after a pause (``voice_tools/servers.py``).
+"""
+import os
+
 from alembic import context
 from sqlalchemy import create_engine, pool
 
@@ -20,8 +28,11 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = create_engine(database_url(), poolclass=pool.NullPool)
+    lock_timeout_ms = int(os.environ.get("VOICE_TOOLS_MIGRATION_LOCK_TIMEOUT_MS", "2000"))
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=target_metadata)
+        connection.exec_driver_sql(f"SET lock_timeout = {lock_timeout_ms}")  # the session's: every migration's
+        connection.commit()
+        context.configure(connection=connection, target_metadata=target_metadata, transaction_per_migration=True)
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

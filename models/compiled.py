@@ -45,6 +45,7 @@ from sqlalchemy import Connection, exc
 from sqlalchemy.orm import Session
 
 import tasks.tracing as tracing
+from models import db
 from tasks.tracing import statements
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,17 @@ def _run_prepared(plan: _Plan, info: dict[str, Any], cursor: Any, values: dict[s
                 if getattr(error, "pgcode", None) != _ALREADY_PREPARED:
                     raise
             prepared.add(plan.name)
-        cursor.execute(plan.execute, values)
+        try:
+            cursor.execute(plan.execute, values)
+        except dbapi.Error as error:
+            if not db.plan_refused(error):
+                raise
+            # a returned column changed type since it was prepared (a migration under this process): the
+            # EXECUTE did nothing (autocommit); prepared again, it runs once more, in this same call
+            log.info("a statement's plan was refused after a schema change; prepared again (%s)", plan.summary)
+            cursor.execute(f"DEALLOCATE {plan.name}")
+            cursor.execute(plan.prepare)
+            cursor.execute(plan.execute, values)
         return True
     except dbapi.Error as error:
         code = getattr(error, "pgcode", None)

@@ -62,7 +62,34 @@ def _new_engine(pool_size: int, **connect_args: Any) -> Engine:
                          connect_args=connect_args)
     _ping_when_idle(made)
     _given_up_when_gone(made)
+    event.listen(made, "handle_error", _refused_plan_is_transient)
     return made
+
+
+# PostgreSQL's answer to a prepared statement whose result's columns changed type since it was
+# prepared (a migration under a running process): feature_not_supported, with this message
+REFUSED_PLAN_CODE, REFUSED_PLAN_MESSAGE = "0A000", "cached plan must not change result type"
+
+
+class PlanRefused(exc.OperationalError):
+    """PostgreSQL refused a statement prepared before a schema change (``cached plan must not change
+    result type``): nothing ran, and the statement runs once prepared again. An ``OperationalError``, as
+    a lost connection is: a task runs again later, the API answers 503 (``models/compiled.py`` prepares
+    its own statements again at once, so this reaches a caller only from a statement prepared elsewhere)."""
+
+
+def plan_refused(error: BaseException) -> bool:
+    """Is ``error`` (the driver's) PostgreSQL refusing a plan prepared before a schema change?"""
+    return (getattr(error, "pgcode", None) == REFUSED_PLAN_CODE
+            and str(error).lstrip().startswith(REFUSED_PLAN_MESSAGE))
+
+
+def _refused_plan_is_transient(context: Any) -> BaseException | None:
+    """SQLAlchemy's ``handle_error`` hook: a refused plan is raised as :class:`PlanRefused`."""
+    if not plan_refused(context.original_exception):
+        return None
+    return PlanRefused(context.statement, context.parameters, context.original_exception,
+                       hide_parameters=context.engine.hide_parameters if context.engine else False)
 
 
 DEAD_CLIENT_S = 60  # VOICE_TOOLS_DB_DEAD_CLIENT_S's default

@@ -33,6 +33,8 @@ from typing import Any, Iterator
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
+from models import release
+
 FORMAT_VARIABLE = "VOICE_TOOLS_LOG_FORMAT"  # json (the default) | text
 FIELDS = ("request_id", "trace_id", "span_id", "tool_call_id", "session_id", "task_id", "task", "step")
 HEADER = "voice_tools_log"  # the task message header that carries the context to the worker
@@ -120,6 +122,7 @@ class JsonLines(JsonFormatter):
             "%(levelname)s %(name)s %(message)s %(process)d",
             rename_fields={"levelname": "level", "name": "logger", "process": "pid"},
             reserved_attrs=_NOT_FIELDS,
+            static_fields={"version": release.VERSION},  # the release that wrote the line
             timestamp="time",
         )
 

@@ -19,6 +19,7 @@ from tasks.worker import beat_thread
 from tasks.worker import log_context
 from tasks.worker import metrics_thread
 from tasks.worker import groups
+from tasks.worker import schema_wait
 
 app = Celery("tasks", task_cls=base.Task,  # every task's base class (tasks/base.py)
              events="tasks.worker.task_events:Events")  # task events published off the loop (tasks/worker/task_events.py)
@@ -36,6 +37,7 @@ app.user_options["preload"].add(data_dir_option())
 groups.install(app)
 beat_thread.install(app)
 metrics_thread.install(app)
+schema_wait.install(app)  # on a schema too old for this release, the worker consumes nothing until migrated
 tracing.install(app)  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a span per task, in a worker and in beat (tasks/tracing/)
 
 

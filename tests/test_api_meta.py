@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from models import db, session_context
 from tests.api_fixtures import GUIDE_EMAIL, snapshot
@@ -140,7 +141,12 @@ def test_openapi_documents_the_429_of_the_fair_shares(client):
 
 
 def test_healthz_and_readyz(client):
-    assert client.get("/healthz").get_json() == {"status": "ok"}
+    from models import release
+
+    assert client.get("/healthz").get_json() == {"status": "ok", "version": release.VERSION}
+    setup_cfg = (Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", release.VERSION), release.VERSION  # a semantic version
+    assert f"\nversion = {release.VERSION}\n" in setup_cfg
     ready = client.get("/readyz", headers=AUTH)
     assert ready.status_code == 200
     assert ready.get_json() == {"status": "ready", "checks": {"database": "ok", "broker": "ok"}}

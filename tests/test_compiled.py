@@ -290,3 +290,44 @@ def test_each_hot_statement_is_named_by_what_it_does():
     assert [plan.summary for plan in plans if not re.fullmatch(r"(SELECT|INSERT|UPDATE|DELETE) \w+", plan.summary)] == []
     assert [plan for plan in plans if plan.sql.lstrip().upper().startswith("WITH")], \
         "no data-modifying CTE among them: the test no longer shows what it is about"
+
+
+def _change_type(column: str, to: str) -> None:
+    """Another session changes a column's type, as a migration does under running processes."""
+    with db.session() as other:
+        other.execute(text(f"ALTER TABLE tool_calls ALTER COLUMN {column} TYPE {to}"))
+
+
+def test_a_plan_refused_after_a_schema_change_is_prepared_again_and_run_once_more():
+    """A returned column's type changed under a prepared statement: PostgreSQL refuses its plan
+    (``cached plan must not change result type``) until it is prepared again. The statement is prepared
+    again and run again on the same connection, in the same call: the caller sees its row."""
+    tool_call_id = executing_call()
+    with db.statement() as s:
+        assert lifecycle.gate(s, tool_call_id) is not None
+        plan = lifecycle._GATE[False]._plans[s.dialect]
+        assert plan.name in prepared_names(s)
+        try:
+            _change_type("current_step", "varchar(51)")
+            assert lifecycle.gate(s, tool_call_id).tool_call_id == tool_call_id
+            assert compiled._preparing and plan.name in prepared_names(s)
+        finally:
+            _change_type("current_step", "varchar(50)")
+        assert lifecycle.gate(s, tool_call_id).current_step == "PREPARING"  # and back again
+
+
+def test_a_refused_plan_elsewhere_is_a_transient_database_error():
+    """A plan PostgreSQL refuses after a schema change on SQLAlchemy's own path (a statement someone
+    prepared by hand) is the error a lost connection is: retried by a link, a 503 in the API."""
+    call = make_call()
+    with db.statement() as s:
+        s.exec_driver_sql("PREPARE by_hand AS SELECT current_step FROM tool_calls WHERE tool_call_id = $1")
+        s.exec_driver_sql("EXECUTE by_hand(%(id)s)", {"id": call.tool_call_id})
+        try:
+            _change_type("current_step", "varchar(51)")
+            with pytest.raises(exc.OperationalError) as raised:
+                s.exec_driver_sql("EXECUTE by_hand(%(id)s)", {"id": call.tool_call_id})
+            assert isinstance(raised.value, db.PlanRefused), type(raised.value)
+        finally:
+            s.exec_driver_sql("DEALLOCATE by_hand")
+            _change_type("current_step", "varchar(50)")

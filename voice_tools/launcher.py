@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import tasks.tracing  # noqa: F401  (first: with tracing off, redis-py will not load the SDK; tasks/tracing/)
-from models import logs, settings
+from models import logs, release, settings
 from voice_tools import ports
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
                                  record_run, stop_servers)
@@ -435,9 +435,12 @@ def _redact(url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice-tools", description="Run voice-tools: the API, workers, beat and Flower.")
+    parser.add_argument("--version", action="version", version=f"voice-tools {release.VERSION}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("run", help="start what is missing, migrate, run the Procfile (default)")
-    sub.add_parser("migrate", help="migrate the database (starting the embedded one if needed)")
+    sub.add_parser("migrate", add_help=False,
+                   help="migrate the database (starting the embedded one if needed); --check changes nothing "
+                        "and says what would run; --to REVISION goes down to an older one")
     sub.add_parser("env", help="start the embedded servers, print their URLs as shell exports, wait")
     sub.add_parser("demo", add_help=False, help="play a conversation (the updating-email one by default) against a running system")
     sub.add_parser("mcp", add_help=False, help="serve the MCP face at /mcp (--host, --port; MCP_PORT, default 8001; --lazy)")
@@ -480,6 +483,15 @@ def main(argv: list[str] | None = None) -> int:
         from voice_tools import worker_metrics
 
         return worker_metrics.main(rest)
+    if command == "migrate":
+        from voice_tools import schema_migrations
+
+        if "-h" not in rest and "--help" not in rest:
+            ensure_servers(need=("postgres",))
+        code = schema_migrations.main(rest)
+        if code == 0 and not rest:
+            _say_if_no_document_search()
+        return code
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if command == "run":
@@ -492,10 +504,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if command != "env":  # migrate, load-demo and ingest need the database only
         ensure_servers(need=("postgres",))
-    if command == "migrate":
-        migrate()
-        _say_if_no_document_search()
-        return 0
     if command == "load-demo":
         migrate()
         prepare_model()

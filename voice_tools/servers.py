@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from models import settings
+from voice_tools.schema_migrations import MIGRATIONS, alembic_config, migrate  # noqa: F401  (who starts a server migrates it)
 
-# Alembic's scripts: in a checkout a link to the top-level migrations/, in the wheel the files.
-MIGRATIONS = Path(__file__).parent / "migrations"
 DATABASE_NAME = "voice_tools"
 
 log = logging.getLogger("voice_tools.servers")
@@ -388,18 +387,3 @@ def _stop_then_die(signum: int, _frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
-def alembic_config() -> Any:
-    """Alembic's configuration, made here (no ini file): the scripts shipped with this package."""
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    config.set_main_option("path_separator", "os")
-    return config
-
-
-def migrate(revision: str = "head") -> None:
-    """``alembic upgrade head`` on ``DATABASE_URL``."""
-    from alembic import command
-
-    command.upgrade(alembic_config(), revision)

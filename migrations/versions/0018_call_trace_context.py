@@ -15,10 +15,14 @@ down_revision = '0017'
 branch_labels = None
 depends_on = None
 
+# what it is to the previous release's running processes (docs/operations.md, "Upgrading")
+running_release = "safe"
+running_release_why = "a nullable column: the previous release neither reads nor writes it"
+
 
 def upgrade() -> None:
-    op.add_column('tool_calls', sa.Column('trace_context', sa.Text(), nullable=True))
+    op.add_column('tool_calls', sa.Column('trace_context', sa.Text(), nullable=True), if_not_exists=True)
 
 
 def downgrade() -> None:
-    op.drop_column('tool_calls', 'trace_context')
+    """Keeps the data: the column stays (the release before never reads it); upgraded again, it is used again."""

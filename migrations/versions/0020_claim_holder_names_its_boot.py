@@ -7,7 +7,7 @@ process and a nonce: the column holds any length (``text``; from ``varchar`` Pos
 type without rewriting the table).
 
 Revision ID: 0020
-Revises: 0017
+Revises: 0018
 """
 from alembic import op
 import sqlalchemy as sa
@@ -17,12 +17,16 @@ down_revision = '0018'
 branch_labels = None
 depends_on = None
 
+# what it is to the previous release's running processes (docs/operations.md, "Upgrading")
+running_release = "restart"
+running_release_why = "changes the type of a column the previous release's prepared statements return: PostgreSQL refuses their plans (0.1.0's processes do not prepare them again): restart them right after it"
+
 
 def upgrade() -> None:
     op.alter_column('tool_calls', 'effect_claimed_by', type_=sa.Text(), existing_type=sa.String(length=64))
 
 
 def downgrade() -> None:
-    # a token longer than the old width (one of the newer release) is cut to it
-    op.alter_column('tool_calls', 'effect_claimed_by', type_=sa.String(length=64), existing_type=sa.Text(),
-                    postgresql_using='left(effect_claimed_by, 64)')
+    """Keeps the data: the column stays ``text`` (the release before reads and writes it as it did its
+    ``varchar(64)``). Narrowing it back would cut the newer tokens and change, under the running processes,
+    the type their statements return."""

@@ -12,7 +12,7 @@ tool_call_id, as a change of status already does (migration 0001), so the consol
 shows a call recorded through any door without polling (``app/console/live.py``).
 
 Revision ID: 0021
-Revises: 0017
+Revises: 0020
 """
 from alembic import op
 
@@ -20,6 +20,10 @@ revision = '0021'
 down_revision = '0020'
 branch_labels = None
 depends_on = None
+
+# what it is to the previous release's running processes (docs/operations.md, "Upgrading")
+running_release = "safe"
+running_release_why = "a trigger and indexes built concurrently: writes go on while they are built"
 
 INDEXES = {
     'idx_tool_calls_created': ['created_at', 'tool_call_id'],
@@ -42,6 +46,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for name in INDEXES:
-        op.drop_index(name, table_name='tool_calls')
-    op.execute("DROP TRIGGER tool_calls_created_notify ON tool_calls")
+    """Keeps the data (indexes and a trigger only), dropping the indexes concurrently."""
+    op.execute("DROP TRIGGER IF EXISTS tool_calls_created_notify ON tool_calls")
+    with op.get_context().autocommit_block():
+        for name in INDEXES:
+            op.drop_index(name, table_name='tool_calls', postgresql_concurrently=True, if_exists=True)

@@ -22,11 +22,16 @@ down_revision = '0021'
 branch_labels = None
 depends_on = None
 
+# what it is to the previous release's running processes (docs/operations.md, "Upgrading")
+running_release = "safe"
+running_release_why = "a column with a constant default, added without a rewrite: the previous release neither reads nor writes it"
+
 
 def upgrade() -> None:
     op.add_column('tool_calls', sa.Column('link_attempts', postgresql.JSONB(astext_type=sa.Text()),
-                                          server_default=sa.text("'[]'::jsonb"), nullable=False))
+                                          server_default=sa.text("'[]'::jsonb"), nullable=False), if_not_exists=True)
 
 
 def downgrade() -> None:
-    op.drop_column('tool_calls', 'link_attempts')
+    """Keeps the data: the column stays (the release before never reads it, and its inserts take the
+    default); upgraded again, the runs kept are shown again."""

@@ -14,7 +14,7 @@ from marshmallow import ValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from tasks.calls import schemas
-from models import lifecycle, queries
+from models import lifecycle, queries, schema
 from tasks import chains, tools
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,17 @@ def not_found(tool_call_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No tool call {tool_call_id}.", {"tool_call_id": tool_call_id})
 
 
-def unavailable(service: str, reason: str) -> ApiError:
-    return ApiError(503, "unavailable", f"The {service} is unavailable; try again shortly.",
-                    {"service": service, "reason": reason[:300]})
+RETRY_AFTER_S = 1  # a 503's Retry-After: what is down (a restart, a failover, a migration) is back in seconds
+
+
+def unavailable(service: str, reason: str, message: str | None = None, **details: Any) -> ApiError:
+    return ApiError(503, "unavailable", message or f"The {service} is unavailable; try again shortly.",
+                    {"service": service, "reason": reason[:300], **details}, {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def schema_too_old(exc: schema.SchemaTooOld) -> ApiError:
+    """This process's release needs a newer schema than the database's: nothing is served until it is migrated."""
+    return unavailable("database", "schema", f"Not serving: {exc}.", found=exc.verdict.found, needed=schema.OLDEST)
 
 
 def api_error(exc: Exception) -> ApiError | None:
@@ -105,6 +113,8 @@ def api_error(exc: Exception) -> ApiError | None:
                                 {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.BrokerUnavailable):
         return unavailable("broker", str(exc))
+    if isinstance(exc, schema.SchemaTooOld):
+        return schema_too_old(exc)
     if isinstance(exc, (OperationalError, InterfaceError)):
         log.warning("database unavailable: %s", exc)
         return unavailable("database", str(getattr(exc, "orig", exc)).strip())
@@ -122,4 +132,4 @@ def payload(err: ApiError) -> dict[str, Any]:
 
 # what :func:`api_error` maps (the Flask face registers a handler for each)
 KNOWN = (ApiError, ValidationError, queries.NotFound, lifecycle.Refused, lifecycle.IdTaken,
-         chains.BrokerUnavailable, UnknownTool, OperationalError, InterfaceError)
+         chains.BrokerUnavailable, UnknownTool, OperationalError, InterfaceError, schema.SchemaTooOld)

@@ -402,6 +402,7 @@ class ErrorAnswer(Schema):
 
 class HealthAnswer(Schema):
     status = fields.String()
+    version = fields.String(metadata={"description": "This process's release (semantic version)"})
 
 
 class ReadyAnswer(Schema):

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 import tasks.tracing as tracing
+from models import release
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,12 @@ def start(role: str) -> bool:
         if tracing._started or not tracing.enabled():
             return tracing._started
         from opentelemetry import trace
-        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
-        resource = Resource.create({"voice_tools.process": role})
+        resource = Resource.create({"voice_tools.process": role, SERVICE_VERSION: release.VERSION})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: f"voice-tools-{role}"}))
         exporting = BatchSpanProcessor(_exporter())  # one thread of this process (made again after a fork)
