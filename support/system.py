@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import psutil
 import pytest
@@ -37,16 +37,19 @@ from redis.exceptions import RedisError
 from support.procs import ROOT, free_port, kill_group, process_family
 from support.brokers import ControlApp, RedisServer
 
+if TYPE_CHECKING:
+    from support.releases import Installed
+
 PROCESSES = ("web", "writes", "reads", "callbacks", "beat")
 WORKERS = ("writes", "reads", "callbacks")
 VISIBILITY_TIMEOUT = 8
 START_TIMEOUT = 180
 
 
-def procfile_lines() -> dict[str, str]:
+def procfile_lines(root: Path = ROOT) -> dict[str, str]:
     """The Procfile's command lines by name, as written (the shell expands them)."""
     lines = {}
-    for line in (ROOT / "Procfile").read_text().splitlines():
+    for line in (root / "Procfile").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, command = line.split(":", 1)
             lines[name.strip()] = command.strip()
@@ -54,12 +57,19 @@ def procfile_lines() -> dict[str, str]:
 
 
 class System:
-    def __init__(self, base_dir: Path | None = None, **env: str):
+    """The Procfile's processes of this checkout, or of ``release`` (an earlier release installed by
+    ``support/releases.py``: its tree, its virtualenv's scripts), on their own broker or on ``redis``
+    (another System's: two releases' processes side by side, as during an upgrade)."""
+
+    def __init__(self, base_dir: Path | None = None, release: "Installed | None" = None,
+                 redis: RedisServer | None = None, **env: str):
         from voice_tools.launcher import run_environment
 
         self.dir = Path(base_dir or tempfile.mkdtemp(prefix="voice-tools-system-", dir=tempfile.gettempdir()))
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(self.dir / "redis")
+        self.root = release.root if release is not None else ROOT
+        self.shares_redis = redis is not None
+        self.redis = redis or RedisServer(self.dir / "redis")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env, _filled = run_environment(self.dir / "data")
@@ -68,10 +78,12 @@ class System:
             "VOICE_TOOLS_PUBLIC_URL": self.url,
             "CELERY_BROKER_URL": self.redis.url, "REDIS_URL": self.redis.url,
             "VOICE_TOOLS_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT),
-            "PYTHONPATH": str(ROOT),  # this checkout's code in every process
+            "PYTHONPATH": str(self.root),  # this checkout's (or the release's) code in every process
         })
+        if release is not None:  # its own scripts first
+            self.env["PATH"] = os.pathsep.join([str(release.bin), self.env.get("PATH", "")])
         self.env.update(env)
-        self.lines = procfile_lines()
+        self.lines = procfile_lines(self.root)
         self.procs: dict[str, subprocess.Popen] = {}
         self.control = ControlApp(self.redis.url)
 
@@ -88,7 +100,7 @@ class System:
         log = open(self.dir / f"{name}.log", "ab")
         try:
             self.procs[name] = subprocess.Popen(
-                ["bash", "-c", f"exec {self.lines[name]}"], cwd=ROOT, env=self.env, start_new_session=True,
+                ["bash", "-c", f"exec {self.lines[name]}"], cwd=self.root, env=self.env, start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
@@ -138,7 +150,8 @@ class System:
     def stop(self) -> None:
         for name in list(self.procs):
             self.stop_process(name)
-        self.redis.kill()
+        if not self.shares_redis:
+            self.redis.kill()
         self.control.close()
 
     def stop_process(self, name: str, timeout: float = 30.0) -> None:
