@@ -448,6 +448,10 @@ def create_mcp_app() -> Starlette:
     The SDK's DNS-rebinding check (Host/Origin allowlist) is off: it guards servers that trust
     whoever reaches them, and every request here needs a bearer token a browser page does not have.
     """
+    try:  # at start: one line if the schema does not fit this release (each tool call checks again)
+        schema.GATE.verdict()
+    except Exception:  # a database that does not answer: each tool call's own 503
+        pass
     server = create_mcp_server()
     app = server.streamable_http_app(
         streamable_http_path=MCP_PATH, stateless_http=True, json_response=True,

@@ -4,7 +4,8 @@ A worker bootstep started before the consumer (Celery starts its ``Consumer`` st
 older than this release needs (``models/schema.py``) it logs one line (the revision found, the one
 needed, the command that migrates) and waits, reading the schema again every two seconds, so no
 message is taken that this release's statements could not run; once migrated it goes on and the
-consumer starts. A warm or cold shutdown meanwhile stops the worker at once. A database that does
+consumer starts. A warm or cold shutdown meanwhile stops the worker at once. Beat waits the same way
+before it sends anything. A database that does
 not answer is not waited for here (the links retry their statements, as ever).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 from celery import bootsteps
+from celery.signals import beat_init
 from celery.worker import state
 
 from models import schema
@@ -43,3 +45,10 @@ def wait_for_schema(gate: schema.Gate = schema.GATE) -> None:
 
 def install(app: Any) -> None:
     app.steps["worker"].add(SchemaWait)
+    beat_init.connect(_beat_waits, weak=False)
+
+
+def _beat_waits(**_: Any) -> None:
+    """``celery -A tasks beat`` sends nothing until the schema is one this release runs on (its sweeps
+    would be run by workers of this release's tasks)."""
+    wait_for_schema()
