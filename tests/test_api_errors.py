@@ -67,7 +67,7 @@ def test_every_endpoint_but_healthz_needs_the_token(client, path):
 
 def test_healthz_is_open(client):
     answer = client.get("/healthz")
-    assert answer.status_code == 200 and answer.get_json() == {"status": "ok"}
+    assert answer.status_code == 200 and answer.get_json()["status"] == "ok"
 
 
 def test_caller_is_the_tokens_name(client, monkeypatch):
