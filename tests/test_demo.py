@@ -1,18 +1,24 @@
 """``voice-tools demo`` in a second terminal with none of the run's variables: it takes the API's URL
 from the data dir's run record (as it takes the token from the data dir's secrets), and says in a
-sentence when nothing answers there. Playing the scenarios against a real run is in
-``tests/test_run_command.py``."""
+sentence when nothing answers there; every scenario, played against the API and a worker, leaves no failed
+callback delivery behind. Playing the scenarios against a real run is in ``tests/test_run_command.py``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from support.procs import ROOT, bare_env, free_port
+import pytest
 
+from support.procs import ROOT, bare_env, free_port
+from tasks.delivery.signing import parse_secrets
+
+LATE_S = 1.0
 RUN_VARIABLES = ("PORT", "VOICE_TOOLS_PUBLIC_URL", "VOICE_TOOLS_API_TOKENS", "VOICE_TOOLS_CALLBACK_SECRET")
 
 
@@ -67,3 +73,60 @@ def test_an_unreachable_api_is_said_in_a_sentence_naming_the_url_and_where_it_ca
                         f"recorded in {tmp_path / 'run.json'}). Is `voice-tools run` running? Start it, or give the "
                         "API's address with --url."), played.stderr
     assert "HTTPConnectionPool" not in played.stdout + played.stderr
+
+
+def settled_deliveries(call_ids: set[str], within_s: float = 30.0) -> list:
+    """The callback deliveries of ``call_ids`` once each has had its first attempt (or ``within_s`` passed)."""
+    from sqlalchemy import select
+
+    from models import db
+    from models.calls import CallbackDelivery
+
+    deadline = time.monotonic() + within_s
+    while True:
+        with db.session() as s:
+            rows = s.scalars(select(CallbackDelivery).where(CallbackDelivery.tool_call_id.in_(call_ids),
+                                                            CallbackDelivery.url.is_not(None))).all()
+        if all(row.attempts or row.state != "pending" for row in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def completed_comes_late(monkeypatch):
+    """Each ``completed`` event's post leaves the worker a moment after the resume's answer, as on a busy
+    machine (the in-process worker's threads are quick enough to win the race otherwise)."""
+    from tasks.delivery import transport
+
+    exchange = transport.exchange
+
+    def late(url, body, headers, *args, **kwargs):
+        if headers.get("X-Voice-Tools-Event") == "completed":
+            time.sleep(LATE_S)
+        return exchange(url, body, headers, *args, **kwargs)
+
+    monkeypatch.setattr(transport, "exchange", late)
+
+
+def test_every_scenario_leaves_no_failed_delivery_behind(worker, api_url, completed_comes_late, capsys):
+    """The demo's receiver stays up until every event it expects has come (the ``completed`` one after the
+    resume's answer): each of the scenarios' callbacks is delivered at its first attempt."""
+    from tests.conftest import API_TOKEN
+    from voice_tools import demo as the_demo
+    from voice_tools.backends import load_demo
+
+    load_demo()
+    secrets = the_demo.Secrets(os.environ["VOICE_TOOLS_CALLBACK_SECRET"],
+                               parse_secrets(os.environ["VOICE_TOOLS_CALLBACK_SECRETS"]))
+    finals = the_demo.play(api_url, API_TOKEN, secrets, "all")
+    out = capsys.readouterr().out
+    assert [final["status"] for final in finals] == ["COMPLETED"] * 6, out
+    written = {final["tool_call_id"] for final in finals if final["function_name"] in ("send_email", "schedule_meeting")}
+    assert len(written) == 3
+    deliveries = settled_deliveries(written)
+    assert {(d.tool_call_id, d.event) for d in deliveries if d.event in ("checkpoint", "completed")} == \
+        {(call_id, event) for call_id in written for event in ("checkpoint", "completed")}
+    failed = [(d.tool_call_id, d.event, d.state, d.attempt_log) for d in deliveries
+              if d.state != "delivered" or d.attempts != 1]
+    assert failed == [], f"{failed}\n{out}"
+    assert out.count("callback completed") == 3, out  # the demo saw each one come
