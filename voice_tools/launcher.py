@@ -330,12 +330,31 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
         lines.append(f"logs: one JSON line per event ({logs.FORMAT_VARIABLE}=text for plain lines)")
     else:
         lines.append(f"logs: plain lines ({logs.FORMAT_VARIABLE}=text)")
+    lines.append(tracing_line(env))
     if filled:
         lines.append(f"set for this local run (unset in the environment): {', '.join(filled)}")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         lines.append("running as root: Celery's superuser warning is silenced for this local run;"
                      " in production run the workers as an unprivileged user")
     return lines
+
+
+def tracing_line(env: dict[str, str]) -> str:
+    """The banner's line on tracing: off (and how to turn it on), on (where every process's spans go), or asked
+    for without its packages (then the processes run untraced: ``tasks.tracing.missing_line``)."""
+    from tasks import tracing
+
+    if not tracing.enabled(env):
+        if tracing.asked_by(env):
+            return "tracing off (OTEL_SDK_DISABLED=true)"
+        return "tracing off (OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318 sends every process's spans there)"
+    missing = tracing.missing_line(env)
+    if missing:
+        return missing
+    named = env.get("OTEL_SERVICE_NAME", "").strip()
+    services = f"service {named}" if named else "services voice-tools-api, voice-tools-worker, ..."
+    return (f"tracing on ({' and '.join(tracing.asked_by(env))}): every process's spans ({services}) go to "
+            f"{tracing.destination(env)}")
 
 
 def _never_used() -> bool:
