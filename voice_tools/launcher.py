@@ -161,11 +161,25 @@ def _lock_data_dir(data_dir: Path) -> Any:
     return handle
 
 
+def _unlock_data_dir(data_dir: Path, handle: Any, made: bool) -> None:
+    """A run refused before it started anything leaves nothing behind: its ``run.lock`` removed (while
+    held, so no other run was let in on it), then the data dir if this run ``made`` it and it is empty."""
+    (data_dir / "run.lock").unlink(missing_ok=True)
+    handle.close()
+    _started.pop("_run_lock", None)
+    if made:
+        try:
+            data_dir.rmdir()
+        except OSError:  # something else is in it now: it stays
+            pass
+
+
 def run(procfile: str | None = None) -> int:
     """Start what is missing, migrate, run the Procfile; stop everything on a signal."""
     from voice_tools import procfile_run  # here: the other commands (voice-tools mcp, flower) need not honcho
 
     data_dir = default_data_dir()
+    made = not data_dir.exists()
     lock = _lock_data_dir(data_dir)
     if lock is None:
         _say(f"another voice-tools run is using {data_dir}; stop it first or set VOICE_TOOLS_DATA_DIR")
@@ -174,6 +188,7 @@ def run(procfile: str | None = None) -> int:
     if taken:
         for sentence in taken:
             _say(sentence)
+        _unlock_data_dir(data_dir, lock, made)
         _say("nothing was started")
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
