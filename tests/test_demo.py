@@ -130,3 +130,29 @@ def test_every_scenario_leaves_no_failed_delivery_behind(worker, api_url, comple
               if d.state != "delivered" or d.attempts != 1]
     assert failed == [], f"{failed}\n{out}"
     assert out.count("callback completed") == 3, out  # the demo saw each one come
+
+
+def test_with_nothing_running_the_demo_says_only_that_in_one_sentence(tmp_path, monkeypatch):
+    """No run recorded and nothing on port 8000's stand-in: no line of the conversation is printed before the
+    error, which is one sentence with no brackets inside brackets."""
+    port = free_port()  # nothing listens there
+    env = {k: v for k, v in bare_env(VOICE_TOOLS_DATA_DIR=str(tmp_path)).items() if k not in RUN_VARIABLES}
+    played = subprocess.run([sys.executable, "-m", "voice_tools", "demo", "--token", "t"], cwd=ROOT,
+                            env={**env, "PORT": str(port)}, capture_output=True, text=True, timeout=60,
+                            stdin=subprocess.DEVNULL)
+    assert played.returncode == 1
+    assert played.stdout == "", played.stdout  # not the caller's first line
+    assert played.stderr.strip().splitlines() == [
+        f"voice-tools demo failed: nothing answers at http://127.0.0.1:{port} (taken from PORT). Is `voice-tools "
+        "run` running? Start it, or give the API's address with --url."], played.stderr
+
+
+def test_the_default_address_is_said_without_brackets_in_brackets(tmp_path, monkeypatch):
+    from voice_tools import demo as the_demo
+
+    for name in RUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VOICE_TOOLS_DATA_DIR", str(tmp_path))
+    url, source = the_demo.api_url(None)
+    assert url == "http://127.0.0.1:8000"
+    assert source == f"the default; no run is recorded in {tmp_path}"

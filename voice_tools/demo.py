@@ -310,7 +310,7 @@ def api_url(given: str | None) -> tuple[str, str]:
     recorded = recorded_run().get("api_url")
     if recorded:
         return recorded, f"the run recorded in {default_data_dir() / RUN_RECORD}"
-    return "http://127.0.0.1:8000", f"the default (no run recorded in {default_data_dir()})"
+    return "http://127.0.0.1:8000", f"the default; no run is recorded in {default_data_dir()}"
 
 
 def _local_secrets() -> dict[str, str]:
@@ -329,6 +329,12 @@ def _first_token(tokens: str) -> str | None:
         if entry:
             return entry.split(":", 1)[1] if ":" in entry else entry
     return None
+
+
+def _answers(url: str) -> None:
+    """Does anything answer at ``url``? (``/healthz``, which needs no token; any answer will do.) Raises
+    ``requests.ConnectionError`` or ``requests.Timeout`` when nothing does."""
+    requests.get(url.rstrip("/") + "/healthz", timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print("voice-tools demo: no API token (set VOICE_TOOLS_API_TOKENS or pass --token)", file=sys.stderr)
         return 2
     try:
+        _answers(url)  # before the conversation's first line: nothing running is said alone
         finals = play(url, token, secret, args.scenario)
     except requests.ConnectionError:
         print(f"\nvoice-tools demo failed: nothing answers at {url} (taken from {source}). "
