@@ -92,9 +92,8 @@ def settled_deliveries(call_ids: set[str], within_s: float = 30.0) -> list:
         time.sleep(0.2)
 
 
-@pytest.fixture
-def completed_comes_late(monkeypatch):
-    """Each ``completed`` event's post leaves the worker a moment after the resume's answer, as on a busy
+def completed_posted_late(monkeypatch, late_s: float) -> None:
+    """Each ``completed`` event's post leaves the worker ``late_s`` after the resume's answer, as on a busy
     machine (the in-process worker's threads are quick enough to win the race otherwise)."""
     from tasks.delivery import transport
 
@@ -102,10 +101,15 @@ def completed_comes_late(monkeypatch):
 
     def late(url, body, headers, *args, **kwargs):
         if headers.get("X-Voice-Tools-Event") == "completed":
-            time.sleep(LATE_S)
+            time.sleep(late_s)
         return exchange(url, body, headers, *args, **kwargs)
 
     monkeypatch.setattr(transport, "exchange", late)
+
+
+@pytest.fixture
+def completed_comes_late(monkeypatch):
+    completed_posted_late(monkeypatch, LATE_S)
 
 
 def test_every_scenario_leaves_no_failed_delivery_behind(worker, api_url, completed_comes_late, capsys):
@@ -156,3 +160,19 @@ def test_the_default_address_is_said_without_brackets_in_brackets(tmp_path, monk
     url, source = the_demo.api_url(None)
     assert url == "http://127.0.0.1:8000"
     assert source == f"the default; no run is recorded in {tmp_path}"
+
+
+def test_an_event_that_does_not_come_is_said_within_the_bound(worker, api_url, monkeypatch, capsys):
+    """The ``completed`` callback later than the demo waits for (2 s here, 30 s in the command): the demo
+    says which event did not come, and what did, instead of waiting on."""
+    from tests.conftest import API_TOKEN
+    from voice_tools import demo as the_demo
+
+    monkeypatch.setattr(the_demo, "WAIT_S", 2)
+    completed_posted_late(monkeypatch, 4.0)
+    secrets = the_demo.Secrets(os.environ["VOICE_TOOLS_CALLBACK_SECRET"],
+                               parse_secrets(os.environ["VOICE_TOOLS_CALLBACK_SECRETS"]))
+    with pytest.raises(the_demo.DemoError) as said:
+        the_demo.play(api_url, API_TOKEN, secrets, "email")
+    assert str(said.value) == "the completed callback did not come within 2 s (callbacks that came: progress)", \
+        capsys.readouterr().out
