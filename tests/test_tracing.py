@@ -614,7 +614,23 @@ def test_tracing_asked_for_without_its_packages_says_so_in_one_line_and_runs_unt
             for line in ran.stderr.splitlines() if "tracing is asked for" in line]
     assert said == ran.stdout.splitlines()[-2:-1] == [
         "tracing is asked for (OTEL_EXPORTER_OTLP_ENDPOINT set) but its packages are not installed "
-        "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http, opentelemetry-exporter-otlp-proto-grpc, "
-        "opentelemetry-instrumentation-psycopg2, opentelemetry-instrumentation-redis): running untraced; install "
+        "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http, opentelemetry-instrumentation-psycopg2, "
+        "opentelemetry-instrumentation-redis): running untraced; install "
         f"them with `{sys.executable} -m pip install 'voice-tools[tracing]'`, or unset the variable"], ran.stderr
     assert receiver.requests == 0
+
+
+def test_the_packages_said_missing_are_those_this_process_would_import(monkeypatch):
+    """The exporter of the protocol chosen only, and no instrumentation left out: a process with those
+    installed traces (here every package is installed: none is missing, whatever the choice)."""
+    import tasks.tracing as tracing
+
+    monkeypatch.setattr(tracing, "PACKAGES", tracing.PACKAGES + (("not-installed-exporter", "no_such.grpc", "grpc"),
+                                                                 ("not-installed-psycopg2", "no_such.pg", "psycopg2")))
+    asked = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    assert tracing.missing_packages(asked) == ["not-installed-psycopg2"]
+    assert tracing.missing_packages({**asked, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == \
+        ["not-installed-exporter", "not-installed-psycopg2"]
+    assert tracing.missing_packages({**asked, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "psycopg2"}) == []
+    assert tracing.missing_packages({**asked, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "*"}) == []
+    assert tracing.missing_line({}) is None and tracing.missing_line(asked) is not None
