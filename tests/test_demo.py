@@ -176,3 +176,15 @@ def test_an_event_that_does_not_come_is_said_within_the_bound(worker, api_url, m
         the_demo.play(api_url, API_TOKEN, secrets, "email")
     assert str(said.value) == "the completed callback did not come within 2 s (callbacks that came: progress)", \
         capsys.readouterr().out
+
+
+def test_the_readmes_tour_has_the_reader_paste_nothing_by_hand():
+    """The tour's commands capture the token and the call's id in shell variables: no `tc_...` or `T=...` to fill
+    in (its API part was run as written against a `voice-tools run`)."""
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("\n## A 30-second tour\n", 1)[1].split("\n## ", 1)[0]
+    commands = "\n".join(block.split("```", 1)[0] for block in tour.split("```sh\n")[1:])
+    assert "tc_..." not in commands and "=..." not in commands, commands
+    assert 'ID=$(curl -s -X POST $API/voice-tools/pending' in commands
+    assert "/voice-tools/confirm/$ID?wait=10" in commands and "/voice-tools/resume/$ID?wait=10" in commands
+    assert "calls show $ID" in commands
