@@ -104,18 +104,19 @@ def test_each_tool_runs_its_example_end_to_end(tool, client, worker, relay, demo
         "callback_url": relay.url})
     assert recorded.status_code == 201, f"{tool.name}: its example is recorded: {recorded.get_json()}"
     tool_call_id = recorded.get_json()["tool_call_id"]
-    assert recorded.get_json()["message"] == tool.say(tool.confirmation_message, row(tool_call_id).parameters)
+    assert recorded.get_json()["message"] == tool.say(tool.confirmation_message, row(tool_call_id).parameters), \
+        f"{tool.name}: pending answers its confirmation_message"
 
     answer = client.post(f"/voice-tools/confirm/{tool_call_id}?wait=30", headers=AUTH)
-    assert answer.status_code == 200, answer.get_json()
+    assert answer.status_code == 200, f"{tool.name}: confirm?wait answers once it is done: {answer.get_json()}"
     body = answer.get_json()
     if any(step.checkpoint for step in tool.steps):
-        assert body["status"] == "PREPARED", body
+        assert body["status"] == "PREPARED", f"{tool.name}: a checkpoint step stops it PREPARED: {body}"
         checkpoint = relay.wait_for(tool_call_id, "checkpoint")
         assert checkpoint["requires_confirmation"] is True and checkpoint["preview"], \
             f"{tool.name}: a checkpoint step's preview says what will happen: {checkpoint}"
         answer = client.post(f"/voice-tools/resume/{tool_call_id}?wait=30", headers=AUTH, json={"action": "proceed"})
-        assert answer.status_code == 200, answer.get_json()
+        assert answer.status_code == 200, f"{tool.name}: resume?wait answers once it is done: {answer.get_json()}"
         body = answer.get_json()
     assert body["status"] == "COMPLETED", f"{tool.name}: its example runs to COMPLETED on the demo data: {body}"
 
@@ -132,7 +133,8 @@ def test_each_tool_runs_its_example_end_to_end(tool, client, worker, relay, demo
     assert broken == [], f"{tool.name}'s voice_response {voice!r} breaks: {'; '.join(broken)}"
 
     completed = relay.wait_for(tool_call_id, "completed")
-    assert completed["voice_response"] == voice and completed["result"] == stored.result
+    assert completed["voice_response"] == voice and completed["result"] == stored.result, \
+        f"{tool.name}: the completed event carries the voice_response and the result"
     events = [d.event for d in deliveries(tool_call_id)]
     assert [d.seq for d in deliveries(tool_call_id)] == list(range(1, len(events) + 1)), \
         f"{tool.name}: its callbacks are numbered 1, 2, ... in order: {events}"
