@@ -296,3 +296,25 @@ def test_the_last_user_stops_the_servers_also_when_it_only_joined_them(data_dir)
                 stop_process(proc)
     assert wait_none_running(data_dir) == []
     assert not (data_dir / "redis" / "redis.rdb.settings").exists()  # the next command starts afresh
+
+
+def test_the_banner_says_whether_tracing_is_on_and_where_the_spans_go(tmp_path):
+    from voice_tools import launcher
+
+    def said(**env: str) -> str:
+        [line] = [line for line in launcher.banner({"HOST": "127.0.0.1", "PORT": "8000", "MCP_PORT": "8001",
+                                                    "FLOWER_PORT": "5555", "WORKER_METRICS_PORT": "9101", **env},
+                                                   [], tmp_path) if line.startswith("tracing")]
+        return line
+
+    assert said() == "tracing off (OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318 sends every process's spans there)"
+    assert said(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4318/") == (
+        "tracing on (OTEL_EXPORTER_OTLP_ENDPOINT): every process's spans (services voice-tools-api, "
+        "voice-tools-worker, ...) go to http://127.0.0.1:4318/v1/traces (OTLP http/protobuf)")
+    assert said(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://c:4318/mine", OTEL_SERVICE_NAME="vt") == (
+        "tracing on (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): every process's spans (service vt) go to "
+        "http://c:4318/mine (OTLP http/protobuf)")
+    assert said(OTEL_EXPORTER_OTLP_ENDPOINT="http://c:4317", OTEL_EXPORTER_OTLP_PROTOCOL="grpc").endswith(
+        "go to http://c:4317 (OTLP grpc)")
+    assert said(OTEL_EXPORTER_OTLP_ENDPOINT="http://c:4318", OTEL_SDK_DISABLED="true") == \
+        "tracing off (OTEL_SDK_DISABLED=true)"

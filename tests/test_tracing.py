@@ -6,6 +6,7 @@ real ``celery -A tasks worker`` started with the OTLP variables, exporting to a 
   of their own (without one): every span is in the relay's trace, each link once, the callbacks'
   ``traceparent`` names their spans, the events and the log lines carry the ids;
 - a pool child killed in the middle of a link: both attempts of the link are in the trace;
+- a worker stopped right after a link: the link's span reaches the collector all the same;
 - with the variables unset: no tracing module imported, no exporter thread, in a served app and in a
   worker that ran a chain.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import textwrap
@@ -549,3 +551,86 @@ def test_beat_traces_the_sweeps_it_sends(tmp_path, receiver):
         stop_process(beat)
     sent = [s for s in spans if s.name.startswith("apply_async/maintenance.")]
     assert {s.service for s in sent} == {"voice-tools-beat"} and all(s.kind == 4 for s in sent)  # PRODUCER
+
+
+def test_a_link_run_just_before_a_warm_stop_reaches_the_collector(tmp_path, receiver, own_queues):
+    """The batch processor would export a minute later (``OTEL_BSP_SCHEDULE_DELAY``): the worker is stopped
+    (SIGTERM to its process group, as `voice-tools run` stops it at a Ctrl-C) right after its pool child ran
+    a link; the pool child exports its spans as it exits, the main process as it stops."""
+    from tasks.calls import actions
+    from tests.helpers import make_call
+
+    env = {**traced(receiver), "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+    worker = WorkerProcess(app, [QUEUE, "callbacks"], concurrency=1, log_dir=tmp_path, name="stopped", env=env)
+    with worker:
+        call = make_call("send_email", {"to": "stop@example.com", "subject": "Stopped"}, session_id="sess_stop")
+        actions.confirm(call.tool_call_id)
+        assert wait_status(call.tool_call_id, "PREPARED", timeout=60).status == "PREPARED"
+        deadline = time.monotonic() + 30  # the link's end reached the main process (not lost at the stop)
+        while not any(PREPARING in line and "succeeded" in line for line in worker.log().splitlines()):
+            assert time.monotonic() < deadline, worker.log()[-3000:]
+            time.sleep(0.1)
+        assert [s.name for s in receiver.spans] == []  # nothing exported on the schedule yet
+        os.killpg(worker.pid, signal.SIGTERM)  # as `voice-tools run` stops its worker (honcho: the process group)
+        assert worker.proc.wait(60) == 0, worker.log()[-3000:]
+    spans = receiver.wait(lambda found: named(found, PREPARING), timeout=10)
+    assert [s.attributes["voice_tools.tool_call_id"] for s in named(spans, PREPARING)] == [call.tool_call_id]
+    assert {s.service for s in named(spans, PREPARING)} == {"voice-tools-worker"}
+
+
+HIDDEN_PROBE = textwrap.dedent("""
+    import sys
+
+    class NotInstalled:  # the wheel's plain install: no `tracing` extra, so no opentelemetry at all
+        def find_spec(self, name, path=None, target=None):
+            if name == "opentelemetry" or name.startswith("opentelemetry."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NotInstalled())
+    from app import create_app
+
+    answer = create_app().test_client().get("/healthz")
+    from voice_tools import launcher
+    import os
+
+    print(launcher.tracing_line(dict(os.environ)))  # what `voice-tools run` says in its banner
+    print("answered", answer.status_code)
+""")
+
+
+def test_tracing_asked_for_without_its_packages_says_so_in_one_line_and_runs_untraced(receiver):
+    """OTEL_EXPORTER_OTLP_ENDPOINT set, the opentelemetry packages not importable: the web process starts and
+    answers, untraced, after one warning naming the variable, the packages missing and the command to install
+    them (the line `voice-tools run`'s banner says too); no traceback."""
+    env = {**os.environ, **traced(receiver)}
+    env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+    ran = subprocess.run([sys.executable, "-c", HIDDEN_PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.splitlines()[-1] == "answered 200"
+    assert "Traceback" not in ran.stderr and "ModuleNotFoundError" not in ran.stderr, ran.stderr[-3000:]
+    said = [json.loads(line)["message"] if line.startswith("{") else line
+            for line in ran.stderr.splitlines() if "tracing is asked for" in line]
+    assert said == ran.stdout.splitlines()[-2:-1] == [
+        "tracing is asked for (OTEL_EXPORTER_OTLP_ENDPOINT set) but its packages are not installed "
+        "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http, opentelemetry-instrumentation-psycopg2, "
+        "opentelemetry-instrumentation-redis): running untraced; install "
+        f"them with `{sys.executable} -m pip install 'voice-tools[tracing]'`, or unset the variable"], ran.stderr
+    assert receiver.requests == 0
+
+
+def test_the_packages_said_missing_are_those_this_process_would_import(monkeypatch):
+    """The exporter of the protocol chosen only, and no instrumentation left out: a process with those
+    installed traces (here every package is installed: none is missing, whatever the choice)."""
+    import tasks.tracing as tracing
+
+    monkeypatch.setattr(tracing, "PACKAGES", tracing.PACKAGES + (("not-installed-exporter", "no_such.grpc", "grpc"),
+                                                                 ("not-installed-psycopg2", "no_such.pg", "psycopg2")))
+    asked = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    assert tracing.missing_packages(asked) == ["not-installed-psycopg2"]
+    assert tracing.missing_packages({**asked, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == \
+        ["not-installed-exporter", "not-installed-psycopg2"]
+    assert tracing.missing_packages({**asked, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "psycopg2"}) == []
+    assert tracing.missing_packages({**asked, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "*"}) == []
+    assert tracing.missing_line({}) is None and tracing.missing_line(asked) is not None

@@ -14,7 +14,10 @@ Every request goes over HTTP to the running system (``voice-tools run``, which l
 the demo data set on a fresh database); callbacks come to a small receiver this
 command serves on 127.0.0.1, which checks their signatures when it knows the secrets:
 the older scheme's with ``VOICE_TOOLS_CALLBACK_SECRET``, the Standard Webhooks one with
-``VOICE_TOOLS_CALLBACK_SECRETS`` (else the ones ``voice-tools run`` made for the data dir). Each line the assistant would speak is printed. The
+``VOICE_TOOLS_CALLBACK_SECRETS`` (else the ones ``voice-tools run`` made for the data dir). The receiver stays up
+until every event a write is expected to send has come (its ``checkpoint``, then its last event, which the
+worker posts just after the resume's answer), each within 30 s, or the demo says which one did not come and
+exits 1: a demo leaves no callback to fail behind it. Each line the assistant would speak is printed. The
 exit status is 0 when every call a scenario makes ends COMPLETED.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
@@ -36,6 +40,7 @@ import requests
 from tasks.delivery.signing import parse_secrets, verify, verify_standard
 
 WAIT_S = 30
+TERMINAL = ("completed", "failed", "cancelled", "expired")  # a call's last event
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,11 @@ class CallbackReceiver:
                     receiver.bad_signatures += 1
                     self._reply(401, {"error": "bad signature"})
                     return
-                try:
+                self._reply(200, {"received": True})
+                try:  # recorded once answered: the demo may stop the receiver as soon as it has the event
                     receiver.events.put(json.loads(body))
                 except ValueError:
                     pass
-                self._reply(200, {"received": True})
 
             def _reply(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()
@@ -85,14 +90,23 @@ class CallbackReceiver:
                 self.wfile.write(data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = False  # closing the receiver waits for the answers under way
+        self.server.block_on_close = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callbacks"
 
     def wait_for(self, event: str, timeout: float, seen: list[dict[str, Any]]) -> dict[str, Any]:
-        """Collect events into ``seen`` until one of type ``event`` (or a terminal one) arrives."""
+        """Collect events into ``seen`` until one of type ``event`` (or a terminal one) arrives; a
+        :class:`DemoError` naming it if none does within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         while True:
-            got = self.events.get(timeout=timeout)
+            try:
+                got = self.events.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                came = ", ".join(e.get("event", "?") for e in seen) or "none"
+                raise DemoError(f"the {event} callback did not come within {timeout:.0f} s "
+                                f"(callbacks that came: {came})") from None
             seen.append(got)
-            if got.get("event") in (event, "failed", "cancelled", "expired", "completed"):
+            if got.get("event") in (event, *TERMINAL):
                 return got
 
     def __enter__(self) -> "CallbackReceiver":
@@ -188,8 +202,7 @@ def _confirm_through_checkpoint(relay: Relay, receiver: CallbackReceiver, call_i
     assistant(confirmed["message"])
     events: list[dict[str, Any]] = []
     checkpoint = receiver.wait_for("checkpoint", WAIT_S, events)
-    for event in events:
-        print(f"    callback {event.get('event')} step={event.get('step')} status={event.get('status')}")
+    _said(events)
     if checkpoint.get("event") != "checkpoint":
         raise DemoError(f"expected a checkpoint, got {checkpoint.get('event')}: {checkpoint}")
     print(f"    preview: {json.dumps(checkpoint.get('preview'))[:600]}")
@@ -199,9 +212,18 @@ def _confirm_through_checkpoint(relay: Relay, receiver: CallbackReceiver, call_i
                          json={"action": "proceed"})
     print(f"    {call_id} is {resumed['status']}; result {json.dumps(resumed.get('result'))[:300]}")
     assistant(resumed.get("voice_response") or resumed.get("message"))
+    # the call's last event is posted after the answer above: the receiver stays up until it has come
+    after: list[dict[str, Any]] = []
+    receiver.wait_for("completed", WAIT_S, after)
+    _said(after)
     if receiver.bad_signatures:
         raise DemoError(f"{receiver.bad_signatures} callbacks had a bad signature")
     return _trail(relay, call_id)
+
+
+def _said(events: list[dict[str, Any]]) -> None:
+    for event in events:
+        print(f"    callback {event.get('event')} step={event.get('step')} status={event.get('status')}")
 
 
 def next_weekday(today: date | None = None) -> date:
@@ -288,7 +310,7 @@ def api_url(given: str | None) -> tuple[str, str]:
     recorded = recorded_run().get("api_url")
     if recorded:
         return recorded, f"the run recorded in {default_data_dir() / RUN_RECORD}"
-    return "http://127.0.0.1:8000", f"the default (no run recorded in {default_data_dir()})"
+    return "http://127.0.0.1:8000", f"the default; no run is recorded in {default_data_dir()}"
 
 
 def _local_secrets() -> dict[str, str]:
@@ -307,6 +329,12 @@ def _first_token(tokens: str) -> str | None:
         if entry:
             return entry.split(":", 1)[1] if ":" in entry else entry
     return None
+
+
+def _answers(url: str) -> None:
+    """Does anything answer at ``url``? (``/healthz``, which needs no token; any answer will do.) Raises
+    ``requests.ConnectionError`` or ``requests.Timeout`` when nothing does."""
+    requests.get(url.rstrip("/") + "/healthz", timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print("voice-tools demo: no API token (set VOICE_TOOLS_API_TOKENS or pass --token)", file=sys.stderr)
         return 2
     try:
+        _answers(url)  # before the conversation's first line: nothing running is said alone
         finals = play(url, token, secret, args.scenario)
     except requests.ConnectionError:
         print(f"\nvoice-tools demo failed: nothing answers at {url} (taken from {source}). "

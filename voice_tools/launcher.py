@@ -161,11 +161,25 @@ def _lock_data_dir(data_dir: Path) -> Any:
     return handle
 
 
+def _unlock_data_dir(data_dir: Path, handle: Any, made: bool) -> None:
+    """A run refused before it started anything leaves nothing behind: its ``run.lock`` removed (while
+    held, so no other run was let in on it), then the data dir if this run ``made`` it and it is empty."""
+    (data_dir / "run.lock").unlink(missing_ok=True)
+    handle.close()
+    _started.pop("_run_lock", None)
+    if made:
+        try:
+            data_dir.rmdir()
+        except OSError:  # something else is in it now: it stays
+            pass
+
+
 def run(procfile: str | None = None) -> int:
     """Start what is missing, migrate, run the Procfile; stop everything on a signal."""
     from voice_tools import procfile_run  # here: the other commands (voice-tools mcp, flower) need not honcho
 
     data_dir = default_data_dir()
+    made = not data_dir.exists()
     lock = _lock_data_dir(data_dir)
     if lock is None:
         _say(f"another voice-tools run is using {data_dir}; stop it first or set VOICE_TOOLS_DATA_DIR")
@@ -174,6 +188,7 @@ def run(procfile: str | None = None) -> int:
     if taken:
         for sentence in taken:
             _say(sentence)
+        _unlock_data_dir(data_dir, lock, made)
         _say("nothing was started")
         return 1
     signal.signal(signal.SIGTERM, _raise_stop)
@@ -330,12 +345,31 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
         lines.append(f"logs: one JSON line per event ({logs.FORMAT_VARIABLE}=text for plain lines)")
     else:
         lines.append(f"logs: plain lines ({logs.FORMAT_VARIABLE}=text)")
+    lines.append(tracing_line(env))
     if filled:
         lines.append(f"set for this local run (unset in the environment): {', '.join(filled)}")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         lines.append("running as root: Celery's superuser warning is silenced for this local run;"
                      " in production run the workers as an unprivileged user")
     return lines
+
+
+def tracing_line(env: dict[str, str]) -> str:
+    """The banner's line on tracing: off (and how to turn it on), on (where every process's spans go), or asked
+    for without its packages (then the processes run untraced: ``tasks.tracing.missing_line``)."""
+    from tasks import tracing
+
+    if not tracing.enabled(env):
+        if tracing.asked_by(env):
+            return "tracing off (OTEL_SDK_DISABLED=true)"
+        return "tracing off (OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318 sends every process's spans there)"
+    missing = tracing.missing_line(env)
+    if missing:
+        return missing
+    named = env.get("OTEL_SERVICE_NAME", "").strip()
+    services = f"service {named}" if named else "services voice-tools-api, voice-tools-worker, ..."
+    return (f"tracing on ({' and '.join(tracing.asked_by(env))}): every process's spans ({services}) go to "
+            f"{tracing.destination(env)}")
 
 
 def _never_used() -> bool:

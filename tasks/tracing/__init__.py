@@ -14,6 +14,10 @@ MCP face), and its hooks make the spans:
 - ``tasks.tracing.callbacks``: the span of a callback's POST, whose context it sends
   (``traceparent``, ``tracestate``).
 
+Asked for on an install without the ``tracing`` extra, a process runs untraced and says so in one line
+(:func:`missing_line`, the SDK's start). At its end a process exports the spans it still holds
+(``tasks.tracing.sdk.stop``, within a bound).
+
 This module is ground floor and imports nothing of ours; the hooks import OpenTelemetry only
 when they are called with tracing on. With tracing off, importing it also keeps redis-py from
 loading the SDK's metrics (:func:`keep_the_sdk_out`): gunicorn's config, the app factory, the Celery
@@ -53,6 +57,74 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     return any(env.get(name, "").strip() for name in ENDPOINT_VARIABLES)
+
+
+def asked_by(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The endpoint variables set (what asks for traces), in the order the SDK prefers them."""
+    env = os.environ if environ is None else environ
+    return [name for name in ENDPOINT_VARIABLES if env.get(name, "").strip()]
+
+
+def _protocol(env: Mapping[str, str]) -> str:
+    chosen = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    return (chosen or "http/protobuf").strip().lower()
+
+
+def destination(environ: Mapping[str, str] | None = None) -> str:
+    """Where the spans go: the traces endpoint as the SDK's exporter makes it (OTLP/HTTP: the base
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` with ``/v1/traces``; the full ``..._TRACES_ENDPOINT`` as it is;
+    gRPC: the endpoint as it is), with its protocol."""
+    env = os.environ if environ is None else environ
+    protocol = _protocol(env)
+    full, base = (env.get(name, "").strip() for name in ENDPOINT_VARIABLES)
+    where = full or (base if protocol == "grpc" else base.rstrip("/") + "/v1/traces")
+    return f"{where} (OTLP {protocol})"
+
+
+# what the SDK's start imports (the ``tracing`` extra of setup.cfg): (distribution, module, needed when)
+PACKAGES = (("opentelemetry-sdk", "opentelemetry.sdk", None),
+            ("opentelemetry-exporter-otlp-proto-http", "opentelemetry.exporter.otlp.proto.http", "http"),
+            ("opentelemetry-exporter-otlp-proto-grpc", "opentelemetry.exporter.otlp.proto.grpc", "grpc"),
+            ("opentelemetry-instrumentation-psycopg2", "opentelemetry.instrumentation.psycopg2", "psycopg2"),
+            ("opentelemetry-instrumentation-redis", "opentelemetry.instrumentation.redis", "redis"))
+
+
+def missing_packages(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``tracing`` extra's packages this process's tracing would import and cannot (looked for, not
+    imported): the SDK, the exporter of the protocol chosen, the instrumentations not left out
+    (``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``, as ``tasks.tracing.sdk`` reads it)."""
+    from importlib.util import find_spec
+
+    env = os.environ if environ is None else environ
+    protocol = "grpc" if _protocol(env) == "grpc" else "http"
+    left_out = {name.strip() for name in env.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
+    missing = []
+    for distribution, module, when in PACKAGES:
+        if when in ("http", "grpc") and when != protocol:
+            continue  # the other protocol's exporter
+        if when in ("psycopg2", "redis") and {when, "*"} & left_out:
+            continue  # an instrumentation left out
+        try:
+            found = find_spec(module) is not None
+        except (ImportError, ValueError):  # its parent package is not there either
+            found = False
+        if not found:
+            missing.append(distribution)
+    return missing
+
+
+def missing_line(environ: Mapping[str, str] | None = None) -> str | None:
+    """With traces asked for and the ``tracing`` extra not installed, the one line that says so (the
+    variable seen, the packages missing, the command that installs them): the process runs untraced.
+    None when tracing is off or can start."""
+    if not enabled(environ):
+        return None
+    missing = missing_packages(environ)
+    if not missing:
+        return None
+    return (f"tracing is asked for ({' and '.join(asked_by(environ))} set) but its packages are not installed "
+            f"({', '.join(missing)}): running untraced; install them with "
+            f"`{sys.executable} -m pip install 'voice-tools[tracing]'`, or unset the variable")
 
 
 def keep_the_sdk_out() -> None:

@@ -1,5 +1,5 @@
-"""The worker's and beat's side of a trace: tracing started as they start (before a pool forks), and
-the attempt a killed pool child lost.
+"""The worker's and beat's side of a trace: tracing started as they start (before a pool forks), its
+last spans exported as a pool child exits and at a warm stop, and the attempt a killed pool child lost.
 
 The span of each run is ``tasks.tracing.runs``'s.
 
@@ -26,6 +26,9 @@ def install(app: Any) -> None:
         return
     signals.worker_init.connect(_worker_started, weak=False)
     signals.beat_init.connect(_beat_started, weak=False)
+    # a pool child's last spans as it exits (os._exit: no atexit), the main process's at its warm stop
+    signals.worker_process_shutdown.connect(_stopping, weak=False)
+    signals.worker_shutdown.connect(_stopping, weak=False)
 
 
 def _worker_started(sender: Any = None, **_: Any) -> None:
@@ -42,6 +45,12 @@ def _beat_started(**_: Any) -> None:
     from tasks.tracing import sdk
 
     sdk.start("beat")
+
+
+def _stopping(**_: Any) -> None:
+    from tasks.tracing import sdk
+
+    sdk.stop()
 
 
 def _lost_attempt_request() -> type:
