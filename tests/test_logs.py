@@ -236,6 +236,13 @@ def test_text_format_for_humans(monkeypatch):
     assert json.loads(logs.formatter().format(record))["tool_call_id"] == "tc_abc"
 
 
+def test_each_json_line_names_the_release_that_wrote_it():
+    from models import release
+
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "hello", (), None)
+    assert json.loads(logs.JsonLines().format(record))["version"] == release.VERSION
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_mcp_call_runs_its_links_under_the_mcp_requests_id(anyio_backend, mcp_url, worker, relay):

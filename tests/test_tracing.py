@@ -28,6 +28,7 @@ import psutil
 import pytest
 import requests
 
+from models import release
 from support.procs import ROOT, free_port, stop_process
 from support.sse_client import Stream
 from support.worker_process import WorkerProcess, queues_taken_from_others
@@ -124,6 +125,7 @@ def test_a_call_is_one_trace_from_the_relays_request_to_its_callbacks(tmp_path, 
     assert {s.trace_id for s in spans} == {trace_id}, tree(spans)
     assert {s.service for s in spans} == {"voice-tools-api", "voice-tools-worker"}
     assert all(s.resource.get("deployment.environment") == "test" for s in spans)
+    assert {s.resource.get("service.version") for s in spans} == {release.VERSION}  # the release that made them
     by_id = {s.span_id: s for s in spans}
     # the server spans: pending's parent is the relay's span; confirm and resume, sent without a
     # traceparent on connections of their own, join the trace kept with the call
