@@ -2,7 +2,7 @@
 
 Every process of the Procfile (gunicorn, the Celery workers and beat, the MCP face)
 writes its log with :func:`formatter` and :class:`ContextFilter`: one JSON line per
-event with ``time``, ``level``, ``logger``, ``message``, ``pid`` and the context bound
+event with ``time``, ``level``, ``logger``, ``message``, ``pid``, ``version`` (the release) and the context bound
 at that moment: ``request_id`` (the HTTP request, or the request whose chain a task
 runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one; with tracing on, the trace's, and
 ``span_id``, the request's or the task's span: ``tasks/tracing/``), ``tool_call_id``,
