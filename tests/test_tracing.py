@@ -583,9 +583,11 @@ def test_a_link_run_just_before_a_warm_stop_reaches_the_collector(tmp_path, rece
 HIDDEN_PROBE = textwrap.dedent("""
     import sys
 
-    class NotInstalled:  # the wheel's plain install: no `tracing` extra, so no opentelemetry at all
+    EXTRA = ("opentelemetry.sdk", "opentelemetry.exporter", "opentelemetry.instrumentation")
+
+    class NotInstalled:  # the wheel's plain install: no `tracing` extra (the API comes with the MCP SDK)
         def find_spec(self, name, path=None, target=None):
-            if name == "opentelemetry" or name.startswith("opentelemetry."):
+            if any(name == package or name.startswith(package + ".") for package in EXTRA):
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
 
@@ -593,8 +595,15 @@ HIDDEN_PROBE = textwrap.dedent("""
     from app import create_app
 
     answer = create_app().test_client().get("/healthz")
+    from tasks.tracing import links, sdk  # a worker's and beat's start, and a stop: untraced, nothing more said
+    from app import mcp_server
     from voice_tools import launcher
     import os
+
+    links._worker_started(None)
+    links._beat_started()
+    sdk.stop()
+    assert mcp_server.tracing.started("mcp") is False
 
     print(launcher.tracing_line(dict(os.environ)))  # what `voice-tools run` says in its banner
     print("answered", answer.status_code)
@@ -602,9 +611,10 @@ HIDDEN_PROBE = textwrap.dedent("""
 
 
 def test_tracing_asked_for_without_its_packages_says_so_in_one_line_and_runs_untraced(receiver):
-    """OTEL_EXPORTER_OTLP_ENDPOINT set, the opentelemetry packages not importable: the web process starts and
+    """OTEL_EXPORTER_OTLP_ENDPOINT set, the tracing extra's packages not importable: the web process starts and
     answers, untraced, after one warning naming the variable, the packages missing and the command to install
-    them (the line `voice-tools run`'s banner says too); no traceback."""
+    them (the line `voice-tools run`'s banner says too), and a worker's, beat's and the MCP face's start say
+    nothing more; no traceback."""
     env = {**os.environ, **traced(receiver)}
     env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
     ran = subprocess.run([sys.executable, "-c", HIDDEN_PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
