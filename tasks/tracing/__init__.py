@@ -13,6 +13,8 @@ MCP face), and its hooks make the spans:
   killed pool child lost;
 - ``tasks.tracing.callbacks``: the span of a callback's POST, whose context it sends
   (``traceparent``, ``tracestate``).
+- ``tasks.tracing.headers``: the one propagator of the process: ``traceparent`` and a bounded
+  ``tracestate`` read and sent, ``baggage`` never; nothing a client sent logged by OpenTelemetry.
 
 This module is ground floor and imports nothing of ours; the hooks import OpenTelemetry only
 when they are called with tracing on. With tracing off, importing it also keeps redis-py from
