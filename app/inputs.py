@@ -53,14 +53,31 @@ def raw_body() -> bytes:
     return raw
 
 
+def utf8(raw: bytes) -> str:
+    """The body's text: UTF-8 alone (RFC 8259), as the MCP face reads it. A byte order mark, UTF-16 or
+    UTF-32 (which ``json.loads`` of bytes would guess) is a ``UnicodeDecodeError``: one reading of a body,
+    so a proxy or a signer sees the request that is run."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise UnicodeDecodeError("utf-8", raw, 0, 3, "a byte order mark")
+    nul = raw.find(b"\x00")  # never in JSON text; UTF-16 or UTF-32 without a BOM decodes as UTF-8 with them
+    if nul >= 0:
+        raise UnicodeDecodeError("utf-8", raw, nul, nul + 1, "a NUL byte (UTF-16 or UTF-32?)")
+    return raw.decode("utf-8")
+
+
 def body() -> dict[str, Any]:
-    """The body as a JSON object; an empty body is ``{}``. 400 for anything else (a key given twice
-    too, naming it), 413 if too large."""
+    """The body as a JSON object (UTF-8, :func:`utf8`); an empty body is ``{}``. 400 for anything else
+    (a key given twice too, naming it), 413 if too large."""
     raw = raw_body()
     if not raw.strip():
         return {}
     try:
-        data = json.loads(raw, parse_float=_finite, parse_constant=_no_constant,
+        text = utf8(raw)
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, "bad_json", "The body must be UTF-8, with no byte order mark.",
+                       {"reason": f"{exc.reason} at byte {exc.start}"}) from exc
+    try:
+        data = json.loads(text, parse_float=_finite, parse_constant=_no_constant,
                           object_pairs_hook=json_keys.unique_object)
     except json_keys.DuplicateKey as exc:
         raise json_keys.refused(exc) from exc

@@ -43,14 +43,15 @@ _LIMITED = {
                                 "schema": {"type": "integer", "minimum": 1}}},
 }
 
-# What every request string must match: no NUL nor other C0 control character but tab,
-# newline and carriage return (schemas.Strict refuses them anywhere in a request).
-TEXT_PATTERN = "^[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f]*$"
+# What every request string must match: no NUL nor other control character (C0 but tab, newline
+# and carriage return; DEL; C1) (schemas.Strict refuses them anywhere in a request).
+TEXT_PATTERN = "^[^\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f\\x7f-\\x9f]*$"
 
 RULES = (
     "What the schemas below cannot say: field names, and the strings inside free-form objects, follow the "
-    "rule every request string's pattern states (no NUL nor other control character but tab, newline and "
-    "carriage return); a callback URL holds no whitespace nor control or format character (Unicode's too; "
+    "rule every request string's pattern states (no NUL nor other control character, DEL and C1 too, but tab, "
+    "newline and carriage return); a body is UTF-8 with no byte order mark; a callback URL holds no whitespace "
+    "nor control or format character (Unicode's too; "
     "percent-encode them) and its host must be in the server's VOICE_TOOLS_CALLBACK_HOSTS "
     "(configuration: a URL the schema allows may be refused with 422); a JSON object that gives a key twice is "
     "400 bad_json naming it; `parameters` of /voice-tools/modify "

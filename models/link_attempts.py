@@ -6,8 +6,10 @@ worker's clock), how long it took up to the statement that records it, ``done``,
 statement appends it (its step's record, its retry's count, its failure: no statement is added),
 and only the latest :data:`KEPT` are kept, so the column stays small however often a step is retried.
 
-The message is cut to :data:`REASON_CHARS` and stripped of what a URL may carry (credentials,
-a query string): a reason says why, never with what.
+A reason says why, never with what: the product's own errors (a tool's, a backend's, whose text is
+made of the call's parameters and what they found) give their class alone; another library's its
+message's first line, cut to :data:`REASON_CHARS` and stripped of what a URL may carry (credentials,
+a query string).
 """
 from __future__ import annotations
 
@@ -25,9 +27,18 @@ DONE, RETRIED, FAILED = "done", "retried", "failed"
 _URL_SECRETS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/\s@]*@|(?P<query>\?[^\s#]*)", re.IGNORECASE)
 
 
+# The product's own errors (a tool's, a backend's): their text is a sentence for the person, made of the
+# call's parameters and of the data they found (a meeting's title): never a reason's
+_SPOKEN = ("tasks.", "voice_tools.")
+
+
 def reason_of(error: BaseException) -> str:
-    """``<class>: <message>``, short, without a URL's credentials or query string."""
-    message = _URL_SECRETS.sub(lambda m: m.group("scheme") or "?…", " ".join(str(error).split()))
+    """``<class>: <message>``, short: why, never with what. The product's own errors (:data:`_SPOKEN`) say
+    their class alone; another library's, the first line of its message (a database error's ``DETAIL``,
+    with a row's values, is on the next), without a URL's credentials or query string."""
+    spoken = type(error).__module__.startswith(_SPOKEN)
+    first = "" if spoken else (str(error).strip().splitlines() or [""])[0]
+    message = _URL_SECRETS.sub(lambda m: m.group("scheme") or "?…", " ".join(first.split()))
     text = f"{type(error).__name__}: {message}" if message else type(error).__name__
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
 

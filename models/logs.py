@@ -9,7 +9,9 @@ runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one; with tracing o
 ``session_id``, and in a worker ``task_id``, ``task`` and ``step``. ``grep tc_...``
 over every process's log then follows one call end to end.
 ``VOICE_TOOLS_LOG_FORMAT=text`` switches to one human line per event, the context at
-its end.
+its end. In both formats a control character (C0, DEL, C1) is never written raw: JSON escapes it,
+text writes it ``\\xNN``, so what a client sent can neither forge a line nor reach a terminal as an
+escape sequence.
 
 The context lives in a :class:`contextvars.ContextVar`: the API binds it per request
 (``app.request_log``), a worker per task (``tasks.worker.log_context``, Celery's signals),
@@ -116,7 +118,23 @@ class ContextFilter(logging.Filter):
 _NOT_FIELDS = (*RESERVED_ATTRS, "color_message")
 
 
+# The control characters (Unicode Cc: C0, DEL, C1): never raw in a line, in any format.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_CONTROL_BUT_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+def _escape(found: re.Match) -> str:
+    return "\\x%02x" % ord(found.group())
+
+
+def escaped(text: str, newlines: bool = False) -> str:
+    """``text`` with each control character written ``\\xNN`` (a newline too, unless ``newlines``)."""
+    return (_CONTROL_BUT_NEWLINE if newlines else _CONTROL).sub(_escape, text)
+
+
 class JsonLines(JsonFormatter):
+    """One JSON object a line: every control character is a JSON escape (``\\u009b``), DEL too."""
+
     def __init__(self) -> None:
         super().__init__(
             "%(levelname)s %(name)s %(message)s %(process)d",
@@ -126,17 +144,29 @@ class JsonLines(JsonFormatter):
             timestamp="time",
         )
 
+    def jsonify_log_record(self, log_data: Any) -> str:
+        # ensure_ascii escapes C0 and C1 (and all non-ASCII); DEL is ASCII, escaped here
+        return super().jsonify_log_record(log_data).replace("\x7f", "\\u007f")
+
 
 class TextLines(logging.Formatter):
-    """``time level logger: message [field=value ...]``."""
+    """``time level logger: message [field=value ...]``, then a traceback's lines if any. Every control
+    character of the message, the fields and the traceback is written ``\\xNN`` (a traceback keeps its
+    own line ends), so a line is one line and a terminal shown it runs no escape sequence."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
         context = " ".join(f"{key}={record.__dict__[key]}" for key in FIELDS if record.__dict__.get(key))
-        return f"{line} [{context}]" if context else line
+        return escaped(f"{line} [{context}]" if context else line)
+
+    def formatException(self, ei: Any) -> str:
+        return escaped(super().formatException(ei), newlines=True)
+
+    def formatStack(self, stack_info: str) -> str:
+        return escaped(super().formatStack(stack_info), newlines=True)
 
 
 def log_format(environ: Any = None) -> str:

@@ -1,6 +1,8 @@
 """Every error class answers JSON {error, message, details} and leaves the database as it was."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from models import db, lifecycle
@@ -38,6 +40,18 @@ def test_bad_json_is_400(client, existing, data):
     _, before = existing
     body = assert_error(client.post("/voice-tools/pending", headers=AUTH, data=data), 400, "bad_json")
     assert body["message"]
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_body_is_utf8_alone_without_a_byte_order_mark(client, existing, encoding):
+    """One reading of a body: UTF-8, no BOM (as MCP's). A UTF-16 or UTF-32 body, or one with a BOM, is 400."""
+    _, before = existing
+    data = json.dumps(BODY).encode(encoding)
+    for path in ("/voice-tools/pending", "/voice-tools/execute"):
+        body = assert_error(client.post(path, headers={**AUTH, "Content-Type": "application/json"}, data=data),
+                            400, "bad_json")
+        assert "UTF-8" in body["message"], body
     assert snapshot() == before
 
 
@@ -301,6 +315,10 @@ def test_unknown_tool_lists_the_known_ones(client, existing):
     ({"parameters": {**GUIDE_EMAIL, "bcc": "x@example.com"}}, "parameters"),
     ({"parameters": {**GUIDE_EMAIL, "body": "hello\x00world"}}, "parameters"),
     ({"parameters": {**GUIDE_EMAIL, "body": "bell\x07"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "subject": "delete\x7f"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "subject": "next line\x85"}}, "parameters"),
+    ({"parameters": {**GUIDE_EMAIL, "subject": "csi\x9b31m"}}, "parameters"),
+    ({"session_id": "ok\x80"}, "session_id"),
     ({"parameters": {**GUIDE_EMAIL, "body": "lone \ud800 surrogate"}}, "parameters"),
     ({"parameters": {**GUIDE_EMAIL, "cc": ["a@example.com", "b\x1b@example.com"]}}, "parameters"),
     ({"parameters": {**GUIDE_EMAIL, "reference_context": "last_query_results"}}, "parameters"),
@@ -423,6 +441,9 @@ def test_invalid_modify_is_422_and_changes_nothing(client, existing, patch, fiel
     ("post", "/voice-tools/resume/{id}", {"json": {"action": "jump"}}, "action"),
     ("post", "/voice-tools/resume/{id}", {"json": {}}, "action"),
     ("delete", "/voice-tools/cancel/{id}", {"json": {"reason": "x\x00"}}, "reason"),
+    ("delete", "/voice-tools/cancel/{id}?reason=a%C2%9B", {}, "reason"),
+    ("delete", "/voice-tools/cancel/{id}?reason=a%7F", {}, "reason"),
+    ("delete", "/voice-tools/cancel/{id}", {"json": {"reason": "x\x9f"}}, "reason"),
     ("delete", "/voice-tools/cancel/{id}", {"json": {"why": "x"}}, "why"),
     ("get", "/voice-tools/context/test_123?limit=0", {}, "limit"),
     ("get", "/voice-tools/context/test_123?limit=101", {}, "limit"),

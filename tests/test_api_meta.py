@@ -106,7 +106,8 @@ def test_openapi_states_the_rules_the_server_enforces(client):
     assert wait["schema"]["minimum"] == 0 and wait["schema"]["exclusiveMinimum"] is True  # ?wait=0 is 422
     # every request string: no control characters (what schemas.Strict refuses)
     text = re.compile(TEXT_PATTERN)
-    assert text.search("Hello\tthere\n") and not text.search("a\x00b") and not text.search("a\x1fb")
+    assert text.search("Hello\tthere\n") and not text.search("a\x00b") and not text.search("a\x1fb") \
+        and not text.search("a\x7fb") and not text.search("a\x85b") and not text.search("a\x9fb")
     assert schemas["SendEmailParameters"]["properties"]["subject"]["pattern"] == TEXT_PATTERN
     assert schemas["CancelRequest"]["properties"]["reason"]["pattern"] == TEXT_PATTERN
     module = schemas["KnowledgeCheckParameters"]["properties"]["module"]

@@ -220,6 +220,30 @@ def test_show_prints_both_histories_step_outputs_and_every_callback_attempt(clie
     assert len(attempt_lines) == len(sent) and all(" 200 " in line for line in attempt_lines)
 
 
+CONTROLS = "".join(chr(c) for c in (*range(0x00, 0x20), 0x7f, *range(0x80, 0xa0)))  # C0, DEL, C1
+
+
+def test_a_stored_control_character_is_printed_escaped_by_show_list_and_cancel(client):
+    """A row stored before the input rules held DEL and C1 (or written by another tool): the operator's
+    terminal is shown each control character escaped, never raw, in tables and in JSON (read back whole)."""
+    text = f"a{CONTROLS[1:]}\x1b[31mred"  # PostgreSQL stores no NUL
+    call = make_call(session_id="sess_controls", parameters={"to": "john@example.com", "subject": "x"})
+    with db.session() as s:
+        s.execute(update(ToolCall).where(ToolCall.tool_call_id == call.tool_call_id).values(
+            parameters={"to": "john@example.com", "subject": text}, voice_response=text, error_message=text))
+    for args in (("calls", "show", call.tool_call_id), ("calls", "list", "--session", "sess_controls"),
+                 ("calls", "show", call.tool_call_id, "--json"), ("calls", "list", "--session", "sess_controls", "--json")):
+        printed = cli(*args)
+        assert printed.exit_code == 0, printed.output
+        raw = [c for c in printed.output if c in CONTROLS and c != "\n"]
+        assert not raw, (args, sorted(set(raw)), printed.output[:2000])
+    shown = cli_json("calls", "show", call.tool_call_id)
+    assert shown["parameters"]["subject"] == text and shown["voice_response"] == text  # JSON escapes, the same text
+    cancelled = cli("calls", "cancel", call.tool_call_id, "--reason", "stop")
+    assert cancelled.exit_code == 0 and not [c for c in cancelled.output if c in CONTROLS and c != "\n"], \
+        cancelled.output
+
+
 def test_show_of_an_unknown_call_exits_3(client):
     missing = cli("calls", "show", "tc_000000000000")
     assert missing.exit_code == 3 and "No tool call tc_000000000000." in missing.stderr

@@ -245,6 +245,68 @@ def test_the_live_list_is_told_of_a_new_call_and_of_each_change_only_what_its_ca
         ops_live.close()
 
 
+class StreamReads:
+    """The statements the process's stream readers run (the live lists' reads of changed rows), counted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> "StreamReads":
+        from sqlalchemy import event
+
+        event.listen(db.engine(), "before_cursor_execute", self._seen)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        from sqlalchemy import event
+
+        event.remove(db.engine(), "before_cursor_execute", self._seen)
+
+    def _seen(self, conn, cursor, statement, *_: object) -> None:
+        if threading.current_thread().name.startswith("voice-tools-stream-read") and "tool_calls" in statement:
+            self.count += 1
+
+
+LISTS = 12
+
+
+def test_live_lists_cost_one_read_per_batch_of_changes_whatever_their_number_and_none_for_others_calls(
+        api_url, monkeypatch):
+    """Twelve live lists of bob's: another caller's changes wake none of them, and the changed rows are read
+    once per batch for them all (a new call of an unknown caller), never once per list; bob's own change reaches
+    every one of his lists from that one read."""
+    from app.console import live as live_module
+
+    monkeypatch.setattr(live_module, "KEEPALIVE_S", 1.0)  # a closed list's stream ends at its next write
+    lists = [Frames(f"{api_url}/console/api/live", BOB) for _ in range(LISTS)]
+    try:
+        for live in lists:
+            assert live.next(5.0) == ("reread", {})
+        ours = []
+        with StreamReads() as reads:
+            for i in range(4):  # another caller's: a new call, then its change, each its own batch
+                ours.append(requests.post(f"{api_url}/voice-tools/pending", headers=AUTH, timeout=10, json={
+                    "session_id": f"sess_other_{i}", "function": "send_email", "parameters": GUIDE_EMAIL}
+                ).json()["tool_call_id"])
+                time.sleep(0.4)
+                requests.delete(f"{api_url}/voice-tools/cancel/{ours[-1]}", headers=AUTH, timeout=10)
+                time.sleep(0.4)
+            others = reads.count
+            bobs = requests.post(f"{api_url}/voice-tools/pending", headers=BOB, timeout=10, json={
+                "session_id": "sess_bob", "function": "send_email", "parameters": GUIDE_EMAIL}).json()["tool_call_id"]
+            for live in lists:
+                live.until(names(bobs, "PENDING"), 3.0,
+                           lambda data: [c for c in data if c["caller"] != "bob"] == [] or pytest.fail(str(data)))
+            mine = reads.count - others
+        assert others <= 4, f"{others} reads for another caller's 8 changes beside {LISTS} lists"  # one per new call
+        assert mine <= 2, f"{mine} reads for one change shown on {LISTS} lists"
+        for live in lists:  # told of nothing of the other caller's
+            assert live.queue.empty() or all(kind != "calls" for kind, _ in list(live.queue.queue)), live.queue.queue
+    finally:
+        for live in lists:
+            live.close()
+
+
 def test_a_redelivery_is_refused_where_the_record_does_not_offer_it(client):
     ours = record(client)
     client.delete(f"/voice-tools/cancel/{ours}", headers=AUTH)  # a cancelled event with no URL: nothing to send

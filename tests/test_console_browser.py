@@ -209,6 +209,36 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     assert page.execute_script("return sessionStorage.length") == 0
 
 
+BIDI = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+DRAWN_AT = """
+const walker = document.createTreeWalker(document.getElementById(arguments[0]), NodeFilter.SHOW_TEXT);
+for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+  const i = n.data.indexOf(arguments[1]);
+  if (i < 0) continue;
+  const at = (k) => { const r = document.createRange(); r.setStart(n, k); r.setEnd(n, k + 1); return r.getBoundingClientRect().left; };
+  return [at(i), at(i + arguments[1].length - 1)];
+}
+return null;"""
+
+
+def test_bidi_controls_a_relay_sent_are_shown_never_applied(page, origin, tmp_path):
+    """A subject RIGHT-TO-LEFT OVERRIDE + ``txt.exe`` + POP is drawn in the order it was written, each control
+    shown as what it is; the page holds none of them (Parameters, the changes, the sentence, the error)."""
+    tool_call_id = record(origin, parameters={**GUIDE_EMAIL, "subject": "\u202etxt.exe\u202c"})
+    changed = requests.patch(f"{origin}/voice-tools/modify/{tool_call_id}", headers=AUTH, timeout=10,
+                             json={"parameters": {"body": "\u2067gpj.\u2069\u202dfdp.\u202a\u202b\u202c"}})
+    assert changed.status_code == 200, changed.text
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{tool_call_id}")
+    until(page, lambda d: "txt.exe" in d.find_element(By.ID, "call-parameters").get_attribute("textContent"),
+          what="the parameters")
+    first, last = page.execute_script(DRAWN_AT, "call-parameters", "txt.exe")
+    assert first < last, (first, last)  # the "t" left of the last "e": not reversed
+    shown = page.execute_script("return document.querySelector('main').textContent")
+    assert not [c for c in shown if c in BIDI], [hex(ord(c)) for c in shown if c in BIDI]
+    assert "U+202E" in page.find_element(By.ID, "call-parameters").text  # shown, as what it is
+    screenshot(page, tmp_path, "bidi")
+
+
 def test_a_status_changes_in_the_list_without_a_reload(page, origin):
     sign_in(page, origin, API_TOKEN)
     tool_call_id = record(origin)
@@ -338,7 +368,7 @@ def test_a_link_retried_once_shows_both_its_runs_and_why_on_the_call_page(page, 
     until(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#call-links tbody tr.run")) == 2, what="two runs")
     runs = [[cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
             for row in page.find_elements(By.CSS_SELECTOR, "#call-links tbody tr")]
-    assert [(r[0], r[3], r[4]) for r in runs] == [("FETCH", "retried", "TransientError: HTTP 503 from the service"),
+    assert [(r[0], r[3], r[4]) for r in runs] == [("FETCH", "retried", "TransientError"),  # a tool's own text: never
                                                   ("FETCH", "done", "")]
     assert all(r[1] and r[2].endswith(" ms") for r in runs)  # when each began, how long it took
     assert runs[0][1] < runs[1][1]

@@ -23,3 +23,18 @@ def test_a_reason_is_short_and_carries_no_credentials_or_query():
     assert said == "ConnectionError: POST https://api.example/v1/send?… failed"
     assert len(link_attempts.reason_of(ValueError("x" * 500))) == link_attempts.REASON_CHARS
     assert link_attempts.reason_of(KeyError()) == "KeyError"
+
+
+def test_a_reason_never_holds_what_the_tool_said_of_its_parameters():
+    """A tool's or a backend's own error is a sentence for the person, made of the call's parameters and the
+    data they found: its reason is its class alone. Another library's keeps its first line (a database
+    error's DETAIL, with the row's values, is on the next)."""
+    from tasks.tools import PermanentError, TransientError
+    from voice_tools.backends import Refused, Unavailable
+
+    for error in (PermanentError("you already have Secret-769f015f then"), TransientError("Secret-1 is busy"),
+                  Refused("Google Tasks refused it (Secret-2)"), Unavailable("Gmail rate limit: Secret-3")):
+        assert link_attempts.reason_of(error) == type(error).__name__, error
+    said = link_attempts.reason_of(ValueError('duplicate key value violates unique constraint "uq"\n'
+                                              'DETAIL:  Key (title)=(Secret-4) already exists.'))
+    assert said == 'ValueError: duplicate key value violates unique constraint "uq"'

@@ -243,6 +243,35 @@ def test_each_json_line_names_the_release_that_wrote_it():
     assert json.loads(logs.JsonLines().format(record))["version"] == release.VERSION
 
 
+CONTROLS = "".join(chr(c) for c in (*range(0x00, 0x20), 0x7f, *range(0x80, 0xa0)))  # C0, DEL, C1
+
+
+@pytest.mark.parametrize("chosen", ["text", "json"])
+def test_every_line_escapes_control_characters_in_every_format(monkeypatch, chosen):
+    """A control character (C0, DEL, C1) in a message, an argument, a context field or an exception's text
+    never reaches the line raw: a terminal shown the log runs no escape sequence, and a newline forges no line."""
+    monkeypatch.setenv(logs.FORMAT_VARIABLE, chosen)
+    try:
+        raise ValueError(f"boom{CONTROLS}")
+    except ValueError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("x\x9b", logging.WARNING, __file__, 1, f"sent %s{CONTROLS}", (f"\x1b[31m{CONTROLS}",),
+                               exc_info)
+    with logs.bound(tool_call_id=f"tc_{CONTROLS}", session_id="sess\u009b"):
+        logs.ContextFilter().filter(record)
+    line = logs.formatter().format(record)
+    if chosen == "text":  # a traceback keeps its own line ends, and nothing else
+        assert [c for c in line if c in CONTROLS] == ["\n"] * line.count("\n") and line.count("\n") >= 3, line
+        head = line.split("\n", 1)[0]
+        assert "\\x1b[31m" in head and "\\x9b" in head and "tool_call_id=tc_\\x00" in head, head
+        assert "\\x7f\\x80" in line.rsplit("\n", 1)[1], line  # the exception's own text
+    else:
+        assert "\n" not in line and not [c for c in line if c in CONTROLS], repr(line)
+        found = json.loads(line)  # the same text, read back
+        assert found["message"] == f"sent \x1b[31m{CONTROLS}{CONTROLS}" and found["tool_call_id"] == f"tc_{CONTROLS}"
+        assert found["exc_info"].endswith(f"boom{CONTROLS}")
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_mcp_call_runs_its_links_under_the_mcp_requests_id(anyio_backend, mcp_url, worker, relay):

@@ -348,6 +348,19 @@ async def test_a_callback_url_with_a_line_break_or_a_space_is_refused_over_mcp_a
     assert snapshot() == before
 
 
+async def test_del_and_c1_controls_are_refused_over_mcp_as_over_rest(mcp_url, client):
+    """DEL (U+007F) and the C1 controls (U+0080-U+009F) are control characters: 422 on both doors."""
+    before = snapshot()
+    async with connected(mcp_url) as mcp:
+        for text in ("a\x7f", "a\x85", "a\x9b31m"):
+            arguments = {"session_id": "s", "function": "send_email", "parameters": {**GUIDE_EMAIL, "subject": text}}
+            for name in ("request_tool", "execute_tool"):
+                refused = await error(mcp, name, arguments)
+                assert refused["error"] == "validation_error" and "parameters" in refused["details"]["fields"], refused
+            assert refused == client.post("/voice-tools/pending", headers=MCP_AUTH, json=arguments).get_json()
+    assert snapshot() == before
+
+
 async def test_a_key_given_twice_in_an_mcp_request_is_400_naming_it(mcp_url):
     """The JSON-RPC message is read once at the door with every key kept: a key given twice, in the
     envelope or in the arguments, is refused before the SDK (which keeps the last) reads it."""

@@ -646,3 +646,102 @@ def test_the_packages_said_missing_are_those_this_process_would_import(monkeypat
     assert tracing.missing_packages({**asked, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "psycopg2"}) == []
     assert tracing.missing_packages({**asked, "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "*"}) == []
     assert tracing.missing_line({}) is None and tracing.missing_line(asked) is not None
+
+
+def raw_request(port: int, head: bytes) -> bytes:
+    """One request's head sent on a connection of its own; the start of its answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+        conn.sendall(head)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer[:12]
+
+
+def test_no_text_a_client_sent_reaches_the_log_through_tracing(tmp_path, receiver):
+    """The trace headers a client sends, unauthenticated, oversized or invalid, on REST and MCP: none of their
+    text reaches a log line (text format), OpenTelemetry's propagators' lines are bounded and say only that a
+    header was refused, and a C1 control byte sent never reaches the log file raw."""
+    env = {**traced(receiver), "VOICE_TOOLS_LOG_FORMAT": "text"}
+    log = tmp_path / "web.log"
+    with gunicorn_web(log_to=log, **env) as url, \
+            mcp_face({**os.environ, **env, "VOICE_TOOLS_TEST_LOG_DIR": str(tmp_path)}) as mcp:
+        port, mcp_port = int(url.rsplit(":", 1)[1]), int(mcp.split(":")[2].split("/")[0])
+        start = b"GET /voice-tools/tools HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        before = log.stat().st_size
+        flood = start + b"baggage: k=" + b"A" * 8170 + b"\r\n" + b"baggage: k=" + b"B" * 8170 + b"\r\n" * 2
+        invalid = (start + b"baggage: " + b",".join(b"%d=bad value" % i for i in range(170)) + b"\r\ntracestate: "
+                   + b"Z" * 8000 + b"==\r\n\r\n")
+        c1 = (start + b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+              b"tracestate: \x9b31mRED\x9b0m==,ok=\x9bSTATE\r\n\r\n")
+        answers = {raw_request(port, head) for head in (flood, invalid, c1) for _ in range(5)}
+        assert answers == {b"HTTP/1.1 401"}, answers  # no token: refused, and nothing of them written
+        mcp_answer = raw_request(mcp_port, b"POST /mcp HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n"
+                                           b"baggage: k=" + b"M" * 9000 + b",bad entry\r\ntracestate: "
+                                           + b"Y" * 600 + b"\r\n\r\n{}")
+        assert mcp_answer.startswith(b"HTTP/1.1 "), mcp_answer
+        time.sleep(1.0)
+        written = log.read_bytes()[before:]
+        mcp_written = (tmp_path / "mcp.log").read_bytes()
+    for text in (written, mcp_written):
+        for sent in (b"AAAAAAAAAA", b"BBBBBBBBBB", b"bad value", b"ZZZZZZZZZZ", b"RED", b"STATE", b"MMMMMMMMMM",
+                     b"bad entry", b"YYYYYYYYYY"):
+            assert sent not in text, (sent, text[-3000:])
+        assert bytes([0xC2, 0x9B]) not in text and b"\x9b" not in text
+        assert text.count(b"Invalid baggage") == text.count(b"tracestate header") == 0, text[-3000:]
+        assert text.count(b"a trace header was refused") <= 2, text[-3000:]  # bounded: at most one a minute per logger
+    assert len(written) < 20_000, written[-3000:]  # 15 requests' access lines, no more
+
+
+def test_a_callback_sends_only_the_trace_context_bounded(tmp_path, relay, receiver):
+    """A relay's ``baggage`` goes to no callback; its ``tracestate`` is bounded as the W3C says (32 members,
+    512 bytes: what does not fit is dropped from the end), on every callback of the call."""
+    env = traced(receiver)
+    members = [f"vendor{i:02d}=value{i:02d}{'x' * 20}" for i in range(40)]  # 40 members, 1,300 bytes
+    read_queue = "tools.search_contacts"
+    with queues_taken_from_others(app, [read_queue, "callbacks"]), gunicorn_web(**env) as url, \
+            WorkerProcess(app, [read_queue, "callbacks"], concurrency=1, log_dir=tmp_path, name="bounded", env=env):
+        trace_id, traceparent = relay_traceparent()
+        headers = {**AUTH, "Connection": "close", "traceparent": traceparent, "tracestate": ",".join(members),
+                   "baggage": "user.secret=hunter2,tenant=" + "t" * 2000}
+        created = requests.post(f"{url}/voice-tools/execute", headers=headers, timeout=30, json={
+            "session_id": "sess_bounded", "function": "search_contacts", "callback_url": f"{relay.base}/hook",
+            "parameters": {"query": "john"}})
+        assert created.status_code in (200, 201, 202), created.text
+        call_id = created.json()["tool_call_id"]
+        relay.wait_for(call_id, "completed", timeout=60)
+    sent = [{k.lower(): v for k, v in h.items()} for h, e in zip(relay.headers, relay.events)
+            if e["tool_call_id"] == call_id]
+    assert sent and all(h["traceparent"].split("-")[1] == trace_id for h in sent), sent
+    assert not [h for h in sent if "baggage" in h], sent
+    for h in sent:
+        state = h["tracestate"]
+        assert len(state.encode()) <= 512 and len(state.split(",")) <= 32, state
+        fit = max(n for n in range(33) if len(",".join(members[:n])) <= 512)  # 13 of them
+        assert state.split(",") == members[:fit], state  # the first members, whole
+
+
+def test_the_propagator_reads_and_sends_only_a_bounded_trace_context():
+    """``tasks.tracing.headers``: the W3C limits applied as a tracestate is read, baggage never read."""
+    from opentelemetry import baggage, trace
+
+    from tasks.tracing.headers import TraceContextOnly, bounded
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    propagator = TraceContextOnly()
+    read = propagator.extract({"traceparent": parent, "baggage": "k=v", "tracestate": "a=1,BAD,b=2,a=3," + "c=" + "x" * 200
+                               + ",d=\x9b," + ",".join(f"m{i}=vvvvvvvv" for i in range(40))})  # over 512 bytes
+    assert baggage.get_all(read) == {}
+    state = trace.get_current_span(read).get_span_context().trace_state
+    assert list(state.keys())[:3] == ["a", "b", "m0"] and len(state) == 32  # the invalid, the duplicate, the long: gone
+    carrier: dict[str, str] = {}
+    propagator.inject(carrier, context=read)
+    assert set(carrier) == {"traceparent", "tracestate"} and carrier["traceparent"] == parent
+    assert len(bounded([f"k{i}=" + "v" * 250 for i in range(3)])) == 0 and len(bounded([f"k{i}=" + "v" * 100 for i in range(9)])) == 4
+    nothing = propagator.extract({"traceparent": "00-" + "0" * 32 + "-b7ad6b7169203331-01", "tracestate": "a=1"})
+    assert not trace.get_current_span(nothing).get_span_context().is_valid

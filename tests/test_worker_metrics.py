@@ -258,7 +258,7 @@ def test_the_consoles_step_figures_and_link_runs_are_the_runs_metrics_exports(me
     assert status == 200
     runs = shown["attempts"]
     assert [(r["step"], r["outcome"], r["reason"]) for r in runs] == [
-        ("TRY", "retried", "TransientError: the service is busy this once"), ("TRY", "done", None)]
+        ("TRY", "retried", "TransientError"), ("TRY", "done", None)]  # its class: a tool's text never
     assert runs[0]["started_at"] < runs[1]["started_at"] and all(r["took_ms"] > 0 for r in runs)
 
     figures, status = browse.tool_figures(Caller("ops", admin=True))

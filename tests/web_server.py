@@ -23,9 +23,9 @@ def web_command(procfile: str = "Procfile") -> str:
 
 
 @contextmanager
-def gunicorn_web(procfile: str = "Procfile", **extra: str) -> Iterator[str]:
+def gunicorn_web(procfile: str = "Procfile", log_to: Path | None = None, **extra: str) -> Iterator[str]:
     """Run the web line of ``procfile`` as honcho does (``sh -c``), this run's DATABASE_URL and REDIS_URL
-    in its environment; yield its base URL once ``/healthz`` answers."""
+    in its environment; yield its base URL once ``/healthz`` answers. Its output goes to ``log_to`` if given."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="voice-tools-web-") as scratch:
         metrics_dir = Path(scratch) / "prometheus"
@@ -33,20 +33,21 @@ def gunicorn_web(procfile: str = "Procfile", **extra: str) -> Iterator[str]:
         env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "WEB_CONCURRENCY": "1",
                "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "PYTHONPATH": str(ROOT),
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
-        log = open(Path(scratch) / "web.log", "wb")
+        log_to = log_to or Path(scratch) / "web.log"
+        log = open(log_to, "wb")
         proc = subprocess.Popen(["sh", "-c", f"exec {web_command(procfile)}"], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
             while True:
-                assert proc.poll() is None, (Path(scratch) / "web.log").read_text(errors="replace")
+                assert proc.poll() is None, log_to.read_text(errors="replace")
                 try:
                     if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
                         break
                 except requests.RequestException:
                     pass
-                assert time.monotonic() < deadline, (Path(scratch) / "web.log").read_text(errors="replace")
+                assert time.monotonic() < deadline, log_to.read_text(errors="replace")
                 time.sleep(0.2)
             yield url
         finally:

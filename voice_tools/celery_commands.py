@@ -19,7 +19,7 @@ Celery's CLI before the app, this module also makes every other command of ``cel
 
 Exit status: 0 done, 1 refused (``too_late``, ``already_terminal``: the API's 409),
 2 bad usage or input, 3 no such call (the API's 404), 4 no database (unreachable or not
-migrated).
+migrated). A control character in what they print (a stored value's) is written ``\\u00NN``, never raw.
 """
 from __future__ import annotations
 
@@ -165,10 +165,10 @@ def _connect(ctx: click.Context, broker: bool = False) -> None:
     try:
         ready = admin.tables_ready()
     except OperationalError as exc:
-        click.echo(f"Error: cannot reach the database: {str(exc.orig).strip()}", err=True)
+        _echo(f"Error: cannot reach the database: {str(exc.orig).strip()}", err=True)
         raise SystemExit(EXIT_UNAVAILABLE) from None
     if not ready:
-        click.echo("Error: this database has no voice-tools tables: run `voice-tools migrate` "
+        _echo("Error: this database has no voice-tools tables: run `voice-tools migrate` "
                    "(or `voice-tools run`) first.", err=True)
         raise SystemExit(EXIT_UNAVAILABLE)
 
@@ -185,14 +185,31 @@ def _check(schema: Any, data: dict[str, Any]) -> dict[str, Any]:
         raise click.UsageError(fields) from None
 
 
+# What a terminal is never sent raw: a control character (C0 but the line end, DEL, C1), stored or not
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with each control character but the line end written ``\\u00NN`` (a JSON escape too, so a
+    ``--json`` output reads back the same)."""
+    return _CONTROL.sub(lambda found: "\\u%04x" % ord(found.group()), text)
+
+
+def _echo(message: Any = "", **kwargs: Any) -> None:
+    """Every line these commands print: :func:`_escaped`, so a stored value sends the operator's terminal
+    no escape sequence."""
+    click.echo(_escaped(str(message)), **kwargs)
+
+
 def _table(rows: list[list[Any]], headers: list[str]) -> str:
     from tabulate import tabulate
 
-    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True, missingval="-")
+    cells = [[cell.replace("\n", "\\n") if isinstance(cell, str) else cell for cell in row] for row in rows]
+    return tabulate(cells, headers=headers, tablefmt="simple", disable_numparse=True, missingval="-")
 
 
 def _json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
+    _echo(json.dumps(data, indent=2, default=str, ensure_ascii=False))
 
 
 def _when(moment: datetime | None) -> str | None:
@@ -243,18 +260,18 @@ def list_(ctx: click.Context, statuses: tuple[str, ...], session_id: str | None,
     if as_json:
         _json([_record(call) for call in found])
         if note:
-            click.echo(note, err=True)  # stdout stays the JSON list
+            _echo(note, err=True)  # stdout stays the JSON list
         return
     if not found:
-        click.echo("No calls match.")
+        _echo("No calls match.")
         return
-    click.echo(_table(
+    _echo(_table(
         [[c.tool_call_id, c.function_name, c.status, c.outcome, c.current_step, c.session_id, _when(c.created_at),
           c.execution_time_ms, c.caller] for c in found],
         ["ID", "TOOL", "STATUS", "OUTCOME", "STEP", "SESSION", "CREATED (UTC)", "MS", "CALLER"],
     ))
     if note:
-        click.echo(f"\n{note}")
+        _echo(f"\n{note}")
 
 
 @calls.command("show")
@@ -299,7 +316,7 @@ def _delivery(d: Any) -> dict[str, Any]:
 
 
 def _show(call: Any, sent: list[Any]) -> None:
-    echo = click.echo
+    echo = _echo
     echo(_table([
         ["tool_call_id", call.tool_call_id], ["tool", f"{call.function_name} ({call.action_level})"],
         ["status", call.status], ["outcome", call.outcome], ["step", call.current_step], ["progress", f"{call.progress:.0%}"],
@@ -350,7 +367,7 @@ def _not_found(tool_call_id: str, as_json: bool) -> None:
     if as_json:
         _json(body)
     else:
-        click.echo(f"Error: {body['message']}", err=True)
+        _echo(f"Error: {body['message']}", err=True)
     raise SystemExit(EXIT_NOT_FOUND)
 
 
@@ -377,13 +394,13 @@ def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: b
             _json(_error_body(refused))
         else:
             # the state machine's own sentence: "Too late to cancel: the action is already under way."
-            click.echo(f"Refused ({refused.code}): {refused} Status: {refused.status}.", err=True)
+            _echo(f"Refused ({refused.code}): {refused} Status: {refused.status}.", err=True)
         raise SystemExit(EXIT_REFUSED)
     if as_json:
         _json(answer)
         return
-    click.echo(f"{answer['tool_call_id']} CANCELLED: {answer['error_message']}")
-    click.echo(f"voice_response: {answer['voice_response']}")
+    _echo(f"{answer['tool_call_id']} CANCELLED: {answer['error_message']}")
+    _echo(f"voice_response: {answer['voice_response']}")
 
 
 @calls.command("stats")
@@ -404,9 +421,9 @@ def stats(ctx: click.Context, since: datetime | None, tool: str | None, as_json:
         _json(rows)
         return
     if not rows:
-        click.echo("No calls match.")
+        _echo("No calls match.")
         return
-    click.echo(_table(
+    _echo(_table(
         [[r["tool"], r["total"], r["by_status"]["COMPLETED"], r["by_status"]["FAILED"], r["by_status"]["CANCELLED"],
           r["by_status"]["EXPIRED"], r["open"],
           None if r["success_rate"] is None else f"{r['success_rate']:.1%}", r["p50_ms"], r["p95_ms"],
@@ -442,7 +459,7 @@ def purge(ctx: click.Context, older_than: float | None, dry_run: bool, batch: in
     age = {name: "kept forever" if seconds is None else f"older than {_duration(seconds)}"
            for name, seconds in out.retained.items()}
     verb = "Would remove" if dry_run else "Removed"
-    click.echo(f"{verb} {out.calls} ended calls ({age['calls_s']}) with their events, {out.events} events in all "
+    _echo(f"{verb} {out.calls} ended calls ({age['calls_s']}) with their events, {out.events} events in all "
                f"(settled ones {age['events_s']}), {out.context} expired context values"
                + ("." if dry_run else f", in {out.batches} batches."))
 
@@ -490,8 +507,8 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
                 "url": d.url, "was": d.state, "attempts": d.attempts} for d in sent])
         return
     if not sent:
-        click.echo("Nothing to redeliver.")
+        _echo("Nothing to redeliver.")
         return
-    click.echo(_table([[d.tool_call_id, d.seq, d.event, d.state, d.attempts, d.url] for d in sent],
+    _echo(_table([[d.tool_call_id, d.seq, d.event, d.state, d.attempts, d.url] for d in sent],
                       ["CALL", "SEQ", "EVENT", "WAS", "ATTEMPTS", "URL"]))
-    click.echo(f"{len(sent)} deliver{'y' if len(sent) == 1 else 'ies'} queued on the callbacks queue.")
+    _echo(f"{len(sent)} deliver{'y' if len(sent) == 1 else 'ies'} queued on the callbacks queue.")

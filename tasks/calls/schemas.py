@@ -1,9 +1,10 @@
 """marshmallow schemas for every request body, query and answer of the API.
 
 Requests load through :class:`Strict`: unknown fields are refused, and no string
-anywhere in the data (keys included, parameters too) may hold NUL, another C0
-control character (tab, newline and carriage return aside) or a lone surrogate, so
-bad text is a 422 and never a database error. Answers are dumped from the
+anywhere in the data (keys included, parameters too, the query string's values as well) may hold
+NUL, another control character (C0 but tab, newline and carriage return; DEL; C1, U+0080-U+009F:
+Unicode's Cc) or a lone surrogate, so bad text is a 422 and never a database error nor a terminal's
+escape sequence. Answers are dumped from the
 ``ToolCall`` rows with the response schemas, which also feed ``/openapi.json``.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from models.calls import STATUSES
 
 MAX_TEXT = 1000  # message and voice_response (docs/relay-guide.md, "A call's life")
 
-_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff]")
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 _FORBIDDEN_MESSAGE = "Must not hold NUL or other control characters."
 
 
@@ -55,14 +56,28 @@ def load(schema: type[Schema], data: dict[str, Any]) -> dict[str, Any]:
     return instance(schema).load(data)
 
 
+def _without_urls(data: Any, urls: tuple[str, ...]) -> Any:
+    """``data`` with the URLs of the fields ``urls`` (and of a ``callback_urls`` object) left to their own
+    rule (``url_policy``, which refuses every control character, saying where); their keys are kept."""
+    if not isinstance(data, dict):
+        return data
+    kept = {key: "" if key in urls and isinstance(value, str) else value for key, value in data.items()}
+    if isinstance(kept.get("callback_urls"), dict):
+        kept["callback_urls"] = {key: "" if isinstance(value, str) else value
+                                 for key, value in kept["callback_urls"].items()}
+    return kept
+
+
 class Strict(Schema):
     """Base of every request schema: unknown fields and control characters are refused."""
+
+    urls: tuple[str, ...] = ("callback_url",)  # fields whose control characters their URL rule names
 
     class Meta:
         unknown = RAISE
 
     def load(self, data: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        messages = forbidden_text(data)
+        messages = forbidden_text(_without_urls(data, self.urls))
         if messages:
             raise ValidationError(messages if isinstance(messages, dict) else {"_schema": messages})
         return super().load(data, **kwargs)
@@ -108,6 +123,8 @@ def _event_url(kind: str) -> fields.String:
 
 class CallbackUrls(Strict):
     """A URL per event (a relay written for the n8n workflows: /tool-progress, /tool-checkpoint, /tool-complete)."""
+
+    urls = ("progress", "checkpoint", "completed", "failed", "cancelled", "expired")
 
     progress = _event_url("progress")
     checkpoint = _event_url("checkpoint")

@@ -13,6 +13,8 @@ MCP face), and its hooks make the spans:
   killed pool child lost;
 - ``tasks.tracing.callbacks``: the span of a callback's POST, whose context it sends
   (``traceparent``, ``tracestate``).
+- ``tasks.tracing.headers``: the one propagator of the process: ``traceparent`` and a bounded
+  ``tracestate`` read and sent, ``baggage`` never; nothing a client sent logged by OpenTelemetry.
 
 Asked for on an install without the ``tracing`` extra, a process runs untraced and says so in one line
 (:func:`missing_line`, the SDK's start). At its end a process exports the spans it still holds

@@ -10,7 +10,9 @@ the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp
 Then the libraries' own instrumentations, psycopg2 (each statement, but those of ``models/compiled.py``:
 ``tasks.tracing.statements``) and redis (each command of our own Redis clients,
 ``tasks.tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them, and the
-spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. The batch processor's
+spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. What crosses the process's edge is
+``tasks.tracing.headers``'s: ``traceparent`` and a bounded ``tracestate``, never ``baggage`` (``OTEL_PROPAGATORS``
+is not read). The batch processor's
 thread is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 
 At its end a process exports the spans it still holds, waiting at most :data:`STOP_S` seconds
@@ -70,6 +72,9 @@ def start(role: str) -> bool:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
+        from tasks.tracing import headers
+
+        headers.install()  # W3C trace context alone, bounded, nothing of it logged (before any request is read)
         resource = Resource.create({"voice_tools.process": role, SERVICE_VERSION: release.VERSION})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: f"voice-tools-{role}"}))

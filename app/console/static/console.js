@@ -11,13 +11,17 @@
   let shown = false; // the view was set up once: signing in again reloads the page instead
 
   // -- small helpers ---------------------------------------------------------------------
+  // Bidirectional controls (embeddings, overrides, isolates, marks) in text a relay sent are shown, never
+  // applied: each is drawn as its code point, so "\u202etxt.exe" reads "[U+202E]txt.exe", not "exe.txt".
+  const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+  const visible = (text) => String(text).replace(BIDI, (c) => `[U+${c.codePointAt(0).toString(16).toUpperCase()}]`);
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
     for (const [name, value] of Object.entries(attrs || {})) {
       if (value !== null && value !== undefined) node.setAttribute(name, value);
     }
     for (const child of children) {
-      if (child !== null && child !== undefined) node.append(child instanceof Node ? child : String(child));
+      if (child !== null && child !== undefined) node.append(child instanceof Node ? child : visible(child));
     }
     return node;
   }
@@ -33,7 +37,7 @@
   const statusBadge = (status) => el("span", {class: `status s-${String(status).toLowerCase()}`}, status);
   function problem(text) {
     const p = $("problem");
-    p.textContent = text || "";
+    p.textContent = visible(text || "");
     p.hidden = !text;
   }
 
@@ -395,7 +399,7 @@
         buttons.push(stop);
       }
       actions.replaceChildren(...buttons);
-      $("call-parameters").textContent = JSON.stringify(record.parameters, null, 2);
+      $("call-parameters").textContent = visible(JSON.stringify(record.parameters, null, 2));
       const changes = record.parameters_history || [];
       $("call-changes").replaceChildren(...(changes.length ? changes.map((c) =>
         el("li", {}, `${time(c.at)}: ${c.field} ${JSON.stringify(c.old)} → ${JSON.stringify(c.new)}`)) :
@@ -410,10 +414,10 @@
       $("call-counters").textContent = `Link runs: ${counters.attempts} in all, ${counters.step_attempts} of the ` +
         `current step; claims of the side effect: ${counters.effect_attempts}; chain run again by the ` +
         `stuck-call sweep: ${counters.redrives}.`;
-      $("call-voice").textContent = record.voice_response || "";
+      $("call-voice").textContent = visible(record.voice_response || "");
       $("call-outcome").textContent = record.outcome || "open";
-      $("call-error").textContent = record.error_message || "";
-      $("call-result").textContent = record.result ? JSON.stringify(record.result, null, 2) : "";
+      $("call-error").textContent = visible(record.error_message || "");
+      $("call-result").textContent = record.result ? visible(JSON.stringify(record.result, null, 2)) : "";
       $("call-events").tBodies[0].replaceChildren(...events.map((item) => {
         const attempts = el("ol", {class: "attempts"}, ...item.attempt_log.map((a) =>
           el("li", {}, `${a.response_code === null ? "no answer" : `HTTP ${a.response_code}`}` +
