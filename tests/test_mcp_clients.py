@@ -57,13 +57,13 @@ def test_every_tools_function_schema_is_json_schema_2020_12(client):
 async def test_the_server_says_its_version_and_offers_tools_only(mcp_url, mode):  # noqa: F811
     """What a client shows a person: the server's name and the package's version, and only the
     capability it has (tools; no prompts, no resources, no completions, no logging)."""
-    from importlib.metadata import version
+    from models import release
 
     async with connected(mcp_url, mode=mode) as mcp:
         info, capabilities = mcp.server_info, mcp.server_capabilities
         assert (await mcp.list_tools()).tools
     assert info is not None and info.name == "voice-tools"
-    assert info.version == version("voice-tools") and info.version
+    assert info.version == release.VERSION and info.version
     offered = {name for name, value in capabilities.model_dump(exclude_none=True).items() if value}
     assert offered == {"tools"}, capabilities
 
