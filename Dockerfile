@@ -21,7 +21,13 @@ COPY requirements.lock /src/requirements.lock
 RUN [ -n "$PIP_CERT" ] && export PIP_CERT || unset PIP_CERT; \
     python3 -m venv /opt/voice-tools \
  && /opt/voice-tools/bin/pip install --only-binary :all: --require-hashes -r /src/requirements.lock
-COPY . /src
+# what the wheel is built from, and nothing else: a change to the image's command alone rebuilds no stage here
+COPY setup.cfg pyproject.toml README.md celeryconfig.py alembic.ini Procfile Procfile.local /src/
+COPY app /src/app
+COPY tasks /src/tasks
+COPY models /src/models
+COPY migrations /src/migrations
+COPY voice_tools /src/voice_tools
 RUN [ -n "$PIP_CERT" ] && export PIP_CERT || unset PIP_CERT; \
     /opt/voice-tools/bin/pip install --no-deps /src \
  && /opt/voice-tools/bin/python -m compileall -q -j 0 /opt/voice-tools/lib
