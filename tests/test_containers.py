@@ -94,6 +94,8 @@ class Stack:
         self.http = requests.Session()
         self.http.verify = str(ca)
         self.http.headers["Authorization"] = f"Bearer {TOKEN}"
+        self.http.trust_env = False  # no proxy or CA bundle of the environment: the front, verified by the test's CA
+        self.last_problem = ""
 
     def compose(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run([*compose_command(), "-p", PROJECT_NAME, "-f", "compose.yaml", *args], cwd=self.folder,
@@ -111,15 +113,18 @@ class Stack:
 
     def ready(self) -> bool:
         try:
-            return self.http.get(f"{self.url}/readyz", timeout=5).status_code == 200
-        except requests.RequestException:
+            answer = self.http.get(f"{self.url}/readyz", timeout=5)
+            self.last_problem = f"{answer.status_code} {answer.text[:300]}"
+            return answer.status_code == 200
+        except requests.RequestException as exc:
+            self.last_problem = repr(exc)[:500]
             return False
 
     def wait_ready(self, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while not self.ready():
             if time.monotonic() > deadline:
-                raise AssertionError("the stack never answered /readyz through the front:\n"
+                raise AssertionError(f"the stack never answered /readyz through the front ({self.last_problem}):\n"
                                      + "\n".join(f"--- {s}\n{self.logs(s)[-1500:]}" for s in ("migrate", "web-1", "front")))
             time.sleep(1)
 
@@ -183,7 +188,7 @@ def stack(built, tmp_path_factory):
         f"FLOWER_BASIC_AUTH=admin:{secrets.token_hex(8)}",
         # a killed worker's links come back this soon (above the longest link's hard limit, 70 s)
         "VOICE_TOOLS_VISIBILITY_TIMEOUT=75", ""]))
-    url = f"https://localhost:{port}"
+    url = f"https://127.0.0.1:{port}"  # the certificate names 127.0.0.1 and localhost
     env.update(VOICE_TOOLS_IMAGE=images.PROJECT, VOICE_TOOLS_HTTPS_PORT=str(port), FLOWER_PORT=str(flower),
                VOICE_TOOLS_PUBLIC_URL=url)
     s = Stack(folder, env, url, ca, None)
@@ -235,7 +240,7 @@ def _email_through_checkpoint(stack: Stack, session: str) -> str:
 
 def test_a_relays_flow_through_the_tls_front_rest_and_mcp(stack):
     call_id = _email_through_checkpoint(stack, "sess_containers_flow")
-    resumed = stack.call("POST", f"/voice-tools/resume/{call_id}?wait=60", (200,), json={"action": "proceed"})
+    resumed = stack.call("POST", f"/voice-tools/resume/{call_id}?wait=30", (200,), json={"action": "proceed"})
     assert resumed["status"] == "COMPLETED", resumed
     stack.relay.wait_for(call_id, "completed", timeout=60)
     events = _verified(stack.relay, call_id)
@@ -252,7 +257,7 @@ def test_a_web_replica_stopped_the_other_answers(stack):
     try:
         answers = [stack.http.get(f"{stack.url}/readyz", timeout=10).status_code for _ in range(20)]
         assert answers == [200] * 20, answers
-        done = stack.call("POST", "/voice-tools/execute?wait=60", (200,), json={
+        done = stack.call("POST", "/voice-tools/execute?wait=30", (200,), json={
             "session_id": "sess_containers_web", "function": "search_contacts", "parameters": {"query": "john"}})
         assert done["status"] == "COMPLETED", done
     finally:
