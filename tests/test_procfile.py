@@ -183,8 +183,9 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith("#")]
     assert ci[:2] == ["set -euo pipefail", 'cd "$(dirname "${BASH_SOURCE[0]}")/.."'] and ci[-1] == TESTS_FULL
-    # only what the tests need of the machine: Debian's packages, the RabbitMQ management plugin
-    assert all("apt-get install" in line or "rabbitmq-plugins enable" in line for line in ci[2:-1]), ci[2:-1]
+    # only what the tests need of the machine: Debian's packages, the RabbitMQ management plugin, podman's settings
+    assert all("apt-get install" in line or "rabbitmq-plugins enable" in line or "/etc/containers/containers.conf" in line
+               for line in ci[2:-1]), ci[2:-1]
     assert "docs/relay-guide.md" in README and "docs/operations.md" in README
 
 
