@@ -197,9 +197,23 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     assert "Recorded" in page.find_element(By.ID, "call-timeline").text
     assert '"subject": "Test"' in page.find_element(By.ID, "call-parameters").text
     page.execute_script("window.notReloaded = true")
-    cancel.send_keys(Keys.ENTER)
+    cancel.send_keys(Keys.ENTER)  # asks first, for an optional reason
+    reason = until(page, lambda d: d.find_element(By.ID, "cancel-reason") if d.find_element(By.ID, "cancel-dialog")
+                   .is_displayed() else None, what="the cancel dialog")
+    assert page.switch_to.active_element == reason
+    assert rest_status(origin, tool_call_id) == "PENDING"  # nothing done yet
+    page.find_element(By.ID, "cancel-back").send_keys(Keys.ENTER)  # Keep it: nothing happens
+    until(page, lambda d: not d.find_element(By.ID, "cancel-dialog").is_displayed(), what="the dialog closed")
+    assert page.switch_to.active_element == page.find_element(By.ID, "action-cancel")  # focus back where it was
+    assert rest_status(origin, tool_call_id) == "PENDING"
+    page.find_element(By.ID, "action-cancel").send_keys(Keys.ENTER)
+    until(page, lambda d: d.find_element(By.ID, "cancel-dialog").is_displayed(), what="the cancel dialog again")
+    page.switch_to.active_element.send_keys("Wrong recipient")
+    page.find_element(By.ID, "cancel-confirm").send_keys(Keys.ENTER)
     until(page, lambda d: d.find_element(By.ID, "call-status").text == "CANCELLED", what="CANCELLED on the page")
     assert rest_status(origin, tool_call_id) == "CANCELLED"
+    last = page.find_elements(By.CSS_SELECTOR, "#call-timeline li")[-1].text
+    assert "CANCELLED Wrong recipient by ops via console" in last, last
     assert page.execute_script("return window.notReloaded") is True
     assert page.find_elements(By.ID, "action-cancel") == []  # nothing offered on an ended call
     assert page.find_element(By.ID, "call-outcome").text == "not_done"
@@ -240,9 +254,20 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
     proceed = until(page, lambda d: d.find_element(By.ID, "action-proceed"), timeout=15.0,
                     what="Proceed, offered at the checkpoint")
     assert page.find_element(By.ID, "call-status").text == "PREPARED"
-    assert page.find_element(By.ID, "action-cancel").text == "Cancel call"
+    assert page.find_element(By.ID, "action-cancel").text == "Cancel call…"
     assert every_control_named(page) == []
-    proceed.click()
+    proceed.click()  # asks first, showing the email as it will go
+    until(page, lambda d: d.find_element(By.ID, "proceed-dialog").is_displayed(), what="the proceed dialog")
+    outputs = requests.get(f"{origin}/console/api/calls/{tool_call_id}", headers=AUTH, timeout=10).json()
+    draft = outputs["steps"][0]["output"]  # PREPARING's: the email as the checkpoint previews it
+    assert page.find_element(By.ID, "proceed-title").text == "Proceed to SENDING?"
+    shown = {dd.get_attribute("data-field"): dd.text for dd in page.find_elements(By.CSS_SELECTOR, "#proceed-preview dd")}
+    assert set(shown) == {"to", "cc", "subject", "body"}
+    assert shown["to"] == GUIDE_EMAIL["to"] and shown["subject"] == GUIDE_EMAIL["subject"]
+    assert shown["body"] == (draft["body"] or "(none)")
+    assert "can no longer be cancelled" in page.find_element(By.ID, "proceed-warning").text
+    assert rest_status(origin, tool_call_id) == "PREPARED"  # nothing done yet
+    page.find_element(By.ID, "proceed-confirm").click()
     until(page, lambda d: d.find_element(By.ID, "call-status").text == "COMPLETED", timeout=15.0,
           what="COMPLETED on the page")
     assert rest_status(origin, tool_call_id) == "COMPLETED"

@@ -57,10 +57,12 @@ def _started(call: ToolCall, tool: Tool, start: int) -> Started:
 
 
 def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
-            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> Started:
+            callback_urls: dict[str, str] | None = None, caller: str | None = None,
+            acted: lifecycle.Acted | None = None) -> Started:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
-    ``caller``: only that caller's call (another's is ``queries.NotFound``). The chain's
+    ``caller``: only that caller's call (another's is ``queries.NotFound``); ``acted``: who asked, through
+    which face (on the history's entry). The chain's
     id is chosen first and recorded by the transition itself (no statement after the send).
     If the broker refuses the chain, the call goes back to PENDING and
     :class:`tasks.chains.BrokerUnavailable` is raised, unless its first link has begun: then the
@@ -72,7 +74,7 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
             # a tool this process does not run is not confirmed (the statement checks it too)
             call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
                                      callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
-                                     functions=tools.names())
+                                     functions=tools.names(), acted=acted)
         except lifecycle.Refused as exc:
             if exc.status == PENDING:  # still PENDING: its tool is unknown here
                 tool_of(exc.call)
@@ -89,12 +91,12 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
     return _started(call, tool, 0)
 
 
-def resume(tool_call_id: str, caller: str | None = None) -> Started:
+def resume(tool_call_id: str, caller: str | None = None, acted: lifecycle.Acted | None = None) -> Started:
     """PREPARED → EXECUTING and enqueue the links after the checkpoint (``caller``: as confirm's;
     the chain's id chosen first and recorded by the transition, as confirm's)."""
     workflow_id = uuid()
     with db.session() as s:
-        call = lifecycle.resume(s, tool_call_id, caller=caller, workflow_id=workflow_id)
+        call = lifecycle.resume(s, tool_call_id, caller=caller, workflow_id=workflow_id, acted=acted)
         tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     start = tool.step_index(call.current_step) + 1 if call.current_step else 0
     try:
@@ -117,10 +119,10 @@ def _published_after_all(tool_call_id: str) -> ToolCall:
 
 
 def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False,
-           caller: str | None = None) -> ToolCall:
+           caller: str | None = None, acted: lifecycle.Acted | None = None) -> ToolCall:
     """Cancel before the point of no return and announce it once with a ``cancelled`` event
     (``tasks.delivery.events.cancel``); the call with its ``voice_response``."""
-    call, delivery = events.cancel(tool_call_id, reason, caller=caller, inline=deliver_now)
+    call, delivery = events.cancel(tool_call_id, reason, caller=caller, inline=deliver_now, acted=acted)
     if deliver_now:
         attempts.deliver_inline(delivery)
     else:

@@ -4,7 +4,7 @@ with its events and their delivery attempts, a failed event sent again, each too
 Fenced as every operation is: a caller sees and acts on its own calls only, an admin on all;
 another caller's call is :class:`models.queries.NotFound`, the same 404 as an unknown id. The
 actions on a call themselves are the operations REST and the CLI call (``operations.cancel``,
-``operations.resume``, ``admin.redeliver``).
+``operations.resume``, ``admin.redeliver``), asked through the console (the caller's ``via``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from marshmallow import fields, validate
 from models import browse, db, queries
 from models.calls import STATUSES, CallbackDelivery
 from tasks import tools
-from tasks.calls import admin, schemas
+from tasks.calls import admin, operations, schemas
 from tasks.calls.callers import Caller, scope_of
 from tasks.calls.errors import ApiError
 from tasks.celery_app import app as celery_app
@@ -26,6 +26,7 @@ from tasks.worker.metrics_page import QueueDepth
 Answer = tuple[dict[str, Any], int]
 
 REDELIVER = "redeliver"
+CONSOLE_CANCEL = "Cancelled from the console"  # when the operator gives no reason
 
 
 class PageQuery(schemas.Strict):
@@ -93,9 +94,37 @@ def _event(delivery: CallbackDelivery) -> dict[str, Any]:
     }
 
 
+def step_outputs(call: Any) -> dict[str, Any]:
+    """The call's step outputs in its chain's order (the database's JSON keeps its keys in an order of
+    its own: shortest first); a step its tool no longer has comes last."""
+    outputs = call.step_outputs or {}
+    tool = tools.get(call.function_name)
+    order = [step.name for step in tool.steps] if tool else []
+    rank = {name: index for index, name in enumerate(order)}
+    return {name: outputs[name] for name in sorted(outputs, key=lambda name: (rank.get(name, len(order)), name))}
+
+
+def following(call: Any) -> dict[str, Any] | None:
+    """At a checkpoint (PREPARED): what Proceed will do. The checkpoint's own preview (the step's
+    output, as its tool made it from every earlier step: the email as it will go, the meeting as it
+    will be booked), the step that runs next, its sentence, and whether it acts (a side effect: past
+    it, no cancel). None for a call not at a checkpoint, or of a tool this process does not run."""
+    tool = tools.get(call.function_name)
+    if call.status != "PREPARED" or tool is None or call.current_step not in {s.name for s in tool.steps}:
+        return None
+    at = tool.step_index(call.current_step)
+    after = tool.steps[at + 1] if at + 1 < len(tool.steps) else None
+    return {"checkpoint": call.current_step, "preview": (call.step_outputs or {}).get(call.current_step) or {},
+            "step": after.name if after else None,
+            "message": tool.say(after.message, call.parameters) if after and after.message else None,
+            "side_effect": bool(after and after.side_effect)}
+
+
 def call(tool_call_id: Any, caller: Caller | None) -> Answer:
-    """One call's whole record (as ``GET /voice-tools/status`` answers it), its events with their
-    delivery attempts, and the latest runs of its links (``models/link_attempts.py``)."""
+    """One call's whole record (as ``GET /voice-tools/status`` answers it), each step's output in its
+    chain's order (as ``calls show`` prints them), what Proceed will do at a checkpoint
+    (:func:`following`), its events with their delivery attempts, and the latest runs of its links
+    (``models/link_attempts.py``)."""
     tool_call_id = schemas.load(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     with db.session() as s:
         row = queries.get(s, tool_call_id, caller=scope_of(caller))
@@ -103,7 +132,21 @@ def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     record = schemas.instance(schemas.CallRecord).dump(row)
     counters = {"attempts": row.attempts, "step_attempts": row.step_attempts,
                 "effect_attempts": row.effect_attempts, "redrives": row.redrives}
-    return {"record": record, "events": events, "attempts": row.link_attempts, "counters": counters}, 200
+    steps = [{"step": name, "output": output} for name, output in step_outputs(row).items()]
+    return {"record": record, "steps": steps, "next": following(row), "events": events,
+            "attempts": row.link_attempts, "counters": counters}, 200
+
+
+def cancel(tool_call_id: Any, body: dict[str, Any], caller: Caller | None) -> Answer:
+    """Cancel the call (REST's cancel: before the point of no return), with the operator's reason if given
+    (``CancelRequest``'s rules), else :data:`CONSOLE_CANCEL`."""
+    reason = schemas.load(schemas.CancelRequest, body).get("reason")
+    return operations.cancel(tool_call_id, {"reason": reason or CONSOLE_CANCEL}, {}, caller)
+
+
+def proceed(tool_call_id: Any, caller: Caller | None) -> Answer:
+    """At its checkpoint, run the rest of the call (REST's resume with ``proceed``)."""
+    return operations.resume(tool_call_id, {"action": "proceed"}, {}, caller)
 
 
 def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer:

@@ -370,12 +370,86 @@
       }
       await load();
     }
-    const cancel = () => api(`/voice-tools/cancel/${encodeURIComponent(id)}`, {method: "DELETE",
-      json: {reason: "Cancelled from the console"}});
-    const resume = (action) => api(`/voice-tools/resume/${encodeURIComponent(id)}`, {method: "POST",
-      json: action === "cancel" ? {action, reason: "Cancelled from the console"} : {action}});
+    // Proceed and Cancel each ask first, in a dialog: Proceed shows the checkpoint's own preview (what
+    // the next step will send or book) and says whether that step acts; Cancel takes an optional reason.
+    let following = null; // what Proceed does, as the last read of the call said it
+    let opener = null;
+    const PREVIEW_ORDER = ["to", "cc", "bcc", "subject", "body", "title", "start", "end", "timezone", "attendees"];
+    function previewRows(preview) {
+      const keys = Object.keys(preview || {});
+      keys.sort((a, b) => ((PREVIEW_ORDER.indexOf(a) + 1 || 99) - (PREVIEW_ORDER.indexOf(b) + 1 || 99)) ||
+        (a < b ? -1 : 1));
+      const rows = [];
+      for (const key of keys) {
+        const value = preview[key];
+        const text = Array.isArray(value) ? value.map((v) => (typeof v === "string" ? v : JSON.stringify(v))).join(", ")
+          : typeof value === "string" ? value : JSON.stringify(value, null, 2);
+        rows.push(el("dt", {}, key), el("dd", {"data-field": key},
+          text.includes("\n") || text.length > 80 ? el("pre", {}, text) : text || "(none)"));
+      }
+      return rows.length ? rows : [el("dt", {}, "preview"), el("dd", {}, "(none recorded)")];
+    }
+    function openDialog(dialog, from) {
+      opener = from;
+      dialog.showModal();
+    }
+    function closeDialog(dialog) {
+      dialog.close();
+      if (opener && opener.isConnected) opener.focus();
+      else if ($("action-proceed") || $("action-cancel")) ($("action-proceed") || $("action-cancel")).focus();
+    }
+    $("proceed-back").addEventListener("click", () => closeDialog($("proceed-dialog")));
+    $("cancel-back").addEventListener("click", () => closeDialog($("cancel-dialog")));
+    $("proceed-confirm").addEventListener("click", async () => {
+      const button = $("proceed-confirm");
+      button.disabled = true;
+      try {
+        await api(`${path}/proceed`, {method: "POST", json: {}});
+        problem("");
+      } catch (error) {
+        problem(error.message);
+      }
+      button.disabled = false;
+      closeDialog($("proceed-dialog"));
+      await load();
+    });
+    $("cancel-confirm").addEventListener("click", async () => {
+      const button = $("cancel-confirm");
+      const reason = $("cancel-reason").value.trim();
+      button.disabled = true;
+      try {
+        await api(`${path}/cancel`, {method: "POST", json: reason ? {reason} : {}});
+      } catch (error) {
+        $("cancel-error").textContent = error.message; // the dialog stays open: the reason can be changed
+        button.disabled = false;
+        return;
+      }
+      button.disabled = false;
+      problem("");
+      closeDialog($("cancel-dialog"));
+      await load();
+    });
+    function askProceed(button) {
+      const next = following || {};
+      $("proceed-title").textContent = next.step ? `Proceed to ${next.step}?` : "Proceed?";
+      $("proceed-what").textContent = next.message || "The call goes on from its checkpoint.";
+      $("proceed-preview").replaceChildren(...previewRows(next.preview));
+      $("proceed-warning").textContent = next.side_effect ? `${next.step} acts: once it begins, the call can no ` +
+        "longer be cancelled." : "";
+      $("proceed-confirm").textContent = next.step ? `Proceed: ${next.step}` : "Proceed";
+      openDialog($("proceed-dialog"), button);
+    }
+    function askCancel(button) {
+      $("cancel-reason").value = "";
+      $("cancel-error").textContent = "";
+      openDialog($("cancel-dialog"), button);
+      $("cancel-reason").focus();
+    }
+    const acted = (entry) => (entry.by || entry.via ?
+      el("span", {class: "acted"}, ` by ${entry.by || "?"}${entry.via ? ` via ${entry.via}` : ""}`) : null);
 
-    function render({record, events, attempts, counters}) {
+    function render({record, events, attempts, counters, next}) {
+      following = next;
       $("call-status").replaceChildren(statusBadge(record.status));
       $("call-summary").replaceChildren(`${record.function_name} · session `,
         el("a", {href: `/console/sessions/${encodeURIComponent(record.session_id)}`}, record.session_id),
@@ -385,13 +459,14 @@
       const offered = record.actions_available || [];
       const buttons = [];
       if (offered.includes("proceed")) {
-        const proceed = el("button", {type: "button", id: "action-proceed"}, "Proceed");
-        proceed.addEventListener("click", () => act(proceed, () => resume("proceed")));
+        const proceed = el("button", {type: "button", id: "action-proceed", "aria-haspopup": "dialog"}, "Proceed…");
+        proceed.addEventListener("click", () => askProceed(proceed));
         buttons.push(proceed);
       }
       if (offered.includes("cancel")) {
-        const stop = el("button", {type: "button", id: "action-cancel", class: "danger"}, "Cancel call");
-        stop.addEventListener("click", () => act(stop, offered.includes("proceed") ? () => resume("cancel") : cancel));
+        const stop = el("button", {type: "button", id: "action-cancel", class: "danger", "aria-haspopup": "dialog"},
+          "Cancel call…");
+        stop.addEventListener("click", () => askCancel(stop));
         buttons.push(stop);
       }
       actions.replaceChildren(...buttons);
@@ -402,7 +477,7 @@
         [el("li", {}, "none")]));
       $("call-timeline").replaceChildren(...(record.status_history || []).map((entry) =>
         el("li", {}, el("time", {datetime: entry.at}, time(entry.at)), " ", statusBadge(entry.status),
-          entry.reason ? ` ${entry.reason}` : "")));
+          entry.reason ? ` ${entry.reason}` : "", acted(entry))));
       $("call-links").tBodies[0].replaceChildren(...(attempts.length ? attempts.map((run) =>
         el("tr", {class: `run r-${run.outcome}`}, el("td", {}, run.step), el("td", {}, time(run.started_at)),
           el("td", {}, `${Math.round(run.took_ms)} ms`), el("td", {}, run.outcome), el("td", {}, run.reason || ""))) :
