@@ -163,6 +163,17 @@ def screenshot(driver, tmp_path: Path, name: str) -> None:
         shutil.copy(path, Path(into) / path.name)
 
 
+def shown_labels(driver) -> list[str]:
+    """The result panel's labels shown (each only when it has something)."""
+    return [dt.text for dt in driver.find_elements(By.CSS_SELECTOR, "#call-ending dt") if dt.is_displayed()]
+
+
+def step_rows(driver) -> list[tuple[str, str]]:
+    """The call's steps as the page lists them: (step, kind), in the chain's order."""
+    return [(row.find_element(By.TAG_NAME, "th").text, row.find_elements(By.TAG_NAME, "td")[0].text)
+            for row in driver.find_elements(By.CSS_SELECTOR, "#call-steps tbody tr[data-step]")]
+
+
 def every_control_named(driver) -> list[str]:
     """The controls of the page shown with no name a screen reader would say."""
     return driver.execute_script("""
@@ -196,6 +207,9 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     assert page.find_elements(By.ID, "action-proceed") == []  # a PENDING call is not at a checkpoint
     assert "Recorded" in page.find_element(By.ID, "call-timeline").text
     assert '"subject": "Test"' in page.find_element(By.ID, "call-parameters").text
+    assert page.find_element(By.ID, "call-open").is_displayed()  # an open call: no empty box, no "Error"
+    assert not page.find_element(By.ID, "call-ending").is_displayed()
+    assert page.find_element(By.ID, "call-steps").text.endswith("No step has recorded an output yet.")
     page.execute_script("window.notReloaded = true")
     cancel.send_keys(Keys.ENTER)  # asks first, for an optional reason
     reason = until(page, lambda d: d.find_element(By.ID, "cancel-reason") if d.find_element(By.ID, "cancel-dialog")
@@ -217,6 +231,8 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     assert page.execute_script("return window.notReloaded") is True
     assert page.find_elements(By.ID, "action-cancel") == []  # nothing offered on an ended call
     assert page.find_element(By.ID, "call-outcome").text == "not_done"
+    assert shown_labels(page) == ["Outcome", "Spoken", "Error"]  # no result: no Result label
+    assert page.find_element(By.ID, "call-error").text == "Wrong recipient"
 
     page.find_element(By.ID, "sign-out").click()
     until(page, lambda d: d.find_element(By.ID, "token").is_displayed(), what="signed out")
@@ -256,6 +272,7 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
     assert page.find_element(By.ID, "call-status").text == "PREPARED"
     assert page.find_element(By.ID, "action-cancel").text == "Cancel call…"
     assert every_control_named(page) == []
+    assert step_rows(page) == [("PREPARING", "step"), ("READY_TO_SEND", "checkpoint (preview)")]
     proceed.click()  # asks first, showing the email as it will go
     until(page, lambda d: d.find_element(By.ID, "proceed-dialog").is_displayed(), what="the proceed dialog")
     outputs = requests.get(f"{origin}/console/api/calls/{tool_call_id}", headers=AUTH, timeout=10).json()
@@ -273,6 +290,9 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
     assert rest_status(origin, tool_call_id) == "COMPLETED"
     until(page, lambda d: d.find_element(By.ID, "call-outcome").text == "done", what="the outcome")
     assert page.find_element(By.ID, "call-voice").text
+    assert shown_labels(page) == ["Outcome", "Result", "Spoken"]  # no error: no Error label
+    assert step_rows(page) == [("PREPARING", "step"), ("READY_TO_SEND", "checkpoint (preview)"),
+                               ("SENDING", "side effect")]
     steps = page.find_element(By.ID, "call-links").text
     assert "PREPARING" in steps and "SENDING" in steps
     relay.wait_for(tool_call_id, "completed")

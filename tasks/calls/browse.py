@@ -120,6 +120,15 @@ def following(call: Any) -> dict[str, Any] | None:
             "side_effect": bool(after and after.side_effect)}
 
 
+def _kind(call: Any, name: str) -> str:
+    """What a recorded step is: a checkpoint (its output the preview), one with a side effect, or a step."""
+    tool = tools.get(call.function_name)
+    step = next((s for s in tool.steps if s.name == name), None) if tool else None
+    if step is None:
+        return "step"
+    return "checkpoint (preview)" if step.checkpoint else "side effect" if step.side_effect else "step"
+
+
 def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     """One call's whole record (as ``GET /voice-tools/status`` answers it), each step's output in its
     chain's order (as ``calls show`` prints them), what Proceed will do at a checkpoint
@@ -132,7 +141,7 @@ def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     record = schemas.instance(schemas.CallRecord).dump(row)
     counters = {"attempts": row.attempts, "step_attempts": row.step_attempts,
                 "effect_attempts": row.effect_attempts, "redrives": row.redrives}
-    steps = [{"step": name, "output": output} for name, output in step_outputs(row).items()]
+    steps = [{"step": name, "kind": _kind(row, name), "output": output} for name, output in step_outputs(row).items()]
     return {"record": record, "steps": steps, "next": following(row), "events": events,
             "attempts": row.link_attempts, "counters": counters}, 200
 

@@ -448,7 +448,7 @@
     const acted = (entry) => (entry.by || entry.via ?
       el("span", {class: "acted"}, ` by ${entry.by || "?"}${entry.via ? ` via ${entry.via}` : ""}`) : null);
 
-    function render({record, events, attempts, counters, next}) {
+    function render({record, steps, events, attempts, counters, next}) {
       following = next;
       $("call-status").replaceChildren(statusBadge(record.status));
       $("call-summary").replaceChildren(`${record.function_name} · session `,
@@ -485,10 +485,20 @@
       $("call-counters").textContent = `Link runs: ${counters.attempts} in all, ${counters.step_attempts} of the ` +
         `current step; claims of the side effect: ${counters.effect_attempts}; chain run again by the ` +
         `stuck-call sweep: ${counters.redrives}.`;
-      $("call-voice").textContent = record.voice_response || "";
-      $("call-outcome").textContent = record.outcome || "open";
-      $("call-error").textContent = record.error_message || "";
-      $("call-result").textContent = record.result ? JSON.stringify(record.result, null, 2) : "";
+      // the result panel: each of outcome, result, spoken sentence and error only when it has something
+      const ending = [["outcome", record.outcome], ["result", record.result ? JSON.stringify(record.result, null, 2) : ""],
+        ["voice", record.voice_response], ["error", record.error_message]];
+      for (const [name, value] of ending) {
+        $(`call-${name}-label`).hidden = !value;
+        $(name === "result" ? "call-result-cell" : `call-${name}`).hidden = !value;
+        $(`call-${name}`).textContent = value || "";
+      }
+      $("call-open").hidden = ending.some(([, value]) => value);
+      $("call-ending").hidden = !$("call-open").hidden;
+      $("call-steps").tBodies[0].replaceChildren(...(steps.length ? steps.map(({step, kind, output}) =>
+        el("tr", {"data-step": step}, el("th", {scope: "row"}, step), el("td", {}, kind),
+          el("td", {}, el("pre", {}, JSON.stringify(output, null, 2))))) :
+        [el("tr", {}, el("td", {colspan: 3}, "No step has recorded an output yet."))]));
       $("call-events").tBodies[0].replaceChildren(...events.map((item) => {
         const attempts = el("ol", {class: "attempts"}, ...item.attempt_log.map((a) =>
           el("li", {}, `${a.response_code === null ? "no answer" : `HTTP ${a.response_code}`}` +
