@@ -360,7 +360,14 @@ def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path)
     until(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#tools tr[data-tool='create_task'] svg rect"),
           what="the create_task row with its chart")
     row = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='create_task']")
-    assert "ms" in row.text  # its steps' p50 / p99
+    figures = requests.get(f"{origin}/console/api/tools", headers={"Authorization": f"Bearer {OPS_TOKEN}"},
+                           timeout=10).json()
+    [task] = [t for t in figures["tools"] if t["tool"] == "create_task"]
+    for step in task["steps"]:  # each step's figures, with the count of runs they are read from
+        assert step["runs"] == 2, step
+        assert f"{step['step']}: p50 {step['p50_ms']} ms, p99 {step['p99_ms']} ms (2 runs)" in row.text
+    ticks = [t.text for t in row.find_elements(By.CSS_SELECTOR, "svg text")]
+    assert ticks == [f"{max(task['per_minute'])}/min", "0", "60 min ago", "now"]  # the line's scale
     email = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='send_email']")
     assert "1 PENDING" in email.text
     assert every_control_named(page) == []

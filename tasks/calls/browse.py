@@ -8,6 +8,7 @@ actions on a call themselves are the operations REST and the CLI call (``operati
 """
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any
 
@@ -20,7 +21,6 @@ from tasks.calls import admin, operations, schemas
 from tasks.calls.callers import Caller, scope_of
 from tasks.calls.errors import ApiError
 from tasks.celery_app import app as celery_app
-from tasks.worker import metrics
 from tasks.worker.metrics_page import QueueDepth
 
 Answer = tuple[dict[str, Any], int]
@@ -171,13 +171,19 @@ def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer
     return {"queued": [d.event_id for d in queued]}, 202
 
 
+def nearest_rank(q: float, values: list[float]) -> float:
+    """The ``q`` percentile of ``values`` by nearest rank: one of the values itself (a run's own time),
+    never an interpolation nor a bucket's edge; of one run, that run."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def _step_figures(step: dict[str, Any]) -> dict[str, Any]:
-    """A step's runs, its p50 and p99 (ms) as PromQL's ``histogram_quantile`` reads them from
-    ``voice_tools_step_duration_seconds``: the same runs (each observed with the time its link
-    recorded on its call), counted into the same buckets."""
-    buckets = metrics.cumulative_buckets(ms / 1000 for ms in step["took_ms"])
-    quantile = lambda q: round(metrics.histogram_quantile(q, buckets) * 1000, 1)  # noqa: E731
-    return {"step": step["step"], "runs": len(step["took_ms"]), "p50_ms": quantile(0.5), "p99_ms": quantile(0.99)}
+    """A step's runs over the window and their p50 and p99 (ms, :func:`nearest_rank`), from the time
+    each run took as its link recorded it on its call (``tool_calls.link_attempts``)."""
+    took = step["took_ms"]
+    return {"step": step["step"], "runs": len(took), "p50_ms": round(nearest_rank(0.5, took), 1),
+            "p99_ms": round(nearest_rank(0.99, took), 1)}
 
 
 def tool_figures(caller: Caller) -> Answer:

@@ -544,38 +544,36 @@
 
   // -- the tools -----------------------------------------------------------------------
   const SVG = "http://www.w3.org/2000/svg";
+  function svgNode(tag, attrs, text) {
+    const node = document.createElementNS(SVG, tag);
+    for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
   function chart(tool) {
-    // the last hour, a bar per minute, oldest on the left; failures in a second colour
-    const width = 180, height = 36, most = Math.max(1, ...tool.per_minute);
-    const svg = document.createElementNS(SVG, "svg");
-    svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
-    svg.setAttribute("width", width);
-    svg.setAttribute("height", height);
-    svg.setAttribute("role", "img");
-    svg.setAttribute("aria-label", `${tool.tool}: ${tool.calls_last_hour} calls in the last hour, ` +
-      `${tool.failed_last_hour} failed`);
-    const axis = document.createElementNS(SVG, "rect");
-    axis.setAttribute("x", 0);
-    axis.setAttribute("y", height - 1);
-    axis.setAttribute("width", width);
-    axis.setAttribute("height", 1);
-    axis.setAttribute("class", "axis");
-    svg.append(axis);
+    // the last hour, a bar per minute, oldest on the left; failures in a second colour. Its scale: the
+    // busiest minute's count at the top of the left axis, 0 at its foot, the hour's two ends below.
+    const left = 26, plot = 180, top = 6, high = 36, width = left + plot + 4, height = top + high + 14;
+    const most = Math.max(1, ...tool.per_minute);
+    const svg = svgNode("svg", {viewBox: `0 0 ${width} ${height}`, width, height, role: "img",
+      "aria-label": `${tool.tool}: ${tool.calls_last_hour} calls in the last hour, ${tool.failed_last_hour} failed; ` +
+        `the busiest minute had ${Math.max(0, ...tool.per_minute)}`});
+    svg.append(svgNode("rect", {x: left, y: top + high - 1, width: plot, height: 1, class: "axis"}),
+      svgNode("rect", {x: left - 1, y: top, width: 1, height: high, class: "axis"}),
+      svgNode("text", {x: left - 3, y: top + 7, class: "tick", "text-anchor": "end"}, `${most}/min`),
+      svgNode("text", {x: left - 3, y: top + high, class: "tick", "text-anchor": "end"}, "0"),
+      svgNode("text", {x: left, y: height - 1, class: "tick"}, "60 min ago"),
+      svgNode("text", {x: left + plot, y: height - 1, class: "tick", "text-anchor": "end"}, "now"));
     for (let ago = 0; ago < 60; ago += 1) {
       for (const [values, kind] of [[tool.per_minute, "bar"], [tool.failed_per_minute, "bar-failed"]]) {
         if (!values[ago]) continue;
-        const h = Math.max(1, Math.round((values[ago] / most) * (height - 2)));
-        const rect = document.createElementNS(SVG, "rect");
-        rect.setAttribute("x", (59 - ago) * 3);
-        rect.setAttribute("y", height - h);
-        rect.setAttribute("width", 2);
-        rect.setAttribute("height", h);
-        rect.setAttribute("class", kind);
-        svg.append(rect);
+        const h = Math.max(1, Math.round((values[ago] / most) * (high - 2)));
+        svg.append(svgNode("rect", {x: left + (59 - ago) * 3, y: top + high - 1 - h, width: 2, height: h, class: kind}));
       }
     }
     return svg;
   }
+  const runs = (n) => `${n} run${n === 1 ? "" : "s"}`;
   function toolsView() {
     const tbody = $("tools").tBodies[0];
     const load = coalesced(async () => {
@@ -586,7 +584,7 @@
         el("td", {}, tool.calls_per_minute), el("td", {}, tool.failed_last_hour),
         el("td", {}, tool.callbacks_failed),
         el("td", {}, el("ul", {class: "steps"}, ...tool.steps.map((step) =>
-          el("li", {}, `${step.step}: ${step.p50_ms} / ${step.p99_ms} ms (${step.runs} runs)`)))),
+          el("li", {}, `${step.step}: p50 ${step.p50_ms} ms, p99 ${step.p99_ms} ms (${runs(step.runs)})`)))),
         el("td", {}, chart(tool)))));
     });
     $("tools-refresh").addEventListener("click", load);
