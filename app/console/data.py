@@ -28,6 +28,11 @@ def calls():
     return browse.page(inputs.query(), g.who)
 
 
+@bp.get("/counts")
+def counts():
+    return browse.counts(inputs.query(), g.who)
+
+
 @bp.get("/calls/<tool_call_id>")
 def call(tool_call_id: str):
     return browse.call(tool_call_id, g.who)

@@ -12,7 +12,7 @@ import math
 from datetime import datetime
 from typing import Any
 
-from marshmallow import fields, validate
+from marshmallow import ValidationError, fields, validate
 
 from models import browse, db, queries
 from models.calls import STATUSES, CallbackDelivery
@@ -29,28 +29,48 @@ REDELIVER = "redeliver"
 CONSOLE_CANCEL = "Cancelled from the console"  # when the operator gives no reason
 
 
-class PageQuery(schemas.Strict):
-    status = fields.String(validate=validate.OneOf(STATUSES))
+class Statuses(fields.String):
+    """Several statuses, comma-separated (``FAILED,CANCELLED``): a list, each one of the statuses."""
+
+    def _deserialize(self, value: Any, attr: Any, data: Any, **kwargs: Any) -> list[str]:
+        given = [part.strip() for part in super()._deserialize(value, attr, data, **kwargs).split(",")]
+        unknown = [part for part in given if part not in STATUSES]
+        if unknown or not given:
+            raise ValidationError(f"Each status must be one of {', '.join(STATUSES)}.")
+        return sorted(set(given), key=STATUSES.index)
+
+
+class CountsQuery(schemas.Strict):
     tool = schemas.Identifier()
     session_id = schemas.Identifier()
     caller = fields.String(validate=validate.Length(min=1, max=100))
     tool_call_id = schemas.Identifier()
+    created_from = fields.AwareDateTime()
+    created_to = fields.AwareDateTime()
+
+
+class PageQuery(CountsQuery):
+    status = Statuses(validate=validate.Length(max=200))
     before_at = fields.AwareDateTime()
     before_id = schemas.Identifier()
     limit = fields.Integer(load_default=50, validate=validate.Range(min=1, max=browse.MAX_PAGE))
 
 
+FILTERS = ("tool", "session_id", "caller", "tool_call_id", "created_from", "created_to")
+
+
 def _row(row: Any) -> dict[str, Any]:
     item = {"tool_call_id": row.tool_call_id, "function_name": row.function_name, "status": row.status,
-            "session_id": row.session_id, "caller": row.caller, "created_at": row.created_at.isoformat()}
+            "session_id": row.session_id, "caller": row.caller, "created_at": row.created_at.isoformat(),
+            "completed_at": _when(row.completed_at)}
     if "progress" in row._fields:
         item.update(progress=row.progress, current_step=row.current_step)
     return item
 
 
 def whoami(caller: Caller) -> Answer:
-    """The token's name and whether it is an admin's."""
-    return {"name": caller.name, "admin": caller.admin}, 200
+    """The token's name, whether it is an admin's, and the registry's tools (the list's choice of tool)."""
+    return {"name": caller.name, "admin": caller.admin, "tools": tools.names()}, 200
 
 
 def page(query: dict[str, Any], caller: Caller | None) -> Answer:
@@ -62,14 +82,24 @@ def page(query: dict[str, Any], caller: Caller | None) -> Answer:
             raise ApiError(422, "validation_error", "before_at and before_id go together.", {})
         before = (loaded["before_at"], loaded["before_id"])
     with db.statement() as s:
-        rows = browse.calls_page(s, scope=scope_of(caller), statuses=[loaded["status"]] if "status" in loaded else (),
-                                 tool=loaded.get("tool"), session_id=loaded.get("session_id"),
-                                 caller=loaded.get("caller"), tool_call_id=loaded.get("tool_call_id"),
-                                 before=before, limit=loaded["limit"])
+        rows = browse.calls_page(s, scope=scope_of(caller), statuses=loaded.get("status", ()),
+                                 **{name: loaded.get(name) for name in FILTERS}, before=before, limit=loaded["limit"])
     calls = [_row(r) for r in rows]
     last = rows[-1] if len(rows) == loaded["limit"] else None
     following = {"before_at": last.created_at.isoformat(), "before_id": last.tool_call_id} if last else None
     return {"calls": calls, "next": following}, 200
+
+
+def counts(query: dict[str, Any], caller: Caller | None) -> Answer:
+    """How many calls are in each status under the list's filters but its statuses (every status named,
+    0 for none), of the newest ``browse.MAX_COUNTED`` at most: ``more`` says that more match."""
+    loaded = schemas.load(CountsQuery, query)
+    with db.statement() as s:
+        found = dict(s.execute(browse.counts_statement(scope=scope_of(caller),
+                                                       **{name: loaded.get(name) for name in FILTERS})).all())
+    more = sum(found.values()) > browse.MAX_COUNTED
+    return {"counts": {status: found.get(status, 0) for status in STATUSES}, "more": more,
+            "counted": min(sum(found.values()), browse.MAX_COUNTED)}, 200
 
 
 def rows_of(tool_call_ids: list[str], caller: Caller | None) -> list[dict[str, Any]]:

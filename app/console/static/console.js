@@ -22,14 +22,31 @@
     return node;
   }
   const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
-  function age(iso) {
-    const s = Math.max(0, Math.round((Date.now() - Date.parse(iso)) / 1000));
-    if (s < 60) return `${s}s`;
-    if (s < 3600) return `${Math.floor(s / 60)}m`;
-    if (s < 86400) return `${Math.floor(s / 3600)}h`;
-    return `${Math.floor(s / 86400)}d`;
+  // times: UTC by default, this browser's zone on the list's switch; a column's header names its zone
+  let localZone = false;
+  const zoneName = () => (localZone ? Intl.DateTimeFormat().resolvedOptions().timeZone || "local time" : "UTC");
+  function setZone(local) {
+    localZone = local;
+    for (const header of document.querySelectorAll("[data-zone]")) header.textContent = `(${zoneName()})`;
   }
-  const time = (iso) => (iso ? new Date(iso).toISOString().replace("T", " ").slice(0, 23) : "");
+  function clock(iso) { // "2026-12-01 21:13:27" in the zone shown
+    if (!iso) return "";
+    const at = new Date(iso);
+    return (localZone ? new Date(at.getTime() - at.getTimezoneOffset() * 60e3) : at).toISOString()
+      .replace("T", " ").slice(0, 19);
+  }
+  function span(ms) {
+    const s = ms / 1000;
+    if (s < 1) return `${Math.max(0, Math.round(ms))} ms`;
+    if (s < 60) return `${s.toFixed(1)} s`;
+    if (s < 3600) return `${Math.floor(s / 60)}m ${Math.floor(s % 60)}s`;
+    if (s < 86400) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+    return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
+  }
+  // from its recording to its end; an open call's so far, marked "…"
+  const took = (call) => (call.completed_at ? span(Date.parse(call.completed_at) - Date.parse(call.created_at)) :
+    `${span(Date.now() - Date.parse(call.created_at))}…`);
+  const time = (iso) => (iso ? `${new Date(iso).toISOString().replace("T", " ").slice(0, 23)} UTC` : "");
   const statusBadge = (status) => el("span", {class: `status s-${String(status).toLowerCase()}`}, status);
   function problem(text) {
     const p = $("problem");
@@ -173,26 +190,96 @@
   // side, are in the document, in a space as tall as every row held. A change to a call off screen
   // costs its entry only; changes are drawn at the next frame, many in a frame drawn once, and a
   // drawn row is patched in place (never redrawn, so the keyboard's focus stays where it is).
+  // The filters are the page's URL (a view is a link: bookmarked, shared, kept by back and forward).
   const SPARE_ROWS = 12; // drawn above and below the screen
-  const AGES_EVERY_MS = 10000; // the rows on screen: an age in minutes needs no faster clock
+  const AGES_EVERY_MS = 10000; // the open calls' durations on screen: seconds need no faster clock
+  const COUNTS_EVERY_MS = 2000; // the counts by status are read again at most this often, only after a change
+  const PRESETS = {"15m": 15 * 60e3, "1h": 3600e3, "24h": 86400e3, "7d": 7 * 86400e3};
+  const TEXT_FILTERS = ["tool", "session_id", "caller", "tool_call_id"];
   function callsView() {
     const table = $("calls");
     const space = $("calls-space"); // as tall as every row held
     const list = $("calls-rows"); // the rows drawn, moved down to where they belong
     let calls = []; // every call held, newest first
     let byId = new Map(); // tool_call_id -> call
-    let drawn = new Map(); // tool_call_id -> {row, status, age, call}
+    let drawn = new Map(); // tool_call_id -> {row, status, ended, duration, call}
     let rowPx = 29, measured = false, shownFrom = 0, height = -1, frame = 0;
-    let filters = {};
+    let filters = {}; // what the server is asked: statuses, the text filters, created_from / created_to
     let next = null;
+    let paused = false, held_back = new Map(), rereadWhenResumed = false, arrived = 0;
 
-    function filtersOf() {
+    for (const name of me.tools || []) $("f-tool").append(el("option", {value: name}, name));
+
+    // -- the URL <-> the form --------------------------------------------------------------
+    function fromUrl() {
+      const url = new URLSearchParams(location.search);
+      const statuses = new Set((url.get("status") || "").split(",").filter(Boolean));
+      for (const box of document.querySelectorAll("#f-statuses input")) box.checked = statuses.has(box.value);
+      for (const name of TEXT_FILTERS) $(`f-${name === "session_id" ? "session" : name === "tool_call_id" ? "id" : name}`)
+        .value = url.get(name) || "";
+      $("f-tool").value = url.get("tool") || ""; // a tool no longer in the registry: "any"
+      if ((url.get("tool") || "") !== $("f-tool").value) {
+        $("f-tool").append(el("option", {value: url.get("tool")}, url.get("tool")));
+        $("f-tool").value = url.get("tool");
+      }
+      const range = url.get("range") || (url.get("from") || url.get("to") ? "custom" : "");
+      $("f-range").value = range in PRESETS || range === "custom" ? range : "";
+      $("local-time").checked = url.get("tz") === "local";
+      setZone($("local-time").checked);
+      $("f-from").value = url.get("from") ? inputValue(url.get("from")) : "";
+      $("f-to").value = url.get("to") ? inputValue(url.get("to")) : "";
+      $("f-custom").hidden = $("f-range").value !== "custom";
+    }
+    function toUrl() { // the form as the page's query string
+      const url = new URLSearchParams();
+      const statuses = [...document.querySelectorAll("#f-statuses input:checked")].map((box) => box.value);
+      if (statuses.length) url.set("status", statuses.join(","));
+      for (const [name, id] of [["tool", "f-tool"], ["session_id", "f-session"], ["caller", "f-caller"],
+        ["tool_call_id", "f-id"]]) {
+        const value = $(id).value.trim();
+        if (value) url.set(name, value);
+      }
+      const range = $("f-range").value;
+      if (range in PRESETS) url.set("range", range);
+      if (range === "custom") {
+        if ($("f-from").value) url.set("from", isoOf($("f-from").value));
+        if ($("f-to").value) url.set("to", isoOf($("f-to").value));
+      }
+      if ($("local-time").checked) url.set("tz", "local");
+      const text = url.toString();
+      return text ? `?${text}` : "";
+    }
+    // a datetime-local field's value is read in the zone shown (UTC, or this browser's)
+    const isoOf = (value) => new Date(localZone ? value : `${value}Z`).toISOString();
+    function inputValue(iso) {
+      const at = new Date(iso);
+      if (Number.isNaN(at.getTime())) return "";
+      const shifted = localZone ? new Date(at.getTime() - at.getTimezoneOffset() * 60e3) : at;
+      return shifted.toISOString().slice(0, 19);
+    }
+    function filtersOf() { // the server's filters, from the URL (a preset counts back from now)
+      const url = new URLSearchParams(location.search);
       const found = {};
-      for (const [name, value] of new FormData($("filters"))) if (value.trim()) found[name] = value.trim();
+      if (url.get("status")) found.status = url.get("status");
+      for (const name of TEXT_FILTERS) if (url.get(name)) found[name] = url.get(name);
+      const range = url.get("range");
+      if (range in PRESETS) found.created_from = new Date(Date.now() - PRESETS[range]).toISOString();
+      else {
+        if (url.get("from")) found.created_from = url.get("from");
+        if (url.get("to")) found.created_to = url.get("to");
+      }
       return found;
     }
-    const matches = (call) => Object.entries(filters).every(([name, value]) =>
-      (name === "tool" ? call.function_name : name === "status" ? call.status : call[name]) === value);
+    function matches(call) {
+      const statuses = filters.status ? filters.status.split(",") : null;
+      if (statuses && !statuses.includes(call.status)) return false;
+      if (filters.tool && call.function_name !== filters.tool) return false;
+      for (const name of ["session_id", "caller", "tool_call_id"]) if (filters[name] && call[name] !== filters[name]) return false;
+      if (filters.created_from && Date.parse(call.created_at) < Date.parse(filters.created_from)) return false;
+      if (filters.created_to && Date.parse(call.created_at) >= Date.parse(filters.created_to)) return false;
+      return true;
+    }
+
     const newer = (a, b) => a.created_at > b.created_at ||
       (a.created_at === b.created_at && a.tool_call_id > b.tool_call_id);
     function place(call) { // where ``call`` is, or goes, newest first (by halving)
@@ -207,13 +294,14 @@
     function rowOf(call) {
       const cell = (...content) => el("span", {role: "cell"}, ...content);
       const status = cell(statusBadge(call.status));
-      const ageCell = cell(age(call.created_at));
+      const ended = cell(clock(call.completed_at));
+      const duration = cell(took(call));
       const row = el("div", {role: "row", class: "row", "data-id": call.tool_call_id},
         cell(el("a", {href: `/console/calls/${encodeURIComponent(call.tool_call_id)}`}, call.tool_call_id)),
         cell(call.function_name), status,
         cell(el("a", {href: `/console/sessions/${encodeURIComponent(call.session_id)}`}, call.session_id)),
-        cell(call.caller || ""), ageCell);
-      return {row, status, age: ageCell, call};
+        cell(call.caller || ""), cell(el("time", {datetime: call.created_at}, clock(call.created_at))), ended, duration);
+      return {row, status, ended, duration, call};
     }
     function draw() {
       frame = 0;
@@ -228,6 +316,10 @@
         if (!shown) shown = rowOf(call);
         else if (shown.call !== call) {
           if (shown.call.status !== call.status) shown.status.replaceChildren(statusBadge(call.status));
+          if (shown.call.completed_at !== call.completed_at) {
+            shown.ended.textContent = clock(call.completed_at);
+            shown.duration.textContent = took(call);
+          }
           shown.call = call;
         }
         const index = String(i + 2); // the header is row 1
@@ -267,6 +359,12 @@
     function soon() {
       if (!frame) frame = requestAnimationFrame(draw);
     }
+    function redrawAll() { // the zone changed: every drawn row's times
+      for (const shown of drawn.values()) shown.row.remove();
+      drawn = new Map();
+      shownFrom = -1;
+      soon();
+    }
     function hold(page, more) {
       if (!more) {
         calls = [];
@@ -281,26 +379,76 @@
       $("older").hidden = !next;
       soon();
     }
-    function query(extra) {
-      const params = new URLSearchParams({...filters, ...extra});
-      return `/console/api/calls?${params}`;
+    function query(path, extra) {
+      return `${path}?${new URLSearchParams({...filters, ...extra})}`;
     }
     const load = coalesced(async () => {
-      hold(await api(query({limit: 50})), false);
+      if (paused) {
+        rereadWhenResumed = true;
+        return;
+      }
+      hold(await api(query("/console/api/calls", {limit: 50})), false);
       problem("");
+      countsSoon(true);
     });
+
+    // -- the counts by status, for the filters but the statuses ---------------------------------
+    let countsTimer = 0, countsWanted = false, countsAt = 0;
+    const readCounts = coalesced(async () => {
+      countsAt = Date.now();
+      const others = {...filters};
+      delete others.status; // the counts are of every status, under the other filters
+      const answer = await api(`/console/api/counts?${new URLSearchParams(others)}`);
+      for (const badge of document.querySelectorAll("#f-statuses .count")) {
+        badge.textContent = `(${answer.counts[badge.dataset.status] || 0}${answer.more ? "+" : ""})`;
+      }
+      $("counted").textContent = answer.more ? `Counts by status: of the newest ${answer.counted} calls only ` +
+        "(narrow the time range for exact counts)." : `${answer.counted} call${answer.counted === 1 ? "" : "s"} ` +
+        "match the other filters.";
+    });
+    function countsSoon(now) {
+      if (now) {
+        clearTimeout(countsTimer);
+        countsTimer = 0;
+        countsWanted = false;
+        readCounts();
+        return;
+      }
+      countsWanted = true;
+      if (countsTimer) return;
+      countsTimer = setTimeout(() => {
+        countsTimer = 0;
+        if (countsWanted && !document.hidden) {
+          countsWanted = false;
+          readCounts();
+        }
+      }, Math.max(0, countsAt + COUNTS_EVERY_MS - Date.now()));
+    }
+
     function changed(given) {
+      if (paused) { // held back, newest state of each, until resumed
+        for (const call of given) {
+          if (!held_back.has(call.tool_call_id) && !byId.has(call.tool_call_id) && matches(call)) arrived += 1;
+          held_back.set(call.tool_call_id, call);
+        }
+        $("paused-note").textContent = `Paused: ${arrived} new call${arrived === 1 ? "" : "s"} and ` +
+          `${held_back.size - arrived} other change${held_back.size - arrived === 1 ? "" : "s"} arrived meanwhile.`;
+        return;
+      }
+      let any = false;
       for (const call of given) {
         const known = byId.get(call.tool_call_id);
         if (known) {
-          if (known.status !== call.status) {
+          if (known.status !== call.status || known.completed_at !== call.completed_at) {
             calls[place(known)] = call;
             byId.set(call.tool_call_id, call);
+            any = true;
             if (drawn.has(call.tool_call_id)) soon();
           }
           continue;
         }
         if (!matches(call)) continue;
+        any = true;
         const at = place(call);
         if (at === calls.length && next) continue; // older than every call held: in a later page
         calls.splice(at, 0, call);
@@ -310,33 +458,81 @@
         }
         soon();
       }
+      if (any) countsSoon(false);
+    }
+    function pause(on) {
+      paused = on;
+      $("pause").setAttribute("aria-pressed", String(on));
+      $("pause").textContent = on ? "Resume" : "Pause";
+      if (on) {
+        $("paused-note").textContent = "Paused: nothing arrived yet.";
+        return;
+      }
+      const waiting = [...held_back.values()];
+      held_back = new Map();
+      arrived = 0;
+      $("paused-note").textContent = "";
+      if (rereadWhenResumed) {
+        rereadWhenResumed = false;
+        load();
+      } else changed(waiting);
+    }
+    function apply() {
+      filters = filtersOf();
+      load();
     }
     $("filters").addEventListener("submit", (event) => {
       event.preventDefault();
-      filters = filtersOf();
-      load();
+      const search = toUrl();
+      if (search !== location.search) history.pushState(null, "", `/console${search}`);
+      apply();
     });
     $("filters").addEventListener("reset", () => setTimeout(() => {
-      filters = {};
-      load();
+      $("f-custom").hidden = true;
+      const keep = $("local-time").checked ? "?tz=local" : "";
+      if (keep !== location.search) history.pushState(null, "", `/console${keep}`);
+      apply();
     }));
+    $("f-range").addEventListener("change", () => {
+      $("f-custom").hidden = $("f-range").value !== "custom";
+    });
+    $("local-time").addEventListener("change", () => {
+      const from = $("f-from").value && isoOf($("f-from").value), to = $("f-to").value && isoOf($("f-to").value);
+      setZone($("local-time").checked);
+      $("f-from").value = from ? inputValue(from) : ""; // the same moments, shown in the other zone
+      $("f-to").value = to ? inputValue(to) : "";
+      const url = new URLSearchParams(location.search);
+      if ($("local-time").checked) url.set("tz", "local");
+      else url.delete("tz");
+      history.replaceState(null, "", `/console${url.toString() ? `?${url}` : ""}`);
+      redrawAll();
+    });
+    addEventListener("popstate", () => { // back and forward: the view of that URL
+      fromUrl();
+      redrawAll();
+      apply();
+    });
+    $("pause").addEventListener("click", () => pause(!paused));
     $("older").addEventListener("click", async () => {
       if (!next) return;
       try {
-        hold(await api(query({limit: 200, ...next})), true);
+        hold(await api(query("/console/api/calls", {limit: 200, ...next})), true);
       } catch (error) {
         problem(error.message);
       }
     });
     addEventListener("scroll", soon, {passive: true});
     addEventListener("resize", soon, {passive: true});
-    setInterval(() => { // only the rows drawn, and only a text that changed
+    setInterval(() => { // only the open calls drawn, and only a text that changed
       if (document.hidden) return;
       for (const shown of drawn.values()) {
-        const text = age(shown.call.created_at);
-        if (shown.age.textContent !== text) shown.age.textContent = text;
+        if (shown.call.completed_at) continue;
+        const text = took(shown.call);
+        if (shown.duration.textContent !== text) shown.duration.textContent = text;
       }
     }, AGES_EVERY_MS);
+    fromUrl();
+    filters = filtersOf();
     live(changed, load); // the stream's first frame says "read": the list is read once it listens
   }
 
