@@ -348,3 +348,18 @@ def test_a_steps_percentiles_are_runs_own_times_never_a_buckets_edge():
     hundred = [float(ms) for ms in range(100, 0, -1)]
     assert (views.nearest_rank(0.5, hundred), views.nearest_rank(0.99, hundred)) == (50.0, 99.0)
     assert views.nearest_rank(0.99, [3.0, 1.0, 2.0]) == 3.0 and views.nearest_rank(0.5, [3.0, 1.0]) == 1.0
+
+
+def test_a_calls_trace_link_comes_from_the_configured_template(client, monkeypatch):
+    tool_call_id = record(client)
+    with db.session() as s:
+        s.execute(text("UPDATE tool_calls SET trace_context = :t WHERE tool_call_id = :i"),
+                  {"t": f"00-{'ab' * 16}-{'cd' * 8}-01", "i": tool_call_id})
+    untraced = record(client)
+    read = lambda i: client.get(f"/console/api/calls/{i}", headers=AUTH).get_json()["trace_url"]
+    assert read(tool_call_id) is None  # no template: no link
+    monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "http://jaeger.example:16686/trace/{trace_id}")
+    assert read(tool_call_id) == f"http://jaeger.example:16686/trace/{'ab' * 16}"
+    assert read(untraced) is None  # recorded while tracing was off
+    monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "javascript:alert({trace_id})")
+    assert read(tool_call_id) is None  # only an http(s) link

@@ -545,3 +545,16 @@ def test_a_list_of_10000_calls_taking_a_change_a_second_keeps_the_tab_a_few_perc
     assert held(page) == HELD + len(recorded)
     assert busy <= BUSY_BOUND, f"{busy:.1%} busy with a change a second ({idle:.1%} idle)"
     assert idle <= BUSY_BOUND, f"{idle:.1%} busy idle"
+
+
+def test_a_calls_page_links_to_its_trace_from_the_configured_template(page, origin, monkeypatch):
+    tool_call_id = record(origin)
+    with db.session() as s:
+        s.execute(text("UPDATE tool_calls SET trace_context = :t WHERE tool_call_id = :i"),
+                  {"t": f"00-{'ab' * 16}-{'cd' * 8}-01", "i": tool_call_id})
+    monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "http://tempo.invalid/trace/{trace_id}")
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{tool_call_id}")
+    link = until(page, lambda d: d.execute_script(  # read at once: the page draws the call again as it changes
+        "const a = document.querySelector('#call-trace a'); return a && [a.href, a.rel, a.textContent]"),
+        what="the trace link")
+    assert link == [f"http://tempo.invalid/trace/{'ab' * 16}", "noopener noreferrer", "Trace ↗"]

@@ -9,12 +9,13 @@ actions on a call themselves are the operations REST and the CLI call (``operati
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from typing import Any
 
 from marshmallow import ValidationError, fields, validate
 
-from models import browse, db, queries
+from models import browse, db, queries, settings
 from models.calls import STATUSES, CallbackDelivery
 from tasks import tools
 from tasks.calls import admin, operations, schemas
@@ -159,6 +160,20 @@ def _kind(call: Any, name: str) -> str:
     return "checkpoint (preview)" if step.checkpoint else "side effect" if step.side_effect else "step"
 
 
+TRACE_ID = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def trace_url(call: Any) -> str | None:
+    """The link to the call's trace in the operator's tracing UI: ``VOICE_TOOLS_TRACE_URL`` with
+    ``{trace_id}`` the call's (from the ``traceparent`` recorded with it); None without a template
+    (or one that is not http(s)), or for a call recorded while tracing was off."""
+    template = settings.load().trace_url
+    found = TRACE_ID.match(call.trace_context or "")
+    if not found or not template.startswith(("http://", "https://")) or "{trace_id}" not in template:
+        return None
+    return template.replace("{trace_id}", found.group(1))
+
+
 def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     """One call's whole record (as ``GET /voice-tools/status`` answers it), each step's output in its
     chain's order (as ``calls show`` prints them), what Proceed will do at a checkpoint
@@ -172,7 +187,7 @@ def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     counters = {"attempts": row.attempts, "step_attempts": row.step_attempts,
                 "effect_attempts": row.effect_attempts, "redrives": row.redrives}
     steps = [{"step": name, "kind": _kind(row, name), "output": output} for name, output in step_outputs(row).items()]
-    return {"record": record, "steps": steps, "next": following(row), "events": events,
+    return {"record": record, "steps": steps, "next": following(row), "trace_url": trace_url(row), "events": events,
             "attempts": row.link_attempts, "counters": counters}, 200
 
 

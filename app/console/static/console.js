@@ -644,8 +644,10 @@
     const acted = (entry) => (entry.by || entry.via ?
       el("span", {class: "acted"}, ` by ${entry.by || "?"}${entry.via ? ` via ${entry.via}` : ""}`) : null);
 
-    function render({record, steps, events, attempts, counters, next}) {
+    function render({record, steps, events, attempts, counters, next, trace_url: traceUrl}) {
       following = next;
+      $("call-trace").replaceChildren(...(traceUrl ? [el("a", {href: traceUrl, target: "_blank",
+        rel: "noopener noreferrer"}, "Trace ↗")] : []));
       $("call-status").replaceChildren(statusBadge(record.status));
       $("call-summary").replaceChildren(`${record.function_name} · session `,
         el("a", {href: `/console/sessions/${encodeURIComponent(record.session_id)}`}, record.session_id),
