@@ -747,6 +747,18 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
     )
 
 
+def mark_run_again(s: Session, tool_call_id: str, new_id: str, acted: Acted, caller: str | None = None) -> ToolCall | None:
+    """Note on a FAILED call whose effect was not done that it is run again as ``new_id`` (its history's
+    last entry, ``run_again_as``), once: None when it was already run again, did not fail, its effect
+    was done (``outcome`` done), or it is not ``caller``'s (when given). No status change."""
+    return _transition(
+        s, tool_call_id, from_statuses=(FAILED,), to_status=None,
+        history=[_entry(FAILED, f"Run again as {new_id}", run_again_as=new_id, **acted)],
+        extra_where=[ToolCall.outcome != DONE, ~func.jsonb_path_exists(ToolCall.status_history, "$[*].run_again_as"),
+                     *_owned_by(caller)],
+    )
+
+
 # -- sweeps (beat) --------------------------------------------------------------
 
 def expire(s: Session, tool_call_id: str, *, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:

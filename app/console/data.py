@@ -48,6 +48,11 @@ def proceed(tool_call_id: str):
     return browse.proceed(tool_call_id, _who())
 
 
+@bp.post("/calls/<tool_call_id>/run-again")
+def run_again(tool_call_id: str):
+    return browse.run_again(tool_call_id, inputs.body(), _who())
+
+
 @bp.post("/calls/<tool_call_id>/events/<event_id>/redeliver")
 def redeliver(tool_call_id: str, event_id: str):
     return browse.redeliver(tool_call_id, event_id, _who())

@@ -17,7 +17,7 @@ from typing import Any
 from celery.utils import uuid
 
 from models import db, lifecycle, queries
-from models.calls import PENDING, ToolCall
+from models.calls import DONE, FAILED, PENDING, UNCONFIRMED, ToolCall
 from tasks import chains, tools
 from tasks.calls.errors import UnknownTool
 from tasks.delivery import attempts
@@ -108,6 +108,37 @@ def resume(tool_call_id: str, caller: str | None = None, acted: lifecycle.Acted 
             return _started(_published_after_all(tool_call_id), tool, start)
         raise
     return _started(call, tool, start)
+
+
+def run_again(tool_call_id: str, acknowledged: bool = False, caller: str | None = None,
+              acted: lifecycle.Acted | None = None) -> Started:
+    """Run a FAILED call whose effect was not done again, as a new call of the same caller, session,
+    tool, parameters and callbacks, started at once (as confirm starts one); the two are linked in
+    their histories (the old one's ``run_again_as``, the new one's ``again_of``), and a call is run
+    again once. Its effect done (``outcome`` done): never. ``unconfirmed`` (its first run may have
+    acted): only ``acknowledged``. ``caller``: only that caller's call. :class:`lifecycle.Refused`
+    otherwise (``invalid_status``, or ``may_have_acted`` without the acknowledgment)."""
+    acted = acted or {}
+    with db.session() as s:
+        old = queries.get(s, tool_call_id, caller=caller)
+        if old.status != FAILED:
+            raise lifecycle.Refused("invalid_status", old, f"Only a FAILED call can be run again; this one is {old.status}.")
+        if old.outcome == DONE:
+            raise lifecycle.Refused("invalid_status", old, "Its effect was done (a step after it failed): running it "
+                                                            "again would do it twice.")
+        if old.outcome == UNCONFIRMED and not acknowledged:
+            raise lifecycle.Refused("may_have_acted", old, "Its first run may have acted (its outcome is unconfirmed): "
+                                                            "check, then acknowledge that running it again may do it twice.")
+        tool_of(old)
+        new_id = lifecycle.new_tool_call_id()
+        if lifecycle.mark_run_again(s, tool_call_id, new_id, acted, caller) is None:
+            raise lifecycle.Refused("invalid_status", old, "This call was already run again.")
+        lifecycle.create(s, session_id=old.session_id, function_name=old.function_name, action_level=old.action_level,
+                         parameters=old.parameters, tool_call_id=new_id, connection_id=old.connection_id,
+                         intent_id=old.intent_id, callback_url=old.callback_url, callback_urls=old.callback_urls,
+                         caller=old.caller, reason=f"Run again of {tool_call_id}",
+                         acted={**acted, "again_of": tool_call_id})
+    return confirm(new_id, reason=f"Confirmed: run again of {tool_call_id}", acted=acted)
 
 
 def _published_after_all(tool_call_id: str) -> ToolCall:

@@ -18,8 +18,8 @@ from marshmallow import ValidationError, fields, validate
 from models import browse, db, queries, settings
 from models.calls import STATUSES, CallbackDelivery
 from tasks import tools
-from tasks.calls import admin, operations, schemas
-from tasks.calls.callers import Caller, scope_of
+from tasks.calls import actions, admin, operations, schemas
+from tasks.calls.callers import Caller, acted, scope_of
 from tasks.calls.errors import ApiError
 from tasks.celery_app import app as celery_app
 from tasks.worker.metrics_page import QueueDepth
@@ -187,7 +187,8 @@ def call(tool_call_id: Any, caller: Caller | None) -> Answer:
     counters = {"attempts": row.attempts, "step_attempts": row.step_attempts,
                 "effect_attempts": row.effect_attempts, "redrives": row.redrives}
     steps = [{"step": name, "kind": _kind(row, name), "output": output} for name, output in step_outputs(row).items()]
-    return {"record": record, "steps": steps, "next": following(row), "trace_url": trace_url(row), "events": events,
+    return {"record": record, "steps": steps, "next": following(row), "trace_url": trace_url(row),
+            "console_actions": console_actions(row), "events": events,
             "attempts": row.link_attempts, "counters": counters}, 200
 
 
@@ -196,6 +197,30 @@ def cancel(tool_call_id: Any, body: dict[str, Any], caller: Caller | None) -> An
     (``CancelRequest``'s rules), else :data:`CONSOLE_CANCEL`."""
     reason = schemas.load(schemas.CancelRequest, body).get("reason")
     return operations.cancel(tool_call_id, {"reason": reason or CONSOLE_CANCEL}, {}, caller)
+
+
+class RunAgainRequest(schemas.Strict):
+    acknowledge_may_have_acted = fields.Boolean(load_default=False)
+
+
+RUN_AGAIN = "run_again"
+
+
+def console_actions(call: Any) -> list[str]:
+    """What the console offers beyond the record's own ``actions_available``: run a FAILED call again,
+    once, unless its effect was done."""
+    again = call.status == "FAILED" and call.outcome != "done" and not any(
+        "run_again_as" in entry for entry in call.status_history or [])
+    return [RUN_AGAIN] if again else []
+
+
+def run_again(tool_call_id: Any, body: dict[str, Any], caller: Caller | None) -> Answer:
+    """Run a FAILED call again as a new call (``actions.run_again``); the new call as a start answers it."""
+    tool_call_id = schemas.load(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
+    acknowledged = schemas.load(RunAgainRequest, body)["acknowledge_may_have_acted"]
+    started = actions.run_again(tool_call_id, acknowledged, caller=scope_of(caller), acted=acted(caller))
+    return {"tool_call_id": started.call.tool_call_id, "status": started.call.status, "again_of": tool_call_id,
+            "message": started.message}, 202
 
 
 def proceed(tool_call_id: Any, caller: Caller | None) -> Answer:

@@ -298,6 +298,9 @@ class StatusEntry(Schema):
                                                 "the sweep's name for beat, relay for a callback's answer); absent "
                                                 "on a step the call's chain took itself"})
     via = fields.String(metadata={"enum": list(FACES), "description": "The face the action came through"})
+    again_of = fields.String(metadata={"description": "On a call run again from the console: the FAILED call it "
+                                                      "runs again"})
+    run_again_as = fields.String(metadata={"description": "On a FAILED call run again: the new call that runs it"})
 
 
 class CallRecord(Schema):
