@@ -558,3 +558,36 @@ def test_a_calls_page_links_to_its_trace_from_the_configured_template(page, orig
         "const a = document.querySelector('#call-trace a'); return a && [a.href, a.rel, a.textContent]"),
         what="the trace link")
     assert link == [f"http://tempo.invalid/trace/{'ab' * 16}", "noopener noreferrer", "Trace ↗"]
+
+
+def test_a_failed_call_is_run_again_from_its_page_and_an_unconfirmed_one_only_acknowledged(page, origin):
+    from models import lifecycle
+
+    def failed(outcome: str) -> str:
+        call = make_call(session_id="sess_again")
+        with db.session() as s:
+            lifecycle.fail(s, call.tool_call_id, "The mail server refused it.", "It failed.",
+                           from_statuses=("PENDING",), outcome=outcome)
+        return call.tool_call_id
+
+    old = failed("unconfirmed")
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{old}")
+    until(page, lambda d: d.find_element(By.ID, "action-run-again"), what="Run again, offered")
+    time.sleep(0.5)  # the page reads the call again once its live stream listens: the button drawn anew
+    until(page, lambda d: d.execute_script("const b = document.getElementById('action-run-again');"
+                                           " if (b) b.click(); return !!b"), what="Run again, clicked")
+    until(page, lambda d: d.find_element(By.ID, "again-dialog").is_displayed(), what="the dialog")
+    assert page.find_element(By.ID, "again-ack-line").is_displayed()
+    page.find_element(By.ID, "again-confirm").send_keys(Keys.ENTER)  # not acknowledged: refused here
+    assert "Tick the acknowledgment" in page.find_element(By.ID, "again-error").text
+    assert "run_again_as" not in json.dumps(requests.get(f"{origin}/voice-tools/status/{old}", headers=AUTH,
+                                                         timeout=10).json()["status_history"])
+    assert every_control_named(page) == []
+    page.find_element(By.ID, "again-ack").send_keys(" ")
+    page.find_element(By.ID, "again-confirm").send_keys(Keys.ENTER)
+    until(page, lambda d: f"Runs again {old}" in d.find_element(By.ID, "actions").text, what="the new call's page")
+    new = page.current_url.rsplit("/", 1)[1]
+    assert new != old and rest_status(origin, new) in ("EXECUTING", "PREPARED", "COMPLETED", "FAILED")
+    page.get(f"{origin}/console/calls/{old}")
+    until(page, lambda d: f"Run again as {new}" in d.find_element(By.ID, "actions").text, what="linked back")
+    assert page.find_elements(By.ID, "action-run-again") == []  # once only

@@ -596,6 +596,35 @@
     }
     $("proceed-back").addEventListener("click", () => closeDialog($("proceed-dialog")));
     $("cancel-back").addEventListener("click", () => closeDialog($("cancel-dialog")));
+    $("again-back").addEventListener("click", () => closeDialog($("again-dialog")));
+    let unconfirmed = false;
+    $("again-confirm").addEventListener("click", async () => {
+      const button = $("again-confirm");
+      if (unconfirmed && !$("again-ack").checked) {
+        $("again-error").textContent = "Tick the acknowledgment first: this call's first run may have acted.";
+        $("again-ack").focus();
+        return;
+      }
+      button.disabled = true;
+      let started;
+      try {
+        started = await api(`${path}/run-again`, {method: "POST",
+          json: unconfirmed ? {acknowledge_may_have_acted: true} : {}});
+      } catch (error) {
+        $("again-error").textContent = error.message;
+        button.disabled = false;
+        return;
+      }
+      location.assign(`/console/calls/${encodeURIComponent(started.tool_call_id)}`); // the new call
+    });
+    function askAgain(button, record) {
+      unconfirmed = record.outcome === "unconfirmed";
+      $("again-ack").checked = false;
+      $("again-ack-line").hidden = !unconfirmed;
+      $("again-error").textContent = "";
+      $("again-confirm").disabled = false;
+      openDialog($("again-dialog"), button);
+    }
     $("proceed-confirm").addEventListener("click", async () => {
       const button = $("proceed-confirm");
       button.disabled = true;
@@ -644,7 +673,8 @@
     const acted = (entry) => (entry.by || entry.via ?
       el("span", {class: "acted"}, ` by ${entry.by || "?"}${entry.via ? ` via ${entry.via}` : ""}`) : null);
 
-    function render({record, steps, events, attempts, counters, next, trace_url: traceUrl}) {
+    function render(shownCall) {
+      const {record, steps, events, attempts, counters, next, trace_url: traceUrl} = shownCall;
       following = next;
       $("call-trace").replaceChildren(...(traceUrl ? [el("a", {href: traceUrl, target: "_blank",
         rel: "noopener noreferrer"}, "Trace ↗")] : []));
@@ -667,7 +697,18 @@
         stop.addEventListener("click", () => askCancel(stop));
         buttons.push(stop);
       }
-      actions.replaceChildren(...buttons);
+      if ((shownCall.console_actions || []).includes("run_again")) {
+        const again = el("button", {type: "button", id: "action-run-again", "aria-haspopup": "dialog"}, "Run again…");
+        again.addEventListener("click", () => askAgain(again, record));
+        buttons.push(again);
+      }
+      const links = [];
+      for (const entry of record.status_history || []) {
+        if (entry.again_of) links.push(["Runs again ", entry.again_of]);
+        if (entry.run_again_as) links.push(["Run again as ", entry.run_again_as]);
+      }
+      actions.replaceChildren(...buttons, ...links.map(([text, other]) => el("span", {class: "linked"}, text,
+        el("a", {href: `/console/calls/${encodeURIComponent(other)}`}, other))));
       $("call-parameters").textContent = JSON.stringify(record.parameters, null, 2);
       const changes = record.parameters_history || [];
       $("call-changes").replaceChildren(...(changes.length ? changes.map((c) =>
