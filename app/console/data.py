@@ -48,6 +48,16 @@ def proceed(tool_call_id: str):
     return browse.proceed(tool_call_id, _who())
 
 
+@bp.get("/bulk/<action>")
+def bulk_chosen(action: str):
+    return browse.bulk_chosen(action, inputs.query(), g.who)
+
+
+@bp.post("/bulk/<action>")
+def bulk(action: str):
+    return browse.bulk(action, inputs.body(), _who())
+
+
 @bp.post("/calls/<tool_call_id>/run-again")
 def run_again(tool_call_id: str):
     return browse.run_again(tool_call_id, inputs.body(), _who())
