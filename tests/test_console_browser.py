@@ -8,7 +8,9 @@ list, a call, a call's retried run and the tools view go to the test's folder; w
 (``docs/console`` for the operator guide's) they are copied there too.
 
 Skipped where Chromium or its driver is not installed (``apt-get install chromium chromium-driver``;
-``.ci/run`` installs them), except under ``CI=true``, where that is a failure.
+``.ci/run`` installs them), except under ``CI=true``, where that is a failure. On each page and dialog
+checked for its controls' names, axe-core (``tests/axe``, installed from its lock by ``.ci/run``'s
+``npm ci``, injected by the driver) must find no serious or critical violation.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tasks.tools import Step, TransientError
 from tests.helpers import deliveries, make_call
 from tests.test_chains import make_tool, register  # noqa: F401  (a fixture: a tool the running worker takes)
 
+AXE = Path(__file__).parent / "axe" / "node_modules" / "axe-core" / "axe.min.js"  # npm ci in tests/axe (.ci/run)
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM = Path("/usr/bin/chromium")
 TOKENS = f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin,cpu:cpu-token"
@@ -175,7 +178,32 @@ def step_rows(driver) -> list[tuple[str, str]]:
             for row in driver.find_elements(By.CSS_SELECTOR, "#call-steps tbody tr[data-step]")]
 
 
+def serious_violations(driver) -> list[dict]:
+    """axe-core's serious and critical violations on the page as it is now (the installed copy,
+    injected by the driver: nothing from a CDN, nothing fetched by the page)."""
+    if not AXE.is_file():
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI: axe-core is not installed (cd tests/axe && npm ci)")
+        pytest.skip("axe-core is not installed (cd tests/axe && npm ci)")
+    if not driver.execute_script("return !!window.axe"):
+        driver.execute_script(AXE.read_text())
+    found = driver.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        axe.run(document, {resultTypes: ["violations"]}).then(
+          (r) => done(r.violations.filter(v => ["serious", "critical"].includes(v.impact))
+                       .map(v => ({id: v.id, impact: v.impact, nodes: v.nodes.map(n => n.html).slice(0, 3)}))),
+          (e) => done([{id: "axe failed", impact: "critical", nodes: [String(e)]}]));""")
+    return found
+
+
 def every_control_named(driver) -> list[str]:
+    """The controls of the page shown with no name a screen reader would say; and axe-core finds no
+    serious or critical violation on it (asserted here, where every test checks its page's names)."""
+    assert serious_violations(driver) == []
+    return _unnamed(driver)
+
+
+def _unnamed(driver) -> list[str]:
     """The controls of the page shown with no name a screen reader would say."""
     return driver.execute_script("""
         return [...document.querySelectorAll('button, input, select, a[href]')]
@@ -238,6 +266,7 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     page.find_element(By.ID, "sign-out").click()
     until(page, lambda d: d.find_element(By.ID, "token").is_displayed(), what="signed out")
     assert page.execute_script("return sessionStorage.length") == 0
+    assert every_control_named(page) == []  # the sign-in page too
 
 
 def test_a_status_changes_in_the_list_without_a_reload(page, origin):
@@ -276,6 +305,7 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
     assert step_rows(page) == [("PREPARING", "step"), ("READY_TO_SEND", "checkpoint (preview)")]
     proceed.click()  # asks first, showing the email as it will go
     until(page, lambda d: d.find_element(By.ID, "proceed-dialog").is_displayed(), what="the proceed dialog")
+    assert serious_violations(page) == []  # the dialog open
     outputs = requests.get(f"{origin}/console/api/calls/{tool_call_id}", headers=AUTH, timeout=10).json()
     draft = outputs["steps"][0]["output"]  # PREPARING's: the email as the checkpoint previews it
     assert page.find_element(By.ID, "proceed-title").text == "Proceed to SENDING?"
@@ -306,6 +336,7 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
 
     page.get(f"{origin}/console/sessions/sess_checkpoint")  # the session, as the relay's context reads it
     until(page, lambda d: tool_call_id in d.find_element(By.ID, "session-calls").text, what="the session's call")
+    assert every_control_named(page) == []
 
 
 def cells(driver, tool_call_id: str) -> list[str]:
@@ -446,7 +477,8 @@ def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path)
     [task] = [t for t in figures["tools"] if t["tool"] == "create_task"]
     for step in task["steps"]:  # each step's figures, with the count of runs they are read from
         assert step["runs"] == 2, step
-        assert f"{step['step']}: p50 {step['p50_ms']} ms, p99 {step['p99_ms']} ms (2 runs)" in row.text
+        js = lambda ms: str(ms).removesuffix(".0")  # as the page's script writes a number
+        assert f"{step['step']}: p50 {js(step['p50_ms'])} ms, p99 {js(step['p99_ms'])} ms (2 runs)" in row.text
     ticks = [t.text for t in row.find_elements(By.CSS_SELECTOR, "svg text")]
     assert ticks == [f"{max(task['per_minute'])}/min", "0", "60 min ago", "now"]  # the line's scale
     email = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='send_email']")
@@ -591,3 +623,20 @@ def test_a_failed_call_is_run_again_from_its_page_and_an_unconfirmed_one_only_ac
     page.get(f"{origin}/console/calls/{old}")
     until(page, lambda d: f"Run again as {new}" in d.find_element(By.ID, "actions").text, what="linked back")
     assert page.find_elements(By.ID, "action-run-again") == []  # once only
+
+
+def test_the_matching_calls_are_cancelled_at_once_after_their_count_is_confirmed(page, origin):
+    made = [record(origin, session_id="sess_bulk_page") for _ in range(2)]
+    sign_in(page, origin, OPS_TOKEN, "/console?session_id=sess_bulk_page")
+    until(page, lambda d: sorted(rows(d)) == sorted(made), what="the two calls")
+    page.find_element(By.ID, "bulk-cancel").click()
+    until(page, lambda d: d.find_element(By.ID, "bulk-dialog").is_displayed(), what="the count, to confirm")
+    assert page.find_element(By.ID, "bulk-what").text.startswith("This will cancel 2 calls")
+    assert [rest_status(origin, i) for i in made] == ["PENDING", "PENDING"]  # nothing done yet
+    assert every_control_named(page) == []
+    page.find_element(By.ID, "bulk-reason").send_keys("Test run")
+    page.find_element(By.ID, "bulk-confirm").click()
+    until(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#bulk-results li")) == 2, what="each call's result")
+    assert all(li.text.endswith(": CANCELLED") for li in page.find_elements(By.CSS_SELECTOR, "#bulk-results li"))
+    assert [rest_status(origin, i) for i in made] == ["CANCELLED", "CANCELLED"]
+    until(page, lambda d: [status_in_row(d, i) for i in made] == ["CANCELLED", "CANCELLED"], what="live, in place")

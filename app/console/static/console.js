@@ -206,6 +206,7 @@
     let rowPx = 29, measured = false, shownFrom = 0, height = -1, frame = 0;
     let filters = {}; // what the server is asked: statuses, the text filters, created_from / created_to
     let next = null;
+    let opener = null;
     let paused = false, held_back = new Map(), rereadWhenResumed = false, arrived = 0;
 
     for (const name of me.tools || []) $("f-tool").append(el("option", {value: name}, name));
@@ -513,6 +514,50 @@
       apply();
     });
     $("pause").addEventListener("click", () => pause(!paused));
+    // many calls at once: the filters' calls counted first, then acted on once that count is confirmed
+    let bulkAction = null, bulkCount = 0;
+    async function askBulk(action, button) {
+      bulkAction = action;
+      const chosen = await api(`/console/api/bulk/${action}?${new URLSearchParams(filters)}`);
+      bulkCount = chosen.count;
+      const what = action === "cancel" ? "cancel" : "redeliver the failed callbacks of";
+      $("bulk-title").textContent = action === "cancel" ? "Cancel the matching calls?" : "Redeliver the matching calls' callbacks?";
+      $("bulk-what").textContent = chosen.count ? `This will ${what} ${chosen.count} call${chosen.count === 1 ? "" : "s"}` +
+        ` (those the filters choose${action === "cancel" ? " that are still open" : " with a failed delivery"}` +
+        `${chosen.more ? `; the newest ${chosen.count} only: more match` : ""}).` : "No call matches: nothing to do.";
+      $("bulk-reason-line").hidden = action !== "cancel";
+      $("bulk-reason").value = "";
+      $("bulk-error").textContent = "";
+      $("bulk-results").replaceChildren();
+      $("bulk-confirm").hidden = !chosen.count;
+      $("bulk-confirm").disabled = false;
+      $("bulk-confirm").textContent = action === "cancel" ? `Cancel ${chosen.count} calls` : `Redeliver for ${chosen.count} calls`;
+      opener = button;
+      $("bulk-dialog").showModal();
+    }
+    $("bulk-cancel").addEventListener("click", () => askBulk("cancel", $("bulk-cancel")).catch((e) => problem(e.message)));
+    $("bulk-redeliver").addEventListener("click", () => askBulk("redeliver", $("bulk-redeliver")).catch((e) => problem(e.message)));
+    $("bulk-back").addEventListener("click", () => {
+      $("bulk-dialog").close();
+      if (opener) opener.focus();
+    });
+    $("bulk-confirm").addEventListener("click", async () => {
+      $("bulk-confirm").disabled = true;
+      const reason = $("bulk-reason").value.trim();
+      let done;
+      try {
+        done = await api(`/console/api/bulk/${bulkAction}`, {method: "POST",
+          json: {filters, expected: bulkCount, ...(bulkAction === "cancel" && reason ? {reason} : {})}});
+      } catch (error) {
+        $("bulk-error").textContent = error.message;
+        return;
+      }
+      $("bulk-confirm").hidden = true;
+      $("bulk-results").replaceChildren(...done.results.map((r) => el("li", {"data-id": r.tool_call_id},
+        el("a", {href: `/console/calls/${encodeURIComponent(r.tool_call_id)}`}, r.tool_call_id), ": ",
+        r.ok ? (r.status || `${r.queued} event${r.queued === 1 ? "" : "s"} queued`) : `refused: ${r.message}`)));
+      $("bulk-back").focus();
+    });
     $("older").addEventListener("click", async () => {
       if (!next) return;
       try {
