@@ -1,6 +1,7 @@
 """A FAILED call whose effect was not done, run again from the console: a new call linked to the old
-one both ways in their histories, started at once; never a call whose effect was done, and an
-``unconfirmed`` one only with an explicit acknowledgment that its first run may have acted."""
+one both ways in their histories, started at once (a real worker runs it: no chain is left in a
+queue); never a call whose effect was done, and an ``unconfirmed`` one only with an explicit
+acknowledgment that its first run may have acted."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,7 @@ def again(client, tool_call_id: str, headers=OPS, **body):
     return client.post(f"/console/api/calls/{tool_call_id}/run-again", headers=headers, json=body)
 
 
-def test_a_failed_call_not_done_runs_again_as_a_new_call_linked_both_ways(client):
+def test_a_failed_call_not_done_runs_again_as_a_new_call_linked_both_ways(client, worker):
     old = failed(NOT_DONE)
     answer = again(client, old)
     assert answer.status_code == 202, answer.get_json()
@@ -53,7 +54,7 @@ def test_a_failed_call_not_done_runs_again_as_a_new_call_linked_both_ways(client
     assert refused.status_code == 409 and refused.get_json()["error"] == "invalid_status"
 
 
-def test_an_unconfirmed_call_runs_again_only_with_the_acknowledgment(client):
+def test_an_unconfirmed_call_runs_again_only_with_the_acknowledgment(client, worker):
     old = failed(UNCONFIRMED)
     assert client.get(f"/console/api/calls/{old}", headers=OPS).get_json()["console_actions"] == ["run_again"]
     refused = again(client, old)
@@ -65,7 +66,7 @@ def test_an_unconfirmed_call_runs_again_only_with_the_acknowledgment(client):
     assert row(answer.get_json()["tool_call_id"]).status_history[0]["again_of"] == old
 
 
-def test_a_call_whose_effect_was_done_or_that_did_not_fail_is_never_run_again(client):
+def test_a_call_whose_effect_was_done_or_that_did_not_fail_is_never_run_again(client, worker):
     done = failed(DONE)
     assert client.get(f"/console/api/calls/{done}", headers=OPS).get_json()["console_actions"] == []
     assert again(client, done).status_code == 409
