@@ -837,7 +837,7 @@
   function chart(tool) {
     // the last hour, a bar per minute, oldest on the left; failures in a second colour. Its scale: the
     // busiest minute's count at the top of the left axis, 0 at its foot, the hour's two ends below.
-    const left = 26, plot = 180, top = 6, high = 36, width = left + plot + 4, height = top + high + 14;
+    const left = 40, plot = 180, top = 6, high = 36, width = left + plot + 4, height = top + high + 14;
     const most = Math.max(1, ...tool.per_minute);
     const svg = svgNode("svg", {viewBox: `0 0 ${width} ${height}`, width, height, role: "img",
       "aria-label": `${tool.tool}: ${tool.calls_last_hour} calls in the last hour, ${tool.failed_last_hour} failed; ` +
