@@ -378,7 +378,7 @@ def create_mcp_server() -> Server[Any]:
 class BearerToken:
     """Refuse (401, the REST API's JSON) a request without a token of ``VOICE_TOOLS_API_TOKENS``, and
     (429) one past its caller's rate (``app/shares.py``, shared with the REST API); keep who it is
-    (:class:`tasks.calls.callers.Caller`: its name, admin or not) in ``request.state.caller``."""
+    (:class:`tasks.calls.callers.Caller`: its name, admin or not, asking through MCP) in ``request.state.caller``."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -388,7 +388,7 @@ class BearerToken:
             await self.app(scope, receive, send)
             return
         try:
-            caller = callers.identify(Headers(scope=scope).get("authorization", ""))
+            caller = callers.through(callers.identify(Headers(scope=scope).get("authorization", "")), "MCP")
             shares.check_rate(caller.name)
         except ApiError as refused_here:
             refused = refused_here

@@ -16,9 +16,10 @@ from models.calls import FAILED, ToolCall
 
 # the columns of a row of the list
 LIST_COLUMNS = (ToolCall.tool_call_id, ToolCall.function_name, ToolCall.status, ToolCall.session_id,
-                ToolCall.caller, ToolCall.created_at)
+                ToolCall.caller, ToolCall.created_at, ToolCall.completed_at)
 MAX_PAGE = 200
 HOUR_S = 3600
+MAX_COUNTED = 10_000  # the counts by status read at most this many calls (the newest), and say when more match
 
 
 def calls_page(s: Any, **filters: Any) -> list[Row[Any]]:
@@ -28,10 +29,35 @@ def calls_page(s: Any, **filters: Any) -> list[Row[Any]]:
 
 def page_statement(*, scope: str | None, statuses: Iterable[str] = (), tool: str | None = None,
                    session_id: str | None = None, caller: str | None = None, tool_call_id: str | None = None,
+                   created_from: datetime | None = None, created_to: datetime | None = None,
                    before: tuple[datetime, str] | None = None, limit: int = 50) -> Select[Any]:
     """Up to ``limit`` calls matching every filter, newest first, after ``before`` (the
     ``(created_at, tool_call_id)`` of the last row of the previous page); only ``scope``'s calls when
-    it is given (None: an admin's, everyone's)."""
+    it is given (None: an admin's, everyone's); recorded from ``created_from`` (included) to
+    ``created_to`` (excluded) when given: a range of the same index."""
+    where = _where(scope, statuses, tool, session_id, caller, tool_call_id, created_from, created_to)
+    if before is not None:
+        where.append(tuple_(ToolCall.created_at, ToolCall.tool_call_id) < tuple_(*before))
+    return (select(*LIST_COLUMNS).where(and_(True, *where))
+            .order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id.desc()).limit(min(limit, MAX_PAGE)))
+
+
+def counts_statement(*, scope: str | None, tool: str | None = None, session_id: str | None = None,
+                     caller: str | None = None, tool_call_id: str | None = None,
+                     created_from: datetime | None = None, created_to: datetime | None = None) -> Select[Any]:
+    """How many of the newest ``MAX_COUNTED + 1`` calls matching every filter (but the statuses) are in
+    each status: one range of the list's index, bounded, however many calls the table holds (more than
+    ``MAX_COUNTED`` in all: the counts are of the newest only, and the caller says so)."""
+    where = _where(scope, (), tool, session_id, caller, tool_call_id, created_from, created_to)
+    newest = (select(ToolCall.status).where(and_(True, *where))
+              .order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id.desc()).limit(MAX_COUNTED + 1)
+              .subquery("newest"))
+    return select(newest.c.status, func.count()).group_by(newest.c.status)
+
+
+def _where(scope: str | None, statuses: Iterable[str], tool: str | None, session_id: str | None,
+           caller: str | None, tool_call_id: str | None, created_from: datetime | None,
+           created_to: datetime | None) -> list[Any]:
     where = []
     if scope is not None:
         where.append(ToolCall.caller == scope)
@@ -46,10 +72,11 @@ def page_statement(*, scope: str | None, statuses: Iterable[str] = (), tool: str
         where.append(ToolCall.session_id == session_id)
     if tool_call_id:
         where.append(ToolCall.tool_call_id == tool_call_id)
-    if before is not None:
-        where.append(tuple_(ToolCall.created_at, ToolCall.tool_call_id) < tuple_(*before))
-    return (select(*LIST_COLUMNS).where(and_(True, *where))
-            .order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id.desc()).limit(min(limit, MAX_PAGE)))
+    if created_from is not None:
+        where.append(ToolCall.created_at >= created_from)
+    if created_to is not None:
+        where.append(ToolCall.created_at < created_to)
+    return where
 
 
 def calls_by_id(s: Any, tool_call_ids: Iterable[str], scope: str | None) -> list[Row[Any]]:

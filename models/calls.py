@@ -33,6 +33,9 @@ EXPIRED = "EXPIRED"
 
 STATUSES = (PENDING, MODIFIED, EXECUTING, PREPARED, COMPLETED, FAILED, CANCELLED, EXPIRED)
 TERMINAL = (COMPLETED, FAILED, CANCELLED, EXPIRED)
+# the faces an action on a call comes through, named on its status_history entry (``via``); the
+# relay's answer to a callback is ``callback``
+FACES = ("REST", "MCP", "console", "CLI", "beat", "callback")
 OPEN = (PENDING, MODIFIED, EXECUTING, PREPARED)
 ACTION_LEVELS = ("read", "draft", "write")
 # the kind of request that recorded a call (migration 0008): an idempotent replay is the

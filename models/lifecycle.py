@@ -67,6 +67,12 @@ import tasks.tracing as tracing
 from models.queries import get, quiet_for, stale_where
 
 CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)
+# Who acted, on the history entry of an action: ``by`` (a token's name, the operator's user on the
+# CLI, a sweep's name for beat) and ``via``, the face it came through (``models.calls.FACES``).
+# A transition the chain makes itself (a checkpoint, a completion) has neither.
+Acted = dict[str, str]
+EXPIRY_SWEEP: Acted = {"by": "expiry sweep", "via": "beat"}
+STUCK_SWEEP: Acted = {"by": "stuck-call sweep", "via": "beat"}
 DEFAULT_CANCEL_REASON = "Cancelled by user"
 EXPIRED_REASON = "Expired unanswered"
 
@@ -308,6 +314,7 @@ def create(
     caller: str | None = None,
     reason: str | None = "Recorded",
     request_kind: str = "pending",
+    acted: Acted | None = None,
 ) -> tuple[Row[Any], bool]:
     """Record a PENDING call (one statement); return ``(call, created)``, the call a Core row.
 
@@ -327,7 +334,7 @@ def create(
         "request_kind": request_kind,
         "trace_context": tracing.traceparent(),  # the trace a later request about the call joins; None when off
     }
-    call = _CREATE.one_or_none(s, {"p_history": _entry(PENDING, reason),
+    call = _CREATE.one_or_none(s, {"p_history": _entry(PENDING, reason, **(acted or {})),
                                    **{f"c_{name}": value for name, value in values.items()}})
     if call is not None:
         tracing.remember(tool_call_id, values["trace_context"])  # a later request about it here reads no row
@@ -367,7 +374,7 @@ def create(
 
 def modify(
     s: Session, tool_call_id: str, *, old_parameters: dict[str, Any], new_parameters: dict[str, Any],
-    changes: list[dict[str, Any]], caller: str | None = None,
+    changes: list[dict[str, Any]], caller: str | None = None, acted: Acted | None = None,
 ) -> ToolCall:
     """Replace the parameters of a PENDING call, compare-and-set on the parameters read.
 
@@ -384,8 +391,8 @@ def modify(
         from_statuses=(PENDING,),
         to_status=PENDING,
         history=[
-            _entry(MODIFIED, "Parameters changed", fields=[c["field"] for c in changes]),
-            _entry(PENDING, "Awaiting confirmation"),
+            _entry(MODIFIED, "Parameters changed", fields=[c["field"] for c in changes], **(acted or {})),
+            _entry(PENDING, "Awaiting confirmation", **(acted or {})),
         ],
         extra_where=[ToolCall.parameters == bindparam(None, old_parameters, type_=JSONB), *_owned_by(caller)],
         parameters=new_parameters,
@@ -404,7 +411,8 @@ _CONFIRM: dict[tuple[bool, ...], Compiled] = {}
 
 def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
             callback_urls: dict[str, str] | None = None, caller: str | None = None,
-            workflow_id: str | None = None, functions: Iterable[str] | None = None) -> Row[Any]:
+            workflow_id: str | None = None, functions: Iterable[str] | None = None,
+            acted: Acted | None = None) -> Row[Any]:
     """PENDING → EXECUTING (one statement; a Core row); a ``callback_url`` / ``callback_urls``
     given now replace the recorded ones.
 
@@ -426,7 +434,7 @@ def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller",
                                                 history=[P_HISTORY], extra_where=where, **values)
                                            .returning(*CALLS.c))
     row = built.one_or_none(s, {
-        "p_id": tool_call_id, "p_history": _entry(EXECUTING, reason), "p_callback_url": callback_url,
+        "p_id": tool_call_id, "p_history": _entry(EXECUTING, reason, **(acted or {})), "p_callback_url": callback_url,
         "p_callback_urls": callback_urls, "p_workflow_id": workflow_id, "p_caller": caller,
         "p_functions": list(functions) if functions is not None else None})
     if row is None:
@@ -447,15 +455,16 @@ def unconfirm(s: Session, tool_call_id: str, reason: str = "Queue unavailable") 
     )
 
 
-def cancel(s: Session, tool_call_id: str, reason: str | None = None, caller: str | None = None) -> ToolCall:
+def cancel(s: Session, tool_call_id: str, reason: str | None = None, caller: str | None = None,
+           acted: Acted | None = None) -> ToolCall:
     """Cancel while the point of no return has not been passed.
 
     ``caller``: only that caller's call (another's is :class:`models.queries.NotFound`, checked
-    by the same statement).
+    by the same statement); ``acted``: who asked, and through which face.
     """
     reason = reason or DEFAULT_CANCEL_REASON
     row = _transition(
-        s, tool_call_id, from_statuses=CANCELLABLE, to_status=CANCELLED, reason=reason,
+        s, tool_call_id, from_statuses=CANCELLABLE, to_status=CANCELLED, history=[_entry(CANCELLED, reason, **(acted or {}))],
         extra_where=[ToolCall.committed_at.is_(None), *_owned_by(caller)],
         completed_at=func.now(), error_message=reason, outcome=NOT_DONE,
     )
@@ -667,13 +676,13 @@ def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "
 
 
 def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", caller: str | None = None,
-           workflow_id: str | None = None) -> ToolCall:
+           workflow_id: str | None = None, acted: Acted | None = None) -> ToolCall:
     """PREPARED → EXECUTING at the checkpoint. ``caller``: only that caller's call (another's is
     :class:`models.queries.NotFound`, checked by the same statement); ``workflow_id``: the id the
     rest of the chain will be sent with, recorded now (only that chain passes a gate)."""
     values = {"workflow_id": workflow_id} if workflow_id else {}
     row = _transition(
-        s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, reason=reason,
+        s, tool_call_id, from_statuses=(PREPARED,), to_status=EXECUTING, history=[_entry(EXECUTING, reason, **(acted or {}))],
         extra_where=_owned_by(caller), resumed_at=func.now(), **values,
     )
     if row is None:
@@ -730,10 +739,23 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
     values = {"current_step": step} if step is not None else {}
     values.update(_attempt_added(attempt, built_once=False))
     return _transition(
-        s, tool_call_id, from_statuses=from_statuses, to_status=FAILED, reason=error_message[:200],
+        s, tool_call_id, from_statuses=from_statuses, to_status=FAILED,
+        history=[_entry(FAILED, error_message[:200], **(STUCK_SWEEP if quiet_s is not None else {}))],  # the sweep's
         extra_where=where, outcome=outcome, **values,
         error_message=error_message, voice_response=voice_response, completed_at=func.now(),
         execution_time_ms=_elapsed_ms_since(func.coalesce(ToolCall.resumed_at, ToolCall.executed_at, ToolCall.confirmed_at)),
+    )
+
+
+def mark_run_again(s: Session, tool_call_id: str, new_id: str, acted: Acted, caller: str | None = None) -> ToolCall | None:
+    """Note on a FAILED call whose effect was not done that it is run again as ``new_id`` (its history's
+    last entry, ``run_again_as``), once: None when it was already run again, did not fail, its effect
+    was done (``outcome`` done), or it is not ``caller``'s (when given). No status change."""
+    return _transition(
+        s, tool_call_id, from_statuses=(FAILED,), to_status=None,
+        history=[_entry(FAILED, f"Run again as {new_id}", run_again_as=new_id, **acted)],
+        extra_where=[ToolCall.outcome != DONE, ~func.jsonb_path_exists(ToolCall.status_history, "$[*].run_again_as"),
+                     *_owned_by(caller)],
     )
 
 
@@ -742,7 +764,8 @@ def fail(s: Session, tool_call_id: str, error_message: str, voice_response: str,
 def expire(s: Session, tool_call_id: str, *, pending_ttl_s: int, prepared_ttl_s: int) -> ToolCall | None:
     """PENDING/PREPARED → EXPIRED if still stale (``queries.stale``'s condition, checked by the statement)."""
     return _transition(
-        s, tool_call_id, from_statuses=(PENDING, PREPARED), to_status=EXPIRED, reason=EXPIRED_REASON,
+        s, tool_call_id, from_statuses=(PENDING, PREPARED), to_status=EXPIRED,
+        history=[_entry(EXPIRED, EXPIRED_REASON, **EXPIRY_SWEEP)],
         extra_where=[stale_where(pending_ttl_s, prepared_ttl_s)],
         completed_at=func.now(), error_message=EXPIRED_REASON, outcome=NOT_DONE,
     )
@@ -767,7 +790,7 @@ def redrive(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
     values = {"workflow_id": workflow_id} if workflow_id else {}
     return _transition(
         s, tool_call_id, from_statuses=(EXECUTING,), to_status=None,
-        history=[_entry(EXECUTING, REDRIVEN_REASON)],
+        history=[_entry(EXECUTING, REDRIVEN_REASON, **STUCK_SWEEP)],
         extra_where=[ToolCall.committed_at.is_not(None), quiet_for(older_than_s),
                      ToolCall.redrives < max_redrives],
         resumed_at=func.now(), redrives=ToolCall.redrives + 1, **values,
@@ -782,7 +805,8 @@ def give_up(s: Session, tool_call_id: str, older_than_s: int, max_redrives: int,
     and ``committed_at`` stays set for the audit.
     """
     return _transition(
-        s, tool_call_id, from_statuses=(EXECUTING,), to_status=FAILED, reason=error_message[:200],
+        s, tool_call_id, from_statuses=(EXECUTING,), to_status=FAILED,
+        history=[_entry(FAILED, error_message[:200], **STUCK_SWEEP)],
         extra_where=[ToolCall.committed_at.is_not(None), quiet_for(older_than_s),
                      ToolCall.redrives >= max_redrives],
         outcome=UNCONFIRMED, error_message=error_message, voice_response=voice_response, completed_at=func.now(),

@@ -49,6 +49,7 @@ class Settings:
     max_redrives: int
     max_wait_s: int
     public_url: str
+    trace_url: str  # the console's link to a call's trace: a template with {trace_id}; empty: no link
     # real backends (docs/operations.md, "Real backends"); unset: the local ones
     google_credentials: str
     google_credentials_dir: str  # a folder of <caller>.json files, one caller's credentials each
@@ -266,6 +267,7 @@ def _from_environment() -> Settings:
         max_redrives=_int("VOICE_TOOLS_MAX_REDRIVES", 3),
         max_wait_s=30,
         public_url=os.environ.get("VOICE_TOOLS_PUBLIC_URL", "http://127.0.0.1:8000").rstrip("/"),
+        trace_url=os.environ.get("VOICE_TOOLS_TRACE_URL", "").strip(),
         google_credentials=(os.environ.get("VOICE_TOOLS_GOOGLE_CREDENTIALS")
                             or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")),
         google_credentials_dir=os.environ.get("VOICE_TOOLS_GOOGLE_CREDENTIALS_DIR", "").strip(),

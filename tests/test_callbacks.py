@@ -416,6 +416,25 @@ def test_attempts_stop_at_the_maximum(raw, monkeypatch):
     assert server.requests == 2
 
 
+def test_the_deliver_tasks_state_says_a_delivery_that_ended_failed(raw, monkeypatch):
+    """What Flower shows: ``callbacks.deliver`` fails (FAILURE) on the attempt that gives the delivery up,
+    and succeeds on one that leaves it to a retry, or that finds nothing to do."""
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "2")
+    monkeypatch.setattr(attempts, "schedule_retry", lambda event_id: None)  # the retry's message is not the point
+    server = raw(503)
+    _, event_id = progress_event(server.url)
+    first = attempts.deliver.apply((event_id,))
+    assert (first.state, first.result) == ("SUCCESS", "retry")  # one more attempt to come: not failed yet
+    make_due(event_id)
+    last = attempts.deliver.apply((event_id,))
+    assert last.state == "FAILURE" and isinstance(last.result, attempts.DeliveryFailed)
+    assert str(last.result) == f"callback {event_id} given up after 2 attempts: HTTP 503"
+    assert delivery(event_id).state == "failed"
+    again = attempts.deliver.apply((event_id,))  # a duplicate of the message: nothing to do, not a failure
+    assert (again.state, again.result) == ("SUCCESS", "skipped")
+    assert server.requests == 2
+
+
 def test_a_redirect_is_a_failed_attempt_and_is_not_followed(relay, raw):
     server = raw(307, b"", {"Location": relay.url})
     tool_call_id, event_id = progress_event(server.url)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import re
+from datetime import datetime, timezone
 import threading
 import time
 from html.parser import HTMLParser
@@ -89,8 +90,12 @@ def test_the_data_needs_a_token_and_says_whose_it_is(client):
     assert refused.status_code == 401 and refused.get_json()["error"] == "unauthorized"
     assert refused.headers["X-Frame-Options"] == "DENY"
     assert client.get("/console/api/calls").status_code == 401
-    assert client.get("/console/api/me", headers=AUTH).get_json() == {"name": "tests", "admin": False}
-    assert client.get("/console/api/me", headers=OPS).get_json() == {"name": "ops", "admin": True}
+    from tasks import tools
+
+    assert client.get("/console/api/me", headers=AUTH).get_json() == {"name": "tests", "admin": False,
+                                                                        "tools": tools.names()}
+    assert client.get("/console/api/me", headers=OPS).get_json() == {"name": "ops", "admin": True,
+                                                                       "tools": tools.names()}
 
 
 def test_the_list_is_fenced_as_rest_is(client):
@@ -122,6 +127,39 @@ def test_the_filters_and_the_search_by_id(client):
     assert listed(f"tool_call_id={second}") == [second]
     assert client.get("/console/api/calls?status=LOST", headers=AUTH).status_code == 422
     assert client.get("/console/api/calls?offset=3", headers=AUTH).status_code == 422
+    assert listed("status=CANCELLED,PENDING") == [second, first]  # several statuses at once
+    assert client.get("/console/api/calls?status=PENDING,LOST", headers=AUTH).status_code == 422
+
+
+def test_a_time_range_and_the_counts_by_status_of_the_current_filter(client):
+    from datetime import datetime, timedelta, timezone
+
+    old = record(client, session_id="sess_range")
+    with db.session() as s:  # recorded two hours ago
+        s.execute(text("UPDATE tool_calls SET created_at = now() - interval '2 hours' WHERE tool_call_id = :i"),
+                  {"i": old})
+    new = record(client, session_id="sess_range")
+    client.delete(f"/voice-tools/cancel/{new}", headers=AUTH)
+    hour_ago = (datetime.now(timezone.utc) - timedelta(hours=1)).isoformat()
+    listed = lambda query: [c["tool_call_id"] for c in client.get(
+        "/console/api/calls", query_string={"session_id": "sess_range", **query}, headers=AUTH).get_json()["calls"]]
+    assert listed({"created_from": hour_ago}) == [new]
+    assert listed({"created_to": hour_ago}) == [old]
+    assert listed({}) == [new, old]
+    row = client.get("/console/api/calls", query_string={"session_id": "sess_range"}, headers=AUTH).get_json()["calls"][0]
+    assert row["completed_at"] and row["created_at"] <= row["completed_at"]  # ended: the list's own columns
+    assert client.get("/console/api/calls?created_from=yesterday", headers=AUTH).status_code == 422
+    assert client.get("/console/api/calls?created_from=2026-01-01T00:00:00", headers=AUTH).status_code == 422  # a zone
+
+    counted = client.get("/console/api/counts", query_string={"session_id": "sess_range"}, headers=AUTH).get_json()
+    assert counted["more"] is False and counted["counted"] == 2
+    assert {k: v for k, v in counted["counts"].items() if v} == {"PENDING": 1, "CANCELLED": 1}
+    ranged = client.get("/console/api/counts", query_string={"session_id": "sess_range", "created_from": hour_ago},
+                        headers=AUTH).get_json()
+    assert {k: v for k, v in ranged["counts"].items() if v} == {"CANCELLED": 1}
+    assert client.get("/console/api/counts?session_id=sess_range", headers=BOB).get_json()["counted"] == 0  # fenced
+    assert client.get("/console/api/counts?status=PENDING", headers=AUTH).status_code == 422  # not a count's filter
+    assert set(client.get("/console/api/me", headers=AUTH).get_json()["tools"]) >= {"send_email", "create_task"}
 
 
 def test_paging_by_keyset_gives_every_call_once_newest_first(client):
@@ -143,6 +181,11 @@ PLANS = {
     "one tool's": {"scope": None, "tool": "send_email"},
     "a session's": {"scope": None, "session_id": "sess_a"},
     "a caller's, one tool's, one open status": {"scope": "tests", "tool": "send_email", "statuses": ["PENDING"]},
+    "several statuses, a time range": {"scope": None, "statuses": ["FAILED", "CANCELLED"],
+                                       "created_from": datetime(2026, 1, 1, tzinfo=timezone.utc),
+                                       "created_to": datetime(2027, 1, 1, tzinfo=timezone.utc)},
+    "a caller's, one tool's, from a time": {"scope": "tests", "tool": "create_task",
+                                            "created_from": datetime(2026, 1, 1, tzinfo=timezone.utc)},
 }
 
 
@@ -168,6 +211,22 @@ def test_a_page_is_one_index_range_at_any_depth(filters):
         nodes = _nodes(plan)
         assert "Seq Scan" not in nodes and "Sort" not in nodes, (filters, nodes)
         assert any("Index" in n for n in nodes), nodes
+
+
+@pytest.mark.parametrize("filters", PLANS.values(), ids=PLANS.keys())
+def test_the_counts_by_status_are_a_bounded_read_of_one_index_range(filters):
+    """The counts read the newest ``MAX_COUNTED`` and one of the filter's calls, in the index's order:
+    bounded however many calls match (more than that: the answer says so)."""
+    filters = {k: v for k, v in filters.items() if k != "statuses"}
+    sql = str(browse.counts_statement(**filters).compile(dialect=postgresql.dialect(),
+                                                         compile_kwargs={"literal_binds": True}))
+    assert f"LIMIT {browse.MAX_COUNTED + 1}" in sql
+    with db.engine().connect() as conn:
+        conn.execute(text("SET LOCAL enable_seqscan = off"))
+        conn.execute(text("SET LOCAL enable_sort = off"))
+        plan = conn.execute(text(f"EXPLAIN (FORMAT JSON) {sql}")).scalar_one()[0]["Plan"]
+    nodes = _nodes(plan)
+    assert "Seq Scan" not in nodes and "Limit" in nodes and any("Index" in n for n in nodes), nodes
 
 
 def test_the_migration_matches_the_models_indexes():
@@ -339,3 +398,30 @@ def test_no_token_reaches_a_log_line_or_a_url(client, caplog):
     script = client.get("/console/static/console.js").get_data(as_text=True)
     assert "sessionStorage" in script and "localStorage" not in script and "document.cookie" not in script
     assert not re.search(r"[?&](token|access_token)=", script)
+
+
+def test_a_steps_percentiles_are_runs_own_times_never_a_buckets_edge():
+    """One run of 84 ms reads 84 ms at p50 and p99 (the buckets' reading said 5 and 9.9 ms); each figure is
+    a run's own time, by nearest rank."""
+    from tasks.calls import browse as views
+
+    assert views._step_figures({"step": "PREPARING", "took_ms": [84.2]}) == {
+        "step": "PREPARING", "runs": 1, "p50_ms": 84.2, "p99_ms": 84.2}
+    hundred = [float(ms) for ms in range(100, 0, -1)]
+    assert (views.nearest_rank(0.5, hundred), views.nearest_rank(0.99, hundred)) == (50.0, 99.0)
+    assert views.nearest_rank(0.99, [3.0, 1.0, 2.0]) == 3.0 and views.nearest_rank(0.5, [3.0, 1.0]) == 1.0
+
+
+def test_a_calls_trace_link_comes_from_the_configured_template(client, monkeypatch):
+    tool_call_id = record(client)
+    with db.session() as s:
+        s.execute(text("UPDATE tool_calls SET trace_context = :t WHERE tool_call_id = :i"),
+                  {"t": f"00-{'ab' * 16}-{'cd' * 8}-01", "i": tool_call_id})
+    untraced = record(client)
+    read = lambda i: client.get(f"/console/api/calls/{i}", headers=AUTH).get_json()["trace_url"]
+    assert read(tool_call_id) is None  # no template: no link
+    monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "http://jaeger.example:16686/trace/{trace_id}")
+    assert read(tool_call_id) == f"http://jaeger.example:16686/trace/{'ab' * 16}"
+    assert read(untraced) is None  # recorded while tracing was off
+    monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "javascript:alert({trace_id})")
+    assert read(tool_call_id) is None  # only an http(s) link

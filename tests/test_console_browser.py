@@ -8,7 +8,9 @@ list, a call, a call's retried run and the tools view go to the test's folder; w
 (``docs/console`` for the operator guide's) they are copied there too.
 
 Skipped where Chromium or its driver is not installed (``apt-get install chromium chromium-driver``;
-``.ci/run`` installs them), except under ``CI=true``, where that is a failure.
+``.ci/run`` installs them), except under ``CI=true``, where that is a failure. On each page and dialog
+checked for its controls' names, axe-core (``tests/axe``, installed from its lock by ``.ci/run``'s
+``npm ci``, injected by the driver) must find no serious or critical violation.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tasks.tools import Step, TransientError
 from tests.helpers import deliveries, make_call
 from tests.test_chains import make_tool, register  # noqa: F401  (a fixture: a tool the running worker takes)
 
+AXE = Path(__file__).parent / "axe" / "node_modules" / "axe-core" / "axe.min.js"  # npm ci in tests/axe (.ci/run)
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM = Path("/usr/bin/chromium")
 TOKENS = f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin,cpu:cpu-token"
@@ -101,7 +104,8 @@ def page(browser, origin, tmp_path, request):
         if message["method"] == "Network.requestWillBeSent":
             urls.append(message["params"]["request"]["url"])
     assert urls, "the page made no request?"
-    assert [u for u in urls if not u.startswith(f"{origin}/")] == [], urls
+    # (a data: URL is no request: Chromium's own picture of a date field's calendar button)
+    assert [u for u in urls if not u.startswith((f"{origin}/", "data:image/"))] == [], urls
     assert not [u for u in urls if API_TOKEN in u or OPS_TOKEN in u or "bob-token" in u]
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     unexpected = [e for e in errors if not any(part in e["message"] for part in browser.expected_errors)]
@@ -163,7 +167,43 @@ def screenshot(driver, tmp_path: Path, name: str) -> None:
         shutil.copy(path, Path(into) / path.name)
 
 
+def shown_labels(driver) -> list[str]:
+    """The result panel's labels shown (each only when it has something)."""
+    return [dt.text for dt in driver.find_elements(By.CSS_SELECTOR, "#call-ending dt") if dt.is_displayed()]
+
+
+def step_rows(driver) -> list[tuple[str, str]]:
+    """The call's steps as the page lists them: (step, kind), in the chain's order."""
+    return [(row.find_element(By.TAG_NAME, "th").text, row.find_elements(By.TAG_NAME, "td")[0].text)
+            for row in driver.find_elements(By.CSS_SELECTOR, "#call-steps tbody tr[data-step]")]
+
+
+def serious_violations(driver) -> list[dict]:
+    """axe-core's serious and critical violations on the page as it is now (the installed copy,
+    injected by the driver: nothing from a CDN, nothing fetched by the page)."""
+    if not AXE.is_file():
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI: axe-core is not installed (cd tests/axe && npm ci)")
+        pytest.skip("axe-core is not installed (cd tests/axe && npm ci)")
+    if not driver.execute_script("return !!window.axe"):
+        driver.execute_script(AXE.read_text())
+    found = driver.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        axe.run(document, {resultTypes: ["violations"]}).then(
+          (r) => done(r.violations.filter(v => ["serious", "critical"].includes(v.impact))
+                       .map(v => ({id: v.id, impact: v.impact, nodes: v.nodes.map(n => n.html).slice(0, 3)}))),
+          (e) => done([{id: "axe failed", impact: "critical", nodes: [String(e)]}]));""")
+    return found
+
+
 def every_control_named(driver) -> list[str]:
+    """The controls of the page shown with no name a screen reader would say; and axe-core finds no
+    serious or critical violation on it (asserted here, where every test checks its page's names)."""
+    assert serious_violations(driver) == []
+    return _unnamed(driver)
+
+
+def _unnamed(driver) -> list[str]:
     """The controls of the page shown with no name a screen reader would say."""
     return driver.execute_script("""
         return [...document.querySelectorAll('button, input, select, a[href]')]
@@ -196,17 +236,37 @@ def test_a_call_recorded_through_rest_appears_within_2s_and_is_cancelled_from_it
     assert page.find_elements(By.ID, "action-proceed") == []  # a PENDING call is not at a checkpoint
     assert "Recorded" in page.find_element(By.ID, "call-timeline").text
     assert '"subject": "Test"' in page.find_element(By.ID, "call-parameters").text
+    assert page.find_element(By.ID, "call-open").is_displayed()  # an open call: no empty box, no "Error"
+    assert not page.find_element(By.ID, "call-ending").is_displayed()
+    assert page.find_element(By.ID, "call-steps").text.endswith("No step has recorded an output yet.")
     page.execute_script("window.notReloaded = true")
-    cancel.send_keys(Keys.ENTER)
+    cancel.send_keys(Keys.ENTER)  # asks first, for an optional reason
+    reason = until(page, lambda d: d.find_element(By.ID, "cancel-reason") if d.find_element(By.ID, "cancel-dialog")
+                   .is_displayed() else None, what="the cancel dialog")
+    assert page.switch_to.active_element == reason
+    assert rest_status(origin, tool_call_id) == "PENDING"  # nothing done yet
+    page.find_element(By.ID, "cancel-back").send_keys(Keys.ENTER)  # Keep it: nothing happens
+    until(page, lambda d: not d.find_element(By.ID, "cancel-dialog").is_displayed(), what="the dialog closed")
+    assert page.switch_to.active_element == page.find_element(By.ID, "action-cancel")  # focus back where it was
+    assert rest_status(origin, tool_call_id) == "PENDING"
+    page.find_element(By.ID, "action-cancel").send_keys(Keys.ENTER)
+    until(page, lambda d: d.find_element(By.ID, "cancel-dialog").is_displayed(), what="the cancel dialog again")
+    page.switch_to.active_element.send_keys("Wrong recipient")
+    page.find_element(By.ID, "cancel-confirm").send_keys(Keys.ENTER)
     until(page, lambda d: d.find_element(By.ID, "call-status").text == "CANCELLED", what="CANCELLED on the page")
     assert rest_status(origin, tool_call_id) == "CANCELLED"
+    last = page.find_elements(By.CSS_SELECTOR, "#call-timeline li")[-1].text
+    assert "CANCELLED Wrong recipient by ops via console" in last, last
     assert page.execute_script("return window.notReloaded") is True
     assert page.find_elements(By.ID, "action-cancel") == []  # nothing offered on an ended call
     assert page.find_element(By.ID, "call-outcome").text == "not_done"
+    assert shown_labels(page) == ["Outcome", "Spoken", "Error"]  # no result: no Result label
+    assert page.find_element(By.ID, "call-error").text == "Wrong recipient"
 
     page.find_element(By.ID, "sign-out").click()
     until(page, lambda d: d.find_element(By.ID, "token").is_displayed(), what="signed out")
     assert page.execute_script("return sessionStorage.length") == 0
+    assert every_control_named(page) == []  # the sign-in page too
 
 
 BIDI = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
@@ -250,7 +310,7 @@ def test_a_status_changes_in_the_list_without_a_reload(page, origin):
 
     other = record(origin, session_id="sess_other")
     until(page, lambda d: rows(d) == [other, tool_call_id], timeout=2.0, what="both listed")
-    page.find_element(By.ID, "f-status").send_keys("CANCELLED")  # a filter, from the keyboard
+    page.find_element(By.CSS_SELECTOR, "#f-statuses input[value='CANCELLED']").send_keys(" ")  # from the keyboard
     page.find_element(By.ID, "f-session").send_keys("sess_console" + Keys.ENTER)
     until(page, lambda d: rows(d) == [tool_call_id], what="the filter applied")
     record(origin, session_id="sess_other")  # matches no filter: never shown
@@ -270,14 +330,30 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
     proceed = until(page, lambda d: d.find_element(By.ID, "action-proceed"), timeout=15.0,
                     what="Proceed, offered at the checkpoint")
     assert page.find_element(By.ID, "call-status").text == "PREPARED"
-    assert page.find_element(By.ID, "action-cancel").text == "Cancel call"
+    assert page.find_element(By.ID, "action-cancel").text == "Cancel call…"
     assert every_control_named(page) == []
-    proceed.click()
+    assert step_rows(page) == [("PREPARING", "step"), ("READY_TO_SEND", "checkpoint (preview)")]
+    proceed.click()  # asks first, showing the email as it will go
+    until(page, lambda d: d.find_element(By.ID, "proceed-dialog").is_displayed(), what="the proceed dialog")
+    assert serious_violations(page) == []  # the dialog open
+    outputs = requests.get(f"{origin}/console/api/calls/{tool_call_id}", headers=AUTH, timeout=10).json()
+    draft = outputs["steps"][0]["output"]  # PREPARING's: the email as the checkpoint previews it
+    assert page.find_element(By.ID, "proceed-title").text == "Proceed to SENDING?"
+    shown = {dd.get_attribute("data-field"): dd.text for dd in page.find_elements(By.CSS_SELECTOR, "#proceed-preview dd")}
+    assert set(shown) == {"to", "cc", "subject", "body"}
+    assert shown["to"] == GUIDE_EMAIL["to"] and shown["subject"] == GUIDE_EMAIL["subject"]
+    assert shown["body"] == (draft["body"] or "(none)")
+    assert "can no longer be cancelled" in page.find_element(By.ID, "proceed-warning").text
+    assert rest_status(origin, tool_call_id) == "PREPARED"  # nothing done yet
+    page.find_element(By.ID, "proceed-confirm").click()
     until(page, lambda d: d.find_element(By.ID, "call-status").text == "COMPLETED", timeout=15.0,
           what="COMPLETED on the page")
     assert rest_status(origin, tool_call_id) == "COMPLETED"
     until(page, lambda d: d.find_element(By.ID, "call-outcome").text == "done", what="the outcome")
     assert page.find_element(By.ID, "call-voice").text
+    assert shown_labels(page) == ["Outcome", "Result", "Spoken"]  # no error: no Error label
+    assert step_rows(page) == [("PREPARING", "step"), ("READY_TO_SEND", "checkpoint (preview)"),
+                               ("SENDING", "side effect")]
     steps = page.find_element(By.ID, "call-links").text
     assert "PREPARING" in steps and "SENDING" in steps
     relay.wait_for(tool_call_id, "completed")
@@ -290,6 +366,87 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
 
     page.get(f"{origin}/console/sessions/sess_checkpoint")  # the session, as the relay's context reads it
     until(page, lambda d: tool_call_id in d.find_element(By.ID, "session-calls").text, what="the session's call")
+    assert every_control_named(page) == []
+
+
+def cells(driver, tool_call_id: str) -> list[str]:
+    return driver.execute_script(
+        "const r = document.querySelector(`#calls [data-id='${arguments[0]}']`);"
+        " return r ? [...r.children].map(c => c.textContent) : null", tool_call_id)
+
+
+def test_the_list_is_a_link_with_its_filters_back_and_forward_counts_times_zones_and_a_pause(page, origin):
+    first = record(origin, session_id="sess_url_a")
+    second = record(origin, session_id="sess_url_b")
+    assert requests.delete(f"{origin}/voice-tools/cancel/{second}", headers=AUTH, timeout=10).ok
+    sign_in(page, origin, OPS_TOKEN, "/console?status=PENDING,CANCELLED&session_id=sess_url_a")  # a bookmark
+    until(page, lambda d: rows(d) == [first], what="the bookmarked view")
+    checked = lambda d: [b.get_attribute("value") for b in d.find_elements(By.CSS_SELECTOR, "#f-statuses input")
+                         if b.is_selected()]
+    assert checked(page) == ["PENDING", "CANCELLED"]
+    assert page.find_element(By.ID, "f-session").get_attribute("value") == "sess_url_a"
+    tools = [o.get_attribute("value") for o in page.find_elements(By.CSS_SELECTOR, "#f-tool option")]
+    assert tools[0] == "" and {"send_email", "create_task"} <= set(tools)  # the registry's list
+
+    session = page.find_element(By.ID, "f-session")
+    session.clear()
+    session.send_keys("sess_url_b" + Keys.ENTER)
+    until(page, lambda d: rows(d) == [second], what="the other session")
+    assert "session_id=sess_url_b" in page.current_url and "status=PENDING%2CCANCELLED" in page.current_url
+    until(page, lambda d: d.find_element(By.CSS_SELECTOR, ".count[data-status='CANCELLED']").text == "(1)",
+          what="the counts by status of this filter")
+    assert page.find_element(By.CSS_SELECTOR, ".count[data-status='PENDING']").text == "(0)"
+    started, ended, took = cells(page, second)[5:8]
+    assert started and ended and started <= ended and not took.endswith("…")  # an ended call's columns
+    page.back()
+    until(page, lambda d: rows(d) == [first], what="back: the first view")
+    assert page.find_element(By.ID, "f-session").get_attribute("value") == "sess_url_a"
+    assert cells(page, first)[6] == "" and cells(page, first)[7].endswith("…")  # open: no end, a duration so far
+    page.forward()
+    until(page, lambda d: rows(d) == [second], what="forward: the second view")
+
+    page.find_element(By.ID, "f-tool").send_keys("create_task")  # the registry's tool, chosen
+    page.find_element(By.ID, "f-session").send_keys(Keys.ENTER)
+    until(page, lambda d: d.find_element(By.ID, "calls-empty").is_displayed(), what="no create_task call")
+    assert "tool=create_task" in page.current_url
+
+    page.get(f"{origin}/console?session_id=sess_url_a&range=15m")  # a preset counts back from now
+    until(page, lambda d: rows(d) == [first], what="the last 15 minutes")
+    assert page.find_element(By.ID, "f-range").get_attribute("value") == "15m"
+    page.get(f"{origin}/console?session_id=sess_url_a&from=2099-01-01T00:00:00.000Z")
+    until(page, lambda d: d.find_element(By.ID, "calls-empty").is_displayed(), what="nothing from 2099")
+    assert page.find_element(By.ID, "f-custom").is_displayed()
+    assert page.find_element(By.ID, "f-from").get_attribute("value").startswith("2099-01-01T00:00")
+
+    page.execute_cdp_cmd("Emulation.setTimezoneOverride", {"timezoneId": "Asia/Kolkata"})  # UTC+05:30
+    try:
+        page.get(f"{origin}/console?session_id=sess_url_a")
+        until(page, lambda d: rows(d) == [first], what="the first call")
+        utc = cells(page, first)[5]
+        assert "(UTC)" in page.find_element(By.CSS_SELECTOR, "#calls .head").text  # UTC by default
+        page.find_element(By.ID, "local-time").click()
+        until(page, lambda d: "(Asia/Calcutta)" in d.find_element(By.CSS_SELECTOR, "#calls .head").text or
+              "(Asia/Kolkata)" in d.find_element(By.CSS_SELECTOR, "#calls .head").text, what="the local zone")
+        local = until(page, lambda d: cells(d, first)[5] if cells(d, first) and cells(d, first)[5] != utc else None,
+                      what="the local time")
+        from datetime import datetime, timedelta
+        assert datetime.fromisoformat(local) - datetime.fromisoformat(utc) == timedelta(hours=5, minutes=30)
+        assert "tz=local" in page.current_url
+    finally:
+        page.execute_cdp_cmd("Emulation.setTimezoneOverride", {"timezoneId": ""})
+
+    page.get(f"{origin}/console?session_id=sess_url_c")
+    until(page, lambda d: d.find_element(By.ID, "live-state").text == "live", what="the live list")
+    page.find_element(By.ID, "pause").click()
+    assert page.find_element(By.ID, "pause").get_attribute("aria-pressed") == "true"
+    third = record(origin, session_id="sess_url_c")
+    record(origin, session_id="sess_other_c")  # not this view's: not counted
+    until(page, lambda d: "Paused: 1 new call" in d.find_element(By.ID, "paused-note").text, timeout=3.0,
+          what="counted while paused")
+    assert rows(page) == []
+    page.find_element(By.ID, "pause").click()  # Resume
+    until(page, lambda d: rows(d) == [third], what="shown once resumed")
+    assert page.find_element(By.ID, "paused-note").text == ""
 
 
 def test_another_caller_never_sees_the_first_callers_calls_and_is_refused_their_page(page, origin):
@@ -345,7 +502,15 @@ def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path)
     until(page, lambda d: d.find_elements(By.CSS_SELECTOR, "#tools tr[data-tool='create_task'] svg rect"),
           what="the create_task row with its chart")
     row = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='create_task']")
-    assert "ms" in row.text  # its steps' p50 / p99
+    figures = requests.get(f"{origin}/console/api/tools", headers={"Authorization": f"Bearer {OPS_TOKEN}"},
+                           timeout=10).json()
+    [task] = [t for t in figures["tools"] if t["tool"] == "create_task"]
+    for step in task["steps"]:  # each step's figures, with the count of runs they are read from
+        assert step["runs"] == 2, step
+        js = lambda ms: str(ms).removesuffix(".0")  # as the page's script writes a number
+        assert f"{step['step']}: p50 {js(step['p50_ms'])} ms, p99 {js(step['p99_ms'])} ms (2 runs)" in row.text
+    ticks = [t.text for t in row.find_elements(By.CSS_SELECTOR, "svg text")]
+    assert ticks == [f"{max(task['per_minute'])}/min", "0", "60 min ago", "now"]  # the line's scale
     email = page.find_element(By.CSS_SELECTOR, "#tools tr[data-tool='send_email']")
     assert "1 PENDING" in email.text
     assert every_control_named(page) == []
@@ -442,3 +607,66 @@ def test_a_list_of_10000_calls_taking_a_change_a_second_keeps_the_tab_a_few_perc
     assert held(page) == HELD + len(recorded)
     assert busy <= BUSY_BOUND, f"{busy:.1%} busy with a change a second ({idle:.1%} idle)"
     assert idle <= BUSY_BOUND, f"{idle:.1%} busy idle"
+
+
+def test_a_calls_page_links_to_its_trace_from_the_configured_template(page, origin, monkeypatch):
+    tool_call_id = record(origin)
+    with db.session() as s:
+        s.execute(text("UPDATE tool_calls SET trace_context = :t WHERE tool_call_id = :i"),
+                  {"t": f"00-{'ab' * 16}-{'cd' * 8}-01", "i": tool_call_id})
+    monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "http://tempo.invalid/trace/{trace_id}")
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{tool_call_id}")
+    link = until(page, lambda d: d.execute_script(  # read at once: the page draws the call again as it changes
+        "const a = document.querySelector('#call-trace a'); return a && [a.href, a.rel, a.textContent]"),
+        what="the trace link")
+    assert link == [f"http://tempo.invalid/trace/{'ab' * 16}", "noopener noreferrer", "Trace ↗"]
+
+
+def test_a_failed_call_is_run_again_from_its_page_and_an_unconfirmed_one_only_acknowledged(page, origin):
+    from models import lifecycle
+
+    def failed(outcome: str) -> str:
+        call = make_call(session_id="sess_again")
+        with db.session() as s:
+            lifecycle.fail(s, call.tool_call_id, "The mail server refused it.", "It failed.",
+                           from_statuses=("PENDING",), outcome=outcome)
+        return call.tool_call_id
+
+    old = failed("unconfirmed")
+    sign_in(page, origin, OPS_TOKEN, f"/console/calls/{old}")
+    until(page, lambda d: d.find_element(By.ID, "action-run-again"), what="Run again, offered")
+    time.sleep(0.5)  # the page reads the call again once its live stream listens: the button drawn anew
+    until(page, lambda d: d.execute_script("const b = document.getElementById('action-run-again');"
+                                           " if (b) b.click(); return !!b"), what="Run again, clicked")
+    until(page, lambda d: d.find_element(By.ID, "again-dialog").is_displayed(), what="the dialog")
+    assert page.find_element(By.ID, "again-ack-line").is_displayed()
+    page.find_element(By.ID, "again-confirm").send_keys(Keys.ENTER)  # not acknowledged: refused here
+    assert "Tick the acknowledgment" in page.find_element(By.ID, "again-error").text
+    assert "run_again_as" not in json.dumps(requests.get(f"{origin}/voice-tools/status/{old}", headers=AUTH,
+                                                         timeout=10).json()["status_history"])
+    assert every_control_named(page) == []
+    page.find_element(By.ID, "again-ack").send_keys(" ")
+    page.find_element(By.ID, "again-confirm").send_keys(Keys.ENTER)
+    until(page, lambda d: f"Runs again {old}" in d.find_element(By.ID, "actions").text, what="the new call's page")
+    new = page.current_url.rsplit("/", 1)[1]
+    assert new != old and rest_status(origin, new) in ("EXECUTING", "PREPARED", "COMPLETED", "FAILED")
+    page.get(f"{origin}/console/calls/{old}")
+    until(page, lambda d: f"Run again as {new}" in d.find_element(By.ID, "actions").text, what="linked back")
+    assert page.find_elements(By.ID, "action-run-again") == []  # once only
+
+
+def test_the_matching_calls_are_cancelled_at_once_after_their_count_is_confirmed(page, origin):
+    made = [record(origin, session_id="sess_bulk_page") for _ in range(2)]
+    sign_in(page, origin, OPS_TOKEN, "/console?session_id=sess_bulk_page")
+    until(page, lambda d: sorted(rows(d)) == sorted(made), what="the two calls")
+    page.find_element(By.ID, "bulk-cancel").click()
+    until(page, lambda d: d.find_element(By.ID, "bulk-dialog").is_displayed(), what="the count, to confirm")
+    assert page.find_element(By.ID, "bulk-what").text.startswith("This will cancel 2 calls")
+    assert [rest_status(origin, i) for i in made] == ["PENDING", "PENDING"]  # nothing done yet
+    assert every_control_named(page) == []
+    page.find_element(By.ID, "bulk-reason").send_keys("Test run")
+    page.find_element(By.ID, "bulk-confirm").click()
+    until(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#bulk-results li")) == 2, what="each call's result")
+    assert all(li.text.endswith(": CANCELLED") for li in page.find_elements(By.CSS_SELECTOR, "#bulk-results li"))
+    assert [rest_status(origin, i) for i in made] == ["CANCELLED", "CANCELLED"]
+    until(page, lambda d: [status_in_row(d, i) for i in made] == ["CANCELLED", "CANCELLED"], what="live, in place")

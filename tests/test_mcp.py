@@ -147,6 +147,10 @@ async def test_execute_then_cancel_at_the_checkpoint_over_mcp(mcp_url, worker):
         record = await answer(mcp, "get_status", {"tool_call_id": prepared["tool_call_id"]})
     assert record["status"] == "CANCELLED" and record["error_message"] == "Changed my mind"
     assert row(prepared["tool_call_id"]).status == "CANCELLED"
+    acted = [(e["status"], e.get("by"), e.get("via")) for e in record["status_history"]]
+    assert acted[0] == ("PENDING", "mcp-client", "MCP") and acted[1] == ("EXECUTING", "mcp-client", "MCP")
+    assert acted[-1] == ("CANCELLED", "mcp-client", "MCP")
+    assert ("PREPARED", None, None) in acted  # the chain's own checkpoint: nobody acted
 
 
 async def test_bad_input_over_mcp_is_the_rest_apis_error_json_and_changes_nothing(mcp_url, client):

@@ -318,3 +318,32 @@ def test_the_banner_says_whether_tracing_is_on_and_where_the_spans_go(tmp_path):
         "go to http://c:4317 (OTLP grpc)")
     assert said(OTEL_EXPORTER_OTLP_ENDPOINT="http://c:4318", OTEL_SDK_DISABLED="true") == \
         "tracing off (OTEL_SDK_DISABLED=true)"
+
+
+def test_a_local_run_makes_an_admin_token_for_the_console_keeps_it_and_prints_it(data_dir, monkeypatch):
+    """The local operator sees every caller's calls and the Tools page: the run makes an ``:admin`` token
+    beside the relay's, keeps it with the other local secrets and prints it with the relay's."""
+    from tasks.calls.callers import entries_of
+    from voice_tools import launcher
+
+    for name in ("VOICE_TOOLS_API_TOKENS", "PORT", "HOST"):
+        monkeypatch.delenv(name, raising=False)
+    env, filled = launcher.run_environment(data_dir)
+    entries = {name: (token.decode(), admin) for name, token, admin in entries_of(env["VOICE_TOOLS_API_TOKENS"].split(","))}
+    stored = json.loads((data_dir / launcher.LOCAL_SECRETS).read_text())
+    assert entries == {"local": (stored["api_token"], False), "operator": (stored["console_token"], True)}
+    assert env["VOICE_TOOLS_API_TOKENS"].startswith("local:")  # the demo takes the first: the relay's
+    printed = launcher.made_tokens(env, filled)
+    assert printed[0] == f"API token: {stored['api_token']}   (try: voice-tools demo)"
+    assert printed[1].startswith(f"console admin token: {stored['console_token']}   "
+                                 "(sign in at http://127.0.0.1:8000/console; kept as console_token in")
+    again, _ = launcher.run_environment(data_dir)  # a restart keeps it
+    assert again["VOICE_TOOLS_API_TOKENS"] == env["VOICE_TOOLS_API_TOKENS"]
+
+    (data_dir / launcher.LOCAL_SECRETS).write_text(json.dumps({k: v for k, v in stored.items() if k != "console_token"}))
+    older, _ = launcher.run_environment(data_dir)  # a file from before the console's token: the others kept
+    assert older["VOICE_TOOLS_API_TOKENS"].startswith(f"local:{stored['api_token']},operator:")
+
+    monkeypatch.setenv("VOICE_TOOLS_API_TOKENS", "ops:mine:admin")  # a set variable wins: nothing printed
+    mine, filled = launcher.run_environment(data_dir)
+    assert launcher.made_tokens(mine, filled) == []

@@ -297,15 +297,10 @@ def show(ctx: click.Context, tool_call_id: str, as_json: bool) -> None:
 
 
 def _step_outputs(call: Any) -> dict[str, Any]:
-    """The call's step outputs in its chain's order (the database's JSON keeps its keys in an order of
-    its own: shortest first); a step its tool no longer has comes last."""
-    from tasks import tools
+    """The call's step outputs in its chain's order (the console's own order: ``browse.step_outputs``)."""
+    from tasks.calls import browse
 
-    outputs = call.step_outputs or {}
-    tool = tools.TOOLS.get(call.function_name)
-    order = [step.name for step in tool.steps] if tool else []
-    rank = {name: index for index, name in enumerate(order)}
-    return {name: outputs[name] for name in sorted(outputs, key=lambda name: (rank.get(name, len(order)), name))}
+    return browse.step_outputs(call)
 
 
 def _delivery(d: Any) -> dict[str, Any]:
@@ -332,8 +327,9 @@ def _show(call: Any, sent: list[Any]) -> None:
     ], ["field", "value"]))
     echo(f"\nParameters\n{json.dumps(call.parameters, indent=2, ensure_ascii=False)}")
     echo("\nStatus history")
-    echo(_table([[e.get("at"), e.get("status"), e.get("reason"), ", ".join(e.get("fields") or []) or None]
-                 for e in call.status_history], ["AT", "STATUS", "REASON", "FIELDS"]))
+    echo(_table([[e.get("at"), e.get("status"), e.get("reason"), ", ".join(e.get("fields") or []) or None,
+                  e.get("by"), e.get("via")]
+                 for e in call.status_history], ["AT", "STATUS", "REASON", "FIELDS", "BY", "VIA"]))
     echo("\nParameter changes")
     echo(_table([[e.get("at"), e.get("field"), _text(e.get("old")), _text(e.get("new"))]
                  for e in call.parameters_history], ["AT", "FIELD", "OLD", "NEW"])
@@ -351,6 +347,19 @@ def _show(call: Any, sent: list[Any]) -> None:
              for d in sent for n, a in enumerate(d.attempt_log or [], 1)]
     echo("\nCallback attempts")
     echo(_table(tries, ["SEQ", "EVENT", "#", "AT", "CODE", "ERROR"]) if tries else "(none)")
+
+
+def _operator() -> Any:
+    """The operator at this shell: unscoped (an admin), named by the machine's user, through the CLI."""
+    import getpass
+
+    from tasks.calls.callers import Caller
+
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        name = f"uid {os.getuid()}"
+    return Caller(name[:100], admin=True, via="CLI")
 
 
 def _error_body(exc: Exception) -> dict[str, Any]:
@@ -386,7 +395,7 @@ def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: b
     _connect(ctx, broker=True)  # the ``cancelled`` event goes out from the callbacks queue
     try:
         with logs.bound():  # the call's ids on this command's log lines, and no further
-            answer, _ = operations.cancel(tool_call_id, body, {})  # no caller: an operator's, unscoped
+            answer, _ = operations.cancel(tool_call_id, body, {}, _operator())  # an operator's, unscoped
     except queries.NotFound:
         _not_found(tool_call_id, as_json)
     except lifecycle.Refused as refused:

@@ -37,6 +37,8 @@ from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensu
 PROCFILES = Path(__file__).parent  # Procfile and Procfile.local, shipped with this package
 LOCAL_PROCFILE = "Procfile.local"  # what a laptop needs; ``Procfile`` keeps production's groups
 FLOWER_PASSWORD = "flower_password"  # its key in local-secrets.json: the banner names it
+CONSOLE_TOKEN = "console_token"  # its key in local-secrets.json: the admin token the console signs in with
+CONSOLE_NAME = "operator"  # that token's name: who acted, in a call's history
 FLOWER_LINE = "flower"  # a Procfile without this line has Flower served by the run's own process
 
 
@@ -64,6 +66,7 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
         stored = {}
     wanted = {
         "api_token": lambda: secrets.token_urlsafe(24),
+        CONSOLE_TOKEN: lambda: secrets.token_urlsafe(24),
         "callback_secret": lambda: secrets.token_urlsafe(32),
         "webhook_secret": signing.new_secret,  # Standard Webhooks: whsec_ + base64 of 32 random bytes
         FLOWER_PASSWORD: lambda: secrets.token_urlsafe(12),
@@ -75,7 +78,8 @@ def local_defaults(data_dir: Path) -> dict[str, str]:
         with os.fdopen(fd, "w") as fh:
             json.dump(stored, fh)
     return {
-        "VOICE_TOOLS_API_TOKENS": f"local:{stored['api_token']}",
+        # the relay's token first (the demo takes the first), then the console's operator, an admin
+        "VOICE_TOOLS_API_TOKENS": f"local:{stored['api_token']},{CONSOLE_NAME}:{stored[CONSOLE_TOKEN]}:admin",
         "VOICE_TOOLS_CALLBACK_SECRET": stored["callback_secret"],
         "VOICE_TOOLS_CALLBACK_SECRETS": stored["webhook_secret"],
         "VOICE_TOOLS_CALLBACK_HOSTS": "127.0.0.1,localhost",
@@ -204,9 +208,8 @@ def run(procfile: str | None = None) -> int:
         for line in banner(env, filled, data_dir):
             _say(line)
         record_run(data_dir, faces(env))
-        if "VOICE_TOOLS_API_TOKENS" in filled:
-            token = env["VOICE_TOOLS_API_TOKENS"].split(":", 1)[1]
-            _say(f"API token: {token}   (try: voice-tools demo)")
+        for line in made_tokens(env, filled):
+            _say(line)
         honcho = procfile_run.manager_for(procfile_file, env, Path.cwd() / ".env")
         if FLOWER_LINE not in procfile_run.line_names(procfile_file):
             flower_app = serve_flower(env, honcho)
@@ -308,6 +311,19 @@ def _prepare_in_child(data_dir: Path) -> None:
                           cwd=data_dir, env={**os.environ, "VOICE_TOOLS_DATA_DIR": str(data_dir)})
     if done.returncode != 0:
         raise SystemExit(f"voice-tools: migrating or loading the demo data failed (exit {done.returncode})")
+
+
+def made_tokens(env: dict[str, str], filled: list[str]) -> list[str]:
+    """The tokens this run made, the only secrets it prints: the relay's (for ``voice-tools demo``) and
+    the console's admin (every caller's calls, the Tools page). None when the variable was set."""
+    if "VOICE_TOOLS_API_TOKENS" not in filled:
+        return []
+    tokens = {entry.split(":")[0]: entry.split(":")[1] for entry in env["VOICE_TOOLS_API_TOKENS"].split(",")}
+    lines = [f"API token: {tokens['local']}   (try: voice-tools demo)"]
+    if CONSOLE_NAME in tokens:
+        lines.append(f"console admin token: {tokens[CONSOLE_NAME]}   (sign in at {faces(env)['api_url']}/console; "
+                     f"kept as {CONSOLE_TOKEN} in {LOCAL_SECRETS})")
+    return lines
 
 
 def faces(env: dict[str, str]) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The console's data, each view one line over the room's operations (``tasks/calls/browse.py``), with
-the caller ``app/auth.py`` found for the request's token. The actions on a call (cancel, proceed) are
-REST's own endpoints; a redelivery is the operators' ``admin.redeliver``, for one event."""
+the caller ``app/auth.py`` found for the request's token, asking through the console (its actions'
+history entries say ``via: console``). The actions on a call (cancel, proceed) are REST's own
+operations; a redelivery is the operators' ``admin.redeliver``, for one event."""
 from __future__ import annotations
 
 from flask import Blueprint, g
@@ -8,8 +9,13 @@ from flask import Blueprint, g
 from app import inputs
 from app.console.pages import DATA_PREFIX
 from tasks.calls import browse
+from tasks.calls.callers import Caller, through
 
 bp = Blueprint("console_data", __name__, url_prefix=DATA_PREFIX.rstrip("/"))
+
+
+def _who() -> Caller:
+    return through(g.who, "console")
 
 
 @bp.get("/me")
@@ -22,14 +28,44 @@ def calls():
     return browse.page(inputs.query(), g.who)
 
 
+@bp.get("/counts")
+def counts():
+    return browse.counts(inputs.query(), g.who)
+
+
 @bp.get("/calls/<tool_call_id>")
 def call(tool_call_id: str):
     return browse.call(tool_call_id, g.who)
 
 
+@bp.post("/calls/<tool_call_id>/cancel")
+def cancel(tool_call_id: str):
+    return browse.cancel(tool_call_id, inputs.body(), _who())
+
+
+@bp.post("/calls/<tool_call_id>/proceed")
+def proceed(tool_call_id: str):
+    return browse.proceed(tool_call_id, _who())
+
+
+@bp.get("/bulk/<action>")
+def bulk_chosen(action: str):
+    return browse.bulk_chosen(action, inputs.query(), g.who)
+
+
+@bp.post("/bulk/<action>")
+def bulk(action: str):
+    return browse.bulk(action, inputs.body(), _who())
+
+
+@bp.post("/calls/<tool_call_id>/run-again")
+def run_again(tool_call_id: str):
+    return browse.run_again(tool_call_id, inputs.body(), _who())
+
+
 @bp.post("/calls/<tool_call_id>/events/<event_id>/redeliver")
 def redeliver(tool_call_id: str, event_id: str):
-    return browse.redeliver(tool_call_id, event_id, g.who)
+    return browse.redeliver(tool_call_id, event_id, _who())
 
 
 @bp.get("/tools")

@@ -17,7 +17,7 @@ from typing import Any
 from celery.utils import uuid
 
 from models import db, lifecycle, queries
-from models.calls import PENDING, ToolCall
+from models.calls import DONE, FAILED, PENDING, UNCONFIRMED, ToolCall
 from tasks import chains, tools
 from tasks.calls.errors import UnknownTool
 from tasks.delivery import attempts
@@ -57,10 +57,12 @@ def _started(call: ToolCall, tool: Tool, start: int) -> Started:
 
 
 def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
-            callback_urls: dict[str, str] | None = None, caller: str | None = None) -> Started:
+            callback_urls: dict[str, str] | None = None, caller: str | None = None,
+            acted: lifecycle.Acted | None = None) -> Started:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.
 
-    ``caller``: only that caller's call (another's is ``queries.NotFound``). The chain's
+    ``caller``: only that caller's call (another's is ``queries.NotFound``); ``acted``: who asked, through
+    which face (on the history's entry). The chain's
     id is chosen first and recorded by the transition itself (no statement after the send).
     If the broker refuses the chain, the call goes back to PENDING and
     :class:`tasks.chains.BrokerUnavailable` is raised, unless its first link has begun: then the
@@ -72,7 +74,7 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
             # a tool this process does not run is not confirmed (the statement checks it too)
             call = lifecycle.confirm(s, tool_call_id, reason=reason, callback_url=callback_url,
                                      callback_urls=callback_urls, caller=caller, workflow_id=workflow_id,
-                                     functions=tools.names())
+                                     functions=tools.names(), acted=acted)
         except lifecycle.Refused as exc:
             if exc.status == PENDING:  # still PENDING: its tool is unknown here
                 tool_of(exc.call)
@@ -89,12 +91,12 @@ def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "C
     return _started(call, tool, 0)
 
 
-def resume(tool_call_id: str, caller: str | None = None) -> Started:
+def resume(tool_call_id: str, caller: str | None = None, acted: lifecycle.Acted | None = None) -> Started:
     """PREPARED → EXECUTING and enqueue the links after the checkpoint (``caller``: as confirm's;
     the chain's id chosen first and recorded by the transition, as confirm's)."""
     workflow_id = uuid()
     with db.session() as s:
-        call = lifecycle.resume(s, tool_call_id, caller=caller, workflow_id=workflow_id)
+        call = lifecycle.resume(s, tool_call_id, caller=caller, workflow_id=workflow_id, acted=acted)
         tool = tool_of(call)  # before the commit: an unknown tool undoes the transition
     start = tool.step_index(call.current_step) + 1 if call.current_step else 0
     try:
@@ -108,6 +110,37 @@ def resume(tool_call_id: str, caller: str | None = None) -> Started:
     return _started(call, tool, start)
 
 
+def run_again(tool_call_id: str, acknowledged: bool = False, caller: str | None = None,
+              acted: lifecycle.Acted | None = None) -> Started:
+    """Run a FAILED call whose effect was not done again, as a new call of the same caller, session,
+    tool, parameters and callbacks, started at once (as confirm starts one); the two are linked in
+    their histories (the old one's ``run_again_as``, the new one's ``again_of``), and a call is run
+    again once. Its effect done (``outcome`` done): never. ``unconfirmed`` (its first run may have
+    acted): only ``acknowledged``. ``caller``: only that caller's call. :class:`lifecycle.Refused`
+    otherwise (``invalid_status``, or ``may_have_acted`` without the acknowledgment)."""
+    acted = acted or {}
+    with db.session() as s:
+        old = queries.get(s, tool_call_id, caller=caller)
+        if old.status != FAILED:
+            raise lifecycle.Refused("invalid_status", old, f"Only a FAILED call can be run again; this one is {old.status}.")
+        if old.outcome == DONE:
+            raise lifecycle.Refused("invalid_status", old, "Its effect was done (a step after it failed): running it "
+                                                            "again would do it twice.")
+        if old.outcome == UNCONFIRMED and not acknowledged:
+            raise lifecycle.Refused("may_have_acted", old, "Its first run may have acted (its outcome is unconfirmed): "
+                                                            "check, then acknowledge that running it again may do it twice.")
+        tool_of(old)
+        new_id = lifecycle.new_tool_call_id()
+        if lifecycle.mark_run_again(s, tool_call_id, new_id, acted, caller) is None:
+            raise lifecycle.Refused("invalid_status", old, "This call was already run again.")
+        lifecycle.create(s, session_id=old.session_id, function_name=old.function_name, action_level=old.action_level,
+                         parameters=old.parameters, tool_call_id=new_id, connection_id=old.connection_id,
+                         intent_id=old.intent_id, callback_url=old.callback_url, callback_urls=old.callback_urls,
+                         caller=old.caller, reason=f"Run again of {tool_call_id}",
+                         acted={**acted, "again_of": tool_call_id})
+    return confirm(new_id, reason=f"Confirmed: run again of {tool_call_id}", acted=acted)
+
+
 def _published_after_all(tool_call_id: str) -> ToolCall:
     """The publish "failed" but the chain runs: it reached the broker and only the answer was
     lost (a connection dropped after the write). Nothing to undo; the call as it is now."""
@@ -117,10 +150,10 @@ def _published_after_all(tool_call_id: str) -> ToolCall:
 
 
 def cancel(tool_call_id: str, reason: str | None = None, deliver_now: bool = False,
-           caller: str | None = None) -> ToolCall:
+           caller: str | None = None, acted: lifecycle.Acted | None = None) -> ToolCall:
     """Cancel before the point of no return and announce it once with a ``cancelled`` event
     (``tasks.delivery.events.cancel``); the call with its ``voice_response``."""
-    call, delivery = events.cancel(tool_call_id, reason, caller=caller, inline=deliver_now)
+    call, delivery = events.cancel(tool_call_id, reason, caller=caller, inline=deliver_now, acted=acted)
     if deliver_now:
         attempts.deliver_inline(delivery)
     else:

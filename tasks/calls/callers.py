@@ -10,6 +10,7 @@ which could make two callers one).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -28,10 +29,12 @@ ADMIN_MARK = "admin"
 
 @dataclass(frozen=True)
 class Caller:
-    """Who asks: the token's name, and whether it is an operator's (``:admin``)."""
+    """Who asks: the token's name, whether it is an operator's (``:admin``), and the face it asks
+    through (``via``: REST unless the face says otherwise; one of ``models.lifecycle.FACES``)."""
 
     name: str
     admin: bool = False
+    via: str = "REST"
 
     @property
     def scope(self) -> str | None:
@@ -96,6 +99,16 @@ def identify(authorization: str) -> Caller:
 def name_of(caller: Caller | None) -> str | None:
     """The name recorded as a new call's ``caller`` (None: the operator's unscoped door)."""
     return caller.name if caller is not None else None
+
+
+def acted(caller: Caller | None) -> dict[str, str]:
+    """Who acted and through which face, for the history entry an action adds (none: unscoped and unnamed)."""
+    return {} if caller is None else {"by": caller.name, "via": caller.via}
+
+
+def through(caller: Caller, via: str) -> Caller:
+    """The same caller, asking through face ``via``."""
+    return dataclasses.replace(caller, via=via)
 
 
 def scope_of(caller: Caller | None) -> str | None:

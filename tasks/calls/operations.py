@@ -10,11 +10,12 @@ the action returned. Errors are raised as :class:`tasks.calls.errors.ApiError`, 
 ``tasks.calls.errors.api_error`` maps them.
 
 Callers are fenced from each other: every operation takes the
-:class:`tasks.calls.callers.Caller` asking (None: unscoped, as the operator CLI is) and
+:class:`tasks.calls.callers.Caller` asking (an admin's is unscoped, as the operator CLI's is) and
 sees only that caller's calls, session context and events, unless it is an admin.
 Another caller's call is :class:`models.queries.NotFound`, the same 404 as an unknown id,
 and nothing of it changes: each action hands the caller to its transition, whose own
-statement checks it.
+statement checks it. Each action's entry in the call's ``status_history`` says who asked
+(``by``, the caller's name) and through which face (``via``, the caller's ``via``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from models.listen import until_settled
 from models.session_context import get_context
 from tasks import tools
 from tasks.calls import actions, schemas
-from tasks.calls.callers import Caller, name_of, scope_of
+from tasks.calls.callers import Caller, acted, name_of, scope_of
 from tasks.calls.errors import ApiError, validation_error
 from tasks.calls.toolspec import definitions
 
@@ -91,6 +92,7 @@ def _record(loaded: dict[str, Any], caller: Caller | None, reason: str, kind: st
             caller=name_of(caller),
             reason=reason,
             request_kind=kind,
+            acted=acted(caller),
         )
     return _logged(call), created  # the new call's id on the request's log lines (not read back from the answer)
 
@@ -156,7 +158,8 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | N
     call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)", kind="execute")
     if created or call.status == PENDING:  # new, or left PENDING by a broker outage: start it
         try:
-            started = actions.confirm(call.tool_call_id, reason="Confirmed by the relay", caller=scope_of(caller))
+            started = actions.confirm(call.tool_call_id, reason="Confirmed by the relay", caller=scope_of(caller),
+                                      acted=acted(caller))
         except lifecycle.Refused as exc:
             # a concurrent request with this key started it first (or it ended meanwhile):
             # this one is a replay of a call already started
@@ -220,7 +223,7 @@ def modify(tool_call_id: Any, body: dict[str, Any], caller: Caller | None = None
             if changes:
                 try:
                     call = lifecycle.modify(s, tool_call_id, old_parameters=old, new_parameters=new,
-                                            changes=changes, caller=scope)
+                                            changes=changes, caller=scope, acted=acted(caller))
                 except lifecycle.Refused as exc:
                     if exc.code == "stale" and attempt < MODIFY_ATTEMPTS - 1:
                         continue
@@ -239,7 +242,7 @@ def confirm(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], call
     wait = _wait_seconds(query)
     loaded = schemas.load(schemas.ConfirmRequest, body)
     started = actions.confirm(tool_call_id, loaded.get("callback_url"), callback_urls=loaded.get("callback_urls"),
-                              caller=scope_of(caller))
+                              caller=scope_of(caller), acted=acted(caller))
     return _started(started, wait, hand_over)
 
 
@@ -257,8 +260,9 @@ def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     wait = _wait_seconds(query)
     loaded = schemas.load(schemas.ResumeRequest, body)
     if loaded["action"] == "cancel":
-        return _cancelled(actions.cancel(tool_call_id, loaded.get("reason"), caller=scope_of(caller)))
-    return _started(actions.resume(tool_call_id, caller=scope_of(caller)), wait, hand_over)
+        return _cancelled(actions.cancel(tool_call_id, loaded.get("reason"), caller=scope_of(caller),
+                                         acted=acted(caller)))
+    return _started(actions.resume(tool_call_id, caller=scope_of(caller), acted=acted(caller)), wait, hand_over)
 
 
 def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], caller: Caller | None = None) -> Answer:
@@ -266,7 +270,7 @@ def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     tool_call_id = _tool_call_id(tool_call_id)
     reason = {**schemas.load(schemas.CancelRequest, query),
               **schemas.load(schemas.CancelRequest, body)}.get("reason")
-    return _cancelled(actions.cancel(tool_call_id, reason, caller=scope_of(caller)))
+    return _cancelled(actions.cancel(tool_call_id, reason, caller=scope_of(caller), acted=acted(caller)))
 
 
 # -- reading ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from marshmallow import INCLUDE, RAISE, Schema, ValidationError, fields, post_lo
 from tasks import tools
 from tasks.delivery import url_policy
 from models import events
-from models.calls import STATUSES
+from models.calls import FACES, STATUSES
 
 MAX_TEXT = 1000  # message and voice_response (docs/relay-guide.md, "A call's life")
 
@@ -311,6 +311,13 @@ class StatusEntry(Schema):
     at = fields.String()
     reason = fields.String(allow_none=True)
     fields_ = fields.List(fields.String(), data_key="fields")
+    by = fields.String(metadata={"description": "Who acted: the token's name (the operator's user name on the CLI, "
+                                                "the sweep's name for beat, relay for a callback's answer); absent "
+                                                "on a step the call's chain took itself"})
+    via = fields.String(metadata={"enum": list(FACES), "description": "The face the action came through"})
+    again_of = fields.String(metadata={"description": "On a call run again from the console: the FAILED call it "
+                                                      "runs again"})
+    run_again_as = fields.String(metadata={"description": "On a FAILED call run again: the new call that runs it"})
 
 
 class CallRecord(Schema):

@@ -20,6 +20,7 @@ from tasks.delivery import events
 log = logging.getLogger(__name__)
 
 REASON = "Cancelled by the relay"  # when the answer gives none
+ACTED: lifecycle.Acted = {"by": "relay", "via": "callback"}  # the call's own relay, answering its callback
 
 
 def read(raw: bytes) -> tuple[bool, str | None]:
@@ -45,7 +46,7 @@ def cancel(tool_call_id: str, reason: str | None) -> CallbackDelivery | None:
     transaction; return that event to send (None: nothing to send, or the call is no longer
     cancellable: it went on, or it ended meanwhile)."""
     try:
-        return events.cancel(tool_call_id, reason or REASON)[1]
+        return events.cancel(tool_call_id, reason or REASON, acted=ACTED)[1]
     except (lifecycle.Refused, queries.NotFound) as exc:
         log.info("relay asked to cancel %s: %s", tool_call_id, exc)
         return None

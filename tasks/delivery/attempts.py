@@ -48,6 +48,12 @@ class Answer:
     cancel: bool = False
     reason: str | None = None
     attempted: bool = True  # False: not due, in flight elsewhere, or no longer pending
+    state: str | None = None  # the row's state after this attempt, when recorded by it (delivered, pending, failed)
+
+
+class DeliveryFailed(Exception):
+    """The attempt that gave a delivery up (``failed``: its last attempt, or a final refusal): the
+    ``callbacks.deliver`` task fails with it, so its state (what Flower shows) says the delivery failed."""
 
 
 # A retry message fires at its ETA by the worker's clock; allow for the database's
@@ -116,7 +122,7 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
                                 final=route.final)
         metrics.callback_attempt(delivery.event, state, time.perf_counter() - started)
         log.warning("callback %s not sent: %s", event_id, route.refusal)
-        return Answer(delivered=False)
+        return Answer(delivered=False, state=state)
     payload = dict(delivery.payload, sent_at=datetime.now(timezone.utc).isoformat())
     body = json.dumps(payload, separators=(",", ":"), default=str).encode()
     timestamp = str(int(time.time()))
@@ -146,9 +152,12 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
     cancel, reason = answers.read(raw) if delivered else (False, None)
     relay_cancels = cancel and answers.answers_a_cancel(delivery.payload)
 
+    recorded: list[str] = []  # the row's state, once this attempt is recorded here
+
     def record_it() -> None:
         state = _record_attempt(event_id, delivery.attempts, code, error, cfg.callback_max_attempts, note=note,
                                 took_s=seconds)
+        recorded.append(state)
         metrics.callback_attempt(delivery.event, state, seconds)
 
     def hand_over() -> None:  # a delivered attempt: recorded with the others of the moment, off the link's clock
@@ -161,7 +170,7 @@ def _post(delivery: CallbackDelivery, timeout: float | None, later: Later | None
         later(hand_over if delivered else record_it)
     if relay_cancels:
         dispatch_quietly(answers.cancel(delivery.tool_call_id, reason))
-    return Answer(delivered=delivered, cancel=cancel, reason=reason)
+    return Answer(delivered=delivered, cancel=cancel, reason=reason, state=recorded[0] if recorded else None)
 
 
 def _record_attempt(event_id: str, attempts_before: int, code: int | None, error: str | None,
@@ -279,9 +288,11 @@ def schedule_retry(event_id: str) -> None:
     deliver.apply_async((event_id,), countdown=math.ceil(wait_s) if wait_s > 0 else None)
 
 
-@app.task(name="callbacks.deliver", ignore_result=True, acks_late=True)
+@app.task(name="callbacks.deliver", ignore_result=True, acks_late=True, throws=(DeliveryFailed,))
 def deliver(event_id: str) -> str:
-    """One attempt from the queue; schedules the next one while attempts remain."""
+    """One attempt from the queue; schedules the next one while attempts remain. The attempt that gives
+    the delivery up raises :class:`DeliveryFailed` (the task's state FAILURE, logged without a traceback:
+    an expected end, ``throws``); its message is acknowledged all the same (nothing to run again)."""
     # A queued retry may wait longer for a slow relay than the inline attempt, which is
     # on the caller's clock; otherwise a relay always slower than the inline timeout
     # would never get a single event.
@@ -291,5 +302,10 @@ def deliver(event_id: str) -> str:
         return "delivered"
     if not answer.attempted:
         return "skipped"
+    if answer.state == "failed":
+        with db.session() as s:
+            row = s.execute(select(CallbackDelivery.attempts, CallbackDelivery.last_error)
+                            .where(CallbackDelivery.event_id == event_id)).one()
+        raise DeliveryFailed(f"callback {event_id} given up after {row.attempts} attempts: {row.last_error}")
     schedule_retry(event_id)
     return "retry"

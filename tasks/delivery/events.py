@@ -50,13 +50,13 @@ def record(
 
 
 def cancel(tool_call_id: str, reason: str | None, *, caller: str | None = None,
-           inline: bool = False) -> tuple[ToolCall, CallbackDelivery | None]:
+           inline: bool = False, acted: lifecycle.Acted | None = None) -> tuple[ToolCall, CallbackDelivery | None]:
     """Cancel the call (``lifecycle.cancel``: only before the point of no return; ``caller``: only
-    that caller's call) with the tool's cancelled sentence as its ``voice_response`` and its one
+    that caller's call; ``acted``: who asked, through which face) with the tool's cancelled sentence as its ``voice_response`` and its one
     ``cancelled`` event, in one transaction; the call and the event to send. A call of a tool this
     process does not run can be cancelled too. Raises what ``lifecycle.cancel`` raises."""
     with db.session() as s:
-        call = lifecycle.cancel(s, tool_call_id, reason, caller=caller)
+        call = lifecycle.cancel(s, tool_call_id, reason, caller=caller, acted=acted)
         tool = tools.get(call.function_name)
         voice = tool.say(tool.cancelled_response, call.parameters) if tool else "Cancelled."
         call = lifecycle.set_voice_response(s, tool_call_id, voice)

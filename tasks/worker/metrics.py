@@ -14,12 +14,10 @@ only touch memory-mapped files: no database, no broker, no network.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
-import math
 import os
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -131,33 +129,3 @@ def callback_attempt(event: str, state: str, seconds: float) -> None:
 def redriven(tool: str) -> None:
     REDRIVES.labels(tool).inc()
 
-
-# -- reading a histogram as Prometheus does --------------------------------------------------
-
-def cumulative_buckets(seconds: Iterable[float], bounds: Sequence[float] = STEP_BUCKETS) -> list[tuple[float, int]]:
-    """``seconds`` counted into the histogram's buckets as prometheus-client counts an observation
-    (each bucket: the values at most its upper bound), cumulative, ending with ``+Inf``."""
-    counts = [0] * (len(bounds) + 1)
-    for value in seconds:
-        counts[bisect.bisect_left(bounds, value)] += 1
-    total, cumulative = 0, []
-    for bound, count in zip((*bounds, math.inf), counts):
-        total += count
-        cumulative.append((bound, total))
-    return cumulative
-
-
-def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
-    """PromQL's ``histogram_quantile(q, ...)`` of one histogram's cumulative ``(upper bound, count)``
-    buckets (ending with ``+Inf``): linear within the bucket the rank falls in; the highest finite
-    bound when it falls in ``+Inf``; NaN with no observation."""
-    total = buckets[-1][1] if buckets else 0
-    if total == 0:
-        return math.nan
-    rank = q * total
-    index = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
-    if index == len(buckets) - 1:
-        return buckets[-2][0]
-    start, below = (buckets[index - 1][0], buckets[index - 1][1]) if index > 0 else (0.0, 0)
-    end, count = buckets[index]
-    return start + (end - start) * ((rank - below) / (count - below))
