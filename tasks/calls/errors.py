@@ -82,9 +82,18 @@ def not_found(tool_call_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No tool call {tool_call_id}.", {"tool_call_id": tool_call_id})
 
 
-def unavailable(service: str, reason: str) -> ApiError:
-    return ApiError(503, "unavailable", f"The {service} is unavailable; try again shortly.",
-                    {"service": service, "reason": reason[:300]})
+# A publish refused (the broker does not answer, or every pooled connection stayed taken for the
+# pool's acquire timeout) is tried again after this long: a broker restart or a burst of publishes
+# is over within seconds.
+BROKER_RETRY_AFTER_S = 2
+
+
+def unavailable(service: str, reason: str, retry_after: int | None = None) -> ApiError:
+    details: dict[str, Any] = {"service": service, "reason": reason[:300]}
+    if retry_after is None:
+        return ApiError(503, "unavailable", f"The {service} is unavailable; try again shortly.", details)
+    return ApiError(503, "unavailable", f"The {service} is unavailable; try again in {retry_after} s.",
+                    {**details, "retry_after": retry_after}, {"Retry-After": str(retry_after)})
 
 
 def api_error(exc: Exception) -> ApiError | None:
@@ -104,7 +113,7 @@ def api_error(exc: Exception) -> ApiError | None:
         return validation_error({"function_name": [str(exc)]},
                                 {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.BrokerUnavailable):
-        return unavailable("broker", str(exc))
+        return unavailable("broker", str(exc), BROKER_RETRY_AFTER_S)
     if isinstance(exc, (OperationalError, InterfaceError)):
         log.warning("database unavailable: %s", exc)
         return unavailable("database", str(getattr(exc, "orig", exc)).strip())
