@@ -40,7 +40,9 @@ from collections import deque
 from typing import Any
 
 import h11
+from gunicorn.http.errors import ParseException
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, ThreadWorker, TConn
+from werkzeug.exceptions import BadRequest
 
 from app.limits import BODY_SECONDS, HEAD_SECONDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 from models import settings
@@ -132,6 +134,59 @@ class _Bounded:
         return getattr(self.sock, name)
 
 
+class _Body:
+    """gunicorn's reader of a request's body, as the app reads it (``wsgi.input``): a body whose framing
+    gunicorn cannot parse (a chunk size that is not hex, chunk data without its CRLF, a bad chunk
+    extension or trailer) is werkzeug's ``BadRequest``, which the app answers as any 400, in JSON."""
+
+    def __init__(self, body: Any, malformed: list[bool]) -> None:
+        self.body, self.malformed = body, malformed
+
+    def _read(self, how: Any, *args: Any) -> Any:
+        try:
+            return how(*args)
+        except ParseException as exc:
+            self.malformed.append(True)
+            raise BadRequest(f"The body's framing is malformed ({type(exc).__name__}).") from None
+
+    def read(self, *args: Any) -> bytes:
+        return self._read(self.body.read, *args)
+
+    def readline(self, *args: Any) -> bytes:
+        return self._read(self.body.readline, *args)
+
+    def readlines(self, *args: Any) -> list[bytes]:
+        return self._read(self.body.readlines, *args)
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> bytes:
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+
+def _malformed_bodies_are_400s(app: Any) -> Any:
+    """The app, reading its body through :class:`_Body`: the answer to a malformed body says
+    ``Connection: close`` (gunicorn reads no further from a body it cannot parse, and the client's
+    next bytes must not be read as a request)."""
+
+    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+        malformed: list[bool] = []
+        environ["wsgi.input"] = _Body(environ["wsgi.input"], malformed)
+
+        def start(status: str, headers: list[tuple[str, str]], *exc_info: Any) -> Any:
+            if malformed:
+                headers = [(k, v) for k, v in headers if k.lower() != "connection"] + [("Connection", "close")]
+            return start_response(status, headers, *exc_info)
+
+        return app(environ, start)
+
+    return wsgi
+
+
 class _Conn(TConn):
     """gthread's connection, with the bytes read ahead for its thread, and its lingering close left to the loop."""
 
@@ -180,6 +235,10 @@ class WholeRequestWorker(ThreadWorker):
         # plain HTTP/1 only: with TLS or HTTP/2 in gunicorn itself (not the Procfile's) it is gthread as it comes
         self.reads_ahead = not self.cfg.is_ssl and getattr(self.cfg, "http2_cleartext", "off") in (None, "off", "")
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self.wsgi = _malformed_bodies_are_400s(self.wsgi)
 
     def accept(self, listener: socket.socket) -> None:
         try:
