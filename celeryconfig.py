@@ -23,6 +23,10 @@ _settings = _load_settings()
 
 broker_url = _settings.broker_url or "redis://127.0.0.1:6379/0"
 broker_connection_retry_on_startup = True
+# A publish waits at most this long for a producer of the app's pool (``broker_pool_limit``, 10), then
+# gives up (kombu's OperationalError: the API answers 503 with Retry-After); Celery waits for ever
+# otherwise. A publish holds its producer only while it sends (tasks/chains.py, ``enqueue``).
+broker_pool_acquire_timeout = 5.0
 # RabbitMQ (py-amqp, kombu's "amqp" driver): its schemes as kombu names them.
 AMQP = urlsplit(broker_url.split(";")[0]).scheme in ("amqp", "amqps", "pyamqp", "pyamqps")
 

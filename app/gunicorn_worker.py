@@ -18,23 +18,34 @@ The parsing of record stays gunicorn's: a request h11 finds malformed is handed 
 with no more time to read from the socket, and gunicorn answers it from what came
 (``app/gunicorn_conf.py``'s JSON errors) or closes it; what a thread reads from the socket beyond
 what was read ahead (a body over the limit the app does not read) it reads within ``BODY_SECONDS``.
+Writing the answer is bounded too: the thread writes with the send timeout
+(``VOICE_TOOLS_SEND_TIMEOUT``), and a client that does not take the answer in that time loses its
+connection, reset. A connection's pipelined requests are answered one at a time, and one whose
+last answer its client has not acknowledged (``TIOCOUTQ``) gets no more work: it waits in the loop,
+holding no thread, until the answer is taken, and is reset past the send timeout.
 With TLS or cleartext HTTP/2 configured in gunicorn itself (the Procfiles configure neither), the
 worker reads nothing ahead: it is gthread as it comes.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import selectors
 import socket
+import struct
+import termios
 import time
 from collections import deque
 from typing import Any
 
 import h11
+from gunicorn.http.errors import ParseException
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, ThreadWorker, TConn
+from werkzeug.exceptions import BadRequest
 
 from app.limits import BODY_SECONDS, HEAD_SECONDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from models import settings
 
 # the longest head gunicorn could accept: past it, gunicorn refuses from what is buffered
 MAX_HEAD_BYTES = MAX_REQUEST_LINE + 2 + MAX_HEADER_FIELDS * (MAX_HEADER_BYTES + 2) + 2
@@ -112,14 +123,68 @@ class _Bounded:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("the request's bytes did not come in time")
-        self.sock.settimeout(remaining)
+        before = self.sock.gettimeout()  # the answer's send timeout (WholeRequestWorker.handle_request)
+        self.sock.settimeout(remaining if before is None else min(remaining, before))
         try:
             return self.sock.recv(size)
         finally:
-            self.sock.settimeout(None)
+            self.sock.settimeout(before)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)
+
+
+class _Body:
+    """gunicorn's reader of a request's body, as the app reads it (``wsgi.input``): a body whose framing
+    gunicorn cannot parse (a chunk size that is not hex, chunk data without its CRLF, a bad chunk
+    extension or trailer) is werkzeug's ``BadRequest``, which the app answers as any 400, in JSON."""
+
+    def __init__(self, body: Any, malformed: list[bool]) -> None:
+        self.body, self.malformed = body, malformed
+
+    def _read(self, how: Any, *args: Any) -> Any:
+        try:
+            return how(*args)
+        except ParseException as exc:
+            self.malformed.append(True)
+            raise BadRequest(f"The body's framing is malformed ({type(exc).__name__}).") from None
+
+    def read(self, *args: Any) -> bytes:
+        return self._read(self.body.read, *args)
+
+    def readline(self, *args: Any) -> bytes:
+        return self._read(self.body.readline, *args)
+
+    def readlines(self, *args: Any) -> list[bytes]:
+        return self._read(self.body.readlines, *args)
+
+    def __iter__(self) -> Any:
+        return self
+
+    def __next__(self) -> bytes:
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+
+def _malformed_bodies_are_400s(app: Any) -> Any:
+    """The app, reading its body through :class:`_Body`: the answer to a malformed body says
+    ``Connection: close`` (gunicorn reads no further from a body it cannot parse, and the client's
+    next bytes must not be read as a request)."""
+
+    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+        malformed: list[bool] = []
+        environ["wsgi.input"] = _Body(environ["wsgi.input"], malformed)
+
+        def start(status: str, headers: list[tuple[str, str]], *exc_info: Any) -> Any:
+            if malformed:
+                headers = [(k, v) for k, v in headers if k.lower() != "connection"] + [("Connection", "close")]
+            return start_response(status, headers, *exc_info)
+
+        return app(environ, start)
+
+    return wsgi
 
 
 class _Conn(TConn):
@@ -130,12 +195,32 @@ class _Conn(TConn):
         self.worker = worker
         self.read_ahead: bytes | None = None
         self.malformed = False
+        self.reset = False  # its client left an answer untaken: closed with a reset, nothing lingers
 
     def close(self, graceful: bool = False) -> None:
-        if graceful:
+        if self.reset:
+            _reset(self.sock)
+            super().close()
+        elif graceful:
             self.worker.linger(self.sock)
         else:
             super().close()
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    """Bytes written to ``sock`` its peer has not acknowledged yet (the kernel's send queue, ``TIOCOUTQ``)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
+
+
+def _reset(sock: socket.socket) -> None:
+    """Make the close of ``sock`` a reset: the kernel drops what its peer left untaken, at once."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
 
 
 class WholeRequestWorker(ThreadWorker):
@@ -145,9 +230,15 @@ class WholeRequestWorker(ThreadWorker):
         self.reading: dict[_Conn, _Reading] = {}
         self.lingering: deque[tuple[float, socket.socket]] = deque()
         self.drained: dict[socket.socket, int] = {}
+        self.unread: dict[_Conn, float] = {}  # connections whose answers are untaken: their deadline
+        self.send_timeout = settings.send_timeout_s()
         # plain HTTP/1 only: with TLS or HTTP/2 in gunicorn itself (not the Procfile's) it is gthread as it comes
         self.reads_ahead = not self.cfg.is_ssl and getattr(self.cfg, "http2_cleartext", "off") in (None, "off", "")
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self.wsgi = _malformed_bodies_are_400s(self.wsgi)
 
     def accept(self, listener: socket.socket) -> None:
         try:
@@ -165,6 +256,10 @@ class WholeRequestWorker(ThreadWorker):
         if conn.read_ahead is not None or not self.reads_ahead:
             super().enqueue_req(conn)
             return
+        if _unacknowledged(conn.sock):  # its client has not taken the last answer: no more work for it yet
+            self.unread.setdefault(conn, time.monotonic() + self.send_timeout)
+            return
+        self.unread.pop(conn, None)
         reading = _Reading(time.monotonic())
         left = conn.parser.unreader.take_buffered() if conn.parser is not None else b""
         conn.sock.setblocking(False)
@@ -232,9 +327,23 @@ class WholeRequestWorker(ThreadWorker):
             unreader.unread(data)
         return super().handle(conn)
 
+    def handle_request(self, req: Any, conn: _Conn) -> Any:  # on a thread
+        """gthread's, with the answer's writes bounded as its reads are: a client that does not take the
+        answer within the send timeout (``VOICE_TOOLS_SEND_TIMEOUT``) loses its connection, reset."""
+        if not self.reads_ahead:
+            return super().handle_request(req, conn)
+        conn.sock.settimeout(self.send_timeout)
+        try:
+            return super().handle_request(req, conn)
+        except TimeoutError:  # its answer untaken (or the rest of its body unsent) in time
+            log.info("a client did not take its answer in %.0f s: its connection is reset", self.send_timeout)
+            conn.reset = True
+            return False
+
     def murder_pending(self) -> None:
-        """gthread's sweep of connections waiting for bytes, with the requests read ahead past their time
-        and the lingering closes past theirs."""
+        """gthread's sweep of connections waiting for bytes, with the requests read ahead past their time,
+        the connections whose answers are untaken (read from once taken, reset past the send timeout) and
+        the lingering closes past theirs."""
         super().murder_pending()
         now = time.monotonic()
         if not self.alive:  # stopping: a request on its way has as long as a kept-alive connection has
@@ -242,6 +351,14 @@ class WholeRequestWorker(ThreadWorker):
                 reading.deadline = min(reading.deadline, now + STOP_KEEPALIVE_LINGER)
         for conn in [conn for conn, reading in self.reading.items() if reading.deadline <= now]:
             self._drop(conn)
+        for conn, deadline in list(self.unread.items()):
+            if not _unacknowledged(conn.sock):
+                self.enqueue_req(conn)  # taken: its next request is read
+            elif deadline <= now or not self.alive:
+                del self.unread[conn]
+                conn.reset = True
+                self.nr_conns -= 1
+                conn.close()
         while self.lingering and self.lingering[0][0] <= now:
             self._end_linger(self.lingering.popleft()[1])
 

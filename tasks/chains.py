@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -50,7 +51,7 @@ from models import logs
 from celeryconfig import queue
 from models import db, events, lifecycle, link_attempts, queries
 from models.calls import NOT_DONE, UNCONFIRMED, ToolCall
-from tasks import base, tools
+from tasks import base, publishing, tools
 from tasks.effect_claims import claim_token, holder_gone
 from voice_tools import backends
 from tasks.delivery import attempts
@@ -98,6 +99,11 @@ class Link(base.Task):
     step: Step
     index: int
     absorbs: Step | None  # the next step, when it has no work of its own: this link does it
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Celery's, on the producer :func:`enqueue` holds when it sends this link as its chain's first
+        (:func:`_publish_with_held_producer`)."""
+        return _publish_with_held_producer(super().apply_async, {"args": args, "kwargs": kwargs, **options})
 
     def begun(self) -> None:
         if self.index == 0 and not self.request.retries:  # the chain's first link, first run
@@ -502,22 +508,42 @@ def signature(tool: Tool, tool_call_id: str, start: int = 0, chain_id: str | Non
     return chain(*(link.si(*args).set(retry_policy=NEXT_LINK_RETRY) for link in links))
 
 
-# The faces enqueue while a caller waits on the line: one quick reconnect, then the
-# broker is "unavailable" (503; the relay may retry). Left to kombu's defaults, a
-# process that has never reached the broker keeps trying for about 6 s first
-# (``broker_connection_timeout`` around redis-py's connect).
-QUICK_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
+QUICK_RETRY = publishing.QUICK_RETRY  # a face's publish: one quick reconnect, then 503
+
+# The producer a thread's :func:`enqueue` holds while it publishes, for :meth:`Link.apply_async`.
+_held_producer: ContextVar[Any] = ContextVar("voice_tools_held_producer", default=None)
+
+
+def _publish_with_held_producer(apply_async: Any, options: dict[str, Any]) -> Any:
+    """Celery's chain sends its first link with ``Task.apply_async`` but drops the ``producer`` its own
+    ``apply_async`` was given (``_chain.run`` takes the argument and does not pass it on), so ``send_task``
+    would take a second producer from the pool while :func:`enqueue` holds the first: with as many
+    threads publishing as the pool holds, each would wait for ever for another's. The first link goes out
+    on the producer :func:`enqueue` holds instead."""
+    held = _held_producer.get()
+    if held is not None and options.get("producer") is None and db.current() is None:  # sent now, not after a commit
+        options["producer"] = held
+    return apply_async(**options)
 
 
 def enqueue(tool: Tool, call: Any, start: int, workflow_id: str) -> str:
     """Send the chain from step ``start``: ``workflow_id`` (recorded already, by the transition that
-    started the call) is its id and every link's second argument: only that chain passes a gate."""
+    started the call) is its id and every link's second argument: only that chain passes a gate.
+
+    The publish holds one pooled broker connection (:func:`tasks.publishing.producer`: taken within
+    ``broker_pool_acquire_timeout``, checked with one quick reconnect) and nothing else pooled: the
+    chain's first link goes out on its producer. A pool still empty after that wait, like a broker
+    that does not answer, is :class:`BrokerUnavailable` (503, ``Retry-After``), never a thread left
+    waiting."""
     try:
         with logs.bound(tool_call_id=call.tool_call_id, session_id=call.session_id), \
-                app.producer_or_acquire() as producer:  # the links' messages carry the call (tasks/worker/log_context.py)
-            producer.connection.ensure_connection(timeout=1, **QUICK_RETRY)
-            result = signature(tool, call.tool_call_id, start, workflow_id).apply_async(
-                producer=producer, retry=True, retry_policy=QUICK_RETRY, task_id=workflow_id)
+                publishing.producer() as producer:  # the links' messages carry the call (tasks/worker/log_context.py)
+            held = _held_producer.set(producer)
+            try:
+                result = signature(tool, call.tool_call_id, start, workflow_id).apply_async(
+                    retry=True, retry_policy=publishing.QUICK_RETRY, task_id=workflow_id)
+            finally:
+                _held_producer.reset(held)
     except (KombuOperationalError, RedisError, OSError) as exc:
         raise BrokerUnavailable(str(exc)) from exc
     return result.id

@@ -91,27 +91,30 @@ class LostPublishAnswer:
     call does not return until ``settled()`` holds and raises the error a connection
     dropped before the broker's reply raises. Only the first publish of the thread that
     made this object is affected; the in-process worker's own publishes (its next links,
-    its callbacks) are not. Undo with :meth:`restore`.
+    its callbacks) are not. A chain is published on the producer of
+    ``tasks.publishing.producer`` (``tasks/chains.py``, ``enqueue``): that is the one
+    replaced. Undo with :meth:`restore`.
     """
 
     def __init__(self, celery_app, settled: Callable[[], bool], timeout: float = 15.0):
-        self.app, self.settled, self.timeout = celery_app, settled, timeout
+        from tasks import publishing
+
+        self.publishing, self.settled, self.timeout = publishing, settled, timeout
         self.thread = threading.get_ident()
         self.published = 0
-        self._real = celery_app.producer_or_acquire
-        celery_app.producer_or_acquire = self._acquire  # an instance attribute over Celery's method
+        self._real = publishing.producer
+        publishing.producer = self._producer
 
     def _lossy(self) -> bool:
         return not self.published and threading.get_ident() == self.thread
 
     @contextmanager
-    def _acquire(self, producer=None):
-        if producer is not None or not self._lossy():
-            with self._real(producer) as given:
+    def _producer(self):
+        with self._real() as given:
+            if not self._lossy():
                 yield given
-            return
-        with self._real() as lossy:
-            real_publish = lossy.publish
+                return
+            real_publish = given.publish
 
             def publish(*args: Any, **kwargs: Any):
                 from kombu.exceptions import OperationalError
@@ -124,14 +127,11 @@ class LostPublishAnswer:
                     time.sleep(0.02)
                 raise OperationalError("Connection reset by peer (the broker's answer was lost)")
 
-            lossy.publish = publish
-            try:
-                yield lossy
-            finally:
-                del lossy.publish  # the producer goes back to the pool as it was
+            given.publish = publish
+            yield given
 
     def restore(self) -> None:
-        self.app.__dict__.pop("producer_or_acquire", None)
+        self.publishing.producer = self._real
 
 
 @pytest.fixture

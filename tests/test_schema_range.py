@@ -73,7 +73,7 @@ def test_on_a_schema_too_old_the_api_answers_503_naming_it_and_serves_again_once
         assert refused.headers["Retry-After"] == "1"
         body = refused.get_json()
         assert body["error"] == "unavailable"
-        assert body["details"] == {"service": "database", "reason": "schema", "found": "0017",
+        assert body["details"] == {"service": "database", "reason": "schema", "retry_after": 1, "found": "0017",
                                    "needed": schema.OLDEST}
         assert "revision 0017" in body["message"] and schema.OLDEST in body["message"]
         assert "voice-tools migrate" in body["message"]

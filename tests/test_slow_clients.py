@@ -2,10 +2,14 @@
 half a header block, half a body or an endless chunk, an authenticated relay is answered at its usual pace,
 on each layout the docs give for serving relays (the Procfile's web line; ``voice-tools run``'s,
 ``Procfile.local``, with ``HOST`` set). A connection the API closes is opened again at once, as a
-determined client would."""
+determined client would. Nor do clients that stop reading: connections that pipeline hundreds of
+requests for the console's script (served without a token) and read none of the answers, more of them
+than the API has threads, leave the relay and ``/healthz`` answered; each is closed once it has left
+its answers untaken for the send timeout."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from urllib.parse import urlsplit
@@ -127,6 +131,72 @@ def test_200_slow_unauthenticated_connections_do_not_silence_the_api(procfile):
               f"{CONNECTIONS} slow connections ({slow.reopened} opened again after the API closed them)")
         assert p99(crowded) <= 1.0, sorted(crowded)[-5:]
         # and afterwards, as before
+        assert p99(relay_timings(url)) <= 1.0
+
+
+NON_READERS = 24  # more than the Procfile's 2 workers x 8 threads
+PIPELINED = 400
+SEND_TIMEOUT = 3  # VOICE_TOOLS_SEND_TIMEOUT of the web line under test (30 by default)
+TCP_ESTABLISHED = 1  # tcp_info's tcpi_state (include/net/tcp_states.h)
+
+
+class NonReaders:
+    """``NON_READERS`` connections, each sending ``PIPELINED`` requests at once and reading no answer."""
+
+    def __init__(self, url: str, path: str = "/console/static/console.js") -> None:
+        parts = urlsplit(url)
+        self.address = (parts.hostname, parts.port)
+        self.requests = f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode() * PIPELINED
+        self.held: list[socket.socket] = []
+
+    def __enter__(self) -> "NonReaders":
+        for _ in range(NON_READERS):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: it is full sooner
+            sock.settimeout(10)
+            sock.connect(self.address)
+            sock.sendall(self.requests)
+            self.held.append(sock)
+        return self
+
+    def established(self) -> int:
+        """How many are still open on the API's side (a reset or a close ends the TCP state here too)."""
+        return sum(1 for sock in self.held
+                   if struct.unpack("B", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0]
+                   == TCP_ESTABLISHED)
+
+    def __exit__(self, *exc: object) -> None:
+        for sock in self.held:
+            sock.close()
+
+
+def healthz_answered(url: str, times: int = 5) -> int:
+    answered = 0
+    for _ in range(times):
+        try:
+            answered += requests.get(f"{url}/healthz", timeout=5).status_code == 200
+        except requests.RequestException:
+            pass
+    return answered
+
+
+@pytest.mark.parametrize("procfile", list(LAYOUTS))
+def test_clients_that_stop_reading_hold_no_thread_and_are_closed_after_the_send_timeout(procfile):
+    with gunicorn_web(procfile, MCP_PORT=str(free_port()), VOICE_TOOLS_SEND_TIMEOUT=str(SEND_TIMEOUT),
+                      **LAYOUTS[procfile]) as url:
+        with NonReaders(url) as stuck:
+            time.sleep(1)
+            assert stuck.established() == NON_READERS
+            # for long enough that each is answered until its window and the API's send buffer are full
+            crowded = relay_timings(url, seconds=10)
+            assert healthz_answered(url) == 5
+            print(f"{procfile}: relay p99 {p99(crowded) * 1000:.1f} ms beside {NON_READERS} clients that stopped "
+                  f"reading")
+            assert p99(crowded) <= 1.0, sorted(crowded)[-5:]
+            deadline = time.monotonic() + SEND_TIMEOUT + 10
+            while stuck.established() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert stuck.established() == 0  # each closed, its answers given up
         assert p99(relay_timings(url)) <= 1.0
 
 

@@ -1,7 +1,9 @@
 """Errors are JSON under gunicorn too: the answers gunicorn gives itself, before the app
-(a request line or a header over its limits, a request it cannot parse), and OPTIONS."""
+(a request line or a header over its limits, a request it cannot parse), a chunked body gunicorn
+cannot parse (a 400, never a 500), and OPTIONS."""
 from __future__ import annotations
 
+import json
 import socket
 from urllib.parse import urlsplit
 
@@ -9,6 +11,7 @@ import pytest
 import requests
 
 from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from tests.api_fixtures import call_count
 from tests.conftest import AUTH
 from tests.web_server import gunicorn_web
 
@@ -63,8 +66,6 @@ def test_a_request_gunicorn_cannot_parse_is_a_json_400(web):
     head, _, body = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 "), raw
     assert b"content-type: application/json" in head.lower(), raw
-    import json
-
     assert json.loads(body)["error"] == "bad_request"
 
 
@@ -74,3 +75,45 @@ def test_options_is_a_json_405_naming_the_methods(web):
     assert body["details"]["allowed"] == ["GET", "HEAD"]
     assert answer.headers["Allow"] == "GET, HEAD"
     json_error(requests.options(f"{web}/voice-tools/tools", timeout=10), 401, "unauthorized")
+
+
+def _exchange(web: str, data: bytes) -> bytes:
+    """``data`` sent on a new connection; everything that comes back until the API closes it."""
+    parts = urlsplit(web)
+    raw = b""
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(data)
+        try:
+            while chunk := sock.recv(65536):
+                raw += chunk
+        except ConnectionResetError:
+            pass
+    return raw
+
+
+def _chunked(path: bytes = b"/voice-tools/pending", method: bytes = b"POST") -> bytes:
+    return (method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: " + AUTH["Authorization"].encode() +
+            b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+
+MALFORMED_CHUNKS = {
+    "a chunk size that is not hex": _chunked() + b"zz\r\n{}\r\n0\r\n\r\n",
+    "chunk data without its CRLF": _chunked() + b"2\r\n{}XX0\r\n\r\n",
+    "a chunk extension with a control byte": _chunked() + b"2;a=\x01\r\n{}\r\n0\r\n\r\n",
+    "on a modify": _chunked(b"/voice-tools/modify/tc_000000000000", b"PATCH") + b"zz\r\n",
+    "on the webhook path": _chunked(b"/webhook/voice-tools/execute") + b"zz\r\n",
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_CHUNKS))
+def test_a_malformed_chunked_body_is_a_json_400_and_its_connection_closes(web, case):
+    before = call_count()
+    # the same connection's next request is never read as part of the body
+    raw = _exchange(web, MALFORMED_CHUNKS[case] + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), raw
+    assert b"content-type: application/json" in head.lower(), raw
+    assert b"connection: close" in head.lower(), raw
+    assert json.loads(body)["error"] == "bad_request", raw
+    assert raw.count(b"HTTP/1.1 ") == 1, raw  # one answer, then the connection closed
+    assert call_count() == before

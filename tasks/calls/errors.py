@@ -82,17 +82,24 @@ def not_found(tool_call_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No tool call {tool_call_id}.", {"tool_call_id": tool_call_id})
 
 
-RETRY_AFTER_S = 1  # a 503's Retry-After: what is down (a restart, a failover, a migration) is back in seconds
+# A 503's Retry-After: what is down (a restart, a failover, a migration) is back in seconds; a publish
+# refused (the broker does not answer, or every pooled connection stayed taken for the pool's acquire
+# timeout) a little later: a broker restart or a burst of publishes is over within seconds.
+RETRY_AFTER_S = 1
+BROKER_RETRY_AFTER_S = 2
 
 
-def unavailable(service: str, reason: str, message: str | None = None, **details: Any) -> ApiError:
-    return ApiError(503, "unavailable", message or f"The {service} is unavailable; try again shortly.",
-                    {"service": service, "reason": reason[:300], **details}, {"Retry-After": str(RETRY_AFTER_S)})
+def unavailable(service: str, reason: str, retry_after: int = RETRY_AFTER_S, message: str | None = None,
+                **details: Any) -> ApiError:
+    return ApiError(503, "unavailable", message or f"The {service} is unavailable; try again in {retry_after} s.",
+                    {"service": service, "reason": reason[:300], "retry_after": retry_after, **details},
+                    {"Retry-After": str(retry_after)})
 
 
 def schema_too_old(exc: schema.SchemaTooOld) -> ApiError:
     """This process's release needs a newer schema than the database's: nothing is served until it is migrated."""
-    return unavailable("database", "schema", f"Not serving: {exc}.", found=exc.verdict.found, needed=schema.OLDEST)
+    return unavailable("database", "schema", message=f"Not serving: {exc}.", found=exc.verdict.found,
+                       needed=schema.OLDEST)
 
 
 def api_error(exc: Exception) -> ApiError | None:
@@ -112,7 +119,7 @@ def api_error(exc: Exception) -> ApiError | None:
         return validation_error({"function_name": [str(exc)]},
                                 {"known_tools": tools.names(), "tool_call_id": exc.tool_call_id})
     if isinstance(exc, chains.BrokerUnavailable):
-        return unavailable("broker", str(exc))
+        return unavailable("broker", str(exc), BROKER_RETRY_AFTER_S)
     if isinstance(exc, schema.SchemaTooOld):
         return schema_too_old(exc)
     if isinstance(exc, (OperationalError, InterfaceError)):
