@@ -75,8 +75,8 @@ def client():
 
 
 @asynccontextmanager
-async def connected(url: str, token: str = MCP_TOKEN, mode: str = "auto"):
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http:
+async def connected(url: str, token: str = MCP_TOKEN, mode: str = "auto", timeout: float = 5.0):
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=timeout) as http:
         async with Client(streamable_http_client(url, http_client=http), mode=mode) as client:
             yield client
 
@@ -535,7 +535,9 @@ async def test_the_local_web_line_serves_the_mcp_face_from_its_workers_loaded_at
             "parameters": {"to": "john@example.com", "subject": "Hi"}})
         assert created.status_code == 201, created.text
         tool_call_id = created.json()["tool_call_id"]
-        async with connected(f"http://127.0.0.1:{mcp_port}/mcp", token=API_TOKEN) as mcp:
+        # the first connection waits in the listen backlog while the worker imports the face: seconds, more
+        # than httpx's 5 s on a loaded machine
+        async with connected(f"http://127.0.0.1:{mcp_port}/mcp", token=API_TOKEN, timeout=60) as mcp:
             assert {tool.name for tool in (await mcp.list_tools()).tools} == FACES
             status = await answer(mcp, "get_status", {"tool_call_id": tool_call_id})
         rest = requests.get(f"http://127.0.0.1:{port}/voice-tools/status/{tool_call_id}", headers=AUTH, timeout=30)
