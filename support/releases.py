@@ -39,12 +39,20 @@ def _key(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
+def _version_at(commit: str) -> str | None:
+    found = re.search(r"^version = (\S+)$", _git("show", f"{commit}:setup.cfg"), re.M)
+    return found.group(1) if found else None
+
+
 def setting_commit(version: str) -> str:
-    """The commit that set ``version = <version>`` in setup.cfg (the oldest commit whose setup.cfg has it)."""
-    found = _git("log", "--format=%H", "--reverse", "-G", rf"^version = {re.escape(version)}$", "--", "setup.cfg")
-    if not found:
-        raise LookupError(f"no commit sets version {version} in setup.cfg")
-    return found.splitlines()[0]
+    """The commit that set ``version = <version>`` in setup.cfg, raising it from a lower one: the newest such
+    (a version set on a branch, taken back and set again is released by the last of them)."""
+    touched = _git("log", "--format=%H %P", "-G", rf"^version = {re.escape(version)}$", "--", "setup.cfg")
+    for commit, *parents in (entry.split() for entry in touched.splitlines()):
+        before = _version_at(parents[0]) if parents else None
+        if _version_at(commit) == version and (before is None or _key(before) < _key(version)):
+            return commit
+    raise LookupError(f"no commit sets version {version} in setup.cfg")
 
 
 def sections(changelog: str | None = None) -> list[tuple[str, str | None]]:
