@@ -485,15 +485,19 @@ def test_a_failed_callback_redelivered_from_the_page_arrives_at_the_relay(page, 
     relay.answer(lambda event: None)  # back up
 
     sign_in(page, origin, OPS_TOKEN, f"/console/calls/{tool_call_id}")
-    again = until(page, lambda d: d.find_element(By.CSS_SELECTOR, "button.redeliver"), what="Redeliver, offered")
+    until(page, lambda d: d.find_element(By.CSS_SELECTOR, "button.redeliver"), what="Redeliver, offered")
     assert "HTTP 503" in page.find_element(By.ID, "call-events").text
     assert every_control_named(page) == []
-    again.click()
+    time.sleep(0.5)  # the page reads the call again once its live stream listens: the button drawn anew
+    until(page, lambda d: d.execute_script("const b = document.querySelector('button.redeliver');"
+                                           " if (b) b.click(); return !!b"), what="Redeliver, clicked")
     relay_events = lambda: [e["event"] for e in relay.events_for(tool_call_id)]
     until(page, lambda d: relay_events() == ["cancelled", "cancelled"], timeout=15.0, what="redelivered")
     until(page, lambda d: "HTTP 200" in d.find_element(By.ID, "call-events").text, timeout=10.0,
           what="the delivered attempt on the page")
     assert page.find_elements(By.CSS_SELECTOR, "button.redeliver") == []
+    timeline = page.find_element(By.ID, "call-timeline").text.splitlines()
+    assert timeline[-1].endswith("CANCELLED Callback redelivered: event 1 (cancelled) by ops via console"), timeline
 
 
 def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path):
@@ -672,5 +676,7 @@ def test_the_matching_calls_are_cancelled_at_once_after_their_count_is_confirmed
     page.find_element(By.ID, "bulk-confirm").click()
     until(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#bulk-results li")) == 2, what="each call's result")
     assert all(li.text.endswith(": CANCELLED") for li in page.find_elements(By.CSS_SELECTOR, "#bulk-results li"))
+    assert page.find_element(By.ID, "bulk-progress").text == "2 of 2 calls done: cancelled 2."
+    assert every_control_named(page) == []  # the results too
     assert [rest_status(origin, i) for i in made] == ["CANCELLED", "CANCELLED"]
     until(page, lambda d: [status_in_row(d, i) for i in made] == ["CANCELLED", "CANCELLED"], what="live, in place")
