@@ -84,7 +84,8 @@ Keyset = tuple[datetime, str]  # a call's place in the list: (created_at, tool_c
 
 def _chosen_where(scope: str | None, statuses: Iterable[str], filters: dict[str, Any], until: Keyset | None,
                   after: Keyset | None, failed_delivery: bool) -> list[Any]:
-    where = _where(scope, statuses, **filters)
+    named = ("tool", "session_id", "caller", "tool_call_id", "created_from", "created_to")
+    where = _where(scope, statuses, *(filters.get(name) for name in named))
     key = tuple_(ToolCall.created_at, ToolCall.tool_call_id)
     if until is not None:
         where.append(key <= tuple_(*until))

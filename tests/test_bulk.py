@@ -138,3 +138,33 @@ def test_a_bulk_redeliver_takes_the_calls_with_a_failed_delivery(client, celery_
         purge_queues(celery_app_instance)  # the delivery queued here goes to no relay
     assert [(r["tool_call_id"], r["ok"], r["queued"]) for r in results] == [(failed_one, True, 1)]
     assert counts == {"queued": 1}
+
+
+def test_each_batch_and_the_count_are_bounded_reads_of_one_index_range():
+    """Held without ten million rows, as the list's pages are (``test_console_api``): with sequential scans
+    and sorts priced out, a batch after a cursor and the bounded count stay index scans with no sort of
+    the whole selection, for a cancel and for a redelivery (its failed delivery an index probe)."""
+    from datetime import datetime, timezone
+
+    from sqlalchemy.dialects import postgresql
+
+    from models import browse
+    from tests.test_console_api import PLANS, _nodes
+
+    now = datetime.now(timezone.utc)
+    for given in PLANS.values():
+        selection = {"scope": given.get("scope"), "statuses": given.get("statuses", ()),
+                     "filters": {k: v for k, v in given.items() if k not in ("scope", "statuses")}}
+        for failed_delivery in (False, True):
+            for stmt in (browse.chosen_batch(**selection, until=(now, "tc_zzzz"), after=(now, "tc_yyyy"),
+                                             failed_delivery=failed_delivery, limit=bulk.BATCH),
+                         browse.chosen_count(**selection, until=(now, "tc_zzzz"), failed_delivery=failed_delivery,
+                                             at_most=bulk.MAX_CALLS)):
+                sql = str(stmt.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+                assert "LIMIT" in sql.upper() and "OFFSET" not in sql.upper()
+                with db.engine().connect() as conn:
+                    conn.execute(text("SET LOCAL enable_seqscan = off"))
+                    conn.execute(text("SET LOCAL enable_sort = off"))
+                    plan = conn.execute(text(f"EXPLAIN (FORMAT JSON) {sql}")).scalar_one()[0]["Plan"]
+                nodes = _nodes(plan)
+                assert "Seq Scan" not in nodes and "Sort" not in nodes, (given, failed_delivery, nodes)
