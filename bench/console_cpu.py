@@ -196,7 +196,8 @@ def window(driver_pid: int, stack: Stack, seconds: float) -> dict[str, Any]:
             "web": round(web / took, 4)}
 
 
-def measure(driver: Any, stack: Stack, traffic: Traffic, seconds: float, rounds: int) -> dict[str, list[dict]]:
+def measure(driver: Any, stack: Stack, traffic: Traffic, seconds: float, rounds: int,
+            settle: float = 2.0) -> dict[str, list[dict]]:
     origin, driver_pid = stack.urls["web"], driver.service.process.pid
     taken: dict[str, list[dict]] = {phase: [] for phase in PHASES}
     for r in range(rounds):
@@ -208,7 +209,7 @@ def measure(driver: Any, stack: Stack, traffic: Traffic, seconds: float, rounds:
                 if driver.current_url == "about:blank" or not driver.current_url.startswith(origin):
                     open_list(driver, origin)
                 set_paused(driver, phase == "paused")
-            time.sleep(2.0)  # the page settled (a resumed list draws what arrived)
+            time.sleep(settle)  # the page settled (a resumed list draws what arrived)
             first = len(traffic.recorded)
             figures = window(driver_pid, stack, seconds)
             if phase == "live":  # the calls recorded meanwhile are on the list
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="each window (default 30)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases (default 3)")
     parser.add_argument("--rate", type=float, default=2.0, help="calls a second (default 2)")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds before each window (default 2)")
     parser.add_argument("--held", type=int, default=1000, help="calls recorded before the list opens (default 1000)")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results"), help="folder of console-cpu-<date>.json")
     args = parser.parse_args(argv)
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             open_list(driver, stack.urls["web"])
             traffic = Traffic(stack.urls["web"], args.rate)
             traffic.start()
-            taken = measure(driver, stack, traffic, args.seconds, args.rounds)
+            taken = measure(driver, stack, traffic, args.seconds, args.rounds, args.settle)
             version = driver.capabilities.get("browserVersion", "?")
         finally:
             if traffic is not None:
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"the traffic's requests failed: {traffic.failed[:10]}")
     now = datetime.now(timezone.utc)
     command = (f"python -m bench.console_cpu --seconds {args.seconds:g} --rounds {args.rounds} --rate {args.rate:g} "
-               f"--held {args.held}")
+               f"--held {args.held}" + (f" --settle {args.settle:g}" if args.settle != 2.0 else ""))
     header = [
         f"## The console tab's CPU, the live list open at {args.rate:g} calls a second "
         f"({now.strftime('%Y-%m-%d %H:%M')} UTC, `{command}`, {time.monotonic() - started:.0f} s)", "",
