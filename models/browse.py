@@ -10,9 +10,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Iterable
 
-from sqlalchemy import Row, Select, and_, func, select, text, tuple_
+from sqlalchemy import Row, Select, and_, exists, func, literal, select, text, tuple_
 
-from models.calls import FAILED, ToolCall
+from models.calls import FAILED, CallbackDelivery, ToolCall
 
 # the columns of a row of the list
 LIST_COLUMNS = (ToolCall.tool_call_id, ToolCall.function_name, ToolCall.status, ToolCall.session_id,
@@ -77,6 +77,45 @@ def _where(scope: str | None, statuses: Iterable[str], tool: str | None, session
     if created_to is not None:
         where.append(ToolCall.created_at < created_to)
     return where
+
+
+Keyset = tuple[datetime, str]  # a call's place in the list: (created_at, tool_call_id)
+
+
+def _chosen_where(scope: str | None, statuses: Iterable[str], filters: dict[str, Any], until: Keyset | None,
+                  after: Keyset | None, failed_delivery: bool) -> list[Any]:
+    named = ("tool", "session_id", "caller", "tool_call_id", "created_from", "created_to")
+    where = _where(scope, statuses, *(filters.get(name) for name in named))
+    key = tuple_(ToolCall.created_at, ToolCall.tool_call_id)
+    if until is not None:
+        where.append(key <= tuple_(*until))
+    if after is not None:
+        where.append(key < tuple_(*after))
+    if failed_delivery:
+        where.append(exists().where(CallbackDelivery.tool_call_id == ToolCall.tool_call_id,
+                                    CallbackDelivery.state == "failed", CallbackDelivery.url.is_not(None)))
+    return where
+
+
+def chosen_batch(*, scope: str | None, statuses: Iterable[str], filters: dict[str, Any], until: Keyset | None,
+                 after: Keyset | None = None, failed_delivery: bool = False, limit: int) -> Select[Any]:
+    """The next ``limit`` calls an action on many takes, newest first: those matching the list's filters
+    (``filters``: ``_where``'s), no newer than ``until`` (the newest when they were counted: a call
+    recorded since is not taken), older than ``after`` (the last of the previous batch), with a failed
+    delivery that has a URL when ``failed_delivery``: a range of the list's index, as a page is."""
+    where = _chosen_where(scope, statuses, filters, until, after, failed_delivery)
+    return (select(ToolCall.tool_call_id, ToolCall.created_at).where(and_(True, *where))
+            .order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id.desc()).limit(limit))
+
+
+def chosen_count(*, scope: str | None, statuses: Iterable[str], filters: dict[str, Any], until: Keyset | None,
+                 failed_delivery: bool = False, at_most: int) -> Select[Any]:
+    """How many calls :func:`chosen_batch` walks through in all, counted to ``at_most + 1`` at most (more:
+    too many): one bounded range of the list's index."""
+    where = _chosen_where(scope, statuses, filters, until, None, failed_delivery)
+    chosen = (select(literal(1)).where(and_(True, *where))
+              .order_by(ToolCall.created_at.desc(), ToolCall.tool_call_id.desc()).limit(at_most + 1).subquery())
+    return select(func.count()).select_from(chosen)
 
 
 def calls_by_id(s: Any, tool_call_ids: Iterable[str], scope: str | None) -> list[Row[Any]]:

@@ -73,7 +73,12 @@ CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)
 Acted = dict[str, str]
 EXPIRY_SWEEP: Acted = {"by": "expiry sweep", "via": "beat"}
 STUCK_SWEEP: Acted = {"by": "stuck-call sweep", "via": "beat"}
+# An entry's reason says what was done; who did it is its ``by`` and ``via`` (none: the chain itself).
+# A caller's own cancel speaks for its user (the default promised to relays); an operator's says so.
 DEFAULT_CANCEL_REASON = "Cancelled by user"
+OPERATOR_CANCEL_REASON = "Cancelled by an operator"
+CONFIRMED_REASON = "Confirmed"
+PROCEEDED_REASON = "Proceeded from its checkpoint"
 EXPIRED_REASON = "Expired unanswered"
 
 
@@ -409,7 +414,7 @@ def modify(
 _CONFIRM: dict[tuple[bool, ...], Compiled] = {}
 
 
-def confirm(s: Executor, tool_call_id: str, reason: str = "Confirmed by caller", callback_url: str | None = None,
+def confirm(s: Executor, tool_call_id: str, reason: str = CONFIRMED_REASON, callback_url: str | None = None,
             callback_urls: dict[str, str] | None = None, caller: str | None = None,
             workflow_id: str | None = None, functions: Iterable[str] | None = None,
             acted: Acted | None = None) -> Row[Any]:
@@ -675,7 +680,7 @@ def undo_resume(s: Session, tool_call_id: str, step: str | None, reason: str = "
     )
 
 
-def resume(s: Session, tool_call_id: str, reason: str = "Resumed by caller", caller: str | None = None,
+def resume(s: Session, tool_call_id: str, reason: str = PROCEEDED_REASON, caller: str | None = None,
            workflow_id: str | None = None, acted: Acted | None = None) -> ToolCall:
     """PREPARED → EXECUTING at the checkpoint. ``caller``: only that caller's call (another's is
     :class:`models.queries.NotFound`, checked by the same statement); ``workflow_id``: the id the
@@ -757,6 +762,22 @@ def mark_run_again(s: Session, tool_call_id: str, new_id: str, acted: Acted, cal
         extra_where=[ToolCall.outcome != DONE, ~func.jsonb_path_exists(ToolCall.status_history, "$[*].run_again_as"),
                      *_owned_by(caller)],
     )
+
+
+def note_redelivered(s: Session, tool_call_id: str, events: list[tuple[int, str, str]], acted: Acted | None) -> None:
+    """Add to the call's history that its callback ``events`` (``(seq, event, event_id)``) were sent
+    again, by whom and through which face (``acted``): an entry of the call's status as it is (read by
+    the statement itself: no status change), its ``redelivered`` the events' ids."""
+    if not events:
+        return
+    named = ", ".join(f"{seq} ({event})" for seq, event, _ in sorted(events))
+    reason = f"Callback{'s' if len(events) > 1 else ''} redelivered: event{'s' if len(events) > 1 else ''} {named}"
+    note = bindparam(None, {"reason": reason, **(acted or {}), "redelivered": [e for _, _, e in sorted(events)]},
+                     type_=JSONB)
+    entry = func.jsonb_build_object("status", ToolCall.status).op("||")(note).op("||")(
+        func.jsonb_build_object("at", _NOW_ISO))
+    s.execute(update(CALLS).where(CALLS.c.tool_call_id == tool_call_id)
+              .values(status_history=CALLS.c.status_history.op("||")(func.jsonb_build_array(entry))))
 
 
 # -- sweeps (beat) --------------------------------------------------------------

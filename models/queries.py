@@ -141,15 +141,18 @@ def deliveries(s: Session, tool_call_id: str) -> list[CallbackDelivery]:
     ))
 
 
-def redeliverable(s: Session, *, failed_only: bool = False, tool_call_id: str | None = None) -> list[CallbackDelivery]:
+def redeliverable(s: Session, *, failed_only: bool = False, tool_call_id: str | None = None,
+                  tool_call_ids: list[str] | None = None) -> list[CallbackDelivery]:
     """Deliveries that did not get through: ``failed`` (retries exhausted) and, unless
-    ``failed_only``, ``pending`` ones (still retrying), of one call if given; oldest first."""
+    ``failed_only``, ``pending`` ones (still retrying), of one call if given (or of these calls); oldest first."""
     stmt = select(CallbackDelivery).where(
         CallbackDelivery.url.is_not(None),
         CallbackDelivery.state.in_(("failed",) if failed_only else REDELIVERABLE),
     )
     if tool_call_id:
         stmt = stmt.where(CallbackDelivery.tool_call_id == tool_call_id)
+    if tool_call_ids is not None:
+        stmt = stmt.where(CallbackDelivery.tool_call_id.in_(tool_call_ids))
     return list(s.scalars(stmt.order_by(CallbackDelivery.created_at, CallbackDelivery.seq)))
 
 

@@ -52,6 +52,8 @@ WAITING = (PENDING, PREPARED)
 # the side effect of each write tool: a row of its local backend's table, by tool_call_id
 EFFECT_ROWS = {"send_email": EmailOutbox, "schedule_meeting": CalendarEvent, "create_task": TodoTask}
 TERMINAL_EVENTS = {"completed", "failed", "cancelled", "expired"}
+# the entries that note an action which changes no status (the call's status as it was): run again, redelivered
+NOTES = {"run_again_as", "redelivered"}
 
 
 def history_problems(call: ToolCall) -> list[str]:
@@ -67,7 +69,8 @@ def history_problems(call: ToolCall) -> list[str]:
     times = [datetime.fromisoformat(entry["at"]) for entry in history if "at" in entry]
     if times != sorted(times):
         problems.append(f"history out of time order: {where}")
-    for before, after in zip(history, history[1:]):
+    changes = [entry for entry in history if not NOTES & set(entry)]  # a note changes no status
+    for before, after in zip(changes, changes[1:]):
         redrive = before["status"] == after["status"] == EXECUTING and after.get("reason") == REDRIVEN_REASON
         if after["status"] not in ALLOWED.get(before["status"], set()) and not redrive:
             problems.append(f"{before['status']} -> {after['status']} not allowed: {where}")

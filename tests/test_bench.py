@@ -7,6 +7,7 @@ only good signatures.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -91,3 +92,30 @@ def test_a_full_run_keeps_every_section_it_did_not_write(by_hand):
     assert "old goals" not in merged and "- measured before" not in merged
     assert merged.index("## Event streams") < merged.index("## Document search and ingest (by hand)")
     assert merged.endswith("stream figures\n\n" + by_hand)
+
+
+def test_the_console_tabs_cpu_is_measured_end_to_end(tmp_path):
+    """``python -m bench.console_cpu`` with one short round: each phase has its figures, read from the
+    browser's processes, and the live list showed the calls recorded meanwhile (it fails otherwise)."""
+    from bench.console_cpu import CHROMEDRIVER, CHROMIUM, KINDS, PHASES
+
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI: the console's CPU bench needs Debian's chromium and chromium-driver")
+        pytest.skip("chromium and chromium-driver are not installed")
+    env = {key: value for key, value in bare_env().items()
+           if not key.startswith("VOICE_TOOLS_") and key != "PROMETHEUS_MULTIPROC_DIR"}
+    done = subprocess.run([sys.executable, "-m", "bench.console_cpu", "--seconds", "2", "--rounds", "1", "--settle", "0.5",
+                           "--held", "50",
+                           "--results", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [written] = tmp_path.glob("console-cpu-*.json")
+    run = json.loads(written.read_text())
+    assert run["command"].startswith("python -m bench.console_cpu --seconds 2 --rounds 1")
+    assert set(run["results"]) == set(PHASES)
+    for phase, rounds in run["results"].items():
+        [figures] = rounds
+        assert set(figures["by_kind"]) == set(KINDS) and min(figures["by_kind"].values()) >= 0, (phase, figures)
+        assert figures["browser_total"] >= 0 and figures["web"] >= 0
+    assert run["results"]["live"][0]["calls_shown"] >= 1 and run["results"]["live"][0]["browser_total"] > 0
+    assert "## The console tab's CPU" in run["table"]

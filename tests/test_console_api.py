@@ -425,3 +425,10 @@ def test_a_calls_trace_link_comes_from_the_configured_template(client, monkeypat
     assert read(untraced) is None  # recorded while tracing was off
     monkeypatch.setenv("VOICE_TOOLS_TRACE_URL", "javascript:alert({trace_id})")
     assert read(tool_call_id) is None  # only an http(s) link
+
+
+def test_the_sign_in_page_says_where_a_token_comes_from(client):
+    page = client.get("/console").get_data(as_text=True)
+    help_text = page.split('id="sign-in-help"', 1)[1].split("</div>", 1)[0]
+    assert "VOICE_TOOLS_API_TOKENS" in help_text and "name:token:admin" in help_text
+    assert "voice-tools run" in help_text and "console admin token" in help_text and "console_token" in help_text

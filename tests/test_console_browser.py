@@ -485,15 +485,19 @@ def test_a_failed_callback_redelivered_from_the_page_arrives_at_the_relay(page, 
     relay.answer(lambda event: None)  # back up
 
     sign_in(page, origin, OPS_TOKEN, f"/console/calls/{tool_call_id}")
-    again = until(page, lambda d: d.find_element(By.CSS_SELECTOR, "button.redeliver"), what="Redeliver, offered")
+    until(page, lambda d: d.find_element(By.CSS_SELECTOR, "button.redeliver"), what="Redeliver, offered")
     assert "HTTP 503" in page.find_element(By.ID, "call-events").text
     assert every_control_named(page) == []
-    again.click()
+    time.sleep(0.5)  # the page reads the call again once its live stream listens: the button drawn anew
+    until(page, lambda d: d.execute_script("const b = document.querySelector('button.redeliver');"
+                                           " if (b) b.click(); return !!b"), what="Redeliver, clicked")
     relay_events = lambda: [e["event"] for e in relay.events_for(tool_call_id)]
     until(page, lambda d: relay_events() == ["cancelled", "cancelled"], timeout=15.0, what="redelivered")
     until(page, lambda d: "HTTP 200" in d.find_element(By.ID, "call-events").text, timeout=10.0,
           what="the delivered attempt on the page")
     assert page.find_elements(By.CSS_SELECTOR, "button.redeliver") == []
+    timeline = page.find_element(By.ID, "call-timeline").text.splitlines()
+    assert timeline[-1].endswith("CANCELLED Callback redelivered: event 1 (cancelled) by ops via console"), timeline
 
 
 def test_the_tools_view_shows_each_tools_figures(page, origin, worker, tmp_path):
@@ -672,5 +676,37 @@ def test_the_matching_calls_are_cancelled_at_once_after_their_count_is_confirmed
     page.find_element(By.ID, "bulk-confirm").click()
     until(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#bulk-results li")) == 2, what="each call's result")
     assert all(li.text.endswith(": CANCELLED") for li in page.find_elements(By.CSS_SELECTOR, "#bulk-results li"))
+    assert page.find_element(By.ID, "bulk-progress").text == "2 of 2 calls done: cancelled 2."
+    assert every_control_named(page) == []  # the results too
     assert [rest_status(origin, i) for i in made] == ["CANCELLED", "CANCELLED"]
     until(page, lambda d: [status_in_row(d, i) for i in made] == ["CANCELLED", "CANCELLED"], what="live, in place")
+
+
+def test_the_matching_calls_callbacks_are_redelivered_at_once_and_each_call_says_who_asked(page, origin, worker,
+                                                                                              relay, monkeypatch):
+    monkeypatch.setenv("VOICE_TOOLS_CALLBACK_MAX_ATTEMPTS", "1")
+    relay.answer(lambda event: 503)  # the relay is down
+    made = [record(origin, session_id="sess_bulk_redeliver", callback_url=relay.url) for _ in range(2)]
+    for tool_call_id in made:
+        assert requests.delete(f"{origin}/voice-tools/cancel/{tool_call_id}", headers=AUTH, timeout=10).ok
+    until(page, lambda d: all([x.state for x in deliveries(i)] == ["failed"] for i in made), timeout=15.0,
+          what="both cancelled events given up")
+    relay.answer(lambda event: None)  # back up
+
+    sign_in(page, origin, OPS_TOKEN, "/console?session_id=sess_bulk_redeliver")
+    until(page, lambda d: sorted(rows(d)) == sorted(made), what="the two calls")
+    page.find_element(By.ID, "bulk-redeliver").click()
+    until(page, lambda d: d.find_element(By.ID, "bulk-dialog").is_displayed(), what="the count, to confirm")
+    assert page.find_element(By.ID, "bulk-what").text.startswith("This will redeliver the failed callbacks of 2 calls")
+    assert not page.find_element(By.ID, "bulk-reason-line").is_displayed()  # a reason is a cancel's
+    page.find_element(By.ID, "bulk-confirm").click()
+    until(page, lambda d: d.find_element(By.ID, "bulk-progress").text == "2 of 2 calls done: queued 2.",
+          what="the counts by outcome")
+    assert all(li.text.endswith(": 1 event queued") for li in page.find_elements(By.CSS_SELECTOR, "#bulk-results li"))
+    assert every_control_named(page) == []
+    until(page, lambda d: all(len(relay.events_for(i)) == 2 for i in made), timeout=15.0, what="redelivered")
+    for tool_call_id in made:
+        last = requests.get(f"{origin}/voice-tools/status/{tool_call_id}", headers=AUTH,
+                            timeout=10).json()["status_history"][-1]
+        assert (last["reason"], last["by"], last["via"]) == ("Callback redelivered: event 1 (cancelled)", "ops",
+                                                             "console")

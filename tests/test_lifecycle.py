@@ -225,7 +225,7 @@ def test_happy_path_with_checkpoint():
     assert done.execution_time_ms >= prepared.execution_time_ms
     assert statuses(done) == ["PENDING", "EXECUTING", "PREPARED", "EXECUTING", "COMPLETED"]
     assert [e["reason"] for e in done.status_history][1:] == [
-        "Confirmed by caller", "Checkpoint READY_TO_SEND", "Resumed by caller", "Completed"]
+        "Confirmed", "Checkpoint READY_TO_SEND", "Proceeded from its checkpoint", "Completed"]
     assert_valid_history(done)
 
 

@@ -382,7 +382,7 @@ def _not_found(tool_call_id: str, as_json: bool) -> None:
 
 @calls.command("cancel")
 @click.argument("tool_call_id")
-@click.option("--reason", help="Why (default 'Cancelled by user'); kept as the call's error_message.")
+@click.option("--reason", help="Why (default 'Cancelled by an operator'); kept as the call's error_message.")
 @click.option("--json", "as_json", is_flag=True, help="The API's answer as JSON (its 200 body, or its 409/404 error).")
 @click.pass_context
 def cancel(ctx: click.Context, tool_call_id: str, reason: str | None, as_json: bool) -> None:
@@ -501,6 +501,7 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
     """
     from models import queries
     from tasks.calls import admin, schemas
+    from tasks.calls.callers import acted
 
     if not failed_only and tool_call_id is None:
         raise click.UsageError("say which: --failed (every failed delivery), --call ID, or both")
@@ -508,7 +509,7 @@ def redeliver(ctx: click.Context, failed_only: bool, tool_call_id: str | None, a
         tool_call_id = _check(schemas.ToolCallPath, {"tool_call_id": tool_call_id})["tool_call_id"]
     _connect(ctx, broker=True)
     try:
-        sent = admin.redeliver(failed_only=failed_only, tool_call_id=tool_call_id)
+        sent = admin.redeliver(failed_only=failed_only, tool_call_id=tool_call_id, acted=acted(_operator()))
     except queries.NotFound:
         _not_found(tool_call_id, as_json)
     if as_json:

@@ -1,14 +1,15 @@
 """The console's data, each view one line over the room's operations (``tasks/calls/browse.py``), with
 the caller ``app/auth.py`` found for the request's token, asking through the console (its actions'
 history entries say ``via: console``). The actions on a call (cancel, proceed) are REST's own
-operations; a redelivery is the operators' ``admin.redeliver``, for one event."""
+operations; a redelivery is the operators' ``admin.redeliver``, for one event; an action on many calls is
+``tasks/calls/bulk.py``'s, a batch a request."""
 from __future__ import annotations
 
 from flask import Blueprint, g
 
 from app import inputs
 from app.console.pages import DATA_PREFIX
-from tasks.calls import browse
+from tasks.calls import browse, bulk
 from tasks.calls.callers import Caller, through
 
 bp = Blueprint("console_data", __name__, url_prefix=DATA_PREFIX.rstrip("/"))
@@ -50,12 +51,12 @@ def proceed(tool_call_id: str):
 
 @bp.get("/bulk/<action>")
 def bulk_chosen(action: str):
-    return browse.bulk_chosen(action, inputs.query(), g.who)
+    return bulk.chosen(action, inputs.query(), g.who)
 
 
 @bp.post("/bulk/<action>")
-def bulk(action: str):
-    return browse.bulk(action, inputs.body(), _who())
+def bulk_act(action: str):
+    return bulk.act(action, inputs.body(), _who())
 
 
 @bp.post("/calls/<tool_call_id>/run-again")

@@ -56,7 +56,7 @@ def _started(call: ToolCall, tool: Tool, start: int) -> Started:
     return Started(call, tool, tool.say(sentence, call.parameters))
 
 
-def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = "Confirmed by caller",
+def confirm(tool_call_id: str, callback_url: str | None = None, reason: str = lifecycle.CONFIRMED_REASON,
             callback_urls: dict[str, str] | None = None, caller: str | None = None,
             acted: lifecycle.Acted | None = None) -> Started:
     """PENDING → EXECUTING, then (after the commit) enqueue the tool's chain once.

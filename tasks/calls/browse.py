@@ -14,12 +14,11 @@ from datetime import datetime
 from typing import Any
 
 from marshmallow import ValidationError, fields, validate
-from sqlalchemy import select
 
 from models import browse, db, queries, settings
 from models.calls import STATUSES, CallbackDelivery
 from tasks import tools
-from tasks.calls import actions, admin, errors, operations, schemas
+from tasks.calls import actions, admin, operations, schemas
 from tasks.calls.callers import Caller, acted, scope_of
 from tasks.calls.errors import ApiError
 from tasks.celery_app import app as celery_app
@@ -224,72 +223,6 @@ def run_again(tool_call_id: Any, body: dict[str, Any], caller: Caller | None) ->
             "message": started.message}, 202
 
 
-# -- many calls at once, chosen by the list's filters ----------------------------------------
-
-BULK_CANCEL = "Cancelled in bulk from the console"  # when the operator gives no reason
-CANCELLABLE = ("PENDING", "MODIFIED", "EXECUTING", "PREPARED")
-
-
-class BulkRequest(schemas.Strict):
-    filters = fields.Dict(load_default=dict)
-    expected = fields.Integer(required=True, validate=validate.Range(min=0, max=browse.MAX_PAGE))
-    reason = schemas.ShortText(500)
-
-
-def _chosen(action: str, query: dict[str, Any], caller: Caller | None) -> tuple[list[str], bool]:
-    """The calls an action on many takes under the list's filters, newest first, at most one page
-    (``browse.MAX_PAGE``; ``more``: others match too): for a cancel, the open ones (of the filter's
-    statuses, when it has some); for a redelivery, those with a failed delivery that has a URL."""
-    loaded = schemas.load(PageQuery, {k: v for k, v in query.items() if k not in ("limit", "before_at", "before_id")})
-    statuses = loaded.get("status") or STATUSES
-    if action == "cancel":
-        statuses = [status for status in statuses if status in CANCELLABLE]
-    with db.statement() as s:
-        rows = browse.calls_page(s, scope=scope_of(caller), statuses=statuses or ["none"],  # none: no status matches
-                                 **{name: loaded.get(name) for name in FILTERS}, limit=browse.MAX_PAGE + 1)
-        ids = [r.tool_call_id for r in rows]
-        if action == "redeliver" and ids:
-            failed = set(s.scalars(select(CallbackDelivery.tool_call_id).where(
-                CallbackDelivery.tool_call_id.in_(ids), CallbackDelivery.state == "failed",
-                CallbackDelivery.url.is_not(None))))
-            ids = [i for i in ids if i in failed]
-    return ids[:browse.MAX_PAGE], len(ids) > browse.MAX_PAGE
-
-
-def bulk_chosen(action: str, query: dict[str, Any], caller: Caller | None) -> Answer:
-    """How many calls (and which) ``action`` (cancel, redeliver) would take under these filters."""
-    if action not in ("cancel", "redeliver"):
-        raise ApiError(404, "not_found", "No such action on many calls: cancel or redeliver.", {})
-    ids, more = _chosen(action, query, caller)
-    return {"count": len(ids), "tool_call_ids": ids, "more": more}, 200
-
-
-def bulk(action: str, body: dict[str, Any], caller: Caller | None) -> Answer:
-    """Act on the calls the filters choose, once the operator confirmed their count (``expected``:
-    another count now, 409 ``changed``, nothing done); each call's result: a cancel as REST's cancel
-    answers it (or its error), a redelivery the events queued."""
-    loaded = schemas.load(BulkRequest, body)
-    answer, _ = bulk_chosen(action, {k: str(v) for k, v in loaded["filters"].items()}, caller)
-    ids = answer["tool_call_ids"]
-    if len(ids) != loaded["expected"]:
-        raise ApiError(409, "changed", f"{len(ids)} calls match now, not {loaded['expected']}: count them again.",
-                       {"count": len(ids)})
-    results = []
-    for tool_call_id in ids:
-        try:
-            if action == "cancel":
-                done, _ = operations.cancel(tool_call_id, {"reason": loaded.get("reason") or BULK_CANCEL}, {}, caller)
-                results.append({"tool_call_id": tool_call_id, "ok": True, "status": done["status"]})
-            else:
-                queued = admin.redeliver(tool_call_id=tool_call_id, failed_only=True)
-                results.append({"tool_call_id": tool_call_id, "ok": True, "queued": len(queued)})
-        except errors.KNOWN as exc:  # each call's own answer: the error REST would give for it
-            error = errors.payload(errors.api_error(exc))
-            results.append({"tool_call_id": tool_call_id, "ok": False, "error": error["error"],
-                            "message": error["message"]})
-    return {"action": action, "results": results}, 200
-
-
 def proceed(tool_call_id: Any, caller: Caller | None) -> Answer:
     """At its checkpoint, run the rest of the call (REST's resume with ``proceed``)."""
     return operations.resume(tool_call_id, {"action": "proceed"}, {}, caller)
@@ -304,7 +237,8 @@ def redeliver(tool_call_id: Any, event_id: Any, caller: Caller | None) -> Answer
     if not chosen or REDELIVER not in _event(chosen[0])["actions_available"]:
         raise ApiError(409, "invalid_state", "This event is not one to redeliver (only a failed one with a URL).",
                        {"event_id": str(event_id)[:64]})
-    queued = admin.redeliver(tool_call_id=tool_call_id, failed_only=True, event_ids=[chosen[0].event_id])
+    queued = admin.redeliver(tool_call_id=tool_call_id, failed_only=True, event_ids=[chosen[0].event_id],
+                             acted=acted(caller))
     return {"queued": [d.event_id for d in queued]}, 202
 
 

@@ -17,7 +17,7 @@ import hmac
 import logging
 from dataclasses import dataclass
 
-from models import settings
+from models import lifecycle, settings
 from tasks.calls.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,14 @@ def name_of(caller: Caller | None) -> str | None:
 def acted(caller: Caller | None) -> dict[str, str]:
     """Who acted and through which face, for the history entry an action adds (none: unscoped and unnamed)."""
     return {} if caller is None else {"by": caller.name, "via": caller.via}
+
+
+def cancel_reason(caller: Caller | None) -> str:
+    """A cancel's reason when none is given, true to who asked: a caller's own token speaks for its user
+    (the relays' default, ``Cancelled by user``); an operator's (an admin token, the CLI) says an operator did."""
+    if caller is not None and caller.admin:
+        return lifecycle.OPERATOR_CANCEL_REASON
+    return lifecycle.DEFAULT_CANCEL_REASON
 
 
 def through(caller: Caller, via: str) -> Caller:

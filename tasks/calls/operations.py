@@ -30,7 +30,7 @@ from models.listen import until_settled
 from models.session_context import get_context
 from tasks import tools
 from tasks.calls import actions, schemas
-from tasks.calls.callers import Caller, acted, name_of, scope_of
+from tasks.calls.callers import Caller, acted, cancel_reason, name_of, scope_of
 from tasks.calls.errors import ApiError, validation_error
 from tasks.calls.toolspec import definitions
 
@@ -155,10 +155,10 @@ def _execute_loaded(data: dict[str, Any], wait: float | None, caller: Caller | N
                     idempotency_header: str | None, hand_over: HandOver | None = None) -> Any:
     """Record a call the relay already confirmed, then start it (an idempotent replay starts nothing new)."""
     loaded = _pending_body(data, idempotency_header)
-    call, created = _record(loaded, caller, reason="Recorded (confirmed by the relay)", kind="execute")
+    call, created = _record(loaded, caller, reason="Recorded as confirmed (execute)", kind="execute")
     if created or call.status == PENDING:  # new, or left PENDING by a broker outage: start it
         try:
-            started = actions.confirm(call.tool_call_id, reason="Confirmed by the relay", caller=scope_of(caller),
+            started = actions.confirm(call.tool_call_id, reason="Confirmed when recorded (execute)", caller=scope_of(caller),
                                       acted=acted(caller))
         except lifecycle.Refused as exc:
             # a concurrent request with this key started it first (or it ended meanwhile):
@@ -260,8 +260,8 @@ def resume(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     wait = _wait_seconds(query)
     loaded = schemas.load(schemas.ResumeRequest, body)
     if loaded["action"] == "cancel":
-        return _cancelled(actions.cancel(tool_call_id, loaded.get("reason"), caller=scope_of(caller),
-                                         acted=acted(caller)))
+        return _cancelled(actions.cancel(tool_call_id, loaded.get("reason") or cancel_reason(caller),
+                                         caller=scope_of(caller), acted=acted(caller)))
     return _started(actions.resume(tool_call_id, caller=scope_of(caller), acted=acted(caller)), wait, hand_over)
 
 
@@ -270,7 +270,8 @@ def cancel(tool_call_id: Any, body: dict[str, Any], query: dict[str, Any], calle
     tool_call_id = _tool_call_id(tool_call_id)
     reason = {**schemas.load(schemas.CancelRequest, query),
               **schemas.load(schemas.CancelRequest, body)}.get("reason")
-    return _cancelled(actions.cancel(tool_call_id, reason, caller=scope_of(caller), acted=acted(caller)))
+    return _cancelled(actions.cancel(tool_call_id, reason or cancel_reason(caller), caller=scope_of(caller),
+                                     acted=acted(caller)))
 
 
 # -- reading ---------------------------------------------------------------------------

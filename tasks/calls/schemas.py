@@ -221,7 +221,8 @@ class ResumeRequest(Strict):
 
 
 class CancelRequest(Strict):
-    reason = ShortText(500, metadata={"description": "Why (default 'Cancelled by user')"})
+    reason = ShortText(500, metadata={"description": "Why (default 'Cancelled by user'; with an admin token "
+                                                     "'Cancelled by an operator')"})
 
 
 class WaitQuery(Strict):
@@ -318,6 +319,9 @@ class StatusEntry(Schema):
     again_of = fields.String(metadata={"description": "On a call run again from the console: the FAILED call it "
                                                       "runs again"})
     run_again_as = fields.String(metadata={"description": "On a FAILED call run again: the new call that runs it"})
+    redelivered = fields.List(fields.String(), metadata={
+        "description": "On an entry noting that callback events were sent again (its status the call's, unchanged): "
+                       "their event_ids"})
 
 
 class CallRecord(Schema):

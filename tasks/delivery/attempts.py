@@ -27,6 +27,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Session
 from sqlalchemy.types import Boolean, DateTime, Integer, String, Text
 
 from models import db, events, settings
@@ -249,28 +250,25 @@ def dispatch_quietly(delivery: CallbackDelivery | None) -> None:
         log.warning("broker unavailable: event %s left for the retry sweep", delivery and delivery.event_id)
 
 
-def redeliver(event_ids: list[str]) -> list[str]:
-    """An operator's redelivery: make these deliveries due now and send each from the callbacks queue.
+def take_again(s: Session, event_ids: list[str]) -> list[str]:
+    """An operator's redelivery, in the caller's transaction: make these deliveries due now (send each
+    with :func:`dispatch` after the commit).
 
     Only rows with a URL that did not get through (``failed``, or ``pending`` while
     retrying) are taken; a ``failed`` one is ``pending`` again for one more attempt
     (its ``attempts`` stay counted, so a failure ends it ``failed`` again). Returns the
-    event ids queued.
+    event ids taken.
     """
     if not event_ids:
         return []
-    with db.session() as s:
-        taken = list(s.scalars(
-            update(CallbackDelivery)
-            .where(CallbackDelivery.event_id.in_(event_ids), CallbackDelivery.url.is_not(None),
-                   CallbackDelivery.state.in_(("failed", "pending")))
-            .values(state="pending", next_attempt_at=func.now())
-            .returning(CallbackDelivery.event_id)
-            .execution_options(synchronize_session=False)
-        ))
-    for event_id in taken:
-        dispatch(event_id)
-    return taken
+    return list(s.scalars(
+        update(CallbackDelivery)
+        .where(CallbackDelivery.event_id.in_(event_ids), CallbackDelivery.url.is_not(None),
+               CallbackDelivery.state.in_(("failed", "pending")))
+        .values(state="pending", next_attempt_at=func.now())
+        .returning(CallbackDelivery.event_id)
+        .execution_options(synchronize_session=False)
+    ))
 
 
 def schedule_retry(event_id: str) -> None:

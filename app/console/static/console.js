@@ -518,48 +518,84 @@
       apply();
     });
     $("pause").addEventListener("click", () => pause(!paused));
-    // many calls at once: the filters' calls counted first, then acted on once that count is confirmed
-    let bulkAction = null, bulkCount = 0;
+    // many calls at once: the filters' calls counted first (as of the newest), then acted on once that count
+    // is confirmed, a batch a request until the last; the counts by outcome, each call's result (the first
+    // SHOWN on the page: every one is in its call's history)
+    const SHOWN = 500;
+    let bulkAction = null, bulkChosen = null, bulkStop = false;
+    const plural = (n, word) => `${n.toLocaleString("en")} ${word}${n === 1 ? "" : "s"}`;
     async function askBulk(action, button) {
       bulkAction = action;
-      const chosen = await api(`/console/api/bulk/${action}?${new URLSearchParams(filters)}`);
-      bulkCount = chosen.count;
+      bulkChosen = await api(`/console/api/bulk/${action}?${new URLSearchParams(filters)}`);
+      const {count, over, bound} = bulkChosen;
       const what = action === "cancel" ? "cancel" : "redeliver the failed callbacks of";
       $("bulk-title").textContent = action === "cancel" ? "Cancel the matching calls?" : "Redeliver the matching calls' callbacks?";
-      $("bulk-what").textContent = chosen.count ? `This will ${what} ${chosen.count} call${chosen.count === 1 ? "" : "s"}` +
-        ` (those the filters choose${action === "cancel" ? " that are still open" : " with a failed delivery"}` +
-        `${chosen.more ? `; the newest ${chosen.count} only: more match` : ""}).` : "No call matches: nothing to do.";
-      $("bulk-reason-line").hidden = action !== "cancel";
+      $("bulk-what").textContent = over ? `More than ${plural(bound, "call")} match: at most ${bound.toLocaleString("en")} ` +
+        "at once. Narrow the filters (a time range, a tool, a session)." : count ? `This will ${what} ` +
+        `${plural(count, "call")} (those the filters choose${action === "cancel" ? " that are still open" :
+          " with a failed delivery"}, recorded until now; a call recorded after this count is left).` :
+        "No call matches: nothing to do.";
+      $("bulk-reason-line").hidden = action !== "cancel" || over || !count;
       $("bulk-reason").value = "";
       $("bulk-error").textContent = "";
+      $("bulk-progress").textContent = "";
       $("bulk-results").replaceChildren();
-      $("bulk-confirm").hidden = !chosen.count;
+      $("bulk-confirm").hidden = over || !count;
       $("bulk-confirm").disabled = false;
-      $("bulk-confirm").textContent = action === "cancel" ? `Cancel ${chosen.count} calls` : `Redeliver for ${chosen.count} calls`;
+      $("bulk-stop").hidden = true;
+      $("bulk-confirm").textContent = action === "cancel" ? `Cancel ${plural(count, "call")}` :
+        `Redeliver for ${plural(count, "call")}`;
       opener = button;
       $("bulk-dialog").showModal();
     }
     $("bulk-cancel").addEventListener("click", () => askBulk("cancel", $("bulk-cancel")).catch((e) => problem(e.message)));
     $("bulk-redeliver").addEventListener("click", () => askBulk("redeliver", $("bulk-redeliver")).catch((e) => problem(e.message)));
     $("bulk-back").addEventListener("click", () => {
+      bulkStop = true;
       $("bulk-dialog").close();
       if (opener) opener.focus();
     });
+    $("bulk-stop").addEventListener("click", () => {
+      bulkStop = true;
+    });
+    function showProgress(done, counts, total, running) {
+      const outcomes = Object.entries(counts).map(([outcome, n]) => `${outcome.replace(/_/g, " ")} ${n.toLocaleString("en")}`);
+      $("bulk-progress").textContent = `${done.toLocaleString("en")} of ${plural(total, "call")} ` +
+        `${running ? "so far" : "done"}${outcomes.length ? `: ${outcomes.join(", ")}` : ""}` +
+        `${!running && done < total ? ` (${(total - done).toLocaleString("en")} no longer matched when their turn came)` : ""}.`;
+    }
     $("bulk-confirm").addEventListener("click", async () => {
       $("bulk-confirm").disabled = true;
+      $("bulk-stop").hidden = false;
+      bulkStop = false;
       const reason = $("bulk-reason").value.trim();
-      let done;
+      const {count, until} = bulkChosen;
+      const counts = {};
+      let after = null, done = 0, shown = 0;
+      const list = $("bulk-results");
       try {
-        done = await api(`/console/api/bulk/${bulkAction}`, {method: "POST",
-          json: {filters, expected: bulkCount, ...(bulkAction === "cancel" && reason ? {reason} : {})}});
+        do {
+          const batch = await api(`/console/api/bulk/${bulkAction}`, {method: "POST", json: {filters, expected: count,
+            until, ...(after ? {after} : {}), ...(bulkAction === "cancel" && reason ? {reason} : {})}});
+          $("bulk-confirm").hidden = true;
+          for (const [outcome, n] of Object.entries(batch.counts)) counts[outcome] = (counts[outcome] || 0) + n;
+          done += batch.results.length;
+          for (const r of batch.results.slice(0, Math.max(0, SHOWN - shown))) {
+            list.append(el("li", {"data-id": r.tool_call_id},
+              el("a", {href: `/console/calls/${encodeURIComponent(r.tool_call_id)}`}, r.tool_call_id), ": ",
+              r.ok ? (r.status || `${plural(r.queued, "event")} queued`) : `refused (${r.outcome}): ${r.message}`));
+          }
+          shown = list.children.length;
+          after = batch.next;
+          showProgress(done, counts, count, Boolean(after));
+        } while (after && !bulkStop);
       } catch (error) {
         $("bulk-error").textContent = error.message;
-        return;
       }
-      $("bulk-confirm").hidden = true;
-      $("bulk-results").replaceChildren(...done.results.map((r) => el("li", {"data-id": r.tool_call_id},
-        el("a", {href: `/console/calls/${encodeURIComponent(r.tool_call_id)}`}, r.tool_call_id), ": ",
-        r.ok ? (r.status || `${r.queued} event${r.queued === 1 ? "" : "s"} queued`) : `refused: ${r.message}`)));
+      if (after && bulkStop) $("bulk-error").textContent = `Stopped: ${plural(done, "call")} acted on, the others left as they are.`;
+      if (done > shown) list.append(el("li", {}, `… and ${plural(done - shown, "other call")} (counted above; each ` +
+        "call's history says what was done)."));
+      $("bulk-stop").hidden = true;
       $("bulk-back").focus();
     });
     $("older").addEventListener("click", async () => {
