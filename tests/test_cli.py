@@ -434,7 +434,7 @@ def test_celerys_cli_loads_nothing_of_the_product_for_another_app(tmp_path):
         "from celery import signals\n"
         "ours = ('tasks', 'models', 'app')\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ours}\n"
-        "                | {m for m in sys.modules if m.startswith('voice_tools.backends')})\n"
+        "                | {m for m in sys.modules if m.startswith('voice_tools_backends')})\n"
         "import weakref\n"
         "def target(ref):\n"
         "    return ref() if isinstance(ref, weakref.ReferenceType) else ref\n"

@@ -132,7 +132,7 @@ def installed():
                 assert archive.read(name) == shipped.read_bytes(), f"{name} differs from {shipped}"
             tops = {name.split("/")[0].removesuffix(".py") for name in names if ".dist-info/" not in name}
         assert tops == {"app", "celeryconfig", "models", "tasks", "voice_tools"}  # no stray top-level name
-        assert "voice_tools/backends/data/all-MiniLM-L6-v2/tokenizer.json" in names
+        assert "voice_tools_backends/data/all-MiniLM-L6-v2/tokenizer.json" in names
 
         # as docs/operations.md, "Installing the wheel", says
         _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
@@ -155,7 +155,7 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
     env = _clean_env(PORT=str(free_port()), MCP_PORT=str(free_port()), FLOWER_PORT=str(free_port()),
                      WORKER_METRICS_PORT=str(free_port()), VOICE_TOOLS_WORKER_CONCURRENCY="1")
     where = json.loads(_run([str(venv / "bin" / "python"), "-c", (
-        "import json, app, tasks, models, celeryconfig, voice_tools, voice_tools.backends as backends;"
+        "import json, app, tasks, models, celeryconfig, voice_tools, voice_tools_backends as backends;"
         "print(json.dumps({m.__name__: m.__file__ for m in (app, tasks, models, backends, celeryconfig, voice_tools)}))")],
         cwd=work, env=env))
     site = venv / "lib"

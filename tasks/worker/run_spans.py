@@ -15,7 +15,7 @@ validated, kept and exported), its per-task bookkeeping and its task-duration me
 
 The publish's own Redis commands (the ``LPUSH`` of the message) are not spans of their own: the
 ``apply_async/<task>`` span is that publish, from the same call to its return, and the broker's
-connection is never instrumented (``tasks.tracing.redis_client``).
+connection is never instrumented (``voice_tools_tracing.redis_client``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import signals
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models import logs
 
 PREFIX = "voice_tools."
@@ -111,7 +111,7 @@ def _failed(task_id: str | None = None, exception: BaseException | None = None, 
 
 def _publish_begun(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
     """The publish's span, its context in the message's headers. It is not made current: nothing the send
-    does is a span (the broker's connection is not instrumented, ``tasks.tracing.redis_client``)."""
+    does is a span (the broker's connection is not instrumented, ``voice_tools_tracing.redis_client``)."""
     from opentelemetry import propagate, trace
     from opentelemetry.trace import SpanKind
 
