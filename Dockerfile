@@ -28,6 +28,8 @@ COPY tasks /src/tasks
 COPY models /src/models
 COPY migrations /src/migrations
 COPY voice_tools /src/voice_tools
+COPY voice_tools_tracing /src/voice_tools_tracing
+COPY voice_tools_backends /src/voice_tools_backends
 RUN [ -n "$PIP_CERT" ] && export PIP_CERT || unset PIP_CERT; \
     /opt/voice-tools/bin/pip install --no-deps /src \
  && /opt/voice-tools/bin/python -m compileall -q -j 0 /opt/voice-tools/lib

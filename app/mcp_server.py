@@ -461,7 +461,7 @@ def create_mcp_app() -> Starlette:
     )
     app.add_middleware(EveryKeyOnce)
     app.add_middleware(BearerToken)  # added last, run first: nothing is read for a request without a caller
-    if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (voice_tools_tracing/)
+    if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (app/server_spans.py)
         app.add_middleware(tracing.Middleware)
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
     return app

@@ -117,9 +117,9 @@ def started(role: str) -> bool:
     """Start tracing in this process if it is asked for (``role``: what the process is); True if it runs."""
     if not tracing.enabled():
         return False
-    from voice_tools_tracing import sdk
+    from tasks.worker import run_spans  # the SDK, then the spans of the publishes this process sends
 
-    return sdk.start(role)
+    return run_spans.start(role)
 
 
 @contextmanager

@@ -307,7 +307,7 @@ INSTRUMENTATIONS_PROBE = textwrap.dedent("""
     import voice_tools_tracing as tracing
     from voice_tools_tracing import sdk
 
-    assert sdk.start("probe")
+    assert sdk.start("probe", "0+probe")
     with app.connection_for_write() as broker:
         assert broker.transport.driver_type == "redis", broker.transport.driver_type
         with tracing.tracer().start_as_current_span("probe"):

@@ -9,10 +9,11 @@ the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp
 
 Then the libraries' own instrumentations, psycopg2 (each statement, but those of ``models/compiled.py``:
 ``voice_tools_tracing.statements``) and redis (each command of our own Redis clients,
-``voice_tools_tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them, and the
-spans of Celery's task runs and publishes (``tasks.worker.run_spans``), always. What crosses the process's edge is
-``voice_tools_tracing.headers``'s: ``traceparent`` and a bounded ``tracestate``, never ``baggage`` (``OTEL_PROPAGATORS``
-is not read). The batch processor's
+``voice_tools_tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them. The
+spans of Celery's task runs and publishes are ``tasks.worker.run_spans``'s, whose :func:`start` starts this SDK
+with the release's version (the callers: ``app.server_spans``, ``tasks.worker.tracing``): this package
+imports nothing of ours. What crosses the process's edge is ``voice_tools_tracing.headers``'s: ``traceparent``
+and a bounded ``tracestate``, never ``baggage`` (``OTEL_PROPAGATORS`` is not read). The batch processor's
 thread is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 
 At its end a process exports the spans it still holds, waiting at most :data:`STOP_S` seconds
@@ -31,7 +32,6 @@ import threading
 from typing import Any
 
 import voice_tools_tracing as tracing
-from models import release
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ def _exporter():
     return OTLPSpanExporter()
 
 
-def start(role: str) -> bool:
-    """Start the SDK in this process if tracing is asked for (once); True if it runs."""
+def start(role: str, version: str) -> bool:
+    """Start the SDK in this process if tracing is asked for (once); True if it runs. ``version``: the
+    release, the spans' ``service.version`` (handed by the caller: this package imports nothing of ours)."""
     with _lock:
         if tracing._started or not tracing.enabled():
             return tracing._started
@@ -75,7 +76,7 @@ def start(role: str) -> bool:
         from voice_tools_tracing import headers
 
         headers.install()  # W3C trace context alone, bounded, nothing of it logged (before any request is read)
-        resource = Resource.create({"voice_tools.process": role, SERVICE_VERSION: release.VERSION})
+        resource = Resource.create({"voice_tools.process": role, SERVICE_VERSION: version})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: f"voice-tools-{role}"}))
         global _exporting
@@ -129,8 +130,6 @@ def disabled_instrumentations() -> set[str]:
 
 
 def _instrument(children: Any) -> None:
-    from tasks.worker import run_spans as runs
-
     left_out = disabled_instrumentations()
     wanted = lambda name: not {name, "*"} & left_out  # noqa: E731
     if wanted("psycopg2"):
@@ -142,4 +141,3 @@ def _instrument(children: Any) -> None:
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
         tracing._instrument_redis = functools.partial(RedisInstrumentor.instrument_client, tracer_provider=children)
-    runs.instrument()  # the runs and publishes: voice-tools' own spans, the trace's spine

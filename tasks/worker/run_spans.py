@@ -25,7 +25,7 @@ from typing import Any
 from celery import signals
 
 import voice_tools_tracing as tracing
-from models import logs
+from models import logs, release
 
 PREFIX = "voice_tools."
 
@@ -46,8 +46,20 @@ class _Headers:
         return []
 
 
+def start(role: str) -> bool:
+    """Start tracing in this process if it is asked for (``role``: what the process is): the SDK, with this
+    release's version, then the spans of the runs and publishes (every process publishes or runs tasks: the
+    API, the MCP face, a worker, beat). True if it runs."""
+    from voice_tools_tracing import sdk
+
+    if not sdk.start(role, release.VERSION):
+        return False
+    instrument()  # the runs and publishes: voice-tools' own spans, the trace's spine
+    return True
+
+
 def instrument() -> None:
-    """The spans of runs and publishes in this process (``sdk.start``)."""
+    """The spans of runs and publishes in this process (:func:`start`; a receiver connected twice is one)."""
     signals.task_prerun.connect(_begun, weak=False)
     signals.task_postrun.connect(_ended, weak=False)
     signals.task_failure.connect(_failed, weak=False)

@@ -32,9 +32,9 @@ def install(app: Any) -> None:
 
 
 def _worker_started(sender: Any = None, **_: Any) -> None:
-    from voice_tools_tracing import sdk
+    from tasks.worker import run_spans
 
-    if sdk.start("worker") and sender is not None:
+    if run_spans.start("worker") and sender is not None:
         lost = _lost_attempt_request()
         for task in sender.app.tasks.values():  # the main process makes each task's Request class at consumer start
             if getattr(task, "acks_late", False):
@@ -42,9 +42,9 @@ def _worker_started(sender: Any = None, **_: Any) -> None:
 
 
 def _beat_started(**_: Any) -> None:
-    from voice_tools_tracing import sdk
+    from tasks.worker import run_spans
 
-    sdk.start("beat")
+    run_spans.start("beat")
 
 
 def _stopping(**_: Any) -> None:
