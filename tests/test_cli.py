@@ -432,7 +432,7 @@ def test_celerys_cli_loads_nothing_of_the_product_for_another_app(tmp_path):
         "import celery.bin.celery  # Celery's CLI, with every installed plug-in command\n"
         "import other_app\n"
         "from celery import signals\n"
-        "ours = ('tasks', 'models', 'app')\n"
+        "ours = ('tasks', 'models', 'app', 'voice_tools_tracing')\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ours}\n"
         "                | {m for m in sys.modules if m.startswith('voice_tools_backends')})\n"
         "import weakref\n"
