@@ -28,13 +28,15 @@ COPY tasks /src/tasks
 COPY models /src/models
 COPY migrations /src/migrations
 COPY voice_tools /src/voice_tools
+COPY voice_tools_tracing /src/voice_tools_tracing
+COPY voice_tools_backends /src/voice_tools_backends
 RUN [ -n "$PIP_CERT" ] && export PIP_CERT || unset PIP_CERT; \
     /opt/voice-tools/bin/pip install --no-deps /src \
  && /opt/voice-tools/bin/python -m compileall -q -j 0 /opt/voice-tools/lib
-# The offline embedding model, rewritten and quantized once here (voice_tools/backends/embeddings.py,
+# The offline embedding model, rewritten and quantized once here (voice_tools_backends/embeddings.py,
 # prepared_model): every pod finds it intact at start and writes nothing.
 ENV VOICE_TOOLS_DATA_DIR=/var/lib/voice-tools
-RUN /opt/voice-tools/bin/python -c "from voice_tools.backends import embeddings; print(embeddings.prepared_model())"
+RUN /opt/voice-tools/bin/python -c "from voice_tools_backends import embeddings; print(embeddings.prepared_model())"
 
 # -- the image: Python, the virtualenv, the model; no compiler, no pip cache, no source tree -----------
 FROM ${BASE}

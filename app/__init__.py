@@ -18,7 +18,7 @@ N8N_PREFIX = "/webhook"
 
 
 def create_app(config: dict[str, Any] | None = None) -> Flask:
-    from tasks.tracing import web as tracing  # first: with tracing off, redis-py will not load the SDK (tasks/tracing/)
+    from app import server_spans as tracing  # first: with tracing off, redis-py will not load the SDK (voice_tools_tracing/)
     from flask import Flask
 
     from app import (api, auth, console, errors, health, inputs, metrics, request_log, schema_gate, share_hooks,
@@ -30,7 +30,7 @@ def create_app(config: dict[str, Any] | None = None) -> Flask:
     app.config.update(config or {})
     app.json.sort_keys = False  # type: ignore[attr-defined]
     request_log.register(app)  # first: a refused request has its id and context too
-    tracing.register(app)  # a server span per request, with OTEL_EXPORTER_OTLP_ENDPOINT set (tasks/tracing/)
+    tracing.register(app)  # a server span per request, with OTEL_EXPORTER_OTLP_ENDPOINT set (app/server_spans.py)
     metrics.register(app)  # then, so refused requests are counted and timed too
     auth.register(app)
     schema_gate.register(app)  # after the token: on a schema too old for this release, a 503 naming it

@@ -35,7 +35,7 @@ import logging
 import os
 from typing import Any
 
-import tasks.tracing  # noqa: F401  (first, in the master too: with tracing off, redis-py will not load the SDK in a worker)
+import voice_tools_tracing  # noqa: F401  (first, in the master too: with tracing off, redis-py will not load the SDK in a worker)
 from gunicorn import util
 from gunicorn.http import wsgi
 

@@ -67,7 +67,7 @@ from tasks import tools
 from tasks.calls import callers, errors, operations, schemas, toolspec
 from tasks.calls.callers import Caller
 from tasks.calls.errors import ApiError
-from tasks.tracing import web as tracing
+from app import server_spans as tracing
 
 log = logging.getLogger(__name__)
 
@@ -461,7 +461,7 @@ def create_mcp_app() -> Starlette:
     )
     app.add_middleware(EveryKeyOnce)
     app.add_middleware(BearerToken)  # added last, run first: nothing is read for a request without a caller
-    if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (tasks/tracing/)
+    if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (app/server_spans.py)
         app.add_middleware(tracing.Middleware)
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
     return app

@@ -40,7 +40,7 @@ from limits import parse
 from limits.storage import MemoryStorage, RedisStorage, Storage
 from limits.strategies import SlidingWindowCounterRateLimiter
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models import settings
 from tasks.calls.errors import ApiError
 

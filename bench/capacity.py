@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     with bench_servers("voice-tools-bench-capacity-") as data_dir:
-        from voice_tools.backends import load_demo
+        from voice_tools_backends import load_demo
         from support.relay import Relay
         from tasks import app, tools
 

@@ -68,7 +68,7 @@ def ms(samples: list[float]) -> tuple[float, float]:
 # -- 1. query embedding --------------------------------------------------------------------
 
 def bench_embedding(n: int) -> tuple[float, float]:
-    from voice_tools.backends import embeddings
+    from voice_tools_backends import embeddings
 
     rng = random.Random(1)
     embeddings.embed_query("warm up")
@@ -119,7 +119,7 @@ def bench_search(n_chunks: int, n_queries: int) -> dict[str, float]:
     import psycopg2
 
     from models import db
-    from voice_tools.backends import documents, embeddings
+    from voice_tools_backends import documents, embeddings
 
     model, dim = embeddings.active_model()
     rng = np.random.default_rng(7)
@@ -203,9 +203,9 @@ def write_corpus(folder: Path, files: int) -> None:
 
 
 def bench_ingest(folder: Path, files: int) -> dict[str, float]:
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
-    from voice_tools.backends import embeddings
+    from voice_tools_backends import embeddings
 
     write_corpus(folder, files)
     embeddings.embed(["warm up"], bulk=True)  # the ingest session is made once per process
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         ingest = bench_ingest(data_dir / "corpus", args.ingest_files)
         print(f"search over {args.chunks} chunks (load + HNSW build first) ...", flush=True)
         search = bench_search(args.chunks, args.queries)
-        from voice_tools.backends import documents, embeddings
+        from voice_tools_backends import documents, embeddings
 
         threads = os.environ.get("VOICE_TOOLS_EMBEDDING_THREADS", "1")
         lines = [

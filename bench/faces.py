@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with bench_servers("voice-tools-bench-faces-") as data_dir:
         from tasks import app, tools
-        from voice_tools.backends import load_demo
+        from voice_tools_backends import load_demo
         from support.worker_process import WorkerProcess
 
         load_demo()

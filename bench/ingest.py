@@ -40,7 +40,7 @@ DOCUMENTS = (".md", ".markdown", ".html", ".htm", ".pdf")
 def pick_corpus(folders: list[str], chunks: int, into: Path) -> tuple[int, list[str]]:
     """Copy the first documents under ``folders`` (path order) that make ``chunks`` chunks into ``into``;
     the chunks they make and their embedding texts."""
-    from voice_tools.backends import documents, reading
+    from voice_tools_backends import documents, reading
 
     texts: list[str] = []
     files = 0
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.environ["DATABASE_URL"] = servers.start_postgres(data_dir, "bench")
         servers.migrate()
-        from voice_tools.backends import documents, embeddings
+        from voice_tools_backends import documents, embeddings
 
         embeddings.prepare()
         corpus = data_dir / "corpus"

@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench import report
         from bench.stack import Stack
         from tasks import app, tools
-        from voice_tools.backends import load_demo
+        from voice_tools_backends import load_demo
         from support.relay import Relay
 
         load_demo()

@@ -200,7 +200,7 @@ def write_corpus(folder: Path) -> dict[str, Path]:
 
 def evidence(question: str, hybrid: bool = True) -> list[dict]:
     """The ranked candidate documents for ``question`` with their evidence, as the tools' search ranks them."""
-    from voice_tools.backends import documents, embeddings
+    from voice_tools_backends import documents, embeddings
 
     model, _ = embeddings.active_model()
     return documents.rank_documents(embeddings.embed_query(question), model, 5,
@@ -234,7 +234,7 @@ def calibrate(on_topic: list, off_topic: list) -> tuple[float, float]:
     """
     import math
 
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     most_off = max((d["words"] for _, ranked in off_topic for d in ranked), default=0.0)
     words = min(1.0, math.ceil((most_off + 0.1) * 20 - 1e-9) / 20)
@@ -253,7 +253,7 @@ def calibrate(on_topic: list, off_topic: list) -> tuple[float, float]:
 def measure(on_topic: list, off_topic: list, floor: float, words: float) -> dict[str, float]:
     """top-1 / top-5 of the ranking (where the wanted document comes, floors aside); the wanted
     document kept by the relevance decision, and said first (the floors applied); off-topic refused."""
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     top1 = top5 = kept = first = 0
     misses = []
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.environ["DATABASE_URL"] = servers.start_postgres(data_dir, "bench")
         servers.migrate()
-        from voice_tools.backends import documents, embeddings
+        from voice_tools_backends import documents, embeddings
 
         embeddings.prepare()
         (data_dir / "corpus").mkdir()
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- questions: tuning {len(QUESTIONS)}, held-out {len(HELD_OUT_QUESTIONS)}; off-topic: calibration "
             f"{len(OFF_TOPIC)}, held-out {len(HELD_OUT_OFF_TOPIC)}",
             f"- relevance floors derived on the calibration split (tuning questions + calibration off-topic): "
-            f"cosine {floor}, words {words}; shipped (voice_tools/backends/documents.py): cosine {shipped[0]}, words {shipped[1]}"
+            f"cosine {floor}, words {words}; shipped (voice_tools_backends/documents.py): cosine {shipped[0]}, words {shipped[1]}"
             + ("" if (floor, words) == shipped else "  ** DIFFERENT: update DEFAULT_MIN_SCORE / DEFAULT_MIN_WORDS **"),
             "",
             "With the shipped floors:",

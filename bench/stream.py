@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with bench_servers("voice-tools-bench-stream-") as data_dir:
         from tasks import app, tools
-        from voice_tools.backends import load_demo
+        from voice_tools_backends import load_demo
         from support.procs import free_port, stop_process
         from support.relay import Relay
         from support.worker_process import WorkerProcess

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="another variable of the traced side (OTEL_TRACES_SAMPLER=always_off, ...); repeatable")
     args = parser.parse_args(argv)
     with bench_servers("voice-tools-bench-tracing-") as data_dir:
-        from voice_tools.backends import load_demo
+        from voice_tools_backends import load_demo
         from support.relay import Relay
 
         load_demo()

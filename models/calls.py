@@ -120,7 +120,7 @@ class ToolCall(Base):
     outcome: Mapped[str | None] = mapped_column(String(12))
     caller: Mapped[str | None] = mapped_column(String(100))
     request_kind: Mapped[str] = mapped_column(String(10), nullable=False, server_default="pending")
-    # the W3C traceparent of the span that recorded the call, with tracing on (tasks/tracing/): a later
+    # the W3C traceparent of the span that recorded the call, with tracing on (voice_tools_tracing/): a later
     # request about the call joins its trace; null with tracing off (migration 0018)
     trace_context: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())

@@ -24,7 +24,7 @@ named by a hash of its text and types, so a statement of its name on any server 
 this very one.
 
 With tracing on, each run is a span named by what the statement does (``UPDATE tool_calls``), with its
-SQL (``tasks/tracing/statements.py``), made on the driver's plain cursor: psycopg2's instrumentation
+SQL (``voice_tools_tracing/statements.py``), made on the driver's plain cursor: psycopg2's instrumentation
 would name it ``EXECUTE`` and show ``EXECUTE voice_tools_<hash>(...)``.
 
 An error goes through SQLAlchemy's own handling (a lost connection invalidates the pool and raises
@@ -44,9 +44,9 @@ from typing import Any
 from sqlalchemy import Connection, exc
 from sqlalchemy.orm import Session
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models import db
-from tasks.tracing import statements
+from voice_tools_tracing import statements
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Compiled:
         try:
             pooled = conn.connection
             dbapi = pooled.dbapi_connection
-            if tracing.statement_spans():  # its span is ours, on the driver's own cursor (tasks/tracing/statements.py)
+            if tracing.statement_spans():  # its span is ours, on the driver's own cursor (voice_tools_tracing/statements.py)
                 cursor = dbapi.cursor(cursor_factory=dialect.loaded_dbapi.extensions.cursor)
                 span = statements.begun(plan.summary, plan.sql, dbapi, pooled.info)
             else:

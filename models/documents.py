@@ -1,6 +1,6 @@
 """The document store: one row per CHUNK of a document, with its embedding.
 
-Searched by query_vector_db and search_documentation (``voice_tools/backends/documents.py``).
+Searched by query_vector_db and search_documentation (``voice_tools_backends/documents.py``).
 Every chunk records the model that embedded it and the vector's size, so a search
 never compares vectors of two models. ``embedding`` is a pgvector ``vector(384)``
 with an HNSW index (cosine); on a PostgreSQL without pgvector the migration leaves

@@ -20,7 +20,7 @@ from sqlalchemy.sql.dml import Insert
 from sqlalchemy.types import DateTime, String, Text
 
 from models import settings
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models.calls import (CANCELLED, COMPLETED, EXECUTING, EXPIRED, FAILED, MODIFIED, PENDING, PREPARED,
                           CallbackDelivery)
 

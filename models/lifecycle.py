@@ -63,7 +63,7 @@ from models import link_attempts
 from models.compiled import Compiled
 from models.db import Executor
 from models.events import Event
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models.queries import get, quiet_for, stale_where
 
 CANCELLABLE = (PENDING, MODIFIED, EXECUTING, PREPARED)

@@ -29,14 +29,14 @@ _URL_SECRETS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/\s@]*@|(?P<query>
 
 # The product's own errors (a tool's, a backend's): their text is a sentence for the person, made of the
 # call's parameters and of the data they found (a meeting's title): never a reason's
-_SPOKEN = ("tasks.", "voice_tools.")
+_SPOKEN = ("tasks", "voice_tools", "voice_tools_backends")  # top-level packages
 
 
 def reason_of(error: BaseException) -> str:
     """``<class>: <message>``, short: why, never with what. The product's own errors (:data:`_SPOKEN`) say
     their class alone; another library's, the first line of its message (a database error's ``DETAIL``,
     with a row's values, is on the next), without a URL's credentials or query string."""
-    spoken = type(error).__module__.startswith(_SPOKEN)
+    spoken = type(error).__module__.partition(".")[0] in _SPOKEN
     first = "" if spoken else (str(error).strip().splitlines() or [""])[0]
     message = _URL_SECRETS.sub(lambda m: m.group("scheme") or "?…", " ".join(first.split()))
     text = f"{type(error).__name__}: {message}" if message else type(error).__name__

@@ -5,7 +5,7 @@ writes its log with :func:`formatter` and :class:`ContextFilter`: one JSON line 
 event with ``time``, ``level``, ``logger``, ``message``, ``pid``, ``version`` (the release) and the context bound
 at that moment: ``request_id`` (the HTTP request, or the request whose chain a task
 runs), ``trace_id`` (its W3C ``traceparent``'s, when it sent one; with tracing on, the trace's, and
-``span_id``, the request's or the task's span: ``tasks/tracing/``), ``tool_call_id``,
+``span_id``, the request's or the task's span: ``voice_tools_tracing/``), ``tool_call_id``,
 ``session_id``, and in a worker ``task_id``, ``task`` and ``step``. ``grep tc_...``
 over every process's log then follows one call end to end.
 ``VOICE_TOOLS_LOG_FORMAT=text`` switches to one human line per event, the context at

@@ -7,7 +7,8 @@ plain ``celery -A tasks worker`` consumes them all.
 """
 import gc
 
-from tasks.tracing import links as tracing  # first: with tracing off, redis-py will not load the SDK (tasks/tracing/)
+import voice_tools_tracing  # noqa: F401  (first: with tracing off, redis-py will not load the SDK)
+from tasks.worker import tracing
 from celery import Celery
 from celery.signals import worker_before_create_process, worker_process_init
 
@@ -38,7 +39,7 @@ groups.install(app)
 beat_thread.install(app)
 metrics_thread.install(app)
 schema_wait.install(app)  # on a schema too old for this release, the worker consumes nothing until migrated
-tracing.install(app)  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a span per task, in a worker and in beat (tasks/tracing/)
+tracing.install(app)  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a span per task, in a worker and in beat (tasks/worker/tracing.py)
 
 
 @worker_before_create_process.connect

@@ -53,7 +53,7 @@ from models import db, events, lifecycle, link_attempts, queries
 from models.calls import NOT_DONE, UNCONFIRMED, ToolCall
 from tasks import base, publishing, tools
 from tasks.effect_claims import claim_token, holder_gone
-from voice_tools import backends
+import voice_tools_backends as backends
 from tasks.delivery import attempts
 from tasks.delivery.events import record
 from tasks.worker import metrics

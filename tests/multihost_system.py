@@ -154,7 +154,7 @@ class MultiHost:
 
         servers.create_database(admin, DATABASE)
         with self.database():
-            from voice_tools.backends import load_demo
+            from voice_tools_backends import load_demo
 
             servers.migrate()
             load_demo()

@@ -1,4 +1,4 @@
-"""The calendar backend (voice_tools/backends/calendar.py) and the availability arithmetic, with a
+"""The calendar backend (voice_tools_backends/calendar.py) and the availability arithmetic, with a
 database alone: the local table, the demo week, and Google Calendar through the real
 google-api-python-client on ``HttpMockSequence`` (the requests it made are asserted on:
 method, path, query and body)."""
@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from models import db
 from models.calendar import CalendarEvent
-from voice_tools.backends import calendar
-from voice_tools.backends.google import build_service
+from voice_tools_backends import calendar
+from voice_tools_backends.google import build_service
 from tasks.tools import TOOLS, PermanentError, StepInput
 from tasks.tools.get_calendar_availability import free_slots, round_up, voice_response, window
 

@@ -188,7 +188,7 @@ def test_redelivered_links_never_send_twice(worker, relay, task_log):
 # -- query_vector_db ---------------------------------------------------------------------
 
 def test_query_vector_db_stores_context(worker, relay):
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     documents.load_demo()  # the embedded demo documents (no longer loaded by the first search)
     call = make_call("query_vector_db", {"user_query": "Q3 sales Northwest region"}, callback_url=relay.url)
@@ -224,7 +224,7 @@ def test_query_vector_db_stores_context(worker, relay):
 
 def test_a_relay_cannot_cancel_a_query_once_its_results_are_stored(worker, relay):
     """A cancel answered to the STORE_CONTEXT event comes after the effect: the call completes."""
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     documents.load_demo()
     relay.answer(lambda event: {"cancel": True, "reason": "too late"} if event.get("step") == "STORE_CONTEXT" else None)

@@ -245,7 +245,7 @@ def test_rows_of_a_statement_are_sqlalchemys_rows():
     """``all()``: every row, in order, as SQLAlchemy's execution gives them (the calendar's busy periods)."""
     from datetime import datetime, timedelta, timezone
 
-    from voice_tools.backends import calendar
+    from voice_tools_backends import calendar
 
     start = datetime(2031, 3, 3, 9, tzinfo=timezone.utc)
     with db.session() as s:
@@ -272,7 +272,7 @@ def test_each_hot_statement_is_named_by_what_it_does():
     from sqlalchemy.dialects.postgresql import psycopg2
 
     from tasks.delivery import delivered
-    from tasks.tracing import calls
+    from models import trace_context as calls
 
     tool_call_id = executing_call()  # builds the transitions' statements of their shapes
     event = events.event("progress", step="SENDING", gate=2, progress=0.5, message="Sending.", inline=True)

@@ -20,7 +20,7 @@ from models.contacts import Contact
 from models.email import EmailOutbox
 from models.task_list import TodoTask
 from models.training import KnowledgeQuestion, Learner, TrainingModule, TrainingProgress
-from voice_tools.backends import calendar, contacts, documents, training
+from voice_tools_backends import calendar, contacts, documents, training
 from tasks import tools
 from tasks.tools import StepInput
 from tests.conftest import API_TOKEN, AUTH
@@ -247,7 +247,7 @@ def test_each_caller_with_a_credentials_file_uses_its_own_and_the_others_the_sha
 
 
 def test_a_caller_name_that_is_not_a_plain_file_name_uses_the_shared_credentials(tmp_path, monkeypatch):
-    from voice_tools.backends import google
+    from voice_tools_backends import google
 
     folder = tmp_path / "callers"
     folder.mkdir()

@@ -117,7 +117,7 @@ def test_every_scenario_leaves_no_failed_delivery_behind(worker, api_url, comple
     resume's answer): each of the scenarios' callbacks is delivered at its first attempt."""
     from tests.conftest import API_TOKEN
     from voice_tools import demo as the_demo
-    from voice_tools.backends import load_demo
+    from voice_tools_backends import load_demo
 
     load_demo()
     secrets = the_demo.Secrets(os.environ["VOICE_TOOLS_CALLBACK_SECRET"],

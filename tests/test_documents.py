@@ -1,4 +1,4 @@
-"""The document store (voice_tools/backends/documents.py) on the real PostgreSQL + pgvector, with
+"""The document store (voice_tools_backends/documents.py) on the real PostgreSQL + pgvector, with
 the real offline embedding model; query_vector_db and search_documentation end to end
 through a real worker; OpenAI through the real client against a local HTTP double."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from models import db
 from models.calls import SessionContext
 from models.documents import DocumentChunk
 from tasks.calls import actions
-from voice_tools.backends import documents
+from voice_tools_backends import documents
 from tests.helpers import deliveries, make_call, wait_status
 from tests.test_embeddings import chat_answer, embeddings_answer, fake_vector, openai_api  # noqa: F401 (fixture)
 
@@ -213,7 +213,7 @@ def test_the_search_tools_say_plain_sentences_about_documents_not_chunks(tmp_pat
 
 
 def test_hybrid_search_finds_a_rare_word_the_vectors_miss_and_keeps_filters_and_top_k(tmp_path):
-    from voice_tools.backends import embeddings
+    from voice_tools_backends import embeddings
 
     for name, text_ in {
         "printer.md": "# Office printers\n\nThe printers on each floor print double-sided. When the display shows "
@@ -502,7 +502,7 @@ PROBE = textwrap.dedent("""
     servers.migrate()  # alembic upgrade head, as `voice-tools migrate` does
     from sqlalchemy import text
     from models import db
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
     out = {}
     with db.engine().connect() as conn:
         out["columns"] = sorted(r[0] for r in conn.execute(text(

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from voice_tools import backends
-from voice_tools.backends import google
+import voice_tools_backends as backends
+from voice_tools_backends import google
 from models import db, lifecycle
 from models.calendar import CalendarEvent
 from models.calls import SessionContext

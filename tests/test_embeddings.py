@@ -1,4 +1,4 @@
-"""The embedders (voice_tools/backends/embeddings.py): the real offline model, and OpenAI's
+"""The embedders (voice_tools_backends/embeddings.py): the real offline model, and OpenAI's
 endpoint through the real ``openai`` client against a local HTTP double (the request
 bodies it sends, and what its errors become)."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from voice_tools.backends import documents, embeddings
+from voice_tools_backends import documents, embeddings
 from models import settings
 from tasks.tools import is_transient
 from tests.http_double import HttpDouble
@@ -140,7 +140,7 @@ def test_a_damaged_prepared_model_is_made_again_and_a_changed_package_model_refu
 def test_every_process_keeps_the_model_in_the_data_dir_never_the_temp_dir(tmp_path):
     """The launcher, the CLI and the workers all find the model in <data dir>/embedding-models: VOICE_TOOLS_DATA_DIR,
     else ./.voice-tools of the folder they run in (as the embedded servers' data)."""
-    code = "from voice_tools.backends import embeddings; print(embeddings.model_cache_dir())"
+    code = "from voice_tools_backends import embeddings; print(embeddings.model_cache_dir())"
     env = {k: v for k, v in os.environ.items() if k != "VOICE_TOOLS_DATA_DIR"}
     bare = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -162,7 +162,7 @@ def test_importing_and_using_search_changes_nothing_in_the_environment(tmp_path)
     code = textwrap.dedent("""
         import json, os, sys
         before = dict(os.environ)
-        from voice_tools.backends import documents, embeddings
+        from voice_tools_backends import documents, embeddings
         import tasks.tools.search_documentation, tasks.tools.query_vector_db
         import tasks.tools  # every tool module
         embeddings.embed(["How do I reset my password?"])
@@ -242,7 +242,7 @@ def test_a_process_working_in_the_data_dir_imports_the_code_not_the_model_folder
     on their path: the prepared model's folder there must not shadow a package of ours (a folder named
     ``models`` was imported as a namespace package in place of ``models``: a second run failed to migrate)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VOICE_TOOLS_DATA_DIR": str(tmp_path)}
-    folder = subprocess.run([sys.executable, "-c", "from voice_tools.backends import embeddings; print(embeddings.model_cache_dir())"],
+    folder = subprocess.run([sys.executable, "-c", "from voice_tools_backends import embeddings; print(embeddings.model_cache_dir())"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     Path(folder).mkdir(parents=True)
     imported = subprocess.run([sys.executable, "-c", "import models; models.import_all(); print(models.__file__)"],

@@ -16,7 +16,7 @@ import json
 import pytest
 
 from tasks import tools
-from voice_tools.backends import load_demo
+from voice_tools_backends import load_demo
 from tests.conftest import AUTH
 from tests.helpers import deliveries, row
 from tests.speech import markup_in, sentences

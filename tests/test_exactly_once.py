@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from voice_tools import backends
+import voice_tools_backends as backends
 from tasks import chains
 from tasks.calls import actions
 from tasks.tools import Step, TransientError

@@ -70,7 +70,7 @@ def test_flowers_app_declares_the_tasks_apps_queues_without_importing_a_task_or_
     assert declared(flower_app.app) == declared(tasks_app)
     assert flower_app.app.main == tasks_app.main
     probe = ("import sys, tasks.flower_app; print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('sqlalchemy', 'marshmallow', 'psycopg2', 'requests') or m.startswith(('tasks.tools', 'voice_tools.backends', "
+             "('sqlalchemy', 'marshmallow', 'psycopg2', 'requests') or m.startswith(('tasks.tools', 'voice_tools_backends', "
              "'tasks.celery_app', 'tasks.chains', 'tasks.worker')))))")
     done = probed(probe)
     assert done.stdout.split() == [], done.stdout

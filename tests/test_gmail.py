@@ -26,8 +26,8 @@ from models import db, settings
 from models.email import EmailOutbox
 from tasks import app, tools
 from tasks.calls import actions
-from voice_tools.backends import email as local_email
-from voice_tools.backends import gmail, google
+from voice_tools_backends import email as local_email
+from voice_tools_backends import gmail, google
 from tests.google_fixtures import GmailDouble, google_env
 from tests.helpers import make_call, row, wait_status
 from support.worker_process import WorkerProcess, queues_taken_from_others

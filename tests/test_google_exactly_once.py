@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from voice_tools.backends import Unconfirmed, calendar, email as local_email, gmail, google, task_list
+from voice_tools_backends import Unconfirmed, calendar, email as local_email, gmail, google, task_list
 from models import settings
 from tasks import tools
 from tasks.calls import actions

@@ -130,7 +130,7 @@ def test_every_api_path_answers_under_webhook_too_and_openapi_marks_the_aliases(
 
 def test_the_legacy_relay_searches_then_emails_the_results_on_the_legacy_aliases(client, worker, relay):
     """The legacy aliases end to end: /query-vector-db, /get-session-context, /execute-gmail, on n8n paths."""
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     documents.load_demo()
     searched = client.post("/webhook/query-vector-db", headers=AUTH, json={

@@ -30,7 +30,7 @@ def test_a_reason_never_holds_what_the_tool_said_of_its_parameters():
     data they found: its reason is its class alone. Another library's keeps its first line (a database
     error's DETAIL, with the row's values, is on the next)."""
     from tasks.tools import PermanentError, TransientError
-    from voice_tools.backends import Refused, Unavailable
+    from voice_tools_backends import Refused, Unavailable
 
     for error in (PermanentError("you already have Secret-769f015f then"), TransientError("Secret-1 is busy"),
                   Refused("Google Tasks refused it (Secret-2)"), Unavailable("Gmail rate limit: Secret-3")):

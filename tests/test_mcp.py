@@ -421,7 +421,7 @@ async def test_an_mcp_client_follows_the_checkpoint_on_the_event_stream_and_canc
 
 
 async def test_an_mcp_client_searches_then_emails_the_results(mcp_url, worker):
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     documents.load_demo()
     async with connected(mcp_url) as mcp:

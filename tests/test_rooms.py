@@ -128,6 +128,8 @@ def test_the_plan_and_the_graph_are_read(floors, graph):
     assert "models.lifecycle" in graph["tasks.calls.actions"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert pattern_of("tasks.delivery.events", {"tasks.*": 1, "tasks.delivery.*": 2}) == "tasks.delivery.*"
+    assert package_graph({"a.x": {"b.y", "a.z"}, "a.z": set(), "b.y": set()}) == {"a": {"b"}, "b": set()}
+    assert floor_bands({"a.*": 2, "a.x": 5}, {"a.x": set(), "a.y": set()}) == {"a": (2, 5)}
 
 
 def test_every_module_has_one_row_and_every_row_a_module(floors, graph):
@@ -145,6 +147,43 @@ def test_no_import_climbs_a_floor(floors, graph):
                     for a, targets in graph.items() for b in targets
                     if b in graph and floors[pattern_of(b, floors)] > floors[pattern_of(a, floors)])
     assert climbs == []
+
+
+def package_of(module: str) -> str:
+    """The top-level package (or module, ``celeryconfig``) a module of ours is in."""
+    return module.split(".")[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each top-level package of ours → the other top-level packages its modules import."""
+    found: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for module, targets in graph.items():
+        found[package_of(module)] |= {package_of(b) for b in targets if b in graph} - {package_of(module)}
+    return found
+
+
+def floor_bands(floors: dict[str, int], graph: dict[str, set[str]]) -> dict[str, tuple[int, int]]:
+    """Each top-level package → the lowest and the highest floor of its modules."""
+    bands: dict[str, tuple[int, int]] = {}
+    for module in graph:
+        floor, package = floors[pattern_of(module, floors)], package_of(module)
+        low, high = bands.get(package, (floor, floor))
+        bands[package] = (min(low, floor), max(high, floor))
+    return bands
+
+
+def test_the_top_level_packages_import_each_other_in_no_circle(graph):
+    """A folder is a room or a few rooms, one above another: no package imports one that imports it back."""
+    assert cycles(package_graph(graph)) == []
+
+
+def test_each_top_level_package_sits_on_a_floor_band_of_its_own(floors, graph):
+    """What a package imports of another package is on floors no higher than any of its own: the folders show
+    the floors (a package of the ground imports no package holding a room upstairs)."""
+    bands = floor_bands(floors, graph)
+    overlaps = sorted(f"{a} {bands[a]} -> {b} {bands[b]}" for a, targets in package_graph(graph).items()
+                      for b in targets if bands[b][1] > bands[a][0])
+    assert overlaps == []
 
 
 def test_nothing_outside_the_tests_imports_them(graph):

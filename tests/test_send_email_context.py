@@ -13,7 +13,7 @@ from sqlalchemy import select, text
 from models import db, session_context
 from models.email import EmailOutbox
 from tasks.calls import actions
-from voice_tools.backends import documents
+from voice_tools_backends import documents
 from tasks.tools.send_email import MAX_REFERENCED, SNIPPET_CHARS, summarise_context
 from tests.helpers import make_call, row, wait_status
 

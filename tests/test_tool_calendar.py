@@ -15,7 +15,7 @@ from models import db
 from models.calendar import CalendarEvent
 from tasks import app, tools
 from tasks.calls import actions
-from voice_tools.backends import calendar
+from voice_tools_backends import calendar
 from tests.api_fixtures import call_count, snapshot
 from tests.conftest import AUTH
 from tests.google_fixtures import google_env

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from models import db
 from models.contacts import Contact
 from tasks import tools
-from voice_tools.backends import contacts, google
+from voice_tools_backends import contacts, google
 from tests.api_fixtures import snapshot
 from tests.conftest import AUTH
 from tests.helpers import deliveries, row

@@ -18,7 +18,7 @@ from models import db
 from models.task_list import TodoTask
 from tasks import app, tools
 from tasks.calls import actions
-from voice_tools.backends import google, task_list
+from voice_tools_backends import google, task_list
 from tests.api_fixtures import created_id, snapshot
 from tests.conftest import AUTH
 from tests.helpers import make_call, row, wait_status

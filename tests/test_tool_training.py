@@ -13,7 +13,7 @@ from models import db
 from models.training import KnowledgeQuestion, Learner, TrainingModule, TrainingProgress
 from tasks import tools
 from tasks.calls import actions
-from voice_tools.backends import training
+from voice_tools_backends import training
 from tests.api_fixtures import call_count
 from tests.conftest import AUTH
 from tests.helpers import deliveries, make_call, row, wait_status

@@ -231,8 +231,8 @@ RUNS_PROBE = textwrap.dedent("""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    import tasks.tracing as tracing
-    from tasks.tracing import runs
+    import voice_tools_tracing as tracing
+    from tasks.worker import run_spans as runs
 
     exported = InMemorySpanExporter()
     provider = TracerProvider()
@@ -304,10 +304,10 @@ INSTRUMENTATIONS_PROBE = textwrap.dedent("""
     from app import shares
     from models import db
     from tasks.celery_app import app
-    import tasks.tracing as tracing
-    from tasks.tracing import sdk
+    import voice_tools_tracing as tracing
+    from voice_tools_tracing import sdk
 
-    assert sdk.start("probe")
+    assert sdk.start("probe", "0+probe")
     with app.connection_for_write() as broker:
         assert broker.transport.driver_type == "redis", broker.transport.driver_type
         with tracing.tracer().start_as_current_span("probe"):
@@ -354,8 +354,8 @@ PROBE = textwrap.dedent("""
     print(json.dumps({"call": call_id, "modules": sorted(sys.modules), "threads": [t.name for t in threading.enumerate()]}))
 """)
 
-TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.instrumentation", "tasks.tracing.sdk",
-                   "tasks.tracing.runs")
+TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.instrumentation", "voice_tools_tracing.sdk",
+                   "tasks.worker.run_spans")
 
 
 def loaded_for_tracing(modules: list[str]) -> list[str]:
@@ -391,8 +391,8 @@ def test_a_call_recorded_here_is_joined_without_reading_its_row(monkeypatch):
     statement on its path); a call recorded elsewhere is read; memory forgets after a while and beyond its size."""
     from collections import OrderedDict
 
-    import tasks.tracing as tracing
-    from tasks.tracing import calls
+    import voice_tools_tracing as tracing
+    from models import trace_context as calls
 
     monkeypatch.setattr(tracing, "_started", True)
     monkeypatch.setattr(tracing, "_kept_here", OrderedDict())
@@ -595,7 +595,8 @@ HIDDEN_PROBE = textwrap.dedent("""
     from app import create_app
 
     answer = create_app().test_client().get("/healthz")
-    from tasks.tracing import links, sdk  # a worker's and beat's start, and a stop: untraced, nothing more said
+    from voice_tools_tracing import sdk
+    from tasks.worker import tracing as links  # a worker's and beat's start, and a stop: untraced, nothing more said
     from app import mcp_server
     from voice_tools import launcher
     import os
@@ -635,7 +636,7 @@ def test_tracing_asked_for_without_its_packages_says_so_in_one_line_and_runs_unt
 def test_the_packages_said_missing_are_those_this_process_would_import(monkeypatch):
     """The exporter of the protocol chosen only, and no instrumentation left out: a process with those
     installed traces (here every package is installed: none is missing, whatever the choice)."""
-    import tasks.tracing as tracing
+    import voice_tools_tracing as tracing
 
     monkeypatch.setattr(tracing, "PACKAGES", tracing.PACKAGES + (("not-installed-exporter", "no_such.grpc", "grpc"),
                                                                  ("not-installed-psycopg2", "no_such.pg", "psycopg2")))
@@ -727,10 +728,10 @@ def test_a_callback_sends_only_the_trace_context_bounded(tmp_path, relay, receiv
 
 
 def test_the_propagator_reads_and_sends_only_a_bounded_trace_context():
-    """``tasks.tracing.headers``: the W3C limits applied as a tracestate is read, baggage never read."""
+    """``voice_tools_tracing.headers``: the W3C limits applied as a tracestate is read, baggage never read."""
     from opentelemetry import baggage, trace
 
-    from tasks.tracing.headers import TraceContextOnly, bounded
+    from voice_tools_tracing.headers import TraceContextOnly, bounded
 
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     propagator = TraceContextOnly()

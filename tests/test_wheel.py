@@ -71,13 +71,17 @@ def test_alembic_is_configured_in_code_with_the_shipped_scripts():
 
 def _shipped_files() -> dict[str, Path]:
     """Each file the wheel must carry that is not a module → the checkout's file: under ``voice_tools/``
-    the Procfiles and migrations; the console's page template, script, style and icon."""
+    the Procfiles and migrations; the console's page template, script, style and icon; the embedding
+    model's tokenizer with its licence (``voice_tools_backends/data/``)."""
     files = {f"voice_tools/{name}": ROOT / name for name in ("Procfile", "Procfile.local")}
     for path in sorted((ROOT / "migrations").rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
             files[f"voice_tools/{path.relative_to(ROOT).as_posix()}"] = path
     for path in sorted((ROOT / "app" / "console").rglob("*")):
         if path.is_file() and path.suffix in (".html", ".js", ".css", ".svg"):
+            files[path.relative_to(ROOT).as_posix()] = path
+    for path in sorted((ROOT / "voice_tools_backends" / "data").rglob("*")):
+        if path.is_file():
             files[path.relative_to(ROOT).as_posix()] = path
     return files
 
@@ -131,8 +135,10 @@ def installed():
                 assert name in names, f"{name} is not in the wheel"
                 assert archive.read(name) == shipped.read_bytes(), f"{name} differs from {shipped}"
             tops = {name.split("/")[0].removesuffix(".py") for name in names if ".dist-info/" not in name}
-        assert tops == {"app", "celeryconfig", "models", "tasks", "voice_tools"}  # no stray top-level name
-        assert "voice_tools/backends/data/all-MiniLM-L6-v2/tokenizer.json" in names
+        # the user's names and the product's own: no stray top-level name
+        assert tops == {"app", "celeryconfig", "models", "tasks", "voice_tools", "voice_tools_backends",
+                        "voice_tools_tracing"}
+        assert "voice_tools_backends/data/all-MiniLM-L6-v2/tokenizer.json" in names
 
         # as docs/operations.md, "Installing the wheel", says
         _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
@@ -155,8 +161,9 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
     env = _clean_env(PORT=str(free_port()), MCP_PORT=str(free_port()), FLOWER_PORT=str(free_port()),
                      WORKER_METRICS_PORT=str(free_port()), VOICE_TOOLS_WORKER_CONCURRENCY="1")
     where = json.loads(_run([str(venv / "bin" / "python"), "-c", (
-        "import json, app, tasks, models, celeryconfig, voice_tools, voice_tools.backends as backends;"
-        "print(json.dumps({m.__name__: m.__file__ for m in (app, tasks, models, backends, celeryconfig, voice_tools)}))")],
+        "import json, app, tasks, models, celeryconfig, voice_tools, voice_tools_backends, voice_tools_tracing;"
+        "print(json.dumps({m.__name__: m.__file__ for m in (app, tasks, models, voice_tools_backends,"
+        " voice_tools_tracing, celeryconfig, voice_tools)}))")],
         cwd=work, env=env))
     site = venv / "lib"
     assert all(Path(path).is_relative_to(site) for path in where.values()), where

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import tasks.tracing  # noqa: F401  (first: with tracing off, redis-py will not load the SDK; tasks/tracing/)
+import voice_tools_tracing  # noqa: F401  (first: with tracing off, redis-py will not load the SDK; voice_tools_tracing/)
 from models import logs, release, settings
 from voice_tools import ports
 from voice_tools.servers import (LOCAL_SECRETS, _started, default_data_dir, ensure_servers, forget_run, migrate,
@@ -269,7 +269,7 @@ def prepare() -> int:
 
 def document_search_problem() -> str | None:
     """Why document search cannot work on this database (no pgvector, or a table made without it), or None."""
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
     from models import db
 
     with db.engine().connect() as conn:
@@ -286,7 +286,7 @@ def _say_if_no_document_search() -> None:
 def prepare_model() -> None:
     """The offline embedding model made ready in ``<data dir>/models`` now (once for every process of
     the system: a worker's first query then prepares nothing)."""
-    from voice_tools.backends import embeddings
+    from voice_tools_backends import embeddings
 
     embeddings.prepare()
 
@@ -372,8 +372,8 @@ def banner(env: dict[str, str], filled: list[str], data_dir: Path) -> list[str]:
 
 def tracing_line(env: dict[str, str]) -> str:
     """The banner's line on tracing: off (and how to turn it on), on (where every process's spans go), or asked
-    for without its packages (then the processes run untraced: ``tasks.tracing.missing_line``)."""
-    from tasks import tracing
+    for without its packages (then the processes run untraced: ``voice_tools_tracing.missing_line``)."""
+    import voice_tools_tracing as tracing
 
     if not tracing.enabled(env):
         if tracing.asked_by(env):
@@ -400,7 +400,7 @@ def _never_used() -> bool:
 
 
 def load_demo() -> dict[str, int]:
-    from voice_tools.backends import load_demo as load_every_backends_demo
+    from voice_tools_backends import load_demo as load_every_backends_demo
 
     return load_every_backends_demo()
 
@@ -450,7 +450,7 @@ class IngestProgress:
 
 
 def ingest(paths: list[str], reembed: bool = False, owner: str = "") -> int:
-    from voice_tools.backends import documents
+    from voice_tools_backends import documents
 
     progress = IngestProgress()
     try:

@@ -4,7 +4,7 @@
 title (weight A), section path (``metadata->>'section'``, weight B) and text (weight D), so
 every row, including those already stored, has it without the ingest writing it. A search
 ranks chunks by it (``ts_rank_cd``) beside the HNSW vector ranking and fuses the two
-(``voice_tools/backends/documents.py``). The GIN index serves the ``@@`` match.
+(``voice_tools_backends/documents.py``). The GIN index serves the ``@@`` match.
 
 Revision ID: 0013
 Revises: 0012

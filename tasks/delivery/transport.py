@@ -11,7 +11,7 @@ answer in between: the name stays in the Host header and, for https, in SNI and 
 certificate check; a pooled connection to another address is not reused. The environment's
 proxies (``HTTP_PROXY``, ...) are not read; ``VOICE_TOOLS_CALLBACK_PROXY`` is the only one. With
 tracing on, the exchange is a span whose ``traceparent`` and ``tracestate`` the request carries
-(``tasks/tracing/callbacks.py``).
+(``voice_tools_tracing/callbacks.py``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.poolmanager import ProxyManager
 
-from tasks.tracing import callbacks as tracing
+from voice_tools_tracing import callbacks as tracing
 
 _http: requests.Session | None = None
 

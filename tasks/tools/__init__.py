@@ -35,7 +35,7 @@ def is_transient(exc: BaseException) -> bool:
     import requests
     from sqlalchemy.exc import InterfaceError, OperationalError
 
-    from voice_tools.backends import Unavailable
+    from voice_tools_backends import Unavailable
 
     if isinstance(exc, (TransientError, Unavailable, OperationalError, InterfaceError, TimeoutError, ConnectionError,
                         requests.ConnectionError, requests.Timeout)):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from marshmallow import ValidationError
 
-from voice_tools.backends import calendar
+from voice_tools_backends import calendar
 
 
 def valid_timezone(name: str) -> None:

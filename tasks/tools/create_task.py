@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from marshmallow import Schema, ValidationError, fields, validate
 
-from voice_tools.backends import task_list
+from voice_tools_backends import task_list
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 PRIORITIES = ("low", "medium", "high")

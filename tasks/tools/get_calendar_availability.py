@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from marshmallow import Schema, ValidationError, fields, validate, validates_schema
 
-from voice_tools.backends import calendar
+from voice_tools_backends import calendar
 from tasks.tools import PermanentError, Step, StepInput, Tool
 from tasks.tools._fields import valid_datetime, valid_timezone
 

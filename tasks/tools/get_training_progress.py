@@ -1,5 +1,5 @@
 """get_training_progress: read; how far a learner is in their training modules
-(local training tables, ``voice_tools/backends/training.py``)."""
+(local training tables, ``voice_tools_backends/training.py``)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, fields, pre_load, validate
 
 from models.training import PROGRESS_STATUSES
-from voice_tools.backends import training
+from voice_tools_backends import training
 from tasks.tools import Step, StepInput, Tool
 
 NOT_BLANK = validate.Regexp(r"\S", error="Must not be blank.")

@@ -1,5 +1,5 @@
 """knowledge_check: read; a training module's multiple-choice questions, or the score of
-the caller's answers to them (local training tables, ``voice_tools/backends/training.py``).
+the caller's answers to them (local training tables, ``voice_tools_backends/training.py``).
 
 Answers are letters, "A" for a question's first choice ("a" and " b " are accepted and
 stored upper-case), one per question in question order. Scoring records nothing: the
@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, fields, pre_load, validate
 
 from models.training import ANSWER_LETTERS as LETTERS
-from voice_tools.backends import training
+from voice_tools_backends import training
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 NOT_BLANK = validate.Regexp(r"\S", error="Must not be blank.")

@@ -8,7 +8,7 @@ from typing import Any, Iterator, Mapping
 from marshmallow import Schema, fields, validate
 
 from models import db, session_context, settings
-from voice_tools.backends import documents, embeddings
+from voice_tools_backends import documents, embeddings
 from tasks.tools import PermanentError, Step, StepInput, Tool
 from tasks.tools._speech import saying_back, topic
 

@@ -5,7 +5,7 @@ from typing import Any, Mapping
 
 from marshmallow import Schema, fields, validate
 
-from voice_tools.backends import contacts
+from voice_tools_backends import contacts
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from marshmallow import Schema, fields, validate
 
-from voice_tools.backends import documents
+from voice_tools_backends import documents
 from tasks.tools import Step, StepInput, Tool
 from tasks.tools._speech import passage, saying_back, topic
 from tasks.tools.query_vector_db import FoundDocument, embed_query, find

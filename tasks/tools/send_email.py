@@ -2,7 +2,7 @@
 
 Backends: the local outbox (default) or Gmail (``settings.load().uses_google("gmail")``),
 both idempotent on the tool_call_id through a fixed ``Message-ID``. On Gmail, PREPARING
-also makes the Gmail draft and records its id, which SENDING sends (``voice_tools/backends/gmail.py``).
+also makes the Gmail draft and records its id, which SENDING sends (``voice_tools_backends/gmail.py``).
 
 ``reference_context`` names a ``session_context`` row of the call's session (e.g.
 ``last_query_results``, stored by query_vector_db): PREPARING reads it once and the
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from marshmallow import Schema, fields, validate
 
 from models import db, session_context, settings
-from voice_tools.backends import email, gmail, google
+from voice_tools_backends import email, gmail, google
 from tasks.tools import PermanentError, Step, StepInput, Tool
 
 MAX_REFERENCED = 5  # results quoted in the body

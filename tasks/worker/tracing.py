@@ -1,7 +1,7 @@
 """The worker's and beat's side of a trace: tracing started as they start (before a pool forks), its
 last spans exported as a pool child exits and at a warm stop, and the attempt a killed pool child lost.
 
-The span of each run is ``tasks.tracing.runs``'s.
+The span of each run is ``tasks.worker.run_spans``'s.
 
 A pool child killed in the middle of a link never ends its span: the worker's main process,
 which requeues the message (``reject_on_worker_lost``), ends a span for that attempt in its place
@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import signals
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,9 @@ def install(app: Any) -> None:
 
 
 def _worker_started(sender: Any = None, **_: Any) -> None:
-    from tasks.tracing import sdk
+    from tasks.worker import run_spans
 
-    if sdk.start("worker") and sender is not None:
+    if run_spans.start("worker") and sender is not None:
         lost = _lost_attempt_request()
         for task in sender.app.tasks.values():  # the main process makes each task's Request class at consumer start
             if getattr(task, "acks_late", False):
@@ -42,13 +42,13 @@ def _worker_started(sender: Any = None, **_: Any) -> None:
 
 
 def _beat_started(**_: Any) -> None:
-    from tasks.tracing import sdk
+    from tasks.worker import run_spans
 
-    sdk.start("beat")
+    run_spans.start("beat")
 
 
 def _stopping(**_: Any) -> None:
-    from tasks.tracing import sdk
+    from voice_tools_tracing import sdk
 
     sdk.stop()
 
@@ -80,7 +80,7 @@ def _span_of_lost_attempt(request: Any, exc: BaseException) -> None:
     from opentelemetry import propagate, trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
-    from tasks.tracing.runs import PREFIX, attributes
+    from tasks.worker.run_spans import PREFIX, attributes
 
     if not request.time_start:
         return

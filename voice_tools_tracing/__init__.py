@@ -3,22 +3,22 @@
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set (and
 ``OTEL_SDK_DISABLED`` is not ``true``): then nothing of OpenTelemetry is imported and every
 function here answers at once (no span, no thread). On, each process starts the SDK once, as it
-starts (``tasks.tracing.sdk.start``: the API's app factory, a worker's main process, beat, the
+starts (``voice_tools_tracing.sdk.start``: the API's app factory, a worker's main process, beat, the
 MCP face), and its hooks make the spans:
 
-- ``tasks.tracing.web``: a server span per HTTP request (Flask, and the MCP face's ASGI app), whose
+- ``app.server_spans``: a server span per HTTP request (Flask, and the MCP face's ASGI app), whose
   parent is the relay's ``traceparent``, or the trace kept with the call the request is about;
-- ``tasks.tracing.runs``: a span per task run (named after the task, with the call, tool, step,
-  attempt and outcome) and per publish, from Celery's signals; ``tasks.tracing.links``: the attempt a
+- ``tasks.worker.run_spans``: a span per task run (named after the task, with the call, tool, step,
+  attempt and outcome) and per publish, from Celery's signals; ``tasks.worker.tracing``: the attempt a
   killed pool child lost;
-- ``tasks.tracing.callbacks``: the span of a callback's POST, whose context it sends
+- ``voice_tools_tracing.callbacks``: the span of a callback's POST, whose context it sends
   (``traceparent``, ``tracestate``).
-- ``tasks.tracing.headers``: the one propagator of the process: ``traceparent`` and a bounded
+- ``voice_tools_tracing.headers``: the one propagator of the process: ``traceparent`` and a bounded
   ``tracestate`` read and sent, ``baggage`` never; nothing a client sent logged by OpenTelemetry.
 
 Asked for on an install without the ``tracing`` extra, a process runs untraced and says so in one line
 (:func:`missing_line`, the SDK's start). At its end a process exports the spans it still holds
-(``tasks.tracing.sdk.stop``, within a bound).
+(``voice_tools_tracing.sdk.stop``, within a bound).
 
 This module is ground floor and imports nothing of ours; the hooks import OpenTelemetry only
 when they are called with tracing on. With tracing off, importing it also keeps redis-py from
@@ -38,14 +38,14 @@ from typing import Any, Mapping
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER = "voice_tools"
 
-_started = False  # set by tasks.tracing.sdk.start in the process that started the SDK
+_started = False  # set by voice_tools_tracing.sdk.start in the process that started the SDK
 _tracer: Any = None  # this process's tracer, made at its first use
-_instrument_redis: Any = None  # set by tasks.tracing.sdk.start unless Redis's instrumentation is left out
-_statements = False  # set by tasks.tracing.sdk.start unless psycopg2's statements are left out
+_instrument_redis: Any = None  # set by voice_tools_tracing.sdk.start unless Redis's instrumentation is left out
+_statements = False  # set by voice_tools_tracing.sdk.start unless psycopg2's statements are left out
 
 # The trace contexts of the calls this process recorded lately: a call keeps the one it was recorded
 # with for its whole life, so a later request about it on this process (the relay's keep-alive
-# connection) joins it without reading it again (tasks.tracing.calls). Bounded in size and in time
+# connection) joins it without reading it again (models.trace_context). Bounded in size and in time
 # (a call id used again after its call was deleted is not found here).
 KEPT_HERE_S = 600.0
 KEPT_HERE_MAX = 4096
@@ -94,7 +94,7 @@ PACKAGES = (("opentelemetry-sdk", "opentelemetry.sdk", None),
 def missing_packages(environ: Mapping[str, str] | None = None) -> list[str]:
     """The ``tracing`` extra's packages this process's tracing would import and cannot (looked for, not
     imported): the SDK, the exporter of the protocol chosen, the instrumentations not left out
-    (``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``, as ``tasks.tracing.sdk`` reads it)."""
+    (``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``, as ``voice_tools_tracing.sdk`` reads it)."""
     from importlib.util import find_spec
 
     env = os.environ if environ is None else environ
@@ -196,7 +196,7 @@ def remembered(tool_call_id: str) -> str | None:
 
 def statement_spans() -> bool:
     """Are the statements of ``models/compiled.py`` spans of ours in this process
-    (``tasks.tracing.statements``)? False with tracing off, or psycopg2's statements left out."""
+    (``voice_tools_tracing.statements``)? False with tracing off, or psycopg2's statements left out."""
     return _statements
 
 

@@ -1,7 +1,7 @@
 """Sending email through Gmail, never twice for one call: a draft made before the checkpoint, sent once.
 
 Chosen by the send_email tool when ``settings.load().uses_google("gmail")``; the local
-outbox (``voice_tools/backends/email.py``) is the default.
+outbox (``voice_tools_backends/email.py``) is the default.
 
 The message carries a ``Message-ID`` fixed from the tool_call_id and the deployment
 (``email.message_id_for``). PREPARING makes it a Gmail draft (:func:`prepare`:
@@ -18,7 +18,7 @@ found by then: :class:`Unconfirmed` (it may have gone; never "not sent").
 A refusal of the send (400, 401, 403, 404) means "not sent" only when nothing earlier can
 have sent it: no earlier attempt (``earlier_attempt``) and the draft still in the
 mailbox (``users.drafts.get``). Scopes: ``gmail.compose`` (drafts) and ``gmail.readonly``
-(the search; ``gmail.metadata`` does not allow ``q``); see ``voice_tools.backends.google.SCOPES``.
+(the search; ``gmail.metadata`` does not allow ``q``); see ``voice_tools_backends.google.SCOPES``.
 A call cancelled or expired at its checkpoint leaves its draft in the user's Drafts; once the
 draft is sent, any other draft with its Message-ID (two PREPARING copies at once) is deleted.
 
@@ -37,9 +37,9 @@ from typing import Any, Callable, TypeVar
 
 from google.auth.exceptions import RefreshError
 
-from voice_tools.backends import google
-from voice_tools.backends.google import HttpError
-from voice_tools.backends import Refused, Unavailable, Unconfirmed
+from voice_tools_backends import google
+from voice_tools_backends.google import HttpError
+from voice_tools_backends import Refused, Unavailable, Unconfirmed
 
 USER = "me"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 
 
 @contextmanager

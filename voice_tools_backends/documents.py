@@ -1,10 +1,10 @@
 """The document store searched by query_vector_db and search_documentation.
 
-Documents are read as plain text in sections (``voice_tools/backends/reading.py``: Markdown parsed,
+Documents are read as plain text in sections (``voice_tools_backends/reading.py``: Markdown parsed,
 HTML's main text, PDF pages; no markup, URLs or code), then cut into chunks (a new one
 at every section, paragraphs packed up to about 800 characters), each carrying its
 section path ("Installation › Linux") as metadata and, with the title, as the context
-embedded with it by the active embedder (``voice_tools/backends/embeddings.py``). A Markdown code
+embedded with it by the active embedder (``voice_tools_backends/embeddings.py``). A Markdown code
 block goes with its chunk as ``code``: embedded after the text and searched for its
 words, never part of a snippet, so it is found but not read out. They are stored in
 ``documents`` (``models/documents.py``) with the model's name and the vector's size. A
@@ -49,7 +49,7 @@ from sqlalchemy.orm import Session
 
 from models import db, settings
 from models.documents import EMBEDDING_DIM, SEARCH_CONFIG, DocumentChunk
-from voice_tools.backends import SHARED, embeddings, reading, seen_by
+from voice_tools_backends import SHARED, embeddings, reading, seen_by
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,6 +1,6 @@
 """Documents read as a person reads them: a title and sections of plain paragraphs.
 
-What the document store chunks, embeds and reads out (``voice_tools/backends/documents.py``). Every
+What the document store chunks, embeds and reads out (``voice_tools_backends/documents.py``). Every
 format ends as a :class:`Parsed`: the title, the front matter's keys, and the
 sections in order, each with its heading path (``("Installation", "Linux")``) and its
 paragraphs as plain text: no markup, no URLs, no code (a Markdown section's code blocks are

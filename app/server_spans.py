@@ -3,7 +3,7 @@ and the MCP face's (:class:`Middleware`, an ASGI middleware).
 
 Its parent is the relay's W3C ``traceparent`` (and ``tracestate``) when it sends one. A request
 about a call (its id in the path: confirm, resume, cancel, modify, status) continues the trace
-kept with the call instead (``tasks.tracing.calls``) when the request's own trace is another or
+kept with the call instead (``models.trace_context``) when the request's own trace is another or
 none: a call recorded without a ``traceparent`` still has one trace, joined by every later request
 about it, on any connection or host; the request's own trace, if it sent one, is a link of the
 span. A tool call of the MCP face names its call in its arguments: :func:`joined` opens a span in
@@ -17,7 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models import logs
 
 QUIET_PATHS = ("/healthz", "/readyz", "/metrics")  # probes and scrapes: no trace of their own
@@ -117,9 +117,9 @@ def started(role: str) -> bool:
     """Start tracing in this process if it is asked for (``role``: what the process is); True if it runs."""
     if not tracing.enabled():
         return False
-    from tasks.tracing import sdk
+    from tasks.worker import run_spans  # the SDK, then the spans of the publishes this process sends
 
-    return sdk.start(role)
+    return run_spans.start(role)
 
 
 @contextmanager
@@ -147,7 +147,7 @@ def _kept_parent(tool_call_id: str, request: Any) -> tuple[Any, list[Any]] | Non
     valid), unless the call kept none or ``request`` is already in the call's trace."""
     from opentelemetry import propagate, trace
 
-    from tasks.tracing.calls import kept_context
+    from models.trace_context import kept_context
 
     kept = kept_context(tool_call_id)
     if not kept:

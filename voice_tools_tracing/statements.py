@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 
 _ATTRIBUTES = "voice_tools_trace_attributes"  # in a pooled connection's info: its spans' attributes
 

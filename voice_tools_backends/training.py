@@ -15,7 +15,7 @@ from sqlalchemy.dialects.postgresql import insert
 
 from models import db
 from models.training import KnowledgeQuestion, Learner, TrainingModule, TrainingProgress
-from voice_tools.backends import SHARED, seen_by
+from voice_tools_backends import SHARED, seen_by
 
 
 def find_learner(who: str, caller: str = "") -> dict[str, Any] | None:

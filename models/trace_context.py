@@ -1,11 +1,11 @@
 """A call's trace context, kept with the call (``tool_calls.trace_context``, migration 0018): the
 ``traceparent`` of the span that recorded it, read again by a later request about the call, unless
-this process recorded the call lately (``tasks.tracing.remembered``: no statement)."""
+this process recorded the call lately (``voice_tools_tracing.remembered``: no statement)."""
 from __future__ import annotations
 
 from sqlalchemy import bindparam, select
 
-import tasks.tracing as tracing
+import voice_tools_tracing as tracing
 from models import db
 from models.calls import ToolCall
 from models.compiled import Compiled

@@ -7,7 +7,7 @@ query, then names with a word starting with it, then the rest; alphabetical with
 
 Google (``settings.uses_google("people")``): the People API's
 ``people.searchContacts`` over the user's own contacts (scope ``contacts.readonly``), with the
-caller's own credentials where they are configured (``voice_tools/backends/google.py``).
+caller's own credentials where they are configured (``voice_tools_backends/google.py``).
 People asks clients to send a warm-up request with an empty query first, to refresh
 its search cache: it is sent once per process (per configured endpoint).
 
@@ -27,8 +27,8 @@ from sqlalchemy.dialects.postgresql import insert
 
 from models import db, settings
 from models.contacts import Contact
-from voice_tools.backends import google
-from voice_tools.backends import Refused, Unavailable, seen_by
+from voice_tools_backends import google
+from voice_tools_backends import Refused, Unavailable, seen_by
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The trace context that crosses a process's edge: W3C ``traceparent`` and ``tracestate``, nothing else.
 
-:class:`TraceContextOnly` is the one propagator of a tracing process (``tasks.tracing.sdk.start`` makes it
+:class:`TraceContextOnly` is the one propagator of a tracing process (``voice_tools_tracing.sdk.start`` makes it
 the global one, whatever ``OTEL_PROPAGATORS`` says): every read of a request's headers (the API's and the
 MCP face's server spans, the MCP SDK's ``_meta``), of a task message's and every write (a publish, a
 callback's POST) goes through it.

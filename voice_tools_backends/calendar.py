@@ -10,7 +10,7 @@ Two implementations behind the same two calls, :func:`busy` and :func:`book`:
 
 Locally a meeting belongs to the caller whose call booked it (``owner``) and a caller's
 :func:`busy` sees only its own meetings and the shared demo ones; on Google each caller
-uses its own credentials where they are configured (``voice_tools/backends/google.py``).
+uses its own credentials where they are configured (``voice_tools_backends/google.py``).
 
 Never twice for one call: the event id is derived from the tool_call_id
 (:func:`event_id_for`: ``vt`` + the SHA-256 hex of the id, valid for Google, whose
@@ -47,9 +47,9 @@ from sqlalchemy.dialects.postgresql import insert
 from models import db, settings
 from models.compiled import Compiled
 from models.calendar import CalendarEvent
-from voice_tools.backends import google
-from voice_tools.backends.google import HttpError
-from voice_tools.backends import SHARED, Refused, Unavailable, Unconfirmed
+from voice_tools_backends import google
+from voice_tools_backends.google import HttpError
+from voice_tools_backends import SHARED, Refused, Unavailable, Unconfirmed
 
 CALENDAR_ID_VARIABLE = "VOICE_TOOLS_GOOGLE_CALENDAR_ID"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404, 410})

@@ -15,7 +15,7 @@ validated, kept and exported), its per-task bookkeeping and its task-duration me
 
 The publish's own Redis commands (the ``LPUSH`` of the message) are not spans of their own: the
 ``apply_async/<task>`` span is that publish, from the same call to its return, and the broker's
-connection is never instrumented (``tasks.tracing.redis_client``).
+connection is never instrumented (``voice_tools_tracing.redis_client``).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from typing import Any
 
 from celery import signals
 
-import tasks.tracing as tracing
-from models import logs
+import voice_tools_tracing as tracing
+from models import logs, release
 
 PREFIX = "voice_tools."
 
@@ -46,8 +46,20 @@ class _Headers:
         return []
 
 
+def start(role: str) -> bool:
+    """Start tracing in this process if it is asked for (``role``: what the process is): the SDK, with this
+    release's version, then the spans of the runs and publishes (every process publishes or runs tasks: the
+    API, the MCP face, a worker, beat). True if it runs."""
+    from voice_tools_tracing import sdk
+
+    if not sdk.start(role, release.VERSION):
+        return False
+    instrument()  # the runs and publishes: voice-tools' own spans, the trace's spine
+    return True
+
+
 def instrument() -> None:
-    """The spans of runs and publishes in this process (``sdk.start``)."""
+    """The spans of runs and publishes in this process (:func:`start`; a receiver connected twice is one)."""
     signals.task_prerun.connect(_begun, weak=False)
     signals.task_postrun.connect(_ended, weak=False)
     signals.task_failure.connect(_failed, weak=False)
@@ -111,7 +123,7 @@ def _failed(task_id: str | None = None, exception: BaseException | None = None, 
 
 def _publish_begun(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
     """The publish's span, its context in the message's headers. It is not made current: nothing the send
-    does is a span (the broker's connection is not instrumented, ``tasks.tracing.redis_client``)."""
+    does is a span (the broker's connection is not instrumented, ``voice_tools_tracing.redis_client``)."""
     from opentelemetry import propagate, trace
     from opentelemetry.trace import SpanKind
 

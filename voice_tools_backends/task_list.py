@@ -3,7 +3,7 @@
 Local (default): the ``todo_tasks`` table, one row per call (``tool_call_id`` unique,
 ``id`` derived from it), so a redelivered CREATING link finds the task it added; the row
 belongs to the call's caller (``owner``). On Google, the caller's own credentials where
-they are configured (``voice_tools/backends/google.py``).
+they are configured (``voice_tools_backends/google.py``).
 
 Google (``settings.uses_google("tasks")``): the Tasks API's ``tasks.insert`` on the
 list ``VOICE_TOOLS_GOOGLE_TASKLIST`` (default ``@default``, the user's default list;
@@ -35,8 +35,8 @@ from sqlalchemy.dialects.postgresql import insert
 
 from models import db, settings
 from models.task_list import TodoTask
-from voice_tools.backends import google
-from voice_tools.backends import Refused, Unavailable, Unconfirmed
+from voice_tools_backends import google
+from voice_tools_backends import Refused, Unavailable, Unconfirmed
 
 DEFAULT_TASKLIST = "@default"
 REFUSED_STATUSES = frozenset({400, 401, 403, 404})

@@ -8,17 +8,18 @@ chooses the exporter: ``http/protobuf`` (the default) or ``grpc``. With no servi
 the process says what it is: ``voice-tools-api``, ``-worker``, ``-beat``, ``-mcp``.
 
 Then the libraries' own instrumentations, psycopg2 (each statement, but those of ``models/compiled.py``:
-``tasks.tracing.statements``) and redis (each command of our own Redis clients,
-``tasks.tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them, and the
-spans of Celery's task runs and publishes (``tasks.tracing.runs``), always. What crosses the process's edge is
-``tasks.tracing.headers``'s: ``traceparent`` and a bounded ``tracestate``, never ``baggage`` (``OTEL_PROPAGATORS``
-is not read). The batch processor's
+``voice_tools_tracing.statements``) and redis (each command of our own Redis clients,
+``voice_tools_tracing.redis_client``), unless ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` names them. The
+spans of Celery's task runs and publishes are ``tasks.worker.run_spans``'s, whose :func:`start` starts this SDK
+with the release's version (the callers: ``app.server_spans``, ``tasks.worker.tracing``): this package
+imports nothing of ours. What crosses the process's edge is ``voice_tools_tracing.headers``'s: ``traceparent``
+and a bounded ``tracestate``, never ``baggage`` (``OTEL_PROPAGATORS`` is not read). The batch processor's
 thread is made again in a forked child (a gunicorn worker, a Celery pool process) by the SDK itself.
 
 At its end a process exports the spans it still holds, waiting at most :data:`STOP_S` seconds
 (:func:`stop`): at its exit (``atexit``: the API's gunicorn worker, the MCP face, beat, a worker's main
 process), and where a process ends without ``atexit`` or before its last spans would go on the schedule,
-from Celery's signals (``tasks.tracing.links``): a pool child as it exits (``worker_process_shutdown``;
+from Celery's signals (``tasks.worker.tracing``): a pool child as it exits (``worker_process_shutdown``;
 billiard ends it with ``os._exit``) and a worker's main process at its warm stop (``worker_shutdown``).
 """
 from __future__ import annotations
@@ -30,8 +31,7 @@ import os
 import threading
 from typing import Any
 
-import tasks.tracing as tracing
-from models import release
+import voice_tools_tracing as tracing
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ def _exporter():
     return OTLPSpanExporter()
 
 
-def start(role: str) -> bool:
-    """Start the SDK in this process if tracing is asked for (once); True if it runs."""
+def start(role: str, version: str) -> bool:
+    """Start the SDK in this process if tracing is asked for (once); True if it runs. ``version``: the
+    release, the spans' ``service.version`` (handed by the caller: this package imports nothing of ours)."""
     with _lock:
         if tracing._started or not tracing.enabled():
             return tracing._started
@@ -72,10 +73,10 @@ def start(role: str) -> bool:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
-        from tasks.tracing import headers
+        from voice_tools_tracing import headers
 
         headers.install()  # W3C trace context alone, bounded, nothing of it logged (before any request is read)
-        resource = Resource.create({"voice_tools.process": role, SERVICE_VERSION: release.VERSION})
+        resource = Resource.create({"voice_tools.process": role, SERVICE_VERSION: version})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: f"voice-tools-{role}"}))
         global _exporting
@@ -129,17 +130,14 @@ def disabled_instrumentations() -> set[str]:
 
 
 def _instrument(children: Any) -> None:
-    from tasks.tracing import runs
-
     left_out = disabled_instrumentations()
     wanted = lambda name: not {name, "*"} & left_out  # noqa: E731
     if wanted("psycopg2"):
         from opentelemetry.instrumentation.psycopg2 import Psycopg2Instrumentor
 
         Psycopg2Instrumentor().instrument(tracer_provider=children, skip_dep_check=True)  # psycopg2-binary's
-        tracing._statements = True  # and models/compiled.py's, spans of ours (tasks.tracing.statements)
+        tracing._statements = True  # and models/compiled.py's, spans of ours (voice_tools_tracing.statements)
     if wanted("redis"):  # our own clients only, as they are made (the broker's: never)
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
         tracing._instrument_redis = functools.partial(RedisInstrumentor.instrument_client, tracer_provider=children)
-    runs.instrument()  # the runs and publishes: voice-tools' own spans, the trace's spine
