@@ -2,7 +2,7 @@
 
 No image registry is reachable from the test machines, so each image the shipped files name is built
 from Debian's packages and tagged with that name: the Debian base (``debootstrap --variant=minbase``,
-imported as the Dockerfile's ``FROM``), stand-ins for pgvector's PostgreSQL, Redis and nginx
+imported as the Dockerfile's ``FROM``), stand-ins for pgvector's PostgreSQL, Redis, nginx and RabbitMQ
 (``tests/containers/``), then the project's own image from the repository's ``Dockerfile``. Each is
 built once per recipe: its tag carries a label with the hash of what it is made from, and podman's
 storage, which persists on a machine, keeps it. A base or official image already present and not ours
@@ -26,6 +26,7 @@ BASE = "docker.io/library/debian:bookworm-slim"
 POSTGRES = "docker.io/pgvector/pgvector:pg17"
 REDIS = "docker.io/library/redis:7-bookworm"
 NGINX = "docker.io/library/nginx:1.27-bookworm"
+RABBITMQ = "docker.io/library/rabbitmq:3-management"
 PROJECT = "localhost/voice-tools:test"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 # podman's settings that work on these machines (crun cannot start containers here; rlimits at or below
@@ -134,6 +135,12 @@ def redis() -> str:
 def nginx() -> str:
     folder = STANDINS / "nginx"
     return _build(NGINX, folder, _digest(*_files_digest(folder), BASE.encode()))
+
+
+def rabbitmq() -> str:
+    """RabbitMQ with its management API, from Debian's rabbitmq-server (compose.yaml's rabbitmq profile)."""
+    folder = STANDINS / "rabbitmq"
+    return _build(RABBITMQ, folder, _digest(*_files_digest(folder), BASE.encode()))
 
 
 def project(tag: str = PROJECT, **build_args: str) -> str:
