@@ -73,7 +73,9 @@ Body = Any | Callable[[Request], Any]
 
 
 class HttpDouble:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Listening on ``host:port`` (any free port by default; a container network's gateway, for
+        processes in containers, at a port chosen before they start)."""
         self.requests: list[Request] = []
         self._routes: list[_Route] = []
         self._lock = threading.Lock()
@@ -111,9 +113,9 @@ class HttpDouble:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self.url = f"http://{host}:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def __enter__(self) -> "HttpDouble":
