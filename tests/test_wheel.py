@@ -3,12 +3,14 @@ works from an empty folder with nothing of the checkout on the path.
 
 ``voice_tools/`` holds links to the top-level ``Procfile``, ``Procfile.local`` and ``migrations/``
 (one copy of each, read through the links in a checkout and an editable install); the wheel
-holds the files themselves. The slow test builds the wheel, installs it with the exact versions of
-``requirements.lock`` into a new virtualenv, and runs the system from an empty temporary folder:
+holds the files themselves. The slow test builds the wheel, installs it into a virtualenv of the exact
+versions of ``requirements.lock`` (made once per lock on a machine, outside the checkout), and runs the system from an empty temporary folder:
 migrations, the demo data, the API, ``voice-tools demo``, and SIGTERM leaving no process behind.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +20,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -29,6 +33,7 @@ from voice_tools import launcher, servers
 
 SHIPPED = ("Procfile", "Procfile.local", "migrations")
 START_TIMEOUT = 240
+WHEEL_VENVS = Path(os.environ.get("VOICE_TOOLS_WHEEL_VENVS", Path.home() / ".cache" / "voice-tools" / "wheel-venvs"))
 
 
 def test_the_package_links_to_the_top_level_procfiles_and_migrations():
@@ -115,13 +120,13 @@ def _processes_of(venv: Path) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def installed():
-    """The wheel built from a copy of the tree, installed with the exact versions of ``requirements.lock``
-    into a new virtualenv, in a temporary folder outside the checkout (removed afterwards): ``(folder,
-    venv)``."""
+    """The wheel built from a copy of the tree in a temporary folder outside the checkout (removed afterwards),
+    installed into the virtualenv of ``requirements.lock``'s exact versions (and taken out of it again at the
+    end): ``(folder, venv)``."""
     outside = Path(tempfile.mkdtemp(prefix="voice-tools-wheel-", dir=tempfile.gettempdir())).resolve()
     assert not outside.is_relative_to(ROOT.resolve())
     try:
-        source, dist, venv = outside / "source", outside / "dist", outside / "venv"
+        source, dist = outside / "source", outside / "dist"
         # Built from a copy of the tree, as from a fresh clone: setuptools' build/ folder in a checkout
         # keeps files its sources no longer have.
         shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(
@@ -140,16 +145,41 @@ def installed():
                         "voice_tools_tracing"}
         assert "voice_tools_backends/data/all-MiniLM-L6-v2/tokenizer.json" in names
 
-        # as docs/operations.md, "Installing the wheel", says
-        _run([sys.executable, "-m", "venv", str(venv)], cwd=outside)
-        # --no-compile: Python writes the bytecode of what it imports when it imports it; pip's compiling of
-        # every module of every package at install was most of this test's time
-        pip = [str(venv / "bin" / "pip"), "install", "-q", "--no-compile"]
-        _run([*pip, "--require-hashes", "-r", str(ROOT / "requirements.lock")], cwd=outside)
-        _run([*pip, "--no-deps", str(wheel)], cwd=outside)
-        yield outside, venv
+        # as docs/operations.md, "Installing the wheel", says: the lock's exact versions, then the wheel
+        with _lock_installed() as venv:
+            pip = [str(venv / "bin" / "pip"), "install", "-q", "--no-compile"]
+            _run([*pip, "--no-deps", str(wheel)], cwd=outside)
+            try:
+                yield outside, venv
+            finally:
+                _run([str(venv / "bin" / "pip"), "uninstall", "-q", "-y", "voice-tools"], cwd=outside)
     finally:
         shutil.rmtree(outside, ignore_errors=True)
+
+
+@contextmanager
+def _lock_installed() -> Iterator[Path]:
+    """A virtualenv outside the checkout with exactly ``requirements.lock`` installed (``--require-hashes``),
+    made once per lock and Python on this machine (``~/.cache/voice-tools/wheel-venvs``) and held by one test
+    run at a time; it holds no voice-tools when it is handed out, nor after."""
+    key = hashlib.sha256((ROOT / "requirements.lock").read_bytes() + sys.version.encode()).hexdigest()[:16]
+    home = WHEEL_VENVS / key
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with open(home.parent / f"{key}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        venv, done = home / "venv", home / "installed"
+        if not done.exists():
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir()
+            _run([sys.executable, "-m", "venv", str(venv)], cwd=home)
+            # --no-compile: Python writes the bytecode of what it imports when it imports it; pip's compiling
+            # of every module of every package at install was most of this install's time
+            _run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile", "--require-hashes", "-r",
+                  str(ROOT / "requirements.lock")], cwd=home)
+            done.write_text(key)
+        else:  # a run stopped before it could take its wheel out
+            _run([str(venv / "bin" / "pip"), "uninstall", "-q", "-y", "voice-tools"], cwd=home)
+        yield venv
 
 
 @pytest.mark.slow
