@@ -12,7 +12,8 @@ applied as the bytes come, before any parser buffers a head, and the JSON answer
   closed), and a chunk line ended by a bare LF or over ``MAX_HEADER_BYTES`` (h11 and gunicorn would wait
   for a CRLF that never comes).
 - :func:`answer`: the whole HTTP answer of a refusal, JSON ``{error, message, details}`` as every answer
-  of the API, ``Connection: close``.
+  of the API, ``Connection: close``; :func:`body` its body (the MCP face's answers its app gives in plain
+  text get it too).
 """
 from __future__ import annotations
 
@@ -32,11 +33,17 @@ _BARE_LF = re.compile(rb"(?<!\r)\n")
 # a status: the code and message of the JSON error, and what details say of the limits
 ERRORS: dict[int, tuple[str, str, dict[str, Any]]] = {
     400: ("bad_request", "The request is not valid HTTP.", {}),
+    401: ("unauthorized", "Send Authorization: Bearer <token>.", {}),
     403: ("forbidden", "This request is forbidden.", {}),
+    404: ("not_found", "No such endpoint.", {}),
+    405: ("method_not_allowed", "This method is not allowed here.", {}),
+    406: ("not_acceptable", "The Accept header names no type this endpoint answers.", {}),
     408: ("request_timeout", "The request did not come in time.", {}),
+    413: ("too_large", "The body is too large.", {}),
     414: ("uri_too_long", f"The request line is longer than {MAX_REQUEST_LINE} bytes.",
           {"max_bytes": MAX_REQUEST_LINE}),
     417: ("expectation_failed", "The Expect header is not supported.", {}),
+    415: ("unsupported_media_type", "The body's Content-Type is not one this endpoint reads.", {}),
     431: ("headers_too_large",
           f"A header is longer than {MAX_HEADER_BYTES} bytes or there are more than {MAX_HEADER_FIELDS} headers.",
           {"max_header_bytes": MAX_HEADER_BYTES, "max_headers": MAX_HEADER_FIELDS}),
@@ -47,14 +54,19 @@ REASONS = {400: "Bad Request", 414: "URI Too Long", 431: "Request Header Fields 
            501: "Not Implemented"}
 
 
-def answer(status: int, reason: str, mesg: str = "") -> bytes:
-    """The whole HTTP answer of a refusal made before the app (``mesg``: what was wrong, in details)."""
+def body(status: int, reason: str, mesg: str = "") -> bytes:
+    """The JSON body of a refusal of ``status`` (``mesg``: what was wrong, in details)."""
     error, message, details = ERRORS.get(status, (reason.lower().replace(" ", "_"), f"{reason}.", {}))
     details = {**details, "reason": mesg[:300]} if mesg else dict(details)
-    body = json.dumps({"error": error, "message": message, "details": details}).encode()
+    return json.dumps({"error": error, "message": message, "details": details}).encode()
+
+
+def answer(status: int, reason: str, mesg: str = "") -> bytes:
+    """The whole HTTP answer of a refusal made before the app."""
+    body_ = body(status, reason, mesg)
     head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")
-    return head.encode("latin-1") + body
+            f"Content-Length: {len(body_)}\r\n\r\n")
+    return head.encode("latin-1") + body_
 
 
 class Refused(Exception):
