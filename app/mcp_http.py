@@ -9,7 +9,8 @@ to h11's 16 KB of one head line. Here, on the same protocol:
 - a head is measured as it comes, with gunicorn's limits (414, 431, a bare LF a 400), and h11 may buffer
   as long a head as gunicorn accepts;
 - a request with both framings, a chunk line ended by a bare LF and whatever h11 refuses are answered
-  in JSON (h11's status: 400, 431, 501), ``Connection: close``; the client's late bytes are read and
+  in JSON (h11's status: 400 or 431; a transfer coding other than chunked, h11's 501, a 400),
+  ``Connection: close``; the client's late bytes are read and
   dropped for a while (so that it reads its answer rather than a reset), then the connection is closed;
 - a head not whole within ``HEAD_SECONDS`` of the connection or of its first byte, or a body not whole
   within ``BODY_SECONDS`` of its head, closes the connection without an answer, as REST does.
@@ -51,7 +52,10 @@ class _Checked(h11.Connection):
             self.refusal = refused
             raise h11.RemoteProtocolError(refused.mesg, error_status_hint=refused.status) from None
         except h11.RemoteProtocolError as exc:
-            self.refusal = http_framing.Refused(exc.error_status_hint, str(exc))
+            # a transfer coding h11 cannot read is h11's 501: a 400 here, as the documented codes have no 5xx
+            # for what a client sent
+            status = 400 if exc.error_status_hint == 501 else exc.error_status_hint
+            self.refusal = http_framing.Refused(status, str(exc))
             raise
         if isinstance(event, h11.Request):
             self._head, self._scanned = http_framing.HeadLimits(), 0  # the next request's
