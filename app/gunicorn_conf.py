@@ -30,7 +30,6 @@ Only what the command line does not say:
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
@@ -40,7 +39,7 @@ from gunicorn import util
 from gunicorn.http import wsgi
 
 from models import logs
-from app import mcp_lazy
+from app import http_framing, mcp_lazy
 from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 # Without the query string (%(U)s, not %(r)s): a query may carry ids but is not ours to log.
@@ -86,29 +85,8 @@ limit_request_line = MAX_REQUEST_LINE
 limit_request_field_size = MAX_HEADER_BYTES
 limit_request_fields = MAX_HEADER_FIELDS
 
-# gunicorn's statuses: the code and message of the JSON error, and what details say of the limits
-_ERRORS = {
-    400: ("bad_request", "The request is not valid HTTP.", {}),
-    403: ("forbidden", "This request is forbidden.", {}),
-    414: ("uri_too_long", f"The request line is longer than {MAX_REQUEST_LINE} bytes.",
-          {"max_bytes": MAX_REQUEST_LINE}),
-    417: ("expectation_failed", "The Expect header is not supported.", {}),
-    431: ("headers_too_large",
-          f"A header is longer than {MAX_HEADER_BYTES} bytes or there are more than {MAX_HEADER_FIELDS} headers.",
-          {"max_header_bytes": MAX_HEADER_BYTES, "max_headers": MAX_HEADER_FIELDS}),
-    500: ("internal_error", "Something went wrong on our side.", {}),
-    501: ("not_implemented", "This transfer coding is not supported.", {}),
-}
-
-
-def error_answer(status: int, reason: str, mesg: str) -> bytes:
-    """The whole HTTP answer gunicorn sends for an error it meets before the app."""
-    error, message, details = _ERRORS.get(status, (reason.lower().replace(" ", "_"), f"{reason}.", {}))
-    details = {**details, "reason": mesg[:300]} if mesg else dict(details)
-    body = json.dumps({"error": error, "message": message, "details": details}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")
-    return head.encode("latin-1") + body
+# gunicorn's statuses as JSON: the same answers as the read-ahead's and the MCP port's refusals
+error_answer = http_framing.answer
 
 
 def write_json_error(sock, status_int, reason, mesg):  # gunicorn.util.write_error's signature

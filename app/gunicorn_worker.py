@@ -10,7 +10,12 @@ known to be over ``MAX_BODY_BYTES``, which the app refuses without reading it) d
 the connection, with those bytes already in gunicorn's buffer. A head not complete within
 ``HEAD_SECONDS`` of its first byte (or of the connection), a body not complete within
 ``BODY_SECONDS`` of its head, is closed without an answer, holding no thread meanwhile; what is
-read ahead is bounded by gunicorn's head limits and the body limit. A connection the thread
+read ahead is bounded by gunicorn's head limits and the body limit. The head's lines are measured as
+they come (``app/http_framing.py``): a request line, a header line or a count of headers over
+gunicorn's limits is answered at once from the loop (414, 431, JSON, ``Connection: close``), as are a
+line ended by a bare LF, a request with both Content-Length and Transfer-Encoding and a chunk line
+ended by a bare LF (400), holding no thread; its client's late bytes are then read and dropped for a
+while, so that it reads its answer. h11 gets the head only once it is whole: it is held once. A connection the thread
 closes after an answer (``Connection: close``) lingers for the rest of the client's bytes in the
 same loop, not on it (gunicorn's own lingering close blocks the loop for up to 2 s).
 
@@ -44,22 +49,27 @@ from gunicorn.http.errors import ParseException
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, ThreadWorker, TConn
 from werkzeug.exceptions import BadRequest
 
-from app.limits import BODY_SECONDS, HEAD_SECONDS, MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from app import http_framing
+from app.limits import BODY_SECONDS, HEAD_SECONDS, MAX_BODY_BYTES
 from models import settings
 
-# the longest head gunicorn could accept: past it, gunicorn refuses from what is buffered
-MAX_HEAD_BYTES = MAX_REQUEST_LINE + 2 + MAX_HEADER_FIELDS * (MAX_HEADER_BYTES + 2) + 2
 LINGER_SECONDS = 2.0  # gunicorn's close_graceful: how long a closed connection's late bytes are read and dropped
 LINGER_BYTES = 64 * 1024
+# after a refusal in the loop: what a client within the limits may still be sending (a head and a body),
+# read and dropped so that it reads its answer rather than a reset
+REFUSED_LINGER_BYTES = http_framing.MAX_HEAD_BYTES + MAX_BODY_BYTES
+_drain_buffer = bytearray(65536)  # the loop's one buffer for the bytes it drops
 
 log = logging.getLogger(__name__)
 
 
 class _Reading:
-    """One request being read ahead: its bytes as they came, and h11's view of their framing."""
+    """One request being read ahead: its bytes as they came, the head's lines measured as they come
+    (``app/http_framing.py``), and h11's view of the framing once the head is whole."""
 
     def __init__(self, started: float) -> None:
-        self.parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.parser = h11.Connection(h11.SERVER, max_incomplete_event_size=http_framing.MAX_HEAD_BYTES)
+        self.head: http_framing.HeadLimits | None = http_framing.HeadLimits()  # None once the head is whole
         self.data = bytearray()
         self.body = 0
         self.deadline = started + HEAD_SECONDS
@@ -67,15 +77,23 @@ class _Reading:
         self.waiting = False  # registered with the worker's selector
 
     def feed(self, data: bytes, sock: socket.socket) -> bool:
-        """Take the bytes that came; True once the thread can have the request."""
+        """Take the bytes that came; True once the thread can have the request. A head over gunicorn's
+        limits, a bare LF, a request with two framings: :class:`http_framing.Refused`, as soon as it shows."""
         self.data += data
-        self.parser.receive_data(bytes(data))
+        if self.head is not None:
+            if self.head.feed(data) is None:
+                return False  # h11 gets the head only once it is whole: it is held once, here
+            self.head = None
+            self.parser.receive_data(self.data)
+        else:
+            self.parser.receive_data(data)
         while True:
             try:
                 event = self.parser.next_event()
             except h11.RemoteProtocolError:
                 self.malformed = True  # gunicorn judges it from what came (and answers its own JSON error)
                 return True
+            http_framing.check(self.parser, event)
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return event is h11.PAUSED
             if isinstance(event, h11.Request):
@@ -288,6 +306,9 @@ class WholeRequestWorker(ThreadWorker):
         reading = self.reading[conn]
         try:
             whole = reading.feed(data, conn.sock)
+        except http_framing.Refused as refused:
+            self._refuse(conn, refused)
+            return
         except Exception:  # noqa: BLE001 - one connection's surprise never ends the worker's loop
             log.exception("reading a request ahead failed; its connection is closed")
             self._drop(conn)
@@ -303,14 +324,24 @@ class WholeRequestWorker(ThreadWorker):
         conn.data_ready = True  # gthread would otherwise wait for bytes that are already read
         super().enqueue_req(conn)
 
-    def _drop(self, conn: _Conn) -> None:
+    def _forget(self, conn: _Conn) -> None:
         self.reading.pop(conn, None)
         try:
             self.poller.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
             pass
         self.nr_conns -= 1
+
+    def _drop(self, conn: _Conn) -> None:
+        self._forget(conn)
         TConn.close(conn)
+
+    def _refuse(self, conn: _Conn, refused: http_framing.Refused) -> None:
+        """Answer a request its framing refuses (JSON, ``Connection: close``) from the loop, no thread
+        taken, and close its connection once the client's late bytes are dropped (it reads its answer)."""
+        self._forget(conn)
+        _send_now(conn.sock, refused.answer())
+        self.linger(conn.sock, REFUSED_LINGER_BYTES)
 
     def handle(self, conn: _Conn) -> Any:  # on a thread
         data, conn.read_ahead = conn.read_ahead, None
@@ -364,7 +395,7 @@ class WholeRequestWorker(ThreadWorker):
 
     # -- closing after an answer: the client's late bytes read and dropped by the loop -------------
 
-    def linger(self, sock: socket.socket) -> None:
+    def linger(self, sock: socket.socket, budget: int = LINGER_BYTES) -> None:
         try:
             sock.shutdown(socket.SHUT_WR)
             sock.setblocking(False)
@@ -372,18 +403,18 @@ class WholeRequestWorker(ThreadWorker):
         except (OSError, ValueError, KeyError):
             self._end_linger(sock)
             return
-        self.drained[sock] = 0
+        self.drained[sock] = budget  # bytes still to be read and dropped
         self.lingering.append((time.monotonic() + LINGER_SECONDS, sock))
 
     def _drain(self, sock: socket.socket) -> None:
         try:
-            data = sock.recv(65536)
+            read = sock.recv_into(_drain_buffer)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        self.drained[sock] = self.drained.get(sock, 0) + len(data)
-        if not data or self.drained[sock] >= LINGER_BYTES:
+            read = 0
+        self.drained[sock] = self.drained.get(sock, 0) - read
+        if not read or self.drained[sock] <= 0:
             self._end_linger(sock)
 
     def _end_linger(self, sock: socket.socket) -> None:

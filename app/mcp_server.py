@@ -60,7 +60,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import json_depth, json_keys, shares, stream_loop
+from app import http_framing, json_depth, json_keys, shares, stream_loop
 from app.limits import MAX_BODY_BYTES
 from models import listen, logs, release, schema
 from tasks import tools
@@ -438,6 +438,42 @@ class EveryKeyOnce:
         await self.app(scope, replay, send)
 
 
+class JsonRefusals:
+    """Every refusal of the MCP port in the REST API's JSON: an answer of 400 or more whose body is not
+    JSON (Starlette's own 404 and 405, the SDK's plain-text ones such as a wrong Content-Type) gets the
+    body REST gives that status, ``{error, message, details}``; its other headers (``Allow``) are kept.
+    The framing's refusals, before the app, are :mod:`app.mcp_http`'s."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replaced: list[Message] = []  # the start of an answer whose body is replaced
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400 and \
+                    not Headers(raw=message.get("headers", [])).get("content-type", "").startswith("application/json"):
+                replaced.append(message)
+                return
+            if replaced and message["type"] == "http.response.body":
+                if message.get("more_body"):
+                    return  # the plain text: dropped
+                start = replaced.pop()
+                body = http_framing.body(start["status"], "Error")
+                headers = [(name, value) for name, value in start.get("headers", [])
+                           if name.lower() not in (b"content-type", b"content-length")]
+                await send({**start, "headers": headers + [(b"content-type", b"application/json"),
+                                                           (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 async def _healthz(_: Request) -> JSONResponse:
     return JSONResponse(schemas.HealthAnswer().dump({"status": "ok"}))
 
@@ -463,6 +499,7 @@ def create_mcp_app() -> Starlette:
     app.add_middleware(BearerToken)  # added last, run first: nothing is read for a request without a caller
     if tracing.started("mcp"):  # with OTEL_EXPORTER_OTLP_ENDPOINT set: a server span per request (app/server_spans.py)
         app.add_middleware(tracing.Middleware)
+    app.add_middleware(JsonRefusals)  # outermost: every answer of the app passes it
     app.router.lifespan_context = _bounded_threads(app.router.lifespan_context)
     return app
 
@@ -492,7 +529,10 @@ def uvicorn_server(host: str, port: int, configure_logging: bool = True) -> Any:
 
     log_config = logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}) \
         if configure_logging else None
-    config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info", log_config=log_config)
+    from app.mcp_http import FramedH11Protocol
+
+    config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info", log_config=log_config,
+                            http=FramedH11Protocol)
     return uvicorn.Server(config)
 
 

@@ -14,6 +14,10 @@ plain ``@app.task`` gets it; :class:`tasks.chains.Link` subclasses it.
 - **After-commit enqueueing.** ``apply_async`` inside an open ``db.session()`` block
   publishes once that transaction has committed, and never if it rolls back; outside
   one it publishes at once (and returns the ``AsyncResult``, as Celery does).
+- **Bounded publishing.** A publish given no producer takes one on the publishing path
+  (``tasks/publishing.py``: one pooled connection, taken within ``broker_pool_acquire_timeout``,
+  checked with the publish's own retry policy), never Celery's producer pool, whose connection
+  wait has no bound: a pool still empty after the wait is kombu's ``OperationalError``.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from celery.signals import task_postrun, task_prerun, worker_init
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from models import db
+from tasks import publishing
 from tasks.worker import metrics
 
 
@@ -63,9 +68,17 @@ class Task(celery.Task):
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         s = db.current()
         if s is not None:
-            db.after_commit(s, super().apply_async, args, kwargs, **options)
+            db.after_commit(s, self._publish, args, kwargs, **options)
             return None
-        return super().apply_async(args, kwargs, **options)
+        return self._publish(args, kwargs, **options)
+
+    def _publish(self, args: Any, kwargs: Any, **options: Any) -> Any:
+        """Celery's ``apply_async`` on a producer of the publishing path, unless one is given."""
+        if options.get("producer") is not None or self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, **options)
+        policy = options.get("retry_policy") or self.app.conf.task_publish_retry_policy
+        with publishing.producer(self.app, policy) as producer:
+            return super().apply_async(args, kwargs, producer=producer, **options)
 
 
 @worker_init.connect

@@ -537,7 +537,7 @@ def enqueue(tool: Tool, call: Any, start: int, workflow_id: str) -> str:
     waiting."""
     try:
         with logs.bound(tool_call_id=call.tool_call_id, session_id=call.session_id), \
-                publishing.producer() as producer:  # the links' messages carry the call (tasks/worker/log_context.py)
+                publishing.producer(app) as producer:  # the links' messages carry the call (tasks/worker/log_context.py)
             held = _held_producer.set(producer)
             try:
                 result = signature(tool, call.tool_call_id, start, workflow_id).apply_async(

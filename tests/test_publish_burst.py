@@ -159,6 +159,37 @@ def test_a_start_that_finds_every_producer_taken_is_503_with_retry_after(client,
     assert stored["status"] == "PENDING"
 
 
+def _outcome(publish):
+    def run():
+        try:
+            publish()
+            return "published"
+        except Exception as exc:  # noqa: BLE001 - which error it is, is the assertion
+            return exc
+    return run
+
+
+def test_a_callback_dispatch_that_finds_every_producer_taken_is_refused_within_the_bound(celery_app_instance):
+    """A callback's dispatch (a face's, an operator's redelivery) publishes on the one path too: with every
+    pooled connection taken it is kombu's OperationalError after the acquire timeout (the face leaves the event
+    to the retry sweep), never a wait for ever; and with one free it publishes."""
+    from kombu.exceptions import OperationalError
+
+    from tasks.delivery import attempts
+
+    app = celery_app_instance
+    bound = (app.conf.broker_pool_acquire_timeout or 20) + 10
+    with producers_taken(app, app.conf.broker_pool_limit):
+        outcome = answered_within(bound, _outcome(lambda: attempts.dispatch("ev_no_producer")))
+        assert outcome != "hung", "the dispatch waited for a connection without a bound"
+        assert isinstance(outcome, OperationalError), outcome
+        quiet = answered_within(bound, _outcome(lambda: attempts.dispatch_quietly(
+            attempts.CallbackDelivery(event_id="ev_no_producer"))))
+        assert quiet == "published"  # nothing raised: left to the retry sweep
+    with producers_taken(app, app.conf.broker_pool_limit - 1):
+        assert answered_within(bound, _outcome(lambda: attempts.dispatch("ev_one_producer"))) == "published"
+
+
 @pytest.mark.fault
 @pytest.mark.slow
 def test_a_burst_of_starts_beyond_the_producer_pool_is_answered_with_the_workers_stopped(celery_app_instance,

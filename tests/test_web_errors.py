@@ -1,12 +1,16 @@
 """Errors are JSON under gunicorn too: the answers gunicorn gives itself, before the app
 (a request line or a header over its limits, a request it cannot parse), a chunked body gunicorn
-cannot parse (a 400, never a 500), and OPTIONS."""
+cannot parse (a 400, never a 500, at once: chunk lines ended by a bare LF too), and OPTIONS. A head
+over gunicorn's limits is refused as it comes, however much of it is still to come, and costs the
+worker no more memory than gunicorn's limits."""
 from __future__ import annotations
 
 import json
 import socket
+import time
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 import requests
 
@@ -102,7 +106,16 @@ MALFORMED_CHUNKS = {
     "a chunk extension with a control byte": _chunked() + b"2;a=\x01\r\n{}\r\n0\r\n\r\n",
     "on a modify": _chunked(b"/voice-tools/modify/tc_000000000000", b"PATCH") + b"zz\r\n",
     "on the webhook path": _chunked(b"/webhook/voice-tools/execute") + b"zz\r\n",
+    "chunk lines ended by a bare LF": _chunked() + b"2\n{}\n0\n\n",
 }
+
+
+def test_chunk_lines_ended_by_a_bare_lf_and_nothing_after_are_a_json_400_at_once(web):
+    """No CRLF ever comes: gunicorn and h11 would wait for one until the body's time is up."""
+    raw = _exchange(web, _chunked() + b"2\n{}\n0\n\n")  # within the socket's 10 s, the body's time is 30
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), raw
+    assert json.loads(body)["error"] == "bad_request", raw
 
 
 @pytest.mark.parametrize("case", list(MALFORMED_CHUNKS))
@@ -117,3 +130,91 @@ def test_a_malformed_chunked_body_is_a_json_400_and_its_connection_closes(web, c
     assert json.loads(body)["error"] == "bad_request", raw
     assert raw.count(b"HTTP/1.1 ") == 1, raw  # one answer, then the connection closed
     assert call_count() == before
+
+
+def _head_refused_while_sent(web: str, opening: bytes, status: int, error: str) -> None:
+    """``opening`` then a line that never ends: answered ``status`` (JSON) while the client still sends."""
+    parts = urlsplit(web)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(opening + b"a" * 20_000)  # past every limit, and no end
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw) < raw.index(b"\r\n\r\n") + 4 + _length(raw):
+            chunk = sock.recv(65536)
+            assert chunk, raw
+            raw += chunk
+        sock.sendall(b"a" * 20_000)  # the client goes on: its bytes are dropped, the connection then closes
+        try:
+            while sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), raw
+    assert b"connection: close" in head.lower() and b"content-type: application/json" in head.lower(), raw
+    assert json.loads(body)["error"] == error
+
+
+def _length(raw: bytes) -> int:
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0]) if b"content-length:" in head else 0
+
+
+def test_a_header_line_that_never_ends_is_a_json_431_at_once(web):
+    _head_refused_while_sent(web, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Flood: ", 431, "headers_too_large")
+
+
+def test_a_request_line_that_never_ends_is_a_json_414_at_once(web):
+    _head_refused_while_sent(web, b"GET /healthz?", 414, "uri_too_long")
+
+
+def test_more_headers_than_the_limit_are_a_json_431_before_the_head_ends(web):
+    many = b"".join(b"X-%d: a\r\n" % i for i in range(MAX_HEADER_FIELDS + 1))
+    _head_refused_while_sent(web, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + many + b"X-Last: ", 431,
+                             "headers_too_large")
+
+
+FLOODS = 100
+FLOOD_BYTES = 400_000
+
+
+def _api_worker(web: str) -> psutil.Process:
+    bind = f"127.0.0.1:{urlsplit(web).port}"
+    [master] = [p for p in psutil.process_iter(["cmdline"])
+                if any("gunicorn" in part for part in p.info["cmdline"] or ()) and bind in " ".join(p.info["cmdline"])
+                and "gunicorn" not in " ".join(p.parent().cmdline())]
+    [worker] = master.children()
+    return worker
+
+
+def test_header_floods_cost_the_worker_no_more_than_the_limits(web):
+    """``FLOODS`` connections each send a header line of ``FLOOD_BYTES`` that never ends: each is answered
+    431 and the worker holds no more than gunicorn's line limit of any (read ahead whole, they would cost it
+    ``FLOODS * FLOOD_BYTES``, twice)."""
+    worker = _api_worker(web)
+    before = worker.memory_info().rss
+    parts = urlsplit(web)
+    line = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Flood: " + b"a" * FLOOD_BYTES
+    held, peak = [], before
+    try:
+        for _ in range(FLOODS):
+            sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+            try:
+                sock.sendall(line)
+            except OSError:
+                pass
+            held.append(sock)
+        time.sleep(0.5)
+        peak = worker.memory_info().rss
+        answered = 0
+        for sock in held:
+            try:
+                answered += sock.recv(20).startswith(b"HTTP/1.1 431 ")
+            except OSError:
+                pass
+    finally:
+        for sock in held:
+            sock.close()
+    grown = (peak - before) / 1024 / 1024
+    print(f"API worker RSS +{grown:.1f} MB beside {FLOODS} header floods of {FLOOD_BYTES} bytes")
+    assert answered == FLOODS
+    assert grown < FLOODS * FLOOD_BYTES / 1024 / 1024 / 4, grown
