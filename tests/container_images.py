@@ -136,11 +136,14 @@ def nginx() -> str:
     return _build(NGINX, folder, _digest(*_files_digest(folder), BASE.encode()))
 
 
-def project(tag: str = PROJECT, **build_args: str) -> str:
+def project(tag: str = PROJECT, labels: dict[str, str] | None = None, **build_args: str) -> str:
     """The repository's Dockerfile built as a plain ``podman build`` would, with this machine's CA bundle
     given to pip from outside the image (a TLS-intercepting proxy's CA here). podman's layer cache makes an
-    unchanged tree's build a few seconds."""
+    unchanged tree's build a few seconds. ``labels`` are set on the image as ``podman build --label`` sets
+    them (a build of the same tree with a label of its own is another image, with another id)."""
     extra = []
+    for name, value in (labels or {}).items():
+        extra += ["--label", f"{name}={value}"]
     if HOST_CA.exists():
         extra += ["-v", f"{HOST_CA}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"]
     for name, value in build_args.items():
