@@ -159,16 +159,20 @@ def _project_recipe(build_args: dict[str, str]) -> str:
     return _digest(*parts, base_id.encode(), repr(sorted(build_args.items())).encode())
 
 
-def project(tag: str = PROJECT, **build_args: str) -> str:
+def project(tag: str = PROJECT, labels: dict[str, str] | None = None, **build_args: str) -> str:
     """The repository's Dockerfile built as a plain ``podman build`` would, with this machine's CA bundle
     given to pip from outside the image (a TLS-intercepting proxy's CA here). An image of this tag made
-    from the same recipe (``_project_recipe``) is kept without asking podman (whose layer cache takes half a
-    minute on a loaded machine to say that nothing changed)."""
-    recipe = _project_recipe(build_args)
+    from the same recipe (``_project_recipe``: the labels count) is kept without asking podman (whose layer
+    cache takes half a minute on a loaded machine to say that nothing changed). ``labels`` are set on the
+    image as ``podman build --label`` sets them (a build of the same tree with a label of its own is another
+    image, with another id)."""
+    recipe = _project_recipe({**build_args, **{f"label:{k}": v for k, v in (labels or {}).items()}})
     if _label(tag) == recipe:
         timings.setdefault(tag, 0.0)
         return tag
     extra = ["--label", f"{RECIPE}={recipe}"]
+    for name, value in (labels or {}).items():
+        extra += ["--label", f"{name}={value}"]
     if HOST_CA.exists():
         extra += ["-v", f"{HOST_CA}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"]
     for name, value in build_args.items():
