@@ -52,6 +52,10 @@
     `${span(Date.now() - Date.parse(call.created_at))}…`);
   const time = (iso) => (iso ? `${new Date(iso).toISOString().replace("T", " ").slice(0, 23)} UTC` : "");
   const statusBadge = (status) => el("span", {class: `status s-${String(status).toLowerCase()}`}, status);
+  // a text written only when it changed (an equal text written again is still a layout and a paint)
+  function setText(node, text) {
+    if (node.textContent !== text) node.textContent = text;
+  }
   function problem(text) {
     const p = $("problem");
     p.textContent = visible(text || "");
@@ -192,11 +196,14 @@
   // -- the calls -------------------------------------------------------------------------
   // Every call read is held as data (10,000 and more); only the rows on screen, and a few either
   // side, are in the document, in a space as tall as every row held. A change to a call off screen
-  // costs its entry only; changes are drawn at the next frame, many in a frame drawn once, and a
+  // costs its entry only; changes are drawn at the next frame after a quiet second, else with the
+  // others of their second (a frame a second at most, the counts by status in the same frame), and a
   // drawn row is patched in place (never redrawn, so the keyboard's focus stays where it is).
   // The filters are the page's URL (a view is a link: bookmarked, shared, kept by back and forward).
   const SPARE_ROWS = 12; // drawn above and below the screen
   const AGES_EVERY_MS = 10000; // the open calls' durations on screen: seconds need no faster clock
+  const LIVE_EVERY_MS = 1000; // a busy stream's changes are drawn at most once a second
+  const NOTE_EVERY_MS = 1000; // a paused list's note of what arrived is written again at most this often
   const COUNTS_EVERY_MS = 2000; // the counts by status are read again at most this often, only after a change
   const PRESETS = {"15m": 15 * 60e3, "1h": 3600e3, "24h": 86400e3, "7d": 7 * 86400e3};
   const TEXT_FILTERS = ["tool", "session_id", "caller", "tool_call_id"];
@@ -208,6 +215,7 @@
     let byId = new Map(); // tool_call_id -> call
     let drawn = new Map(); // tool_call_id -> {row, status, ended, duration, call}
     let rowPx = 29, measured = false, shownFrom = 0, height = -1, frame = 0;
+    let drawnAt = -Infinity, liveTimer = 0, scrollShift = 0, countsAnswer = null;
     let filters = {}; // what the server is asked: statuses, the text filters, created_from / created_to
     let next = null;
     let opener = null;
@@ -310,7 +318,12 @@
     }
     function draw() {
       frame = 0;
-      const top = space.getBoundingClientRect().top; // the one read, before any write
+      drawnAt = performance.now();
+      clearTimeout(liveTimer);
+      liveTimer = 0;
+      const shift = scrollShift; // the rows put above the screen since the last draw, scrolled past below
+      scrollShift = 0;
+      const top = space.getBoundingClientRect().top - shift; // the one read, before any write
       const from = Math.max(0, Math.floor(-top / rowPx) - SPARE_ROWS);
       const to = Math.min(calls.length, Math.ceil((innerHeight - top) / rowPx) + SPARE_ROWS);
       const kept = new Map();
@@ -350,6 +363,8 @@
         table.dataset.held = String(calls.length);
         $("calls-empty").hidden = calls.length > 0;
       }
+      if (shift) scrollBy(0, shift); // scrolled down: the rows being read stay where they are
+      if (countsAnswer) showCounts();
       if (!measured && list.firstElementChild) { // once: the style sheet's row height
         measured = true;
         const px = list.firstElementChild.getBoundingClientRect().height;
@@ -363,6 +378,14 @@
     }
     function soon() {
       if (!frame) frame = requestAnimationFrame(draw);
+    }
+    // a change from the stream: drawn at once after a quiet second, else with the others of its second
+    // (each drawing of a new call on top repaints the screen's rows: a busy stream costs a frame a second)
+    function later() {
+      if (frame || liveTimer) return;
+      const wait = drawnAt + LIVE_EVERY_MS - performance.now();
+      if (wait <= 0) soon();
+      else liveTimer = setTimeout(soon, wait);
     }
     function redrawAll() { // the zone changed: every drawn row's times
       for (const shown of drawn.values()) shown.row.remove();
@@ -403,14 +426,19 @@
       countsAt = Date.now();
       const others = {...filters};
       delete others.status; // the counts are of every status, under the other filters
-      const answer = await api(`/console/api/counts?${new URLSearchParams(others)}`);
-      for (const badge of document.querySelectorAll("#f-statuses .count")) {
-        badge.textContent = `(${answer.counts[badge.dataset.status] || 0}${answer.more ? "+" : ""})`;
-      }
-      $("counted").textContent = answer.more ? `Counts by status: of the newest ${answer.counted} calls only ` +
-        "(narrow the time range for exact counts)." : `${answer.counted} call${answer.counted === 1 ? "" : "s"} ` +
-        "match the other filters.";
+      countsAnswer = await api(`/console/api/counts?${new URLSearchParams(others)}`);
+      later(); // written with the list's next drawing (one frame for both)
     });
+    function showCounts() {
+      const answer = countsAnswer;
+      countsAnswer = null;
+      for (const badge of document.querySelectorAll("#f-statuses .count")) {
+        setText(badge, `(${answer.counts[badge.dataset.status] || 0}${answer.more ? "+" : ""})`);
+      }
+      setText($("counted"), answer.more ? `Counts by status: of the newest ${answer.counted} calls only ` +
+        "(narrow the time range for exact counts)." : `${answer.counted} call${answer.counted === 1 ? "" : "s"} ` +
+        "match the other filters.");
+    }
     function countsSoon(now) {
       if (now) {
         clearTimeout(countsTimer);
@@ -436,8 +464,7 @@
           if (!held_back.has(call.tool_call_id) && !byId.has(call.tool_call_id) && matches(call)) arrived += 1;
           held_back.set(call.tool_call_id, call);
         }
-        $("paused-note").textContent = `Paused: ${arrived} new call${arrived === 1 ? "" : "s"} and ` +
-          `${held_back.size - arrived} other change${held_back.size - arrived === 1 ? "" : "s"} arrived meanwhile.`;
+        noteSoon();
         return;
       }
       let any = false;
@@ -448,7 +475,7 @@
             calls[place(known)] = call;
             byId.set(call.tool_call_id, call);
             any = true;
-            if (drawn.has(call.tool_call_id)) soon();
+            if (drawn.has(call.tool_call_id)) later();
           }
           continue;
         }
@@ -458,15 +485,28 @@
         if (at === calls.length && next) continue; // older than every call held: in a later page
         calls.splice(at, 0, call);
         byId.set(call.tool_call_id, call);
-        if (at < shownFrom + SPARE_ROWS && space.getBoundingClientRect().top < 0) {
-          scrollBy(0, rowPx); // scrolled down: the rows being read stay where they are
+        if (at < shownFrom + SPARE_ROWS && space.getBoundingClientRect().top - scrollShift < 0) {
+          scrollShift += rowPx; // scrolled down: scrolled past at the next draw
         }
-        soon();
+        later();
       }
       if (any) countsSoon(false);
     }
+    // while paused the note says what arrived, written at most once a second (a frame each time)
+    let noteTimer = 0;
+    function noteSoon() {
+      if (!noteTimer) noteTimer = setTimeout(writeNote, NOTE_EVERY_MS);
+    }
+    function writeNote() {
+      noteTimer = 0;
+      if (!paused) return;
+      setText($("paused-note"), `Paused: ${arrived} new call${arrived === 1 ? "" : "s"} and ` +
+        `${held_back.size - arrived} other change${held_back.size - arrived === 1 ? "" : "s"} arrived meanwhile.`);
+    }
     function pause(on) {
       paused = on;
+      clearTimeout(noteTimer);
+      noteTimer = 0;
       $("pause").setAttribute("aria-pressed", String(on));
       $("pause").textContent = on ? "Resume" : "Pause";
       if (on) {
