@@ -331,13 +331,16 @@ def test_a_checkpoint_answered_proceed_from_the_page_completes_the_call(page, or
     confirmed = requests.post(f"{origin}/voice-tools/confirm/{tool_call_id}", headers=AUTH, json={}, timeout=10)
     assert confirmed.status_code == 202, confirmed.text
     page.get(f"{origin}/console/calls/{tool_call_id}")
-    proceed = until(page, lambda d: d.find_element(By.ID, "action-proceed"), timeout=15.0,
-                    what="Proceed, offered at the checkpoint")
+    until(page, lambda d: d.find_element(By.ID, "action-proceed"), timeout=15.0,
+          what="Proceed, offered at the checkpoint")
     assert page.find_element(By.ID, "call-status").text == "PREPARED"
     assert page.find_element(By.ID, "action-cancel").text == "Cancel call…"
     assert every_control_named(page) == []
     assert step_rows(page) == [("PREPARING", "step"), ("READY_TO_SEND", "checkpoint (preview)")]
-    proceed.click()  # asks first, showing the email as it will go
+    # asks first, showing the email as it will go; clicked in script: the page draws its buttons again on a live
+    # event (the element found may be gone by the time Selenium clicks it)
+    until(page, lambda d: d.execute_script("const b = document.getElementById('action-proceed');"
+                                           " if (b) b.click(); return !!b"), what="Proceed, clicked")
     until(page, lambda d: d.find_element(By.ID, "proceed-dialog").is_displayed(), what="the proceed dialog")
     assert serious_violations(page) == []  # the dialog open
     outputs = requests.get(f"{origin}/console/api/calls/{tool_call_id}", headers=AUTH, timeout=10).json()
