@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -39,9 +38,8 @@ sys.path.insert(0, str(ROOT))
 from bench.calls import API_TOKEN, AUTH  # noqa: E402
 from bench.run import bench_servers, machine  # noqa: E402
 from bench.stack import Stack  # noqa: E402
+from support import browser  # noqa: E402
 
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-CHROMIUM = Path("/usr/bin/chromium")
 PHASES = ("live", "paused", "blank")
 KINDS = ("browser", "renderer", "gpu-process", "utility", "other")
 PARAMETERS = {"to": "ann@example.com", "subject": "Bench", "body": "The console's CPU."}
@@ -129,18 +127,7 @@ class Traffic(threading.Thread):
 
 
 def start_browser() -> Any:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1280,860", "--no-first-run", "--no-default-browser-check",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-default-apps", "--disable-extensions", "--metrics-recording-only",
-                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"):  # the same flags as the browser tests
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    return browser.chromium()  # the same flags as the browser tests
 
 
 def until(driver: Any, found: Any, timeout: float = 30.0, what: str = "") -> Any:
@@ -252,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held", type=int, default=1000, help="calls recorded before the list opens (default 1000)")
     parser.add_argument("--results", default=str(ROOT / "bench" / "results"), help="folder of console-cpu-<date>.json")
     args = parser.parse_args(argv)
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+    if not browser.installed():
         print("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)", file=sys.stderr)
         return 2
     started = time.monotonic()

@@ -97,9 +97,10 @@ def test_a_full_run_keeps_every_section_it_did_not_write(by_hand):
 def test_the_console_tabs_cpu_is_measured_end_to_end(tmp_path):
     """``python -m bench.console_cpu`` with one short round: each phase has its figures, read from the
     browser's processes, and the live list showed the calls recorded meanwhile (it fails otherwise)."""
-    from bench.console_cpu import CHROMEDRIVER, CHROMIUM, KINDS, PHASES
+    from bench.console_cpu import KINDS, PHASES
+    from support import browser
 
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+    if not browser.installed():
         if os.environ.get("CI") == "true":
             raise RuntimeError("CI: the console's CPU bench needs Debian's chromium and chromium-driver")
         pytest.skip("chromium and chromium-driver are not installed")

@@ -27,6 +27,7 @@ import pytest
 import requests
 from sqlalchemy import text
 
+from support.browser import chromium, installed as browser_installed
 from tests.api_fixtures import GUIDE_EMAIL, served_api
 from models import db
 from tests.conftest import API_TOKEN, AUTH
@@ -36,19 +37,16 @@ from tests.helpers import deliveries, make_call
 from tests.test_chains import make_tool, register  # noqa: F401  (a fixture: a tool the running worker takes)
 
 AXE = Path(__file__).parent / "axe" / "node_modules" / "axe-core" / "axe.min.js"  # npm ci in tests/axe, once (serious_violations)
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-CHROMIUM = Path("/usr/bin/chromium")
 TOKENS = f"tests:{API_TOKEN},bob:bob-token,ops:ops-token:admin,cpu:cpu-token"
 CPU = {"Authorization": "Bearer cpu-token"}
 BOB = {"Authorization": "Bearer bob-token"}
 OPS_TOKEN = "ops-token"
 
-if not (CHROMEDRIVER.exists() and CHROMIUM.exists()):
+if not browser_installed():
     if os.environ.get("CI") == "true":
         raise RuntimeError("CI: the console's browser tests need Debian's chromium and chromium-driver")
     pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
 
-from selenium import webdriver  # noqa: E402  (after the skip: an install without the browser needs no Selenium)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -72,18 +70,7 @@ def origin(database_and_broker, tokens):
 
 @pytest.fixture(scope="module")
 def browser(origin):
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1280,860", "--no-first-run", "--no-default-browser-check",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-default-apps", "--disable-extensions", "--metrics-recording-only",
-                 "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"):  # nothing but this machine
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver = chromium({"browser": "ALL", "performance": "ALL"})
     driver.set_page_load_timeout(30)
     try:
         yield driver
