@@ -21,7 +21,7 @@ import pytest
 
 pytest_plugins = ("celery.contrib.pytest", "tests.api_fixtures", "tests.google_fixtures")
 
-# Under pytest-xdist (README: -n 2) each worker process is a run of its own: embedded servers of its
+# Under pytest-xdist (README: -n 3) each worker process is a run of its own: embedded servers of its
 # own, or, on servers given by DATABASE_URL / REDIS_URL, a database and a Redis database number of its own.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...; empty without xdist
 TEST_DATABASE = "voice_tools_test" + (f"_{XDIST_WORKER}" if XDIST_WORKER else "")

@@ -47,6 +47,7 @@ if not browser_installed():
         raise RuntimeError("CI: the console's browser tests need Debian's chromium and chromium-driver")
     pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
 
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -101,7 +102,11 @@ def page(browser, origin, tmp_path, request):
 
 
 def until(driver, found: Callable[[Any], Any], timeout: float = 10.0, what: str = "") -> Any:
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: found(d), message=what)
+    """``found(driver)`` once it is truthy, asked again while an element it read is missing or was drawn anew
+    between its lookup and its read (the pages draw again on live events)."""
+    return WebDriverWait(driver, timeout, poll_frequency=0.05,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)).until(
+        lambda d: found(d), message=what)
 
 
 def sign_in(driver, origin: str, token: str, path: str = "/console") -> None:

@@ -165,8 +165,8 @@ def test_the_local_procfile_runs_one_worker_for_every_queue_with_beat_and_metric
 RUN = ("python3 -m venv .venv && .venv/bin/pip install --require-hashes -r requirements.lock"
        " && .venv/bin/pip install --no-deps -e . && .venv/bin/voice-tools run")
 TESTS_FULL = ("python3 -m venv .venv && .venv/bin/pip install --require-hashes -r requirements-dev.lock"
-              " && .venv/bin/pip install --no-deps -e . && .venv/bin/python -m pytest -n 2 --dist loadfile")
-TESTS_QUICK = '.venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow and not fault"'
+              " && .venv/bin/pip install --no-deps -e . && .venv/bin/python -m pytest -n 3 --dist loadfile")
+TESTS_QUICK = '.venv/bin/python -m pytest -n 3 --dist loadfile -m "not slow and not fault"'
 
 
 def readme_commands(section: str) -> list[str]:
