@@ -161,14 +161,18 @@ def screenshot(driver, tmp_path: Path, name: str) -> None:
 
 
 def shown_labels(driver) -> list[str]:
-    """The result panel's labels shown (each only when it has something)."""
-    return [dt.text for dt in driver.find_elements(By.CSS_SELECTOR, "#call-ending dt") if dt.is_displayed()]
+    """The result panel's labels shown (each only when it has something), read in one script: the page draws
+    again on live events."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#call-ending dt')].filter(dt => dt.offsetParent !== null)"
+        ".map(dt => dt.innerText)")
 
 
 def step_rows(driver) -> list[tuple[str, str]]:
-    """The call's steps as the page lists them: (step, kind), in the chain's order."""
-    return [(row.find_element(By.TAG_NAME, "th").text, row.find_elements(By.TAG_NAME, "td")[0].text)
-            for row in driver.find_elements(By.CSS_SELECTOR, "#call-steps tbody tr[data-step]")]
+    """The call's steps as the page lists them: (step, kind), in the chain's order, read in one script."""
+    return [tuple(row) for row in driver.execute_script(
+        "return [...document.querySelectorAll('#call-steps tbody tr[data-step]')]"
+        ".map(r => [r.querySelector('th').innerText, r.querySelector('td').innerText])")]
 
 
 def serious_violations(driver) -> list[dict]:
