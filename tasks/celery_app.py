@@ -20,6 +20,7 @@ from tasks.worker import beat_thread
 from tasks.worker import log_context
 from tasks.worker import metrics_thread
 from tasks.worker import groups
+from tasks.worker import late_sigterm
 from tasks.worker import schema_wait
 
 app = Celery("tasks", task_cls=base.Task,  # every task's base class (tasks/base.py)
@@ -36,6 +37,7 @@ app.conf.task_queues = tuple(
 app.user_options["preload"].add(data_dir_option())
 
 groups.install(app)
+late_sigterm.install(app)  # a SIGTERM again as a stopped worker exits: still exit 0
 beat_thread.install(app)
 metrics_thread.install(app)
 schema_wait.install(app)  # on a schema too old for this release, the worker consumes nothing until migrated
