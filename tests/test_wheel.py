@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import re
 import os
 import shutil
 import signal
@@ -219,9 +220,13 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
         for page in ("/console", "/console/static/console.js", "/console/static/console.css", "/favicon.ico"):
             assert requests.get(f"{url}{page}", timeout=10).status_code == 200, page  # the console, from the wheel
 
+        # as a person would: the demo once the run's worker says it is ready (on a loaded machine the web
+        # answers well before it, and the demo waits 30 s for each callback)
+        _wait_for_worker(proc, log_path)
         played = subprocess.run([str(venv / "bin" / "voice-tools"), "demo"], cwd=work, env=env,
                                 capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
-        assert played.returncode == 0, played.stdout[-3000:] + played.stderr[-3000:]
+        assert played.returncode == 0, (played.stdout[-3000:] + played.stderr[-3000:],
+                                        log_path.read_text(errors="replace")[-6000:])
         assert "PENDING -> MODIFIED -> PENDING -> EXECUTING -> PREPARED -> EXECUTING -> COMPLETED" in played.stdout
 
         before = running(data_dir)
@@ -265,6 +270,17 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
             pass
         time.sleep(0.5)
     pytest.fail(f"/healthz did not answer 200 in {START_TIMEOUT}s:\n{log_path.read_text(errors='replace')[-4000:]}")
+
+
+def _wait_for_worker(proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if re.search(r"worker@\S+ ready\.", log_path.read_text(errors="replace")):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    pytest.fail(f"the run's worker was not ready in {START_TIMEOUT}s:\n{log_path.read_text(errors='replace')[-4000:]}")
 
 
 @pytest.mark.slow
