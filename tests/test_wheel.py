@@ -29,7 +29,7 @@ import psutil
 import pytest
 import requests
 
-from support.procs import ROOT, describe, free_port, hold_servers, running, stop_process, wait_none_running
+from support.procs import ROOT, describe, free_port, hold_servers, running, stop_process, wait_for_log, wait_none_running
 from voice_tools import launcher, servers
 
 SHIPPED = ("Procfile", "Procfile.local", "migrations")
@@ -222,7 +222,7 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
 
         # as a person would: the demo once the run's worker says it is ready (on a loaded machine the web
         # answers well before it, and the demo waits 30 s for each callback)
-        _wait_for_worker(proc, log_path)
+        wait_for_log(log_path, re.compile(r"worker@\S+ ready\."), proc, timeout=START_TIMEOUT, every=0.5)
         played = subprocess.run([str(venv / "bin" / "voice-tools"), "demo"], cwd=work, env=env,
                                 capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
         assert played.returncode == 0, (played.stdout[-3000:] + played.stderr[-3000:],
@@ -270,17 +270,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
             pass
         time.sleep(0.5)
     pytest.fail(f"/healthz did not answer 200 in {START_TIMEOUT}s:\n{log_path.read_text(errors='replace')[-4000:]}")
-
-
-def _wait_for_worker(proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if re.search(r"worker@\S+ ready\.", log_path.read_text(errors="replace")):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    pytest.fail(f"the run's worker was not ready in {START_TIMEOUT}s:\n{log_path.read_text(errors='replace')[-4000:]}")
 
 
 @pytest.mark.slow

