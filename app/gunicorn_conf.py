@@ -13,6 +13,10 @@ Only what the command line does not say:
   announces keep-alive, then closes anyway when the unread body is over its drain limit, so the
   client's next request on that connection would die; its ``Response.process_headers`` is
   wrapped here to take the app's word (tests/test_early_answers.py);
+- an idle kept-alive connection stays open ``app.limits.KEEPALIVE_SECONDS`` (75 s; gunicorn's own
+  2 s would close a relay's connection between two requests of one call, and lose the request
+  sent just as it closes); a stopping worker still closes them within gunicorn's short stop
+  linger. ``--keep-alive`` on the command line (or in ``GUNICORN_CMD_ARGS``) overrides it;
 - the log: gunicorn's own lines, its access lines and the app's go to stderr and stdout
   in the format of ``VOICE_TOOLS_LOG_FORMAT`` (``logs``: one JSON line per event by
   default). An access line keeps gunicorn's text as its ``message`` and adds the
@@ -40,7 +44,7 @@ from gunicorn.http import wsgi
 
 from models import logs
 from app import http_framing, mcp_lazy
-from app.limits import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from app.limits import KEEPALIVE_SECONDS, MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 # Without the query string (%(U)s, not %(r)s): a query may carry ids but is not ours to log.
 access_log_format = '%(h)s "%(m)s %(U)s" %(s)s %(B)s %(M)sms'
@@ -80,6 +84,8 @@ def _logconfig() -> dict[str, Any]:
 
 
 logconfig_dict = _logconfig()
+
+keepalive = KEEPALIVE_SECONDS
 
 limit_request_line = MAX_REQUEST_LINE
 limit_request_field_size = MAX_HEADER_BYTES

@@ -529,10 +529,11 @@ def uvicorn_server(host: str, port: int, configure_logging: bool = True) -> Any:
 
     log_config = logs.dict_config(loggers={name: {"level": "INFO"} for name in UVICORN_LOGGERS}) \
         if configure_logging else None
+    from app.limits import KEEPALIVE_SECONDS
     from app.mcp_http import FramedH11Protocol
 
     config = uvicorn.Config(create_mcp_app(), host=host, port=port, log_level="info", log_config=log_config,
-                            http=FramedH11Protocol)
+                            http=FramedH11Protocol, timeout_keep_alive=KEEPALIVE_SECONDS)
     return uvicorn.Server(config)
 
 

@@ -4,6 +4,7 @@ served as before; a client that stops half-way is closed, holding no thread."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from urllib.parse import urlsplit
@@ -11,7 +12,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import API_TOKEN
-from tests.web_server import gunicorn_web
+from tests.web_server import gunicorn_web, read_answers
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +26,6 @@ def _connect(web: str) -> socket.socket:
     return socket.create_connection((parts.hostname, parts.port), timeout=20)
 
 
-def _answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
-    """``count`` answers read off the socket (each with a Content-Length)."""
-    raw, answers = b"", []
-    while len(answers) < count:
-        while b"\r\n\r\n" not in raw:
-            chunk = sock.recv(65536)
-            assert chunk, (answers, raw)
-            raw += chunk
-        head, _, raw = raw.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        while len(raw) < length:
-            raw += sock.recv(65536)
-        answers.append((int(head.split(b" ", 2)[1]), raw[:length]))
-        raw = raw[length:]
-    return answers
-
-
 GET = f"GET /voice-tools/tools HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_TOKEN}\r\n\r\n".encode()
 
 
@@ -54,23 +37,39 @@ def test_a_request_sent_in_pieces_is_served(web):
         for start in range(0, len(request), 40):
             sock.sendall(request[start:start + 40])
             time.sleep(0.02)
-        [(status, answer)] = _answers(sock, 1)
+        [(status, answer)] = read_answers(sock, 1)
     assert status == 422 and json.loads(answer)["error"] == "validation_error", answer
 
 
 def test_two_requests_sent_at_once_are_both_answered(web):
     with _connect(web) as sock:
         sock.sendall(GET + GET)
-        assert [status for status, _ in _answers(sock, 2)] == [200, 200]
+        assert [status for status, _ in read_answers(sock, 2)] == [200, 200]
         sock.sendall(GET)  # and the connection goes on
-        assert [status for status, _ in _answers(sock, 1)] == [200]
+        assert [status for status, _ in read_answers(sock, 1)] == [200]
+
+
+def test_a_kept_alive_connection_idle_for_a_spoken_turn_serves_the_next_request(web):
+    """A relay's requests about one call come seconds apart (the caller speaks in between). The server keeps
+    the connection that long: one it closed as the relay sent its next request would lose that request
+    (``RemoteDisconnected``; a client library does not send a POST again)."""
+    with _connect(web) as sock:
+        sock.sendall(GET)
+        [(status, _)] = read_answers(sock, 1)
+        assert status == 200
+        time.sleep(7)
+        readable, _, _ = select.select([sock], [], [], 0)
+        assert not readable, sock.recv(1, socket.MSG_PEEK)  # b"": the server closed it while it was idle
+        sock.sendall(GET)
+        [(status, _)] = read_answers(sock, 1)
+    assert status == 200
 
 
 def test_an_http_1_1_request_without_host_is_answered_as_gunicorn_answers_it(web):
     """h11 refuses it; gunicorn's parser, which has the last word, serves it from what came."""
     with _connect(web) as sock:
         sock.sendall(GET.replace(b"Host: x\r\n", b""))
-        [(status, _)] = _answers(sock, 1)
+        [(status, _)] = read_answers(sock, 1)
     assert status == 200
 
 
@@ -90,7 +89,7 @@ def test_clients_stopping_half_way_hold_no_thread(web):
         time.sleep(0.5)
         with _connect(web) as sock:
             sock.sendall(GET)
-            assert [status for status, _ in _answers(sock, 1)] == [200]
+            assert [status for status, _ in read_answers(sock, 1)] == [200]
     finally:
         for sock in held:
             sock.close()

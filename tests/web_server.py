@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,3 +54,21 @@ def gunicorn_web(procfile: str = "Procfile", log_to: Path | None = None, **extra
         finally:
             stop_process(proc)
             log.close()
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """``count`` answers read off the socket (each with a Content-Length)."""
+    raw, answers = b"", []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in raw:
+            chunk = sock.recv(65536)
+            assert chunk, (answers, raw)
+            raw += chunk
+        head, _, raw = raw.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(raw) < length:
+            raw += sock.recv(65536)
+        answers.append((int(head.split(b" ", 2)[1]), raw[:length]))
+        raw = raw[length:]
+    return answers
