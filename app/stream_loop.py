@@ -135,7 +135,9 @@ async def _watch_forever(connections: set[Connection] | None = None) -> None:
 async def _served(sock: socket.socket, slot: shares.Slot, body: Callable[[Connection], Awaitable[bool]],
                   what: str) -> None:
     """Serve ``sock`` with ``body(connection)`` (True: it ended the answer, the connection is closed
-    politely) until it returns or the client goes; then close the connection and give ``slot`` back."""
+    politely) until it returns or the client goes; then close the connection and give ``slot`` back.
+    A ``body`` that raises leaves its client without an answer (or the rest of one): it is logged,
+    unless it is the client's going (an ``OSError``)."""
     running = asyncio.get_running_loop()
     writer: asyncio.StreamWriter | None = None
     connection: Connection | None = None
@@ -151,8 +153,12 @@ async def _served(sock: socket.socket, slot: shares.Slot, body: Callable[[Connec
         gone = asyncio.ensure_future(_until_closed(reader))
         tasks = [answer, gone]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if answer.done() and not answer.cancelled() and answer.exception() is None and answer.result():
-            await writer.drain()
+        if answer.done() and not answer.cancelled():
+            failed = answer.exception()
+            if failed is not None:
+                raise failed  # the client gets no answer: logged below, unless it went first (an OSError)
+            if answer.result():
+                await writer.drain()
     except (OSError, asyncio.CancelledError):
         pass
     except Exception:

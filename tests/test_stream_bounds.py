@@ -151,3 +151,30 @@ def test_the_watch_lets_the_loop_turn_while_it_looks_at_a_thousand_connections(m
 
     asyncio.run(look())
     assert seen_partway, "the loop never turned while the watch looked at its connections"
+
+
+def test_an_answer_that_fails_on_the_stream_loop_is_logged_and_its_connection_closed(caplog):
+    """A wait's or a stream's task that raises closes its client's connection (it gets no answer), gives its
+    slot back, and says why in the log: never a connection closed with nothing logged."""
+    import asyncio
+    import logging
+
+    from app import stream_loop
+
+    released = []
+
+    class Slot:
+        def release(self) -> None:
+            released.append(True)
+
+    async def fails(connection: stream_loop.Connection) -> bool:
+        raise RuntimeError("the answer could not be made")
+
+    ours, theirs = socket.socketpair()
+    with theirs, caplog.at_level(logging.ERROR, logger="app.stream_loop"):
+        asyncio.run(stream_loop._served(ours, Slot(), fails, "wait"))
+        theirs.settimeout(5)
+        assert theirs.recv(1) == b""  # closed, without an answer
+    assert released == [True]
+    [record] = [r for r in caplog.records if r.name == "app.stream_loop"]
+    assert record.getMessage() == "wait failed" and "the answer could not be made" in caplog.text, caplog.text
