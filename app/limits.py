@@ -14,7 +14,8 @@ BODY_SECONDS = 30
 # an idle kept-alive connection stays open this long, on the REST port (gunicorn's keepalive; its own
 # default is 2 s) and the MCP port (uvicorn's timeout_keep_alive; its own, 5 s). A relay's requests about a
 # call come seconds apart (the caller speaks in between), and a request sent just as the server closes its
-# connection is lost (RemoteDisconnected; a client library sends a POST again only with an idempotency key).
+# connection is lost (RemoteDisconnected; HTTP libraries do not send a POST again by themselves).
 # Longer than the idle timeout of the usual fronts (nginx's upstream keep-alive and cloud load balancers':
-# 60 s), so a front closes first; a stopping server closes idle connections at once all the same.
+# 60 s), so a front closes first; a stopping server closes its idle connections all the same (gunicorn
+# within 2 s, uvicorn at once).
 KEEPALIVE_SECONDS = 75
