@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import requests
 from app.limits import HEAD_SECONDS, MAX_HEADER_FIELDS
 from support.procs import ROOT, free_port, stop_process
 from tests.conftest import AUTH
-from tests.web_server import gunicorn_web, read_answers
+from tests.web_server import gunicorn_web, served_after_idle
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -147,13 +146,7 @@ def test_a_kept_alive_connection_idle_for_a_spoken_turn_serves_the_next_request(
     """As on the REST port (tests/test_whole_requests.py): uvicorn's own keep-alive (5 s) would close a
     relay's connection between two requests of a call, and lose the one sent just as it closes."""
     with socket.create_connection(("127.0.0.1", mcp_port), timeout=20) as sock:
-        sock.sendall(NEXT)
-        assert [status for status, _ in read_answers(sock, 1)] == [200]
-        time.sleep(7)
-        readable, _, _ = select.select([sock], [], [], 0)
-        assert not readable, sock.recv(1, socket.MSG_PEEK)  # b"": the server closed it while it was idle
-        sock.sendall(NEXT)
-        assert [status for status, _ in read_answers(sock, 1)] == [200]
+        assert served_after_idle(sock, NEXT) == [200, 200]
 
 
 def test_every_refusal_of_the_app_is_json_too(mcp_port):

