@@ -94,6 +94,19 @@ def wait_for_log(log: Path, wanted: str | re.Pattern[str], proc: subprocess.Pope
     pytest.fail(f"no {getattr(wanted, 'pattern', wanted)!r} in the log of {proc.args[:4]}:\n{seen[-3000:]}")
 
 
+def running_with(procs: list[psutil.Process], command: str, variable: str) -> list[psutil.Process]:
+    """Those of ``procs`` whose command line holds ``command`` and whose environment sets ``variable`` (a
+    Procfile line's ``env VAR=… prog``: ``env`` has replaced itself with the program, which has it)."""
+    found = []
+    for proc in procs:
+        try:
+            if command in " ".join(proc.cmdline()) and variable in proc.environ():
+                found.append(proc)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
 def describe(procs: list[psutil.Process]) -> list[str]:
     out = []
     for proc in procs:

@@ -1,5 +1,5 @@
 """``voice-tools footprint`` on a real process tree: every command line whole, so two processes whose
-lines differ only at their end (honcho's ``sh -c env -u … voice-tools …`` lines) are told apart.
+lines differ only at their end (two Celery workers of one Procfile, ``celery -A tasks worker …``) are told apart.
 The whole run measured is in ``tests/test_run_command.py``."""
 from __future__ import annotations
 

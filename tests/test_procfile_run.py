@@ -2,7 +2,8 @@
 
 Real shells, real processes: each line gets the environment ``honcho start`` would give it (PORT
 counting up by 100, HONCHO_PROCESS_NAME, the env file's variables), its output comes out prefixed, and
-a line that ends stops the others (SIGTERM, no SIGKILL needed) and gives its exit status; nothing is left."""
+a line that ends stops the others (SIGTERM, no SIGKILL needed) and gives its exit status; nothing is left.
+A stop's SIGTERM reaches a line's own program, so a Celery worker's running task finishes."""
 from __future__ import annotations
 
 import os
@@ -56,3 +57,76 @@ def test_what_runs_in_the_calling_process_prints_among_the_lines_under_its_own_n
     out = capfd.readouterr().out
     said = [line for line in out.splitlines() if "said: from a thread" in line]
     assert len(said) == 1 and said[0].split()[1:3] == ["beside", "|"], out
+
+
+SLOW_APP = '''
+import os, time
+from celery import Celery
+
+app = Celery("slow", broker=os.environ["SLOW_BROKER"])
+app.conf.update(task_acks_late=True, worker_prefetch_multiplier=1, broker_connection_retry_on_startup=True)
+
+
+@app.task
+def slow(marks):
+    open(os.path.join(marks, "started"), "w").close()
+    time.sleep(2)
+    open(os.path.join(marks, "finished"), "w").close()
+'''
+
+
+def test_a_signal_gives_a_celery_worker_its_warm_shutdown_its_running_task_finishing(tmp_path, capfd):
+    """SIGTERM reaches a line's own process, not its whole process group: a Celery worker's pool child, which
+    a SIGTERM of its own ends at once (``WorkerLostError``), finishes the task it runs, as Celery's warm
+    shutdown promises; a line of several commands still gets honcho's SIGTERM to its group."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    (tmp_path / "slowapp.py").write_text(SLOW_APP)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    broker = os.environ["REDIS_URL"]
+    procfile = tmp_path / "Procfile"
+    procfile.write_text(f"worker: {sys.executable} -m celery -A slowapp worker --pool prefork --concurrency 1 "
+                        f"--without-mingle --without-gossip --loglevel INFO\n"
+                        "several: trap 'echo several stopping; exit 0' TERM; sleep 60 & wait\n")
+    env = {**os.environ, "SLOW_BROKER": broker, "PYTHONPATH": str(tmp_path)}
+    manager = procfile_run.manager_for(procfile, env)
+    sent: list[str] = []
+
+    def send_then_stop() -> None:
+        subprocess.run([sys.executable, "-c", f"import slowapp; slowapp.slow.delay({str(marks)!r})"],
+                       cwd=tmp_path, env=env, check=True, timeout=30)
+        deadline = time.monotonic() + 60
+        while not (marks / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sent.append("started" if (marks / "started").exists() else "never started")
+        os.kill(os.getpid(), signal.SIGTERM)  # as ``voice-tools run`` is stopped: honcho's handler
+
+    threading.Thread(target=send_then_stop, daemon=True).start()
+    manager.loop()
+
+    out = capfd.readouterr().out
+    assert sent == ["started"], out
+    assert (marks / "finished").exists(), out
+    assert "WorkerLostError" not in out and "SIGKILL" not in out, out
+    assert "several stopping" in out, out
+    assert [child for child in psutil.Process().children(recursive=True) if child.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_every_shipped_procfile_line_is_one_command_its_shell_execs():
+    """The stop above reaches each shipped line's own program: every line of Procfile and Procfile.local is one
+    command; a line of several is told apart."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for name in ("Procfile", "Procfile.local"):
+        lines = procfile_run.parse_procfile((root / name).read_text()).processes
+        assert lines and {line: procfile_run.one_command(cmd) for line, cmd in lines.items()} == \
+            {line: True for line in lines}, name
+    for several in ("a; b", "a && b", "a | b", "sleep 1 &", "A=1 prog", "if true; then a; fi", "(a)", "exec a"):
+        assert not procfile_run.one_command(several), several
+    assert procfile_run.one_command("env A='x; y' prog --flag \"$B\" > log")

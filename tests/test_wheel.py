@@ -29,7 +29,8 @@ import psutil
 import pytest
 import requests
 
-from support.procs import ROOT, describe, free_port, hold_servers, running, stop_process, wait_for_log, wait_none_running
+from support.procs import (ROOT, describe, free_port, hold_servers, running, running_with, stop_process, wait_for_log,
+                           wait_none_running)
 from voice_tools import launcher, servers
 
 SHIPPED = ("Procfile", "Procfile.local", "migrations")
@@ -231,8 +232,9 @@ def test_the_wheel_installed_from_the_lock_runs_from_an_empty_folder(installed):
 
         before = running(data_dir)
         commands = " ".join(" ".join(p.cmdline()) for p in before if p.is_running())
-        for part in ("postgres", "redis-server", "gunicorn", "VOICE_TOOLS_MCP_BIND=", "celery -A tasks worker"):
+        for part in ("postgres", "redis-server", "gunicorn", "celery -A tasks worker"):
             assert part in commands, f"{part} not running: {describe(before)}"
+        assert running_with(before, "gunicorn", "VOICE_TOOLS_MCP_BIND"), describe(before)  # the web line serves MCP
         # Flower, served by the run's own process from the installed package, behind its password
         flower = f"http://127.0.0.1:{env['FLOWER_PORT']}/api/workers"
         assert requests.get(flower, timeout=30).status_code == 401

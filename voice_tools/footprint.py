@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice-tools footprint",
                                      description="The memory (PSS) of the running voice-tools run, per process.")
     parser.add_argument("--width", type=int, default=None,
-                        help="show only this many characters of each command line (default: all of it: honcho's "
-                             "`sh -c` lines differ only at their end)")
+                        help="show only this many characters of each command line (default: all of it: two "
+                             "processes of one program may differ only at their ends)")
     args = parser.parse_args(argv)
     data_dir = default_data_dir()
     tree = run_tree(data_dir)

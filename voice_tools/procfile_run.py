@@ -3,11 +3,18 @@
 ``honcho start`` is a Python process of its own that forks one more (``multiprocessing``) for each
 line, only to wait for that line's shell and pass its output on: five Python processes, about
 23 MB PSS, for a local run's four lines. Here the same ``Manager`` (its prefixed, timed lines,
-its ``system`` lines, stopping every process group on SIGINT or SIGTERM, and the others when one
-ends, SIGKILL after 5 s) runs in the calling process, and each line's shell is waited for and
-read by a thread. What ``honcho start -f PROCFILE -e ENV_FILE`` gives each process is kept: the
-caller's environment, then the env file's, ``HONCHO_PROCESS_NAME``, and ``PORT`` counting up by
-100 from ``PORT`` (the env file's, else the environment's, else 5000) line by line.
+its ``system`` lines, stopping every line on SIGINT or SIGTERM, and the others when one ends,
+SIGKILL to every process group after 5 s) runs in the calling process, and each line's shell is
+waited for and read by a thread. What ``honcho start -f PROCFILE -e ENV_FILE`` gives each process is
+kept: the caller's environment, then the env file's, ``HONCHO_PROCESS_NAME``, and ``PORT`` counting
+up by 100 from ``PORT`` (the env file's, else the environment's, else 5000) line by line.
+
+One thing differs, the stop. honcho sends SIGTERM to a line's whole process group; a Celery
+worker's pool children, which take SIGTERM's default action, then die in the middle of their links
+(``WorkerLostError``) instead of finishing them in the worker's warm shutdown. Here a line that is
+one command runs with ``exec`` (its shell becomes the program: ``env … celery …`` is celery) and the
+SIGTERM goes to that process alone, as Kubernetes, podman and systemd's ``KillMode=mixed`` send it; a
+line of several commands keeps its shell and gets honcho's SIGTERM to its group.
 """
 from __future__ import annotations
 
@@ -15,16 +22,53 @@ import datetime
 import logging
 import os
 import queue
+import shlex
 import signal
 import threading
 import time
 from pathlib import Path
 
+from honcho.compat import ProcessManager
 from honcho.environ import expand_processes, parse, parse_procfile
 from honcho.manager import Manager
 from honcho.printer import Message
 
 DEFAULT_PORT = 5000  # honcho's
+
+# what makes a line more than one command (its shell must stay): an operator, or one of these first
+_OPERATORS = {";", "&", "&&", "|", "||", "(", ")", ";;"}
+_COMPOUND = {"if", "for", "while", "until", "case", "{", "!", "exec", "time", "function", "select"}
+
+
+def one_command(cmd: str) -> bool:
+    """``cmd`` is one simple command its shell can ``exec``: one line, no operator, no compound keyword
+    first, no variable assignment before the program (``A=1 prog``: ``env A=1 prog`` is one command)."""
+    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""
+    try:
+        words = list(lexer)
+    except ValueError:  # an unclosed quote: the shell will say so
+        return False
+    if not words or "\n" in cmd.strip() or words[0] in _COMPOUND or "=" in words[0]:
+        return False
+    return not any(word in _OPERATORS for word in words)
+
+
+class _LeaderOnly(ProcessManager):
+    """honcho's signals, but SIGTERM to a line's own process where its shell exec'd it."""
+
+    def __init__(self, manager: "ThreadedManager") -> None:
+        self.manager = manager
+
+    def terminate(self, pid: int) -> None:
+        if not self.manager.exec_pid(pid):
+            super().terminate(pid)
+            return
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 class ThreadedManager(Manager):
@@ -34,6 +78,19 @@ class ThreadedManager(Manager):
         super().__init__(*args, **kwargs)
         self.events.close()  # the multiprocessing queue a forked process would need
         self.events = queue.Queue()
+        self._procmgr = _LeaderOnly(self)
+        self.exec_lines: set[str] = set()  # the lines run with ``exec``: a line's pid is its program's
+
+    def add_process(self, name, cmd, quiet=False, env=None, cwd=None):
+        if one_command(cmd):
+            self.exec_lines.add(name)
+            cmd = f"exec {cmd}"
+        return super().add_process(name, cmd, quiet=quiet, env=env, cwd=cwd)
+
+    def exec_pid(self, pid: int) -> bool:
+        """``pid`` is the process of a line run with ``exec`` (its own program, not a shell)."""
+        children = (getattr(self._processes[name]["obj"], "_child", None) for name in self.exec_lines)
+        return any(child is not None and child.pid == pid for child in children)
 
     def _start(self) -> None:
         for name, entry in self._processes.items():
@@ -78,14 +135,18 @@ def manager_for(procfile: Path, env: dict[str, str], env_file: Path | None = Non
 
 def stop(manager: Manager, wait_s: float = 5.0) -> None:
     """Stop what a manager's loop left running (it leaves nothing when it ends by itself, but an error in
-    it could): SIGTERM each started process group, SIGKILL what is left after ``wait_s``."""
+    it could): SIGTERM each started line (its own process where it was exec'd, else its group), SIGKILL each
+    process group left after ``wait_s``."""
     children = [entry["obj"]._child for entry in manager._processes.values()
                 if getattr(entry["obj"], "_child", None) is not None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         running = [child for child in children if child.poll() is None]
         for child in running:
             try:
-                os.killpg(child.pid, sig)
+                if sig == signal.SIGTERM and isinstance(manager, ThreadedManager) and manager.exec_pid(child.pid):
+                    os.kill(child.pid, sig)
+                else:
+                    os.killpg(child.pid, sig)
             except OSError:  # gone meanwhile
                 pass
         deadline = time.monotonic() + wait_s
