@@ -155,13 +155,16 @@ class System:
         self.control.close()
 
     def stop_process(self, name: str, timeout: float = 30.0) -> None:
+        """Stop a process as a supervisor does: SIGTERM to the line's own process (it replaced its shell), which
+        for a worker is Celery's warm shutdown (its pool children, which a SIGTERM of their own would end mid-link,
+        finish their links); SIGKILL to its process group after ``timeout``."""
         proc = self.procs.pop(name, None)
         if proc is None:
             return
         family = process_family(proc.pid)
         if proc.poll() is None:
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM)
                 proc.wait(timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
