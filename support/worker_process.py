@@ -102,13 +102,14 @@ class WorkerProcess:
         psutil.wait_procs(family, timeout=30)
 
     def stop(self, timeout: float = 20.0) -> None:
-        """Warm shutdown (SIGTERM), then SIGKILL the group if it lingers. Safe twice."""
+        """Warm shutdown (SIGTERM to the main process alone: a pool child's own SIGTERM would end its task), then
+        SIGKILL the group if it lingers. Safe twice."""
         if self.proc is None:
             return
         family = self._family()
         if self.proc.poll() is None:
             try:
-                os.killpg(self.pid, signal.SIGTERM)
+                os.kill(self.pid, signal.SIGTERM)
                 self.proc.wait(timeout)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass

@@ -557,7 +557,7 @@ def test_beat_traces_the_sweeps_it_sends(tmp_path, receiver):
 
 def test_a_link_run_just_before_a_warm_stop_reaches_the_collector(tmp_path, receiver, own_queues):
     """The batch processor would export a minute later (``OTEL_BSP_SCHEDULE_DELAY``): the worker is stopped
-    (SIGTERM to its process group, as `voice-tools run` stops it at a Ctrl-C) right after its pool child ran
+    (SIGTERM to its main process, as `voice-tools run` stops it at a Ctrl-C) right after its pool child ran
     a link; the pool child exports its spans as it exits, the main process as it stops."""
     from tasks.calls import actions
     from tests.helpers import make_call
@@ -573,7 +573,7 @@ def test_a_link_run_just_before_a_warm_stop_reaches_the_collector(tmp_path, rece
             assert time.monotonic() < deadline, worker.log()[-3000:]
             time.sleep(0.1)
         assert [s.name for s in receiver.spans] == []  # nothing exported on the schedule yet
-        os.killpg(worker.pid, signal.SIGTERM)  # as `voice-tools run` stops its worker (honcho: the process group)
+        os.kill(worker.pid, signal.SIGTERM)  # as `voice-tools run` stops its worker (its main process)
         assert worker.proc.wait(60) == 0, worker.log()[-3000:]
     spans = receiver.wait(lambda found: named(found, PREPARING), timeout=10)
     assert [s.attributes["voice_tools.tool_call_id"] for s in named(spans, PREPARING)] == [call.tool_call_id]
