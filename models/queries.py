@@ -157,12 +157,16 @@ def redeliverable(s: Session, *, failed_only: bool = False, tool_call_id: str | 
 
 
 def due_event_ids(s: Session, grace_s: int = 30, limit: int = 500) -> list[str]:
-    """Pending deliveries overdue by ``grace_s`` (their retry message was lost)."""
+    """Pending deliveries whose post is overdue: one overdue by ``grace_s`` (its retry message was lost), and
+    one claimed for a post that was never recorded once the claim's lease has passed (its process died between
+    taking the row, or the transition's commit that inserted it claimed for its inline post, and the post: no
+    retry message was ever sent for it, so no grace)."""
+    due = func.coalesce(CallbackDelivery.next_attempt_at, CallbackDelivery.created_at)
     return list(s.scalars(
         select(CallbackDelivery.event_id).where(
             CallbackDelivery.state == "pending",
-            func.coalesce(CallbackDelivery.next_attempt_at, CallbackDelivery.created_at)
-            < func.now() - timedelta(seconds=grace_s),
+            or_(due < func.now() - timedelta(seconds=grace_s),
+                and_(CallbackDelivery.attempts == 0, CallbackDelivery.next_attempt_at < func.now())),
         ).limit(limit)
     ).all())
 

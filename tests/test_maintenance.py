@@ -401,6 +401,31 @@ def test_retry_callbacks_resends_overdue_deliveries_only(worker, relay, task_log
     assert sweep(task_log, sweeps.retry_callbacks) == 0
 
 
+def test_retry_callbacks_sends_a_post_never_attempted_once_its_lease_has_passed(worker, relay, task_log):
+    """An event inserted already claimed for its inline post (a lease ahead) whose post was never recorded (its
+    worker died between the transition's commit and the post) is sent by the next sweep once the lease has
+    passed, without the grace a retried delivery gets (whose retry message is due then); one whose inline post
+    may still be running is not."""
+    call = make_call(callback_url=relay.url)
+    with db.session() as s:
+        confirmed = lifecycle.confirm(s, call.tool_call_id)
+        lost = events.record(s, confirmed, "progress", step="PREPARING", gate=1, message="a", inline=True).event_id
+        stepped = lifecycle.record_step(s, call.tool_call_id, "PREPARING", {}, 0.25)
+        running = events.record(s, stepped, "progress", step="PREPARING", gate=1, message="b", inline=True).event_id
+        retried = events.record(s, stepped, "progress", step="PREPARING", gate=1, message="c").event_id
+    with db.session() as s:  # the lost one's lease ended a second ago; the retried one's retry is due this second
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() - interval '1 second' "
+                       "WHERE event_id = :e"), {"e": lost})
+        s.execute(text("UPDATE callback_deliveries SET next_attempt_at = now() - interval '1 second', attempts = 1 "
+                       "WHERE event_id = :e"), {"e": retried})
+
+    assert sweep(task_log, sweeps.retry_callbacks) == 1
+    task_log.wait_ran(lost, "callbacks.deliver")
+    assert [e["event_id"] for e in relay.events_for(call.tool_call_id)] == [lost]
+    assert task_log.published_for(running, "callbacks.deliver") == []
+    assert task_log.published_for(retried, "callbacks.deliver") == []
+
+
 def test_purge_context_deletes_only_expired_entries(worker, task_log):
     with db.session() as s:
         session_context.put_context(s, "sess_a", "last_query_results", {"n": 1}, 3600)
