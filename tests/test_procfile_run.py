@@ -119,14 +119,16 @@ def test_a_signal_gives_a_celery_worker_its_warm_shutdown_its_running_task_finis
 
 def test_every_shipped_procfile_line_is_one_command_its_shell_execs():
     """The stop above reaches each shipped line's own program: every line of Procfile and Procfile.local is one
-    command; a line of several is told apart."""
+    command, run with exec; a line of several is told apart and left to its shell."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     for name in ("Procfile", "Procfile.local"):
         lines = procfile_run.parse_procfile((root / name).read_text()).processes
-        assert lines and {line: procfile_run.one_command(cmd) for line, cmd in lines.items()} == \
-            {line: True for line in lines}, name
-    for several in ("a; b", "a && b", "a | b", "sleep 1 &", "A=1 prog", "if true; then a; fi", "(a)", "exec a"):
-        assert not procfile_run.one_command(several), several
-    assert procfile_run.one_command("env A='x; y' prog --flag \"$B\" > log")
+        assert lines and {line: procfile_run.exec_form(cmd) for line, cmd in lines.items()} == \
+            {line: f"exec {cmd}" for line, cmd in lines.items()}, name
+    for several in ("a; b", "a && b", "a | b", "sleep 1 &", "A=1 prog", "if true; then a; fi", "(a)", "a\nb", "'open"):
+        assert procfile_run.exec_form(several) is None, several
+    assert procfile_run.exec_form("exec prog --flag") == "exec prog --flag"
+    one = "env A='x; y' prog --flag \"$B\" > log"
+    assert procfile_run.exec_form(one) == f"exec {one}"

@@ -37,22 +37,25 @@ DEFAULT_PORT = 5000  # honcho's
 
 # what makes a line more than one command (its shell must stay): an operator, or one of these first
 _OPERATORS = {";", "&", "&&", "|", "||", "(", ")", ";;"}
-_COMPOUND = {"if", "for", "while", "until", "case", "{", "!", "exec", "time", "function", "select"}
+_COMPOUND = {"if", "for", "while", "until", "case", "{", "!", "time", "function", "select"}
 
 
-def one_command(cmd: str) -> bool:
-    """``cmd`` is one simple command its shell can ``exec``: one line, no operator, no compound keyword
-    first, no variable assignment before the program (``A=1 prog``: ``env A=1 prog`` is one command)."""
+def exec_form(cmd: str) -> str | None:
+    """``cmd`` run with ``exec`` (as it is if it starts with ``exec``), or None when it is not one simple
+    command its shell can replace itself with: more than one line, an operator, a compound keyword first, a
+    variable assignment before the program (``A=1 prog``; ``env A=1 prog`` is one command)."""
     lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     lexer.commenters = ""
     try:
         words = list(lexer)
     except ValueError:  # an unclosed quote: the shell will say so
-        return False
+        return None
     if not words or "\n" in cmd.strip() or words[0] in _COMPOUND or "=" in words[0]:
-        return False
-    return not any(word in _OPERATORS for word in words)
+        return None
+    if any(word in _OPERATORS for word in words):
+        return None
+    return cmd if words[0] == "exec" else f"exec {cmd}"
 
 
 class _LeaderOnly(ProcessManager):
@@ -82,10 +85,10 @@ class ThreadedManager(Manager):
         self.exec_lines: set[str] = set()  # the lines run with ``exec``: a line's pid is its program's
 
     def add_process(self, name, cmd, quiet=False, env=None, cwd=None):
-        if one_command(cmd):
+        exec_cmd = exec_form(cmd)
+        if exec_cmd is not None:
             self.exec_lines.add(name)
-            cmd = f"exec {cmd}"
-        return super().add_process(name, cmd, quiet=quiet, env=env, cwd=cwd)
+        return super().add_process(name, exec_cmd or cmd, quiet=quiet, env=env, cwd=cwd)
 
     def exec_pid(self, pid: int) -> bool:
         """``pid`` is the process of a line run with ``exec`` (its own program, not a shell)."""
@@ -143,8 +146,8 @@ def stop(manager: Manager, wait_s: float = 5.0) -> None:
         running = [child for child in children if child.poll() is None]
         for child in running:
             try:
-                if sig == signal.SIGTERM and isinstance(manager, ThreadedManager) and manager.exec_pid(child.pid):
-                    os.kill(child.pid, sig)
+                if sig == signal.SIGTERM and isinstance(manager, ThreadedManager):
+                    manager._procmgr.terminate(child.pid)  # the loop's own rule
                 else:
                     os.killpg(child.pid, sig)
             except OSError:  # gone meanwhile
