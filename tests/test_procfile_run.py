@@ -6,8 +6,15 @@ a line that ends stops the others (SIGTERM, no SIGKILL needed) and gives its exi
 A stop's SIGTERM reaches a line's own program, so a Celery worker's running task finishes."""
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import psutil
 
@@ -37,9 +44,6 @@ def test_each_line_gets_honchos_environment_and_one_ending_stops_the_others(tmp_
 def test_what_runs_in_the_calling_process_prints_among_the_lines_under_its_own_name(tmp_path, capfd):
     """``LinesOf``: log records of a thread of the calling process (``voice-tools run``'s Flower) come out
     as a line's would, prefixed with their name, while the manager runs; ``line_names`` reads the lines."""
-    import logging
-    import threading
-
     procfile = tmp_path / "Procfile"
     procfile.write_text("only: sleep 1\n")
     assert procfile_run.line_names(procfile) == {"only"}
@@ -79,12 +83,6 @@ def test_a_signal_gives_a_celery_worker_its_warm_shutdown_its_running_task_finis
     """SIGTERM reaches a line's own process, not its whole process group: a Celery worker's pool child, which
     a SIGTERM of its own ends at once (``WorkerLostError``), finishes the task it runs, as Celery's warm
     shutdown promises; a line of several commands still gets honcho's SIGTERM to its group."""
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
     (tmp_path / "slowapp.py").write_text(SLOW_APP)
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -120,8 +118,6 @@ def test_a_signal_gives_a_celery_worker_its_warm_shutdown_its_running_task_finis
 def test_every_shipped_procfile_line_is_one_command_its_shell_execs():
     """The stop above reaches each shipped line's own program: every line of Procfile and Procfile.local is one
     command, run with exec; a line of several is told apart and left to its shell."""
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     for name in ("Procfile", "Procfile.local"):
         lines = procfile_run.parse_procfile((root / name).read_text()).processes

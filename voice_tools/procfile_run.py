@@ -138,20 +138,14 @@ def manager_for(procfile: Path, env: dict[str, str], env_file: Path | None = Non
 
 def stop(manager: Manager, wait_s: float = 5.0) -> None:
     """Stop what a manager's loop left running (it leaves nothing when it ends by itself, but an error in
-    it could): SIGTERM each started line (its own process where it was exec'd, else its group), SIGKILL each
-    process group left after ``wait_s``."""
+    it could), with the loop's own signals: SIGTERM to each started line (its own process where it was
+    exec'd, else its group), SIGKILL to each process group left after ``wait_s``."""
     children = [entry["obj"]._child for entry in manager._processes.values()
                 if getattr(entry["obj"], "_child", None) is not None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for send in (manager._procmgr.terminate, manager._procmgr.kill):  # each ignores a process gone meanwhile
         running = [child for child in children if child.poll() is None]
         for child in running:
-            try:
-                if sig == signal.SIGTERM and isinstance(manager, ThreadedManager):
-                    manager._procmgr.terminate(child.pid)  # the loop's own rule
-                else:
-                    os.killpg(child.pid, sig)
-            except OSError:  # gone meanwhile
-                pass
+            send(child.pid)
         deadline = time.monotonic() + wait_s
         while any(child.poll() is None for child in running) and time.monotonic() < deadline:
             time.sleep(0.1)
